@@ -1,0 +1,1 @@
+"""cnrstore: incremental, quantized, deduplicated checkpoints of embedding tables."""

@@ -1,0 +1,48 @@
+"""engine: a content-addressed Merkle-DAG object store (bytes in, bytes out).
+
+Knows nothing of tensors: it never imports torch, numpy or cnrstore.
+"""
+
+from .api import (
+    CommitInfo,
+    GCReport,
+    Object,
+    ObjectInfo,
+    ObjectStore,
+    Problem,
+    RepairReport,
+    Stats,
+    VerifyReport,
+    Writer,
+)
+from .errors import (
+    CorruptObject,
+    FormatError,
+    ObjectNotFound,
+    StoreClosed,
+    StoreError,
+    StoreLocked,
+)
+from .ids import object_id
+from .memory import MemoryStore
+
+__all__ = [
+    "CommitInfo",
+    "CorruptObject",
+    "FormatError",
+    "GCReport",
+    "MemoryStore",
+    "Object",
+    "ObjectInfo",
+    "ObjectNotFound",
+    "ObjectStore",
+    "Problem",
+    "RepairReport",
+    "Stats",
+    "StoreClosed",
+    "StoreError",
+    "StoreLocked",
+    "VerifyReport",
+    "Writer",
+    "object_id",
+]

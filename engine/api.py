@@ -1,0 +1,198 @@
+"""The object-store contract shared by the LMDB+pack store and its in-memory twin.
+
+An object is (kind, refs, payload); its id is ``engine.ids.object_id``. A store holds
+objects and named roots (name -> id). All changes go through a ``Writer`` (one at a time
+per store, across processes), which commits its puts and root moves atomically.
+Reports are frozen dataclasses so tests can compare them.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+ProgressFn = Callable[[int, int], None]  # (done, total); total may be 0 when unknown
+
+
+@dataclass(frozen=True)
+class Object:
+    kind: int
+    refs: tuple[bytes, ...]
+    payload: bytes
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """What the index knows of an object without reading its payload."""
+
+    kind: int
+    refs: tuple[bytes, ...]
+    raw_len: int      # uncompressed payload length
+    stored_len: int   # bytes the record takes on disk (header, refs, payload, checksum)
+    meta: bool        # stored in a metadata pack
+
+
+@dataclass(frozen=True)
+class CommitInfo:
+    bytes_written: int    # record bytes appended to packs by this commit
+    objects_new: int
+    objects_reused: int   # puts of ids that already existed (dedup: nothing written)
+
+
+@dataclass(frozen=True)
+class Problem:
+    what: str             # "missing", "corrupt", "missing-pack", "dangling-root", ...
+    message: str
+    oid: bytes | None = None
+    pack: str | None = None
+    offset: int | None = None
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    ok: bool
+    problems: tuple[Problem, ...]
+    objects_checked: int
+    bytes_checked: int
+
+
+@dataclass(frozen=True)
+class GCReport:
+    objects_live: int
+    objects_freed: int
+    bytes_freed: int          # bytes released on disk (allocated blocks), after compaction
+    packs_rewritten: int
+    packs_deleted: int
+
+
+@dataclass(frozen=True)
+class RepairReport:
+    packs_scanned: int
+    objects_indexed: int
+    roots_restored: int
+    damaged: tuple[Problem, ...] = field(default_factory=tuple)
+
+
+@dataclass(frozen=True)
+class Stats:
+    objects: int
+    logical_bytes: int    # sum of uncompressed payload lengths of indexed objects
+    stored_bytes: int     # bytes allocated on disk by packs (0 for the memory twin)
+    packs: int
+    roots: int
+
+
+class Writer(abc.ABC):
+    """A write transaction. Commit on clean ``with`` exit, abort on exception."""
+
+    @abc.abstractmethod
+    def put(
+        self,
+        kind: int,
+        payload: bytes | bytearray | memoryview,
+        refs: Sequence[bytes] = (),
+        *,
+        meta: bool = False,
+    ) -> bytes:
+        """Add an object; return its id. An existing id writes nothing.
+
+        Every ref must name an object that exists (committed or put in this writer).
+        ``meta=True`` places the record in a metadata pack (manifest nodes), so gc's mark
+        never reads data packs.
+        """
+
+    @abc.abstractmethod
+    def has(self, oid: bytes) -> bool:
+        """True if the object is committed or was put in this writer."""
+
+    @abc.abstractmethod
+    def set_root(self, name: str, oid: bytes) -> None:
+        """Point root ``name`` at an existing object (visible at commit)."""
+
+    @abc.abstractmethod
+    def delete_root(self, name: str) -> None:
+        """Remove a root (visible at commit). Missing names raise ObjectNotFound."""
+
+    @abc.abstractmethod
+    def commit(self) -> CommitInfo: ...
+
+    @abc.abstractmethod
+    def abort(self) -> None: ...
+
+    def __enter__(self) -> Writer:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.commit()
+        else:
+            self.abort()
+
+
+class ObjectStore(abc.ABC):
+    """Read side of a store plus factories for writers and maintenance."""
+
+    @abc.abstractmethod
+    def get(self, oid: bytes) -> Object:
+        """Read and id-check an object. Raises ObjectNotFound / CorruptObject."""
+
+    def get_many(self, oids: Iterable[bytes]) -> Iterator[Object]:
+        for oid in oids:
+            yield self.get(oid)
+
+    @abc.abstractmethod
+    def info(self, oid: bytes) -> ObjectInfo:
+        """Index entry of an object (kind, refs, sizes) without reading the payload."""
+
+    @abc.abstractmethod
+    def has(self, oid: bytes) -> bool: ...
+
+    @abc.abstractmethod
+    def root(self, name: str) -> bytes | None: ...
+
+    @abc.abstractmethod
+    def roots(self) -> dict[str, bytes]: ...
+
+    @abc.abstractmethod
+    def writer(self, *, timeout: float | None = 0.0) -> Writer:
+        """Begin a write transaction. Waits up to ``timeout`` seconds (None: forever) for
+        another writer to finish, then raises StoreLocked."""
+
+    @abc.abstractmethod
+    def gc(
+        self,
+        *,
+        threshold: float = 0.25,
+        timeout: float | None = 0.0,
+        progress: ProgressFn | None = None,
+    ) -> GCReport:
+        """Mark from the roots, sweep the rest, and rewrite packs with more than
+        ``threshold`` dead bytes. Takes the writer lock."""
+
+    @abc.abstractmethod
+    def verify(
+        self,
+        *,
+        deep: bool = False,
+        roots: Iterable[str] | None = None,
+        progress: ProgressFn | None = None,
+    ) -> VerifyReport:
+        """Check what the roots (all, or those named) reach: structure always, and with
+        ``deep=True`` re-read and re-hash every reachable object."""
+
+    @abc.abstractmethod
+    def repair(self) -> RepairReport:
+        """Rebuild the index (objects, packs, roots) from the packs alone."""
+
+    @abc.abstractmethod
+    def stats(self) -> Stats: ...
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+    def __enter__(self) -> ObjectStore:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,68 @@
+"""The engine's exceptions: one tree, so callers catch one base class.
+
+    StoreError                 any failure of the object store
+    ├── ObjectNotFound         an id (or root) that the index does not hold
+    ├── CorruptObject          bytes that fail their checksum or id (names pack + offset)
+    ├── StoreLocked            another writer holds the store
+    ├── FormatError            an unknown format version or a malformed store layout
+    └── StoreClosed            use of a closed store, or of a store across fork()
+
+Third-party errors (lmdb, zstandard, OSError) are translated at the boundary with
+``raise ... from exc``; none escape the engine untranslated.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "StoreError",
+    "ObjectNotFound",
+    "CorruptObject",
+    "StoreLocked",
+    "FormatError",
+    "StoreClosed",
+]
+
+
+class StoreError(Exception):
+    """Base class of every error the engine raises."""
+
+
+class ObjectNotFound(StoreError, KeyError):
+    """The index holds no object (or root) of that name."""
+
+    def __init__(self, message: str, *, oid: bytes | None = None, name: str | None = None):
+        super().__init__(message)
+        self.oid = oid
+        self.name = name
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0])
+
+
+class CorruptObject(StoreError):
+    """Stored bytes do not match their checksum or id, or cannot be decoded."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        oid: bytes | None = None,
+        pack: str | None = None,
+        offset: int | None = None,
+    ):
+        super().__init__(message)
+        self.oid = oid
+        self.pack = pack
+        self.offset = offset
+
+
+class StoreLocked(StoreError):
+    """Another writer (this or another process) holds the store's writer lock."""
+
+
+class FormatError(StoreError):
+    """The store was written by an unknown format version, or its layout is malformed."""
+
+
+class StoreClosed(StoreError):
+    """The store handle was closed, or is being used in a process it was not opened in."""

@@ -1,0 +1,222 @@
+"""A dict-backed twin of the pack store: the fast fixture and the test oracle.
+
+Same contract as ``engine.store.PackStore`` (see ``engine.api``), without files: objects
+and roots live in dicts, a writer buffers its changes and applies them at commit, gc is
+mark & sweep over the same refs. One writer at a time per instance.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Sequence
+
+from .api import (
+    CommitInfo,
+    GCReport,
+    Object,
+    ObjectInfo,
+    ObjectStore,
+    Problem,
+    ProgressFn,
+    RepairReport,
+    Stats,
+    VerifyReport,
+    Writer,
+)
+from .errors import CorruptObject, ObjectNotFound, StoreClosed, StoreLocked
+from .ids import check_id, hexid, object_id
+
+
+class MemoryStore(ObjectStore):
+    def __init__(self) -> None:
+        self._objects: dict[bytes, tuple[Object, bool]] = {}
+        self._roots: dict[str, bytes] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+
+    # -- read side -------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosed("memory store is closed")
+
+    def get(self, oid: bytes) -> Object:
+        self._check_open()
+        check_id(oid)
+        try:
+            obj = self._objects[bytes(oid)][0]
+        except KeyError:
+            raise ObjectNotFound(f"object {hexid(oid)} not found", oid=oid) from None
+        if object_id(obj.kind, obj.refs, obj.payload) != oid:
+            raise CorruptObject(f"object {hexid(oid)} does not match its id", oid=oid)
+        return obj
+
+    def info(self, oid: bytes) -> ObjectInfo:
+        obj = self.get(oid)
+        meta = self._objects[bytes(oid)][1]
+        n = len(obj.payload)
+        return ObjectInfo(obj.kind, obj.refs, n, n, meta)
+
+    def has(self, oid: bytes) -> bool:
+        self._check_open()
+        return bytes(oid) in self._objects
+
+    def root(self, name: str) -> bytes | None:
+        self._check_open()
+        return self._roots.get(name)
+
+    def roots(self) -> dict[str, bytes]:
+        self._check_open()
+        return dict(self._roots)
+
+    # -- writes ----------------------------------------------------------------------
+    def writer(self, *, timeout: float | None = 0.0) -> Writer:
+        self._check_open()
+        acquired = self._lock.acquire(timeout=-1 if timeout is None else timeout)
+        if not acquired:
+            raise StoreLocked("memory store already has a writer")
+        return _MemoryWriter(self)
+
+    # -- maintenance -----------------------------------------------------------------
+    def _reachable(self, names: Iterable[str] | None = None) -> tuple[set[bytes], list[Problem]]:
+        seen: set[bytes] = set()
+        problems: list[Problem] = []
+        wanted = self._roots if names is None else {n: self._roots.get(n) for n in names}
+        stack = []
+        for name, oid in wanted.items():
+            if oid is None:
+                problems.append(Problem("missing-root", f"root {name!r} does not exist"))
+            else:
+                stack.append(oid)
+        while stack:
+            oid = stack.pop()
+            if oid in seen:
+                continue
+            seen.add(oid)
+            entry = self._objects.get(oid)
+            if entry is None:
+                problems.append(Problem("missing", f"object {hexid(oid)} missing", oid=oid))
+                continue
+            stack.extend(entry[0].refs)
+        return seen, problems
+
+    def gc(
+        self,
+        *,
+        threshold: float = 0.25,
+        timeout: float | None = 0.0,
+        progress: ProgressFn | None = None,
+    ) -> GCReport:
+        w = self.writer(timeout=timeout)
+        try:
+            live, _ = self._reachable()
+            dead = [oid for oid in self._objects if oid not in live]
+            freed = sum(len(self._objects[oid][0].payload) for oid in dead)
+            for oid in dead:
+                del self._objects[oid]
+        finally:
+            w.abort()
+        return GCReport(len(live & self._objects.keys()), len(dead), freed, 0, 0)
+
+    def verify(
+        self,
+        *,
+        deep: bool = False,
+        roots: Iterable[str] | None = None,
+        progress: ProgressFn | None = None,
+    ) -> VerifyReport:
+        self._check_open()
+        live, problems = self._reachable(roots)
+        nbytes = 0
+        if deep:
+            for oid in live:
+                entry = self._objects.get(oid)
+                if entry is None:
+                    continue
+                obj = entry[0]
+                nbytes += len(obj.payload)
+                if object_id(obj.kind, obj.refs, obj.payload) != oid:
+                    problems.append(Problem("corrupt", f"object {hexid(oid)} corrupt", oid=oid))
+        return VerifyReport(not problems, tuple(problems), len(live), nbytes)
+
+    def repair(self) -> RepairReport:
+        self._check_open()
+        return RepairReport(0, len(self._objects), len(self._roots))
+
+    def stats(self) -> Stats:
+        self._check_open()
+        logical = sum(len(o.payload) for o, _ in self._objects.values())
+        return Stats(len(self._objects), logical, 0, 0, len(self._roots))
+
+    def close(self) -> None:
+        self._closed = True
+
+
+class _MemoryWriter(Writer):
+    def __init__(self, store: MemoryStore) -> None:
+        self._store = store
+        self._new: dict[bytes, tuple[Object, bool]] = {}
+        self._roots: dict[str, bytes | None] = {}
+        self._reused = 0
+        self._done = False
+
+    def _check(self) -> None:
+        if self._done:
+            raise StoreClosed("writer already committed or aborted")
+
+    def has(self, oid: bytes) -> bool:
+        return bytes(oid) in self._new or self._store.has(oid)
+
+    def put(
+        self,
+        kind: int,
+        payload: bytes | bytearray | memoryview,
+        refs: Sequence[bytes] = (),
+        *,
+        meta: bool = False,
+    ) -> bytes:
+        self._check()
+        refs = tuple(bytes(r) for r in refs)
+        payload = bytes(payload)
+        oid = object_id(kind, refs, payload)
+        for ref in refs:
+            if not self.has(ref):
+                raise ObjectNotFound(f"ref {hexid(ref)} does not exist", oid=ref)
+        if self.has(oid):
+            self._reused += 1
+        else:
+            self._new[oid] = (Object(kind, refs, payload), meta)
+        return oid
+
+    def set_root(self, name: str, oid: bytes) -> None:
+        self._check()
+        if not self.has(oid):
+            raise ObjectNotFound(f"root target {hexid(oid)} does not exist", oid=oid)
+        self._roots[name] = bytes(oid)
+
+    def delete_root(self, name: str) -> None:
+        self._check()
+        current = self._roots[name] if name in self._roots else self._store._roots.get(name)
+        if current is None:
+            raise ObjectNotFound(f"root {name!r} does not exist", name=name)
+        self._roots[name] = None
+
+    def commit(self) -> CommitInfo:
+        self._check()
+        self._done = True
+        try:
+            self._store._objects.update(self._new)
+            for name, oid in self._roots.items():
+                if oid is None:
+                    self._store._roots.pop(name, None)
+                else:
+                    self._store._roots[name] = oid
+            nbytes = sum(len(o.payload) for o, _ in self._new.values())
+            return CommitInfo(nbytes, len(self._new), self._reused)
+        finally:
+            self._store._lock.release()
+
+    def abort(self) -> None:
+        if self._done:
+            return
+        self._done = True
+        self._store._lock.release()

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Sets up .venv for cnrstore on a fresh machine. Idempotent.
+# torch: a torch the system Python already has is kept (the venv sees system site-packages);
+# with none, we install torch==2.13.0 first, whose CPU build is on these machines' disk,
+# so that the bare `torch` requirement never pulls a multi-GB CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv --system-site-packages .venv
+fi
+if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
+  .venv/bin/python -m pip install -q torch==2.13.0
+fi
+.venv/bin/python -m pip install -q -e ".[test,safetensors]"
