@@ -1,0 +1,171 @@
+"""Row-block payloads: full blocks and patches, stored in byte-plane order.
+
+A block holds the encoded rows (``uint8[nrows, row_nbytes]``) of ``block_rows``
+consecutive table rows. Payloads store those bytes *transposed* (all rows' byte 0, then
+byte 1, ...): exponent and high-order bytes of floats sit together, so the engine's zstd
+finds the redundancy that row order hides (docs/MANIFEST.md, "Blocks"; measured there).
+
+    FULL  = "CNRB" | version u8 | layout u8 | 0 u16 | nrows u32 | row_nbytes u32 | planes
+    PATCH = "CNRP" | version u8 | index_size u8 | 0 u16 | nrows u32 | row_nbytes u32
+            | nchanged u32 | indices (u16/u32 le, ascending) | planes of the changed rows
+
+A patch refers to its base block (refs = [base]); ``resolve`` applies a chain.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine import Object
+
+from .errors import ManifestError
+from .manifest import KIND_BLOCK_FULL, KIND_BLOCK_PATCH
+
+__all__ = [
+    "BLOCK_VERSION",
+    "BlockHeader",
+    "encode_full",
+    "encode_patch",
+    "decode_full",
+    "decode_patch",
+    "read_header",
+    "resolve",
+]
+
+BLOCK_VERSION = 1
+LAYOUT_PLANES = 1
+_FULL = struct.Struct("<4sBBHII")
+_PATCH = struct.Struct("<4sBBHIII")
+_FULL_MAGIC = b"CNRB"
+_PATCH_MAGIC = b"CNRP"
+
+
+@dataclass(frozen=True)
+class BlockHeader:
+    kind: int            # KIND_BLOCK_FULL or KIND_BLOCK_PATCH
+    nrows: int           # rows of the block
+    row_nbytes: int
+    nchanged: int        # rows carried (nrows for a full block)
+    header_size: int
+
+
+def _planes(codes: np.ndarray) -> bytes:
+    # .T.copy() writes the byte planes in one pass; numpy releases the GIL for it.
+    return np.ascontiguousarray(codes.T).tobytes()
+
+
+def _unplanes(buf: memoryview | bytes, n: int, row_nbytes: int) -> np.ndarray:
+    planes = np.frombuffer(buf, dtype=np.uint8, count=n * row_nbytes).reshape(row_nbytes, n)
+    return planes.T.copy()  # a writable C-order copy: patches are applied in place
+
+
+def _index_dtype(nrows: int) -> np.dtype:
+    return np.dtype("<u2") if nrows <= 1 << 16 else np.dtype("<u4")
+
+
+def encode_full(codes: np.ndarray) -> bytes:
+    """Payload of a full block from its encoded rows ``uint8[nrows, row_nbytes]``."""
+    if codes.dtype != np.uint8 or codes.ndim != 2:
+        raise ValueError(f"block codes must be uint8[nrows, row_nbytes], got {codes.dtype}")
+    n, rnb = codes.shape
+    head = _FULL.pack(_FULL_MAGIC, BLOCK_VERSION, LAYOUT_PLANES, 0, n, rnb)
+    return head + _planes(codes)
+
+
+def encode_patch(nrows: int, index: np.ndarray, codes: np.ndarray) -> bytes:
+    """Payload of a patch replacing rows ``index`` (ascending, unique, < nrows) of a block of
+    ``nrows`` rows with ``codes`` (``uint8[len(index), row_nbytes]``)."""
+    if codes.dtype != np.uint8 or codes.ndim != 2 or len(index) != codes.shape[0]:
+        raise ValueError("patch codes must be uint8[len(index), row_nbytes]")
+    idt = _index_dtype(nrows)
+    idx = np.asarray(index).astype(idt, copy=False)
+    head = _PATCH.pack(
+        _PATCH_MAGIC, BLOCK_VERSION, idt.itemsize, 0, nrows, codes.shape[1], len(idx)
+    )
+    return head + idx.tobytes() + _planes(codes)
+
+
+def patch_nbytes(nrows: int, nchanged: int, row_nbytes: int) -> int:
+    """Payload size of a patch, without building it (the writer's chain bound)."""
+    return _PATCH.size + nchanged * (_index_dtype(nrows).itemsize + row_nbytes)
+
+
+def read_header(obj: Object, oid: bytes | None = None) -> BlockHeader:
+    """Parse and check a block's header (cheap; used by verify and inspection tools)."""
+    p = obj.payload
+    if obj.kind == KIND_BLOCK_FULL:
+        if len(p) < _FULL.size:
+            raise ManifestError("full block shorter than its header", oid=oid)
+        magic, ver, layout, _, n, rnb = _FULL.unpack_from(p)
+        if magic != _FULL_MAGIC or ver != BLOCK_VERSION or layout != LAYOUT_PLANES:
+            raise ManifestError(f"full block has bad magic/version {magic!r}/{ver}", oid=oid)
+        head = BlockHeader(KIND_BLOCK_FULL, n, rnb, n, _FULL.size)
+        body = n * rnb
+    elif obj.kind == KIND_BLOCK_PATCH:
+        if len(p) < _PATCH.size:
+            raise ManifestError("patch block shorter than its header", oid=oid)
+        magic, ver, isz, _, n, rnb, k = _PATCH.unpack_from(p)
+        if magic != _PATCH_MAGIC or ver != BLOCK_VERSION or isz != _index_dtype(n).itemsize:
+            raise ManifestError(f"patch block has bad magic/version {magic!r}/{ver}", oid=oid)
+        if len(obj.refs) != 1:
+            raise ManifestError("patch block must refer to exactly one base", oid=oid)
+        head = BlockHeader(KIND_BLOCK_PATCH, n, rnb, k, _PATCH.size)
+        body = k * (isz + rnb)
+    else:
+        raise ManifestError(f"object kind {obj.kind} is not a block", oid=oid)
+    if len(p) != head.header_size + body:
+        raise ManifestError(
+            f"block payload is {len(p)} bytes, its header says {head.header_size + body}", oid=oid
+        )
+    return head
+
+
+def decode_full(obj: Object, oid: bytes | None = None) -> np.ndarray:
+    head = read_header(obj, oid)
+    if head.kind != KIND_BLOCK_FULL:
+        raise ManifestError("expected a full block", oid=oid)
+    return _unplanes(memoryview(obj.payload)[head.header_size:], head.nrows, head.row_nbytes)
+
+
+def decode_patch(
+    obj: Object, oid: bytes | None = None
+) -> tuple[BlockHeader, np.ndarray, np.ndarray]:
+    """(header, row indices int64, codes uint8[nchanged, row_nbytes]) of a patch."""
+    head = read_header(obj, oid)
+    if head.kind != KIND_BLOCK_PATCH:
+        raise ManifestError("expected a patch block", oid=oid)
+    idt = _index_dtype(head.nrows)
+    view = memoryview(obj.payload)[head.header_size:]
+    idx = np.frombuffer(view, dtype=idt, count=head.nchanged).astype(np.int64)
+    if head.nchanged and (idx[-1] >= head.nrows or np.any(np.diff(idx) <= 0)):
+        raise ManifestError("patch row indices are out of range or not ascending", oid=oid)
+    codes = _unplanes(view[head.nchanged * idt.itemsize:], head.nchanged, head.row_nbytes)
+    return head, idx, codes
+
+
+def resolve(get: Callable[[bytes], Object], oid: bytes, *, max_depth: int = 1 << 16) -> np.ndarray:
+    """Encoded rows of block ``oid``: follow patch refs down to the full block, then apply
+    the patches oldest first. ``get`` reads an object (e.g. ``store.get``)."""
+    chain: list[tuple[bytes, Object]] = []
+    cur = oid
+    while True:
+        obj = get(cur)
+        if obj.kind == KIND_BLOCK_FULL:
+            break
+        chain.append((cur, obj))
+        if len(chain) > max_depth:
+            raise ManifestError("patch chain too deep (cycle?)", oid=oid)
+        if obj.kind != KIND_BLOCK_PATCH or len(obj.refs) != 1:
+            raise ManifestError(f"object kind {obj.kind} is not a block", oid=cur)
+        cur = obj.refs[0]
+    codes = decode_full(obj, cur)
+    for poid, pobj in reversed(chain):
+        head, idx, rows = decode_patch(pobj, poid)
+        if (head.nrows, head.row_nbytes) != codes.shape:
+            raise ManifestError("patch does not match its base block's shape", oid=poid)
+        codes[idx] = rows
+    return codes
