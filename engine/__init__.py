@@ -25,6 +25,7 @@ from .errors import (
 )
 from .ids import object_id
 from .memory import MemoryStore
+from .store import PackStore, open  # noqa: A004 - engine.open(path) is the entry point
 
 __all__ = [
     "CommitInfo",
@@ -36,6 +37,7 @@ __all__ = [
     "ObjectInfo",
     "ObjectNotFound",
     "ObjectStore",
+    "PackStore",
     "Problem",
     "RepairReport",
     "Stats",
@@ -45,4 +47,5 @@ __all__ = [
     "VerifyReport",
     "Writer",
     "object_id",
+    "open",
 ]

@@ -1,0 +1,314 @@
+"""Byte layouts of pack files: pack header, records, trailer, roots snapshots.
+
+Normative spec: docs/FORMAT.md. Section names are cited next to each constant. Every
+decoder here raises only ``CorruptObject`` on malformed input, never struct, zstd,
+msgpack, index or memory errors, and it validates every length against the buffer before
+it allocates or decompresses anything.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import msgpack
+import xxhash
+import zstandard
+
+from .errors import CorruptObject
+from .ids import ID_SIZE, object_id
+
+FORMAT_VERSION = 1  # FORMAT.md "Format version"
+
+# FORMAT.md "Pack files": 16-byte pack header.
+PACK_MAGIC = b"CNRP"
+PACK_HEADER = struct.Struct("<4sBB2xI4x")
+PACK_FLAG_META = 0x01
+
+# FORMAT.md "Records": 44-byte header, refs, stored payload, 8-byte checksum.
+RECORD_MAGIC = b"CNRR"
+RECORD_HEADER = struct.Struct("<4sBBBBIQQ16s")
+CHECKSUM = struct.Struct("<Q")
+RECORD_OBJECT = 0
+RECORD_ROOTS = 1
+CODEC_RAW = 0
+CODEC_ZSTD = 1
+# Store raw unless zstd saves at least this fraction (FORMAT.md "Records").
+MIN_SAVING = 0.03
+# zstd expands at most ~32768x (RLE blocks); a larger claimed raw_len cannot be genuine,
+# so it is refused before any allocation (FORMAT.md "Records", decoding rules).
+MAX_ZSTD_RATIO = 1 << 16
+MAX_REFS = 1 << 20
+
+# FORMAT.md "Trailer": 33-byte entries then a 28-byte footer at the very end of the file.
+TRAILER_ENTRY = struct.Struct("<QQB16s")
+TRAILER_MAGIC = b"CNRT"
+FOOTER = struct.Struct("<4sB3xIQQ")
+
+
+@dataclass(frozen=True)
+class PackHeader:
+    version: int
+    meta: bool
+    pack_no: int
+
+    def pack(self) -> bytes:
+        flags = PACK_FLAG_META if self.meta else 0
+        return PACK_HEADER.pack(PACK_MAGIC, self.version, flags, self.pack_no)
+
+    @classmethod
+    def unpack(cls, buf: bytes, *, pack: str | None = None) -> PackHeader:
+        if len(buf) < PACK_HEADER.size:
+            raise CorruptObject(f"pack {pack}: header truncated", pack=pack, offset=0)
+        magic, version, flags, pack_no = PACK_HEADER.unpack_from(buf, 0)
+        if magic != PACK_MAGIC:
+            raise CorruptObject(f"pack {pack}: bad pack magic {magic!r}", pack=pack, offset=0)
+        if version != FORMAT_VERSION:
+            raise CorruptObject(
+                f"pack {pack}: unknown pack format version {version}", pack=pack, offset=0
+            )
+        return cls(version, bool(flags & PACK_FLAG_META), pack_no)
+
+
+@dataclass(frozen=True)
+class RecordHeader:
+    rtype: int
+    kind: int
+    codec: int
+    nrefs: int
+    stored_len: int
+    raw_len: int
+    oid: bytes
+
+    @property
+    def length(self) -> int:
+        """Total record length: header, refs, stored payload and checksum."""
+        return RECORD_HEADER.size + ID_SIZE * self.nrefs + self.stored_len + CHECKSUM.size
+
+    @classmethod
+    def unpack(
+        cls, buf: bytes | memoryview, offset: int = 0, *, pack: str | None = None
+    ) -> RecordHeader:
+        """Parse and sanity-check a header; the lengths it claims are not yet checked
+        against the buffer (``record_length_ok`` does that)."""
+        where = f"pack {pack} offset {offset}"
+        if offset < 0 or len(buf) - offset < RECORD_HEADER.size:
+            raise CorruptObject(f"{where}: record header truncated", pack=pack, offset=offset)
+        magic, version, rtype, kind, codec, nrefs, stored, raw, oid = RECORD_HEADER.unpack_from(
+            buf, offset
+        )
+        problem = None
+        if magic != RECORD_MAGIC:
+            problem = f"bad record magic {bytes(magic)!r}"
+        elif version != FORMAT_VERSION:
+            problem = f"unknown record format version {version}"
+        elif rtype not in (RECORD_OBJECT, RECORD_ROOTS):
+            problem = f"unknown record type {rtype}"
+        elif codec not in (CODEC_RAW, CODEC_ZSTD):
+            problem = f"unknown codec {codec}"
+        elif nrefs > MAX_REFS:
+            problem = f"implausible ref count {nrefs}"
+        elif codec == CODEC_RAW and raw != stored:
+            problem = f"raw record with raw_len {raw} != stored_len {stored}"
+        elif codec == CODEC_ZSTD and raw > max(stored, 64) * MAX_ZSTD_RATIO:
+            problem = f"raw_len {raw} impossible for {stored} zstd bytes"
+        if problem:
+            raise CorruptObject(f"{where}: {problem}", oid=bytes(oid), pack=pack, offset=offset)
+        return cls(rtype, kind, codec, nrefs, stored, raw, bytes(oid))
+
+
+@dataclass(frozen=True)
+class Record:
+    header: RecordHeader
+    refs: tuple[bytes, ...]
+    payload: bytes  # uncompressed
+
+
+def encode_record(
+    rtype: int,
+    kind: int,
+    refs: tuple[bytes, ...],
+    payload: bytes,
+    oid: bytes,
+    *,
+    cctx: zstandard.ZstdCompressor | None,
+) -> bytes:
+    """Encode one record; ``cctx=None`` stores the payload raw."""
+    codec, stored = CODEC_RAW, payload
+    if cctx is not None and payload:
+        packed = cctx.compress(payload)
+        if len(packed) <= len(payload) * (1.0 - MIN_SAVING):
+            codec, stored = CODEC_ZSTD, packed
+    head = RECORD_HEADER.pack(
+        RECORD_MAGIC, FORMAT_VERSION, rtype, kind, codec, len(refs), len(stored),
+        len(payload), oid,
+    )
+    body = b"".join((head, *refs, stored))
+    return body + CHECKSUM.pack(xxhash.xxh3_64_intdigest(body))
+
+
+def check_record(
+    buf: bytes | memoryview, offset: int = 0, *, pack: str | None = None
+) -> RecordHeader:
+    """Validate header, lengths and checksum of the record at ``offset`` (no decompression).
+
+    Used where records are copied verbatim (gc) or scanned (repair)."""
+    header = RecordHeader.unpack(buf, offset, pack=pack)
+    end = offset + header.length
+    if end > len(buf):
+        raise CorruptObject(
+            f"pack {pack} offset {offset}: record of {header.length} bytes overruns its "
+            f"{len(buf) - offset} available bytes",
+            oid=header.oid, pack=pack, offset=offset,
+        )
+    body = memoryview(buf)[offset : end - CHECKSUM.size]
+    (stored_sum,) = CHECKSUM.unpack_from(buf, end - CHECKSUM.size)
+    if xxhash.xxh3_64_intdigest(body) != stored_sum:
+        raise CorruptObject(
+            f"pack {pack} offset {offset}: checksum mismatch in record of object "
+            f"{header.oid.hex()}",
+            oid=header.oid, pack=pack, offset=offset,
+        )
+    return header
+
+
+def decode_record(
+    buf: bytes | memoryview,
+    offset: int = 0,
+    *,
+    pack: str | None = None,
+    dctx: zstandard.ZstdDecompressor | None = None,
+) -> Record:
+    """Fully decode the record at ``offset``: checksum, bounded decompression, id check."""
+    header = check_record(buf, offset, pack=pack)
+    where = f"pack {pack} offset {offset}, object {header.oid.hex()}"
+    pos = offset + RECORD_HEADER.size
+    view = memoryview(buf)
+    refs = tuple(
+        bytes(view[pos + i * ID_SIZE : pos + (i + 1) * ID_SIZE]) for i in range(header.nrefs)
+    )
+    pos += ID_SIZE * header.nrefs
+    stored = view[pos : pos + header.stored_len]
+    if header.codec == CODEC_RAW:
+        payload = bytes(stored)
+    else:
+        payload = _decompress(stored, header.raw_len, dctx, where, header.oid, pack, offset)
+    if header.rtype == RECORD_OBJECT:
+        try:
+            actual = object_id(header.kind, refs, payload)
+        except ValueError as exc:
+            raise CorruptObject(f"{where}: {exc}", oid=header.oid, pack=pack,
+                                offset=offset) from exc
+    else:
+        actual = snapshot_id(payload)
+    if actual != header.oid:
+        raise CorruptObject(
+            f"{where}: content hashes to {actual.hex()}, not its id",
+            oid=header.oid, pack=pack, offset=offset,
+        )
+    return Record(header, refs, payload)
+
+
+def _decompress(stored, raw_len, dctx, where, oid, pack, offset) -> bytes:
+    try:
+        # Our writer always records the content size; trusting only a size that matches
+        # the header keeps the allocation bounded by the (already checked) raw_len.
+        size = zstandard.frame_content_size(stored)
+        if size != raw_len:
+            raise CorruptObject(
+                f"{where}: zstd frame claims {size} bytes, header says {raw_len}",
+                oid=oid, pack=pack, offset=offset,
+            )
+        out = (dctx or zstandard.ZstdDecompressor()).decompress(stored, max_output_size=raw_len)
+    except CorruptObject:
+        raise
+    except (zstandard.ZstdError, ValueError, MemoryError) as exc:
+        raise CorruptObject(f"{where}: cannot decompress: {exc}", oid=oid, pack=pack,
+                            offset=offset) from exc
+    if len(out) != raw_len:
+        raise CorruptObject(f"{where}: decompressed to {len(out)} bytes, expected {raw_len}",
+                            oid=oid, pack=pack, offset=offset)
+    return out
+
+
+# -- trailer ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TrailerEntry:
+    offset: int
+    length: int
+    rtype: int
+    oid: bytes
+
+
+def encode_trailer(entries: list[TrailerEntry], entries_offset: int) -> bytes:
+    body = b"".join(TRAILER_ENTRY.pack(e.offset, e.length, e.rtype, e.oid) for e in entries)
+    footer_head = FOOTER.pack(TRAILER_MAGIC, FORMAT_VERSION, len(entries), entries_offset, 0)
+    footer_head = footer_head[: -CHECKSUM.size]
+    checksum = xxhash.xxh3_64_intdigest(body + footer_head)
+    return body + footer_head + CHECKSUM.pack(checksum)
+
+
+def parse_footer(buf: bytes, file_size: int, *, pack: str | None = None) -> tuple[int, int]:
+    """Return (count, entries_offset) from the last FOOTER.size bytes of a pack."""
+    at = file_size - FOOTER.size
+    if len(buf) != FOOTER.size or file_size < PACK_HEADER.size + FOOTER.size:
+        raise CorruptObject(f"pack {pack}: no room for a trailer", pack=pack, offset=at)
+    magic, version, count, entries_offset, _ = FOOTER.unpack(buf)
+    if magic != TRAILER_MAGIC or version != FORMAT_VERSION:
+        raise CorruptObject(f"pack {pack}: no valid trailer (unsealed or damaged)", pack=pack,
+                            offset=at)
+    if entries_offset < PACK_HEADER.size or entries_offset + count * TRAILER_ENTRY.size != at:
+        raise CorruptObject(f"pack {pack}: trailer lengths inconsistent", pack=pack, offset=at)
+    return count, entries_offset
+
+
+def decode_trailer(
+    buf: bytes, count: int, entries_offset: int, *, pack: str | None = None
+) -> list[TrailerEntry]:
+    """Decode entries + footer (``buf`` runs from entries_offset to the end of the pack)."""
+    if len(buf) != count * TRAILER_ENTRY.size + FOOTER.size:
+        raise CorruptObject(f"pack {pack}: trailer truncated", pack=pack, offset=entries_offset)
+    (stored_sum,) = CHECKSUM.unpack_from(buf, len(buf) - CHECKSUM.size)
+    if xxhash.xxh3_64_intdigest(memoryview(buf)[: -CHECKSUM.size]) != stored_sum:
+        raise CorruptObject(f"pack {pack}: trailer checksum mismatch", pack=pack,
+                            offset=entries_offset)
+    entries = []
+    for i in range(count):
+        off, length, rtype, oid = TRAILER_ENTRY.unpack_from(buf, i * TRAILER_ENTRY.size)
+        if off < PACK_HEADER.size or off + length > entries_offset or rtype > RECORD_ROOTS:
+            raise CorruptObject(f"pack {pack}: trailer entry {i} out of range", pack=pack,
+                                offset=entries_offset)
+        entries.append(TrailerEntry(off, length, rtype, oid))
+    return entries
+
+
+# -- roots snapshots --------------------------------------------------------------------
+
+
+def snapshot_id(payload: bytes) -> bytes:
+    """Id of a roots-snapshot record: its payload hashed as a kind-0 object without refs."""
+    return object_id(0, (), payload)
+
+
+def encode_snapshot(seq: int, roots: dict[str, bytes]) -> bytes:
+    return msgpack.packb({"seq": seq, "roots": dict(sorted(roots.items()))}, use_bin_type=True)
+
+
+def decode_snapshot(payload: bytes, *, pack: str | None = None,
+                    offset: int | None = None) -> tuple[int, dict[str, bytes]]:
+    try:
+        doc = msgpack.unpackb(payload, raw=False, strict_map_key=True)
+        seq, roots = doc["seq"], doc["roots"]
+        ok = isinstance(seq, int) and seq >= 0 and isinstance(roots, dict) and all(
+            isinstance(k, str) and isinstance(v, bytes) and len(v) == ID_SIZE
+            for k, v in roots.items()
+        )
+    except Exception as exc:  # msgpack raises a zoo of types on junk
+        raise CorruptObject(f"pack {pack} offset {offset}: bad roots snapshot: {exc}",
+                            pack=pack, offset=offset) from exc
+    if not ok:
+        raise CorruptObject(f"pack {pack} offset {offset}: malformed roots snapshot",
+                            pack=pack, offset=offset)
+    return seq, roots

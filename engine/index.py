@@ -1,0 +1,230 @@
+"""The LMDB index: key/value schema (docs/FORMAT.md "Index") and safe transactions.
+
+All lmdb errors are translated to StoreError subclasses here. Map growth (MapFullError)
+happens only in write transactions, which run under the writer lock; readers of another
+process that see the grown map get MapResizedError and adopt the new size.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import struct
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+import lmdb
+import msgpack
+
+from . import format as fmt
+from .errors import FormatError, StoreError
+from .ids import ID_SIZE
+
+T = TypeVar("T")
+
+DB_OBJECTS = b"objects"
+DB_ROOTS = b"roots"
+DB_PACKS = b"packs"
+DB_META = b"meta"
+
+# FORMAT.md "Index": value layouts.
+OBJECT_VALUE = struct.Struct("<IQQBQBI")
+PACK_KEY = struct.Struct(">I")  # big-endian so cursor order is pack order
+PACK_VALUE = struct.Struct("<QQBI")
+U64 = struct.Struct("<Q")
+I64 = struct.Struct("<q")
+FLAG_META = 0x01
+
+META_VERSION = b"format_version"
+META_NEXT_PACK = b"next_pack"
+META_SEQ = b"commit_seq"
+META_SNAPSHOT_PACK = b"snapshot_pack"
+META_OPTIONS = b"options"
+
+
+@dataclass(frozen=True)
+class ObjectEntry:
+    pack: int
+    offset: int
+    length: int
+    kind: int
+    raw_len: int
+    meta: bool
+    refs: tuple[bytes, ...]
+
+    def encode(self) -> bytes:
+        head = OBJECT_VALUE.pack(self.pack, self.offset, self.length, self.kind, self.raw_len,
+                                 FLAG_META if self.meta else 0, len(self.refs))
+        return head + b"".join(self.refs)
+
+    @classmethod
+    def decode(cls, buf: bytes) -> ObjectEntry:
+        try:
+            pack, off, length, kind, raw, flags, n = OBJECT_VALUE.unpack_from(buf, 0)
+        except struct.error as exc:
+            raise FormatError(f"malformed object entry in index: {exc}") from exc
+        base = OBJECT_VALUE.size
+        if len(buf) != base + n * ID_SIZE:
+            raise FormatError("malformed object entry in index: bad ref count")
+        refs = tuple(bytes(buf[base + i * ID_SIZE : base + (i + 1) * ID_SIZE]) for i in range(n))
+        return cls(pack, off, length, kind, raw, bool(flags & FLAG_META), refs)
+
+
+@dataclass(frozen=True)
+class PackEntry:
+    size: int
+    live: int
+    meta: bool
+    count: int
+
+    def encode(self) -> bytes:
+        return PACK_VALUE.pack(self.size, self.live, FLAG_META if self.meta else 0, self.count)
+
+    @classmethod
+    def decode(cls, buf: bytes) -> PackEntry:
+        try:
+            size, live, flags, count = PACK_VALUE.unpack(buf)
+        except struct.error as exc:
+            raise FormatError(f"malformed pack entry in index: {exc}") from exc
+        return cls(size, live, bool(flags & FLAG_META), count)
+
+
+def pack_key(n: int) -> bytes:
+    return PACK_KEY.pack(n)
+
+
+def unpack_pack_key(key: bytes) -> int:
+    if len(key) != PACK_KEY.size:
+        raise FormatError(f"malformed pack key {bytes(key)!r} in index")
+    return PACK_KEY.unpack(key)[0]
+
+
+class Index:
+    """An open LMDB environment with the four named databases."""
+
+    def __init__(self, path: pathlib.Path, *, map_size: int, create: bool,
+                 options: dict | None = None) -> None:
+        self.path = path
+        data = path / "data.mdb"
+        if data.exists():
+            map_size = max(map_size, data.stat().st_size)
+        try:
+            self.env = lmdb.open(
+                os.fspath(path), map_size=map_size, subdir=True, max_dbs=4, create=create,
+                readahead=False, meminit=False, max_spare_txns=0,
+            )
+            self.env.reader_check()  # clear slots of dead reader processes
+            self.objects = self.env.open_db(DB_OBJECTS)
+            self.roots = self.env.open_db(DB_ROOTS)
+            self.packs = self.env.open_db(DB_PACKS)
+            self.meta = self.env.open_db(DB_META)
+        except lmdb.Error as exc:
+            raise StoreError(f"cannot open index {path}: {exc}") from exc
+        # A grow (set_mapsize) needs no transaction of this process to be active.
+        self._cond = threading.Condition()
+        self._active = 0
+        self._resizing = False
+        self._init_meta(options or {})
+
+    def _init_meta(self, options: dict) -> None:
+        def init(txn):
+            raw = txn.get(META_VERSION, db=self.meta)
+            if raw is None:
+                txn.put(META_VERSION, U64.pack(fmt.FORMAT_VERSION), db=self.meta)
+                txn.put(META_NEXT_PACK, U64.pack(0), db=self.meta)
+                txn.put(META_SEQ, U64.pack(0), db=self.meta)
+                txn.put(META_SNAPSHOT_PACK, I64.pack(-1), db=self.meta)
+                txn.put(META_OPTIONS, msgpack.packb(options), db=self.meta)
+                return fmt.FORMAT_VERSION
+            return U64.unpack(raw)[0] if len(raw) == U64.size else -1
+
+        has_version = self.read(lambda t: t.get(META_VERSION, db=self.meta))
+        if has_version is None:
+            version = self.write(init)
+        else:
+            version = U64.unpack(has_version)[0] if len(has_version) == U64.size else -1
+        if version != fmt.FORMAT_VERSION:
+            self.close()
+            raise FormatError(
+                f"index {self.path} has format version {version}; this cnrstore reads "
+                f"version {fmt.FORMAT_VERSION} only (upgrade cnrstore, or repair from packs)"
+            )
+
+    def _begin_read(self, fn: Callable[[lmdb.Transaction], T]) -> T:
+        with self.env.begin(buffers=False) as txn:
+            return fn(txn)
+
+    def read(self, fn: Callable[[lmdb.Transaction], T]) -> T:
+        """Run ``fn`` in a short read transaction (thread-safe)."""
+        for _ in range(8):
+            with self._cond:
+                while self._resizing:
+                    self._cond.wait()
+                self._active += 1
+            try:
+                return self._begin_read(fn)
+            except lmdb.MapResizedError:
+                pass  # another process grew the map: adopt its size below, then retry
+            except lmdb.Error as exc:
+                raise StoreError(f"index read failed: {exc}") from exc
+            finally:
+                with self._cond:
+                    self._active -= 1
+                    self._cond.notify_all()
+            self._exclusive(lambda: self.env.set_mapsize(0))
+        raise StoreError("index read failed: the map size keeps changing")
+
+    def write(self, fn: Callable[[lmdb.Transaction], T]) -> T:
+        """Run ``fn`` in one write transaction, doubling the map on MapFullError.
+
+        ``fn`` may run more than once, so it must only touch the transaction."""
+        while True:
+            try:
+                with self.env.begin(write=True) as txn:
+                    return fn(txn)
+            except lmdb.MapFullError:
+                self._grow()
+            except lmdb.MapResizedError:
+                self._exclusive(lambda: self.env.set_mapsize(0))
+            except lmdb.Error as exc:
+                raise StoreError(f"index write failed: {exc}") from exc
+
+    def _exclusive(self, action: Callable[[], None]) -> None:
+        with self._cond:
+            self._resizing = True
+            while self._active:
+                self._cond.wait()
+            try:
+                action()
+            finally:
+                self._resizing = False
+                self._cond.notify_all()
+
+    def _grow(self) -> None:
+        size = self.env.info()["map_size"]
+        self._exclusive(lambda: self.env.set_mapsize(size * 2))
+
+    @property
+    def map_size(self) -> int:
+        return self.env.info()["map_size"]
+
+    def sync(self) -> None:
+        self.env.sync(True)
+
+    def close(self) -> None:
+        self.env.close()
+
+
+# -- helpers used inside transactions --------------------------------------------------
+
+
+def get_u64(txn, db, key: bytes) -> int:
+    raw = txn.get(key, db=db)
+    return U64.unpack(raw)[0] if raw is not None else 0
+
+
+def get_snapshot_pack(txn, db) -> int:
+    raw = txn.get(META_SNAPSHOT_PACK, db=db)
+    return I64.unpack(raw)[0] if raw is not None else -1

@@ -1,0 +1,267 @@
+"""Pack files: appending and sealing them, reading records back, scanning them for repair.
+
+Layout and ordering rules: docs/FORMAT.md "Pack files", "Trailer", "Write ordering".
+A pack is written once by one writer (under the writer lock), sealed with a trailer,
+fsync'ed, and never modified after the index transaction that lists it commits.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import pathlib
+import re
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from . import format as fmt
+from .errors import CorruptObject
+from .fileio import fsync_dir, makedirs_durable, pread_exact, write_all
+
+_PACK_NAME = re.compile(r"^([0-9]{8})\.pack$")
+
+
+def pack_name(n: int) -> str:
+    """Name used in errors and reports: ``XX/NNNNNNNN.pack`` (FORMAT.md "Directory tree")."""
+    return f"{(n >> 8) & 0xFF:02x}/{n:08d}.pack"
+
+
+def pack_path(root: pathlib.Path, n: int) -> pathlib.Path:
+    return root / "packs" / pack_name(n)
+
+
+def list_pack_files(root: pathlib.Path) -> dict[int, pathlib.Path]:
+    """Every ``packs/XX/NNNNNNNN.pack`` on disk, by number (index or not)."""
+    found = {}
+    packs = root / "packs"
+    if not packs.is_dir():
+        return found
+    for sub in packs.iterdir():
+        if not sub.is_dir() or not re.fullmatch(r"[0-9a-f]{2}", sub.name):
+            continue
+        for f in sub.iterdir():
+            m = _PACK_NAME.match(f.name)
+            if m:
+                found[int(m.group(1))] = f
+    return found
+
+
+class PackFile:
+    """One pack being written: header, appended records, then a trailer at seal()."""
+
+    def __init__(self, root: pathlib.Path, n: int, *, meta: bool) -> None:
+        self.number = n
+        self.meta = meta
+        self.path = pack_path(root, n)
+        makedirs_durable(self.path.parent)
+        # O_EXCL: a number is never reused while a file of that name exists.
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        self.entries: list[fmt.TrailerEntry] = []
+        self.size = 0
+        self.live = 0  # bytes of object records (roots snapshots are never live)
+        self.sealed = False
+        self._write(fmt.PackHeader(fmt.FORMAT_VERSION, meta, n).pack())
+
+    def _write(self, data: bytes) -> None:
+        write_all(self._fd, data)
+        self.size += len(data)
+
+    def append(self, record: bytes, rtype: int, oid: bytes) -> int:
+        offset = self.size
+        self._write(record)
+        self.entries.append(fmt.TrailerEntry(offset, len(record), rtype, oid))
+        if rtype == fmt.RECORD_OBJECT:
+            self.live += len(record)
+        return offset
+
+    @property
+    def objects(self) -> int:
+        return sum(1 for e in self.entries if e.rtype == fmt.RECORD_OBJECT)
+
+    def seal(self) -> None:
+        """Write the trailer (records stay unsynced until ``sync``)."""
+        if not self.sealed:
+            self._write(fmt.encode_trailer(self.entries, self.size))
+            self.sealed = True
+
+    def sync(self) -> None:
+        os.fsync(self._fd)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def discard(self) -> None:
+        self.close()
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+class PackSet:
+    """The open data pack and meta pack of one transaction, rolled at ``target_size``."""
+
+    def __init__(self, root: pathlib.Path, next_number: int, target_size: int) -> None:
+        self._root = root
+        self._next = next_number
+        self._target = target_size
+        self._open: dict[bool, PackFile] = {}
+        self.files: list[PackFile] = []
+
+    def _new_pack(self, meta: bool) -> PackFile:
+        while True:
+            n, self._next = self._next, self._next + 1
+            try:
+                pf = PackFile(self._root, n, meta=meta)
+            except FileExistsError:  # a crash leftover holds this number: skip it
+                continue
+            self.files.append(pf)
+            return pf
+
+    def append(self, record: bytes, rtype: int, oid: bytes, *, meta: bool) -> tuple[int, int]:
+        """Append a record; return (pack number, offset)."""
+        pf = self._open.get(meta)
+        if pf is not None and pf.entries and pf.size + len(record) > self._target:
+            pf.seal()
+            pf = None
+        if pf is None:
+            pf = self._open[meta] = self._new_pack(meta)
+        return pf.number, pf.append(record, rtype, oid)
+
+    @property
+    def next_number(self) -> int:
+        return self._next
+
+    def seal_and_sync(self) -> None:
+        """Seal every pack, fsync them, then fsync the directories that hold them."""
+        for pf in self.files:
+            pf.seal()
+            pf.sync()
+        for d in {pf.path.parent for pf in self.files}:
+            fsync_dir(d)
+
+    def close(self) -> None:
+        for pf in self.files:
+            pf.close()
+
+    def discard(self) -> None:
+        for pf in self.files:
+            pf.discard()
+        self.files.clear()
+        self._open.clear()
+
+
+class PackReaders:
+    """Thread-safe pread access to packs through a small LRU of open descriptors."""
+
+    def __init__(self, root: pathlib.Path, *, max_open: int = 64) -> None:
+        self._root = root
+        self._max = max_open
+        self._fds: collections.OrderedDict[int, int] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def _fd(self, n: int) -> int:
+        with self._lock:
+            fd = self._fds.get(n)
+            if fd is not None:
+                self._fds.move_to_end(n)
+                return fd
+        fd = os.open(pack_path(self._root, n), os.O_RDONLY)  # FileNotFoundError propagates
+        with self._lock:
+            if n in self._fds:
+                os.close(fd)
+                return self._fds[n]
+            self._fds[n] = fd
+            while len(self._fds) > self._max:
+                # Closing under a concurrent pread of that fd is harmless only because we
+                # never close while the entry could be handed out: it was just evicted.
+                _, old = self._fds.popitem(last=False)
+                os.close(old)
+            return fd
+
+    def read(self, n: int, offset: int, length: int) -> bytes:
+        fd = self._fd(n)
+        try:
+            data = pread_exact(fd, length, offset)
+        except OSError:
+            self.forget(n)
+            raise
+        if len(data) != length:
+            raise CorruptObject(
+                f"pack {pack_name(n)} offset {offset}: truncated ({len(data)} of {length} bytes)",
+                pack=pack_name(n), offset=offset,
+            )
+        return data
+
+    def forget(self, n: int) -> None:
+        with self._lock:
+            fd = self._fds.pop(n, None)
+        if fd is not None:
+            os.close(fd)
+
+    def close(self) -> None:
+        with self._lock:
+            fds, self._fds = list(self._fds.values()), collections.OrderedDict()
+        for fd in fds:
+            os.close(fd)
+
+
+# -- scanning (repair, gc leftovers) -------------------------------------------------------
+
+
+def read_pack_header(path: pathlib.Path, *, name: str) -> fmt.PackHeader:
+    with open(path, "rb") as f:
+        return fmt.PackHeader.unpack(f.read(fmt.PACK_HEADER.size), pack=name)
+
+
+def read_trailer(path: pathlib.Path, *, name: str) -> list[fmt.TrailerEntry]:
+    """Entries of a sealed pack; CorruptObject if it has no valid trailer."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size < fmt.PACK_HEADER.size + fmt.FOOTER.size:
+            raise CorruptObject(f"pack {name}: too short for a trailer", pack=name, offset=0)
+        f.seek(size - fmt.FOOTER.size)
+        count, entries_offset = fmt.parse_footer(f.read(fmt.FOOTER.size), size, pack=name)
+        f.seek(entries_offset)
+        return fmt.decode_trailer(f.read(size - entries_offset), count, entries_offset,
+                                  pack=name)
+
+
+@dataclass(frozen=True)
+class ScannedRecord:
+    offset: int
+    record: fmt.Record | None  # None when damaged
+    error: CorruptObject | None
+
+
+def scan_records(data: bytes, *, name: str, entries: list[fmt.TrailerEntry] | None
+                 ) -> Iterator[ScannedRecord]:
+    """Decode every record of a pack image, by trailer entries or, without a usable
+    trailer, sequentially from the header, resyncing on the next record magic after damage."""
+    if entries is not None:
+        for e in entries:
+            yield _decode_at(data, e.offset, name)
+        return
+    offset = fmt.PACK_HEADER.size
+    while offset + fmt.RECORD_HEADER.size <= len(data):
+        scanned = _decode_at(data, offset, name)
+        if scanned.record is not None:
+            yield scanned
+            offset += scanned.record.header.length
+            continue
+        if data[offset : offset + 4] == fmt.RECORD_MAGIC:
+            yield scanned  # a damaged record, not the trailer or padding
+        nxt = data.find(fmt.RECORD_MAGIC, offset + 1)
+        if nxt < 0:
+            return
+        offset = nxt
+
+
+def _decode_at(data: bytes, offset: int, name: str) -> ScannedRecord:
+    try:
+        return ScannedRecord(offset, fmt.decode_record(data, offset, pack=name), None)
+    except CorruptObject as exc:
+        return ScannedRecord(offset, None, exc)

@@ -1,0 +1,302 @@
+"""``PackStore``: the on-disk ``ObjectStore`` (packs + LMDB index), and ``open``.
+
+Layout (docs/FORMAT.md "Directory tree")::
+
+    <path>/lock                      writer lock (flock)
+    <path>/index/                    LMDB environment (derived; ``repair`` rebuilds it)
+    <path>/packs/XX/NNNNNNNN.pack    immutable pack files, XX = (N >> 8) & 0xff
+
+Reads are thread-safe: index lookups run in short read transactions, records are read
+with ``os.pread`` on cached descriptors and decompressed by per-thread zstd contexts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pathlib
+import shutil
+import threading
+from collections.abc import Iterable, Iterator
+
+import zstandard
+
+from . import format as fmt
+from . import index as ix
+from .api import (
+    GCReport,
+    Object,
+    ObjectInfo,
+    ObjectStore,
+    ProgressFn,
+    RepairReport,
+    Stats,
+    VerifyReport,
+    Writer,
+)
+from .errors import CorruptObject, FormatError, ObjectNotFound, StoreClosed
+from .fileio import allocated_bytes, makedirs_durable, store_error
+from .ids import check_id, hexid
+from .lock import WriterLock
+from .pack import PackReaders, list_pack_files, pack_name, pack_path
+from .writer import PackWriter, check_root_name
+
+_STORE_ENTRIES = {"index", "packs", "lock", "index.new", "index.old"}
+_READ_RETRIES = 4
+
+
+def open(  # noqa: A001 - mirrors the builtin on purpose: engine.open(path)
+    path: str | os.PathLike,
+    *,
+    create: bool = True,
+    compression_level: int = 3,
+    map_size: int = 1 << 30,
+    pack_target_size: int = 256 << 20,
+) -> PackStore:
+    """Open (or with ``create=True`` create) the pack store at ``path``."""
+    return PackStore(path, create=create, compression_level=compression_level,
+                     map_size=map_size, pack_target_size=pack_target_size)
+
+
+def _check_int(name: str, value, lo: int, hi: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
+        raise ValueError(f"{name} must be an int in {lo}..{hi}, got {value!r}")
+
+
+class PackStore(ObjectStore):
+    def __init__(self, path: str | os.PathLike, *, create: bool = True,
+                 compression_level: int = 3, map_size: int = 1 << 30,
+                 pack_target_size: int = 256 << 20) -> None:
+        _check_int("compression_level", compression_level, -7, 22)
+        _check_int("map_size", map_size, 1 << 16, 1 << 50)
+        _check_int("pack_target_size", pack_target_size, 1 << 10, 1 << 40)
+        self.path = pathlib.Path(path).absolute()
+        self.compression_level = compression_level
+        self.pack_target_size = pack_target_size
+        self._pid = os.getpid()
+        self._closed = True
+        self._writer: Writer | None = None
+        self._local = threading.local()
+        try:
+            needs_repair = self._prepare_dir(create)
+            self._lock = WriterLock(self.path / "lock")
+            self._index = ix.Index(self.path / "index", map_size=map_size, create=True,
+                                   options={"compression_level": compression_level,
+                                            "pack_target_size": pack_target_size})
+        except OSError as exc:
+            raise store_error(f"cannot open store {self.path}", exc) from exc
+        self._readers = PackReaders(self.path)
+        self._closed = False
+        if needs_repair:
+            self.repair()  # the index was lost but packs remain: rebuild it from them
+
+    def _prepare_dir(self, create: bool) -> bool:
+        """Create or check the layout; finish a repair's index swap a crash interrupted.
+        Returns True when packs exist but the index does not."""
+        p = self.path
+        if not p.exists():
+            if not create:
+                raise FormatError(f"no store at {p} (pass create=True to make one)")
+            makedirs_durable(p)
+        elif not p.is_dir():
+            raise FormatError(f"{p} is not a directory")
+        entries = {e.name for e in p.iterdir()}
+        if entries and not entries & {"index", "packs", "index.new"}:
+            raise FormatError(f"{p} is a non-empty directory that is not a cnrstore store")
+        if not entries and not create:
+            raise FormatError(f"no store at {p} (pass create=True to make one)")
+        if "index" not in entries and "index.new" in entries and "index.old" in entries:
+            os.replace(p / "index.new", p / "index")  # index.new was complete (see repair)
+            entries.add("index")
+        for leftover in ("index.new", "index.old"):
+            if (p / leftover).exists() and (p / "index").exists():
+                shutil.rmtree(p / leftover)
+        makedirs_durable(p / "packs")
+        return "index" not in entries and bool(list_pack_files(p))
+
+    # -- handle state ---------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosed(f"store {self.path} is closed")
+        if os.getpid() != self._pid:
+            raise StoreClosed(
+                f"store {self.path} was opened in process {self._pid}; LMDB handles do not "
+                "survive fork(): call engine.open() again in the child"
+            )
+
+    def _dctx(self) -> zstandard.ZstdDecompressor:
+        dctx = getattr(self._local, "dctx", None)
+        if dctx is None:
+            dctx = self._local.dctx = zstandard.ZstdDecompressor()
+        return dctx
+
+    # -- read side ------------------------------------------------------------------------
+    def _entry(self, txn, oid: bytes) -> ix.ObjectEntry:
+        raw = txn.get(oid, db=self._index.objects)
+        if raw is None:
+            raise ObjectNotFound(f"object {hexid(oid)} not found", oid=oid)
+        return ix.ObjectEntry.decode(raw)
+
+    def _lookup(self, oid: bytes) -> ix.ObjectEntry:
+        return self._index.read(lambda txn: self._entry(txn, oid))
+
+    def _read_entry(self, oid: bytes, entry: ix.ObjectEntry) -> Object | None:
+        """Read and check one record; None when its pack vanished (gc moved it: look up
+        again in a fresh transaction)."""
+        name = pack_name(entry.pack)
+        try:
+            data = self._readers.read(entry.pack, entry.offset, entry.length)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise store_error(f"cannot read pack {name}", exc) from exc
+        try:
+            rec = fmt.decode_record(data, 0, pack=name, dctx=self._dctx())
+        except CorruptObject as exc:
+            raise CorruptObject(
+                f"object {hexid(oid)} in pack {name} at offset {entry.offset} is corrupt: {exc}",
+                oid=oid, pack=name, offset=entry.offset,
+            ) from exc
+        h = rec.header
+        if h.oid != oid or h.rtype != fmt.RECORD_OBJECT or h.kind != entry.kind:
+            raise CorruptObject(
+                f"object {hexid(oid)}: pack {name} offset {entry.offset} holds "
+                f"{h.oid.hex()} instead", oid=oid, pack=name, offset=entry.offset,
+            )
+        return Object(h.kind, rec.refs, rec.payload)
+
+    def get(self, oid: bytes) -> Object:
+        self._check_open()
+        check_id(oid)
+        oid = bytes(oid)
+        entry = None
+        for _ in range(_READ_RETRIES):
+            entry = self._lookup(oid)
+            obj = self._read_entry(oid, entry)
+            if obj is not None:
+                return obj
+            self._readers.forget(entry.pack)
+        name = pack_name(entry.pack)
+        raise CorruptObject(f"object {hexid(oid)}: pack {name} is missing", oid=oid,
+                            pack=name, offset=entry.offset)
+
+    def get_many(self, oids: Iterable[bytes]) -> Iterator[Object]:
+        """Objects in the order asked; index lookups batched into one read txn per chunk."""
+        self._check_open()
+        chunk: list[bytes] = []
+        for oid in oids:
+            check_id(oid)
+            chunk.append(bytes(oid))
+            if len(chunk) == 256:
+                yield from self._get_chunk(chunk)
+                chunk = []
+        if chunk:
+            yield from self._get_chunk(chunk)
+
+    def _get_chunk(self, oids: list[bytes]) -> Iterator[Object]:
+        entries = self._index.read(lambda txn: [self._entry(txn, o) for o in oids])
+        for oid, entry in zip(oids, entries):
+            obj = self._read_entry(oid, entry)
+            yield obj if obj is not None else self.get(oid)
+
+    def info(self, oid: bytes) -> ObjectInfo:
+        self._check_open()
+        check_id(oid)
+        e = self._lookup(bytes(oid))
+        return ObjectInfo(e.kind, e.refs, e.raw_len, e.length, e.meta)
+
+    def has(self, oid: bytes) -> bool:
+        self._check_open()
+        check_id(oid)
+        return self._index.read(lambda t: t.get(bytes(oid), db=self._index.objects)) is not None
+
+    def root(self, name: str) -> bytes | None:
+        self._check_open()
+        key = check_root_name(name)
+        return self._index.read(lambda t: t.get(key, db=self._index.roots))
+
+    def roots(self) -> dict[str, bytes]:
+        self._check_open()
+        return self._index.read(
+            lambda t: {k.decode("utf-8"): v for k, v in t.cursor(db=self._index.roots)}
+        )
+
+    # -- writes ---------------------------------------------------------------------------
+    def writer(self, *, timeout: float | None = 0.0) -> Writer:
+        self._check_open()
+        self._lock.acquire(timeout)
+        try:
+            w = PackWriter(self)
+        except BaseException:
+            self._lock.release()
+            raise
+        self._writer = w
+        return w
+
+    def _writer_done(self, w: Writer) -> None:
+        if self._writer is w:
+            self._writer = None
+            self._lock.release()
+
+    # -- maintenance (phases live in gc.py, verify.py, repair.py) -------------------------
+    def gc(self, *, threshold: float = 0.25, timeout: float | None = 0.0,
+           progress: ProgressFn | None = None) -> GCReport:
+        from .gc import collect
+
+        self._check_open()
+        if not isinstance(threshold, (int, float)) or not 0.0 <= threshold <= 1.0:
+            raise ValueError(f"threshold must be a number in 0..1, got {threshold!r}")
+        with self._locked(timeout):
+            return collect(self, threshold=float(threshold), progress=progress)
+
+    def verify(self, *, deep: bool = False, roots: Iterable[str] | None = None,
+               progress: ProgressFn | None = None) -> VerifyReport:
+        from .verify import verify
+
+        self._check_open()
+        return verify(self, deep=deep, roots=roots, progress=progress)
+
+    def repair(self) -> RepairReport:
+        from .repair import rebuild
+
+        self._check_open()
+        with self._locked(None):
+            return rebuild(self)
+
+    @contextlib.contextmanager
+    def _locked(self, timeout: float | None) -> Iterator[None]:
+        self._lock.acquire(timeout)
+        try:
+            yield
+        finally:
+            self._lock.release()
+
+    def stats(self) -> Stats:
+        self._check_open()
+        index = self._index
+
+        def collect(txn):
+            logical = sum(ix.ObjectEntry.decode(v).raw_len
+                          for _, v in txn.cursor(db=index.objects))
+            packs = [ix.unpack_pack_key(k) for k, _ in txn.cursor(db=index.packs)]
+            nobj = txn.stat(index.objects)["entries"]
+            return nobj, logical, packs, txn.stat(index.roots)["entries"]
+
+        nobj, logical, packs, nroots = index.read(collect)
+        stored = sum(allocated_bytes(pack_path(self.path, n)) for n in packs)
+        return Stats(nobj, logical, stored, len(packs), nroots)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        if os.getpid() != self._pid:
+            self._closed = True  # the parent owns the LMDB handle; do not touch it here
+            return
+        if self._writer is not None:
+            self._writer.abort()
+        self._closed = True
+        self._readers.close()
+        self._index.close()
+
+    def __repr__(self) -> str:
+        return f"PackStore({os.fspath(self.path)!r})"

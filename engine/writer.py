@@ -1,0 +1,192 @@
+"""The pack store's write transaction (docs/FORMAT.md "Write ordering: commit").
+
+Puts are appended to fresh pack files as they come (so a large transaction never sits in
+memory); commit seals and fsyncs the packs, then publishes everything in ONE LMDB write
+transaction. Until that transaction commits, nothing of this writer is visible, and a crash
+leaves only unindexed pack files that gc or repair reclaims.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import zstandard
+
+from . import crashpoints
+from . import format as fmt
+from . import index as ix
+from .api import CommitInfo, Writer
+from .errors import ObjectNotFound, StoreClosed, StoreError
+from .fileio import store_error
+from .ids import check_id, check_kind, hexid, object_id
+from .pack import PackSet
+
+if TYPE_CHECKING:
+    from .store import PackStore
+
+MAX_ROOT_NAME = 511  # LMDB's default key size limit, in utf-8 bytes
+
+
+def check_root_name(name: str) -> bytes:
+    if not isinstance(name, str):
+        raise TypeError(f"root name must be a str, got {type(name).__name__}")
+    key = name.encode("utf-8")
+    if not 0 < len(key) <= MAX_ROOT_NAME:
+        raise ValueError(f"root name must be 1..{MAX_ROOT_NAME} utf-8 bytes, got {name!r}")
+    return key
+
+
+class PackWriter(Writer):
+    """Created by ``PackStore.writer`` with the writer lock held; releases it when done."""
+
+    def __init__(self, store: PackStore) -> None:
+        self._store = store
+        self._index = store._index
+        next_pack = self._index.read(lambda t: ix.get_u64(t, self._index.meta, ix.META_NEXT_PACK))
+        self._packs = PackSet(store.path, next_pack, store.pack_target_size)
+        level = store.compression_level
+        self._cctx = zstandard.ZstdCompressor(level=level) if level != 0 else None
+        self._new: dict[bytes, ix.ObjectEntry] = {}
+        self._roots: dict[str, bytes | None] = {}
+        self._reused = 0
+        self._bytes = 0
+        self._done = False
+        self._broken: BaseException | None = None
+
+    def _check(self) -> None:
+        if self._done:
+            raise StoreClosed("writer already committed or aborted")
+        self._store._check_open()
+        if self._broken is not None:
+            raise StoreError(f"writer failed earlier and must be aborted: {self._broken}")
+
+    def has(self, oid: bytes) -> bool:
+        check_id(oid)
+        return bytes(oid) in self._new or self._store.has(oid)
+
+    def put(
+        self,
+        kind: int,
+        payload: bytes | bytearray | memoryview,
+        refs: Sequence[bytes] = (),
+        *,
+        meta: bool = False,
+    ) -> bytes:
+        self._check()
+        check_kind(kind)
+        if not isinstance(payload, (bytes, bytearray, memoryview)):
+            raise TypeError(f"payload must be bytes-like, got {type(payload).__name__}")
+        if isinstance(refs, (bytes, bytearray, str)):
+            raise TypeError("refs must be a sequence of object ids, not a single bytes/str")
+        refs = tuple(bytes(r) for r in refs)
+        payload = bytes(payload)
+        oid = object_id(kind, refs, payload)  # validates every ref's shape
+        for ref in refs:
+            if not self.has(ref):
+                raise ObjectNotFound(f"ref {hexid(ref)} does not exist", oid=ref)
+        if self.has(oid):
+            self._reused += 1
+            return oid
+        record = fmt.encode_record(fmt.RECORD_OBJECT, kind, refs, payload, oid, cctx=self._cctx)
+        try:
+            pack, offset = self._packs.append(record, fmt.RECORD_OBJECT, oid, meta=bool(meta))
+        except OSError as exc:
+            self._broken = exc
+            raise store_error("cannot append to pack", exc) from exc
+        self._new[oid] = ix.ObjectEntry(pack, offset, len(record), kind, len(payload),
+                                        bool(meta), refs)
+        self._bytes += len(record)
+        return oid
+
+    def set_root(self, name: str, oid: bytes) -> None:
+        self._check()
+        check_root_name(name)
+        check_id(oid)
+        if not self.has(oid):
+            raise ObjectNotFound(f"root target {hexid(oid)} does not exist", oid=bytes(oid))
+        self._roots[name] = bytes(oid)
+
+    def delete_root(self, name: str) -> None:
+        self._check()
+        check_root_name(name)
+        current = self._roots[name] if name in self._roots else self._store.root(name)
+        if current is None:
+            raise ObjectNotFound(f"root {name!r} does not exist", name=name)
+        self._roots[name] = None
+
+    def commit(self) -> CommitInfo:
+        self._check()
+        self._done = True
+        published = False
+        try:
+            if not self._new and not self._roots:
+                return CommitInfo(0, 0, self._reused)
+            seq, snapshot_pack = self._append_snapshot()
+            crashpoints.hit("writer.after_pack_write")
+            self._packs.seal_and_sync()
+            crashpoints.hit("writer.after_pack_fsync")
+            self._index.write(lambda txn: self._publish(txn, seq, snapshot_pack))
+            published = True
+            crashpoints.hit("writer.after_index_commit")
+            return CommitInfo(self._bytes, len(self._new), self._reused)
+        except OSError as exc:
+            raise store_error("commit failed", exc) from exc
+        finally:
+            self._packs.close()
+            if not published:
+                self._packs.discard()
+            self._store._writer_done(self)
+
+    def _append_snapshot(self) -> tuple[int | None, int | None]:
+        """Append a roots snapshot to the meta pack when this commit moves roots
+        (FORMAT.md "Roots snapshots"): repair recovers roots from these alone."""
+        if not self._roots:
+            return None, None
+        index = self._index
+
+        def current(txn):
+            roots = {k.decode(): bytes(v) for k, v in txn.cursor(db=index.roots)}
+            return ix.get_u64(txn, index.meta, ix.META_SEQ), roots
+
+        seq, roots = index.read(current)
+        for name, oid in self._roots.items():
+            if oid is None:
+                roots.pop(name, None)
+            else:
+                roots[name] = oid
+        seq += 1
+        payload = fmt.encode_snapshot(seq, roots)
+        sid = fmt.snapshot_id(payload)
+        record = fmt.encode_record(fmt.RECORD_ROOTS, 0, (), payload, sid, cctx=self._cctx)
+        self._bytes += len(record)
+        pack, _ = self._packs.append(record, fmt.RECORD_ROOTS, sid, meta=True)
+        return seq, pack
+
+    def _publish(self, txn, seq: int | None, snapshot_pack: int | None) -> None:
+        index = self._index
+        for oid, entry in self._new.items():
+            txn.put(oid, entry.encode(), db=index.objects)
+        for pf in self._packs.files:
+            entry = ix.PackEntry(pf.size, pf.live, pf.meta, pf.objects)
+            txn.put(ix.pack_key(pf.number), entry.encode(), db=index.packs)
+        for name, oid in self._roots.items():
+            key = name.encode("utf-8")
+            if oid is None:
+                txn.delete(key, db=index.roots)
+            else:
+                txn.put(key, oid, db=index.roots)
+        next_pack = max(self._packs.next_number, ix.get_u64(txn, index.meta, ix.META_NEXT_PACK))
+        txn.put(ix.META_NEXT_PACK, ix.U64.pack(next_pack), db=index.meta)
+        if seq is not None:
+            txn.put(ix.META_SEQ, ix.U64.pack(seq), db=index.meta)
+            txn.put(ix.META_SNAPSHOT_PACK, ix.I64.pack(snapshot_pack), db=index.meta)
+
+    def abort(self) -> None:
+        if self._done:
+            return
+        self._done = True
+        try:
+            self._packs.discard()
+        finally:
+            self._store._writer_done(self)
