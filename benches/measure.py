@@ -1,0 +1,141 @@
+"""What the benchmark measures with, outside of any system under test.
+
+- Bytes on disk are allocated blocks (st_blocks * 512) summed over a directory, as ``du``
+  counts them: sparse LMDB maps and preallocated files count only what they occupy, and a
+  system cannot claim fewer bytes than it really wrote.
+- Peak memory is the kernel's resident-set high-water mark. On Linux it can be reset
+  (``/proc/self/clear_refs`` with "5"), which gives a peak per phase in one process;
+  where that is refused, the process-wide ``ru_maxrss`` is the fallback and the report
+  says which one was used.
+- Cold reads: dropping the whole page cache needs root and disturbs everyone on a shared
+  machine, so the default evicts only the benchmark's own files (posix_fadvise
+  DONTNEED, which drops clean pages of a file without privileges). ``drop_caches`` is tried
+  only when asked for.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import time
+from collections.abc import Callable
+from typing import Any
+
+__all__ = [
+    "PeakMemory",
+    "disk_bytes",
+    "evict_page_cache",
+    "fsync_dir",
+    "timed",
+]
+
+
+def disk_bytes(path: str | os.PathLike) -> int:
+    """Allocated bytes of ``path`` and everything under it (files and directories)."""
+    total = 0
+    try:
+        total += os.lstat(path).st_blocks * 512
+    except FileNotFoundError:
+        return 0
+    for root, dirs, files in os.walk(path):
+        for name in dirs + files:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_blocks * 512
+            except FileNotFoundError:
+                pass  # a file removed while we walk (a system's own cleanup) is not bytes
+    return total
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """fsync a directory so a new entry in it survives a crash (what a real save needs)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def evict_page_cache(path: str | os.PathLike, *, drop_caches: bool = False) -> str:
+    """Make the next reads of files under ``path`` come from disk, as far as allowed.
+
+    Returns how: "drop_caches" (the whole cache was dropped), "fadvise" (each file's clean
+    pages were dropped), or "none" (not supported here: reads may be warm).
+    """
+    if drop_caches:
+        try:
+            os.sync()
+            with open("/proc/sys/vm/drop_caches", "w") as f:
+                f.write("1\n")
+            return "drop_caches"
+        except OSError:
+            pass  # not root, or /proc/sys read-only in a container: fall back per file
+    if not hasattr(os, "posix_fadvise"):
+        return "none"
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                # Dirty pages cannot be dropped; every system fsyncs, but be sure.
+                os.fdatasync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+    return "fadvise"
+
+
+def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    """(seconds, result) of calling ``fn`` once, by the monotonic high-resolution clock."""
+    t0 = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t0, out
+
+
+def _status_kb(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+class PeakMemory:
+    """Resident-set high-water marks per phase of one process.
+
+    ``start()`` begins a phase (resetting the kernel's mark when it can); ``stop()``
+    returns the phase's peak RSS in bytes and how far above the RSS at ``start()`` it went.
+    """
+
+    def __init__(self) -> None:
+        self.method = "clear_refs" if self._reset() else "ru_maxrss"
+        self._base = 0
+
+    @staticmethod
+    def _reset() -> bool:
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5\n")
+        except OSError:
+            return False
+        return _status_kb("VmHWM") is not None
+
+    @staticmethod
+    def rss() -> int:
+        kb = _status_kb("VmRSS")
+        if kb is None:
+            return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        return kb * 1024
+
+    def start(self) -> None:
+        if self.method == "clear_refs":
+            self._reset()
+        self._base = self.rss()
+
+    def stop(self) -> dict[str, int]:
+        if self.method == "clear_refs":
+            peak = (_status_kb("VmHWM") or 0) * 1024
+        else:
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        return {"peak_rss": peak, "peak_over_start": max(0, peak - self._base)}

@@ -1,0 +1,214 @@
+"""The systems the benchmark compares, behind one small interface.
+
+Each system keeps every step it is given under its own directory and can restore any of
+them. A save is measured until it is durable (data fsync'ed, directory entry fsync'ed):
+that is what a checkpoint is for, and what cnrstore's commit protocol pays for.
+
+- ``torch_save``: one torch.save file per step.
+- ``safetensors``: one safetensors file per step (skipped when not installed).
+- ``dcp``: torch.distributed.checkpoint, one process without a process group, a
+  FileSystemWriter directory per step (its writer fsyncs the files itself).
+- ``cnr_<scheme>[_async]``: cnrstore, one store for all steps; ``_async`` puts with
+  ``blocking=False`` and records the stall (time until put_tables returns) apart from the
+  time until the step is durable.
+"""
+
+from __future__ import annotations
+
+import abc
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benches.measure import fsync_dir, timed
+
+__all__ = ["BASELINES", "SYSTEMS", "System", "available_systems", "make_system"]
+
+BASELINES = ("torch_save", "safetensors", "dcp")
+CNR_SCHEMES = ("exact", "int8", "int4")
+SYSTEMS = BASELINES + tuple(f"cnr_{s}" for s in CNR_SCHEMES) + tuple(
+    f"cnr_{s}_async" for s in CNR_SCHEMES
+)
+
+
+class System(abc.ABC):
+    """A checkpointing system under test, rooted at one directory it owns."""
+
+    name: str
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    @abc.abstractmethod
+    def put(self, step: int, tables: dict[str, torch.Tensor]) -> dict[str, Any]:
+        """Save ``tables`` as ``step`` durably; returns at least put_s and stall_s."""
+
+    @abc.abstractmethod
+    def restore(self, step: int) -> dict[str, torch.Tensor]:
+        """Read ``step`` back as a fresh job would (no state kept from the puts)."""
+
+    def close(self) -> None:  # noqa: B027 - most systems hold no handle between calls
+        """Release handles so a restore starts cold."""
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class TorchSave(System):
+    name = "torch_save"
+
+    def _path(self, step: int) -> Path:
+        return self.root / f"step_{step:08d}.pt"
+
+    def put(self, step, tables):
+        def save():
+            with open(self._path(step), "wb") as f:
+                torch.save(tables, f)
+                f.flush()
+                os.fsync(f.fileno())
+            fsync_dir(self.root)
+
+        seconds, _ = timed(save)
+        return {"put_s": seconds, "stall_s": seconds}
+
+    def restore(self, step):
+        return torch.load(self._path(step), map_location="cpu", weights_only=True)
+
+
+class SafeTensors(System):
+    name = "safetensors"
+
+    def _path(self, step: int) -> Path:
+        return self.root / f"step_{step:08d}.safetensors"
+
+    def put(self, step, tables):
+        from safetensors.torch import save_file
+
+        def save():
+            save_file(tables, str(self._path(step)))
+            _fsync_path(self._path(step))
+            fsync_dir(self.root)
+
+        seconds, _ = timed(save)
+        return {"put_s": seconds, "stall_s": seconds}
+
+    def restore(self, step):
+        from safetensors.torch import load_file
+
+        return load_file(str(self._path(step)), device="cpu")
+
+
+class DistributedCheckpoint(System):
+    name = "dcp"
+
+    def _path(self, step: int) -> Path:
+        return self.root / f"step_{step:08d}"
+
+    def put(self, step, tables):
+        import torch.distributed.checkpoint as dcp
+
+        def save():
+            writer = dcp.FileSystemWriter(str(self._path(step)), sync_files=True)
+            dcp.save(dict(tables), storage_writer=writer, no_dist=True)
+            fsync_dir(self.root)
+
+        seconds, _ = timed(save)
+        return {"put_s": seconds, "stall_s": seconds}
+
+    def restore(self, step):
+        import torch.distributed.checkpoint as dcp
+
+        # A restarted job knows names and shapes only from the checkpoint's own metadata.
+        reader = dcp.FileSystemReader(str(self._path(step)))
+        meta = reader.read_metadata().state_dict_metadata
+        state = {
+            name: torch.empty(tuple(m.size), dtype=m.properties.dtype) for name, m in meta.items()
+        }
+        dcp.load(state, storage_reader=dcp.FileSystemReader(str(self._path(step))), no_dist=True)
+        return state
+
+
+class CnrStore(System):
+    """cnrstore through its public API only (DESIGN.md "Public API")."""
+
+    def __init__(self, root: Path, *, scheme: str, blocking: bool) -> None:
+        super().__init__(root)
+        self.scheme = scheme
+        self.blocking = blocking
+        self.name = f"cnr_{scheme}" + ("" if blocking else "_async")
+        self._store = None
+
+    def _open(self):
+        import cnrstore
+
+        if self._store is None:
+            self._store = cnrstore.open(str(self.root / "store"))
+        return self._store
+
+    def put(self, step, tables):
+        store = self._open()
+
+        def submit():
+            return store.put_tables(step, tables, quant=self.scheme, blocking=self.blocking)
+
+        stall, out = timed(submit)
+        if self.blocking:
+            info, put_s = out, stall
+        else:
+            wait_s, info = timed(out.result)
+            put_s = stall + wait_s
+        return {
+            "put_s": put_s,
+            "stall_s": stall,
+            "claimed_bytes_written": int(info.bytes_written),
+            "logical_bytes": int(info.logical_bytes),
+            "rows_changed": int(sum(dict(info.rows_changed).values()))
+            if isinstance(info.rows_changed, dict)
+            else int(info.rows_changed),
+            "objects_new": int(info.objects_new),
+            "objects_reused": int(info.objects_reused),
+        }
+
+    def restore(self, step):
+        # Open, read, close: the cost a restarted job pays (index open included).
+        import cnrstore
+
+        self.close()
+        with cnrstore.open(str(self.root / "store")) as store:
+            return store.get_tables(step)
+
+    def close(self) -> None:
+        if self._store is not None:
+            self._store.close()
+            self._store = None
+
+
+def available_systems() -> tuple[str, ...]:
+    """SYSTEMS minus those whose optional dependency is missing here."""
+    try:
+        import safetensors.torch  # noqa: F401
+    except ImportError:
+        return tuple(s for s in SYSTEMS if s != "safetensors")
+    return SYSTEMS
+
+
+def make_system(name: str, root: Path) -> System:
+    if name == "torch_save":
+        return TorchSave(root)
+    if name == "safetensors":
+        return SafeTensors(root)
+    if name == "dcp":
+        return DistributedCheckpoint(root)
+    if name.startswith("cnr_"):
+        scheme = name[len("cnr_") :].removesuffix("_async")
+        if scheme in CNR_SCHEMES:
+            return CnrStore(root, scheme=scheme, blocking=not name.endswith("_async"))
+    raise ValueError(f"unknown system {name!r}; choose from {SYSTEMS}")

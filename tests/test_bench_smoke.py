@@ -1,0 +1,228 @@
+"""The checkpoint benchmark (benches/bench_checkpoint.py): its parts and a tiny end-to-end run.
+
+The end-to-end run is the CI smoke test: ``--quick`` in a subprocess, then the JSON's
+structure and the sanity of its numbers (bytes are allocated bytes, incremental cnrstore
+steps write less than torch.save, restores give back what was put).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from benches import report  # noqa: E402
+from benches.bench_checkpoint import parse_args  # noqa: E402
+from benches.measure import PeakMemory, disk_bytes, evict_page_cache  # noqa: E402
+from benches.workload import (  # noqa: E402
+    Workload,
+    apply_update,
+    changed_rows,
+    make_tables,
+    table_specs,
+)
+
+
+def _has_store_api() -> bool:
+    import cnrstore
+
+    return callable(getattr(cnrstore, "open", None))
+
+
+# --- workload ---------------------------------------------------------------------------
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    rows=st.integers(1, 5000),
+    fraction=st.sampled_from([0.001, 0.01, 0.05, 0.2, 0.5, 1.0]),
+    dist=st.sampled_from(["zipf", "uniform"]),
+    step=st.integers(1, 50),
+)
+def test_changed_rows_exact_count_distinct_in_range(rows, fraction, dist, step):
+    w = Workload(fraction, dist)
+    ids = changed_rows(rows, w, seed=7, step=step, table_index=1)
+    assert len(ids) == max(1, min(rows, round(fraction * rows)))
+    assert ids.dtype == np.int64
+    assert np.all(np.diff(ids) > 0)  # sorted and distinct
+    assert ids[0] >= 0 and ids[-1] < rows
+    again = changed_rows(rows, w, seed=7, step=step, table_index=1)
+    assert np.array_equal(ids, again)
+
+
+def test_zipf_rows_are_hot_and_scattered_uniform_rows_are_not_hot():
+    rows, steps = 100_000, 4
+    sets = {d: [set(changed_rows(rows, Workload(0.05, d), seed=1, step=s, table_index=0))
+                for s in range(1, steps + 1)] for d in ("zipf", "uniform")}
+    overlap = {d: len(v[0] & v[1]) / len(v[0]) for d, v in sets.items()}
+    # Uniform 5% samples overlap by ~5%; Zipf keeps a hot set that changes every interval.
+    assert overlap["uniform"] < 0.08
+    assert overlap["zipf"] > 3 * overlap["uniform"]
+    # Hot rows are scattered over the table, not packed at its start.
+    hot = sorted(set.intersection(*sets["zipf"]))
+    assert len(hot) > 100
+    assert np.median(hot) > rows * 0.3 and np.median(hot) < rows * 0.7
+
+
+def test_tables_and_updates_are_deterministic_and_change_exactly_the_chosen_rows():
+    specs = table_specs(scale=0.001)
+    assert len(specs) >= 3 and len({r for r, _ in specs.values()}) == len(specs)
+    a, b = make_tables(specs, seed=3), make_tables(specs, seed=3)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    before = {k: v.clone() for k, v in a.items()}
+    w = Workload(0.05, "zipf")
+    n = apply_update(a, w, seed=3, step=1)
+    apply_update(b, w, seed=3, step=1)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    total = 0
+    for i, (name, t) in enumerate(a.items()):
+        changed = (t != before[name]).any(dim=1).nonzero().flatten().numpy()
+        want = changed_rows(t.shape[0], w, seed=3, step=1, table_index=i)
+        assert np.array_equal(changed, want), name
+        total += len(want)
+    assert n == total
+
+
+def test_default_scale_is_at_least_one_gib_of_fp32():
+    rows = sum(r * d for r, d in table_specs().values())
+    assert rows * 4 >= 1 << 30
+
+
+@pytest.mark.parametrize("bad", [dict(fraction=0.0, dist="zipf"), dict(fraction=1.5, dist="zipf"),
+                                 dict(fraction=0.1, dist="pareto")])
+def test_bad_workload_is_refused(bad):
+    with pytest.raises(ValueError):
+        Workload(**bad)
+
+
+# --- measurement ------------------------------------------------------------------------
+
+
+def test_disk_bytes_counts_allocated_blocks_not_apparent_size(tmp_path):
+    sparse = tmp_path / "sparse"
+    with open(sparse, "wb") as f:
+        f.truncate(64 << 20)  # 64 MiB apparent, nothing allocated
+    dense = tmp_path / "sub" / "dense"
+    dense.parent.mkdir()
+    dense.write_bytes(os.urandom(1 << 20))
+    got = disk_bytes(tmp_path)
+    assert 1 << 20 <= got < 2 << 20
+    assert disk_bytes(tmp_path / "missing") == 0
+    assert evict_page_cache(tmp_path) in ("fadvise", "none")
+    assert dense.read_bytes()[:4] == dense.read_bytes()[:4]  # still readable after eviction
+
+
+def test_peak_memory_sees_a_transient_allocation():
+    mem = PeakMemory()
+    mem.start()
+    block = np.ones(64 << 20, dtype=np.uint8)  # 64 MiB, touched
+    del block
+    peak = mem.stop()
+    if mem.method == "clear_refs":
+        assert peak["peak_over_start"] >= 60 << 20
+    assert peak["peak_rss"] >= 64 << 20
+
+
+# --- report -----------------------------------------------------------------------------
+
+
+def test_median_merge_takes_medians_and_all_of_flags():
+    runs = [{"a": 1, "b": [3.0, 9.0], "ok": True, "s": "x"},
+            {"a": 5, "b": [1.0, 7.0], "ok": True, "s": "x"},
+            {"a": 2, "b": [2.0, 8.0], "ok": False, "s": "x"}]
+    assert report.median_merge(runs) == {"a": 2, "b": [2.0, 8.0], "ok": False, "s": "x"}
+
+
+def test_check_targets_compares_against_limits():
+    summary = {report.TARGET_WORKLOAD: {
+        "cnr_int8": {"write_reduction": 25.0, "incr_put_ratio": 0.7, "restore_ratio": 1.0},
+        "cnr_exact": {"write_reduction": 5.0, "incr_put_ratio": 0.4, "restore_ratio": 2.0},
+    }}
+    met = {(c["system"], c["target"].split()[0]): c["met"]
+           for c in report.check_targets(summary)}
+    assert met[("cnr_int8", "write_reduction")] is True
+    assert met[("cnr_exact", "write_reduction")] is False
+    assert met[("cnr_int8", "incr_put_ratio")] is False
+    assert met[("cnr_exact", "incr_put_ratio")] is True
+    assert met[("cnr_exact", "restore_ratio")] is False
+
+
+@pytest.mark.parametrize("argv", [["--scale", "0"], ["--steps", "0"], ["--repeat", "0"],
+                                  ["--systems", "torch_save,nope"], ["--fractions", "0"],
+                                  ["--dists", "pareto"]])
+def test_bad_arguments_are_refused_before_running(argv, tmp_path):
+    with pytest.raises(SystemExit):
+        parse_args(argv + ["--out", str(tmp_path / "o")])
+    assert not (tmp_path / "o").exists()
+
+
+# --- end to end -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    systems = ["torch_save", "dcp"]
+    if _has_store_api():
+        systems += ["cnr_exact", "cnr_int8", "cnr_int8_async"]
+    cmd = [sys.executable, str(REPO / "benches" / "bench_checkpoint.py"), "--quick",
+           "--systems", ",".join(systems), "--fractions", "0.01", "--dists", "zipf",
+           "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads((out / "results.json").read_text()), out, systems
+
+
+def test_quick_run_writes_json_and_markdown_of_every_system(quick_run):
+    doc, out, systems = quick_run
+    assert set(doc) == {"meta", "summary", "targets", "runs"}
+    assert list(doc["summary"]) == ["zipf-1pct"]
+    assert set(doc["summary"]["zipf-1pct"]) == set(systems)
+    assert doc["meta"]["steps"] == 2 and doc["meta"]["repeat"] == 1
+    md = (out / "results.md").read_text()
+    assert all(f"| {s} |" in md for s in systems)
+
+
+def test_quick_run_numbers_are_sane(quick_run):
+    doc, _, _ = quick_run
+    rows = doc["summary"]["zipf-1pct"]
+    logical = rows["torch_save"]["logical_bytes"]
+    for system, job in doc["runs"].items():
+        res = job[0]["workloads"]["zipf-1pct"]
+        cum = [s["cum_bytes"] for s in res["steps"]]
+        assert len(cum) == 3 and cum == sorted(cum), system
+        assert all(s["put_s"] > 0 and s["stall_s"] <= s["put_s"] + 1e-9 for s in res["steps"])
+        assert res["restore_latest_s"] > 0 and res["restore_oldest_s"] > 0
+        assert res["latest_error"]["same_layout"] is True
+    for system in ("torch_save", "dcp"):  # full copies each step, bit-exact
+        row = rows[system]
+        assert logical <= row["incr_bytes"] < 1.5 * logical + (1 << 20)
+        assert row["bit_exact_latest"] and row["oldest_bit_exact"]
+    assert rows["torch_save"]["write_reduction"] == pytest.approx(1.0)
+
+
+@pytest.mark.skipif(not _has_store_api(), reason="cnrstore.open has not landed yet")
+def test_quick_run_cnrstore_writes_less_and_restores_what_was_put(quick_run):
+    doc, _, _ = quick_run
+    rows = doc["summary"]["zipf-1pct"]
+    ts = rows["torch_save"]
+    for system in ("cnr_exact", "cnr_int8", "cnr_int8_async"):
+        row = rows[system]
+        assert 0 < row["incr_bytes"] < ts["incr_bytes"], system
+        assert row["cum_bytes"] < ts["cum_bytes"], system
+    assert rows["cnr_exact"]["bit_exact_latest"] and rows["cnr_exact"]["oldest_bit_exact"]
+    for system in ("cnr_int8", "cnr_int8_async"):
+        assert not rows[system]["bit_exact_latest"]
+        assert 0 < rows[system]["rel_rmse"] < 0.02
+    assert rows["cnr_int8"]["incr_bytes"] < rows["cnr_exact"]["incr_bytes"]
