@@ -32,7 +32,7 @@ DB_META = b"meta"
 # FORMAT.md "Index": value layouts.
 OBJECT_VALUE = struct.Struct("<IQQBQBI")
 PACK_KEY = struct.Struct(">I")  # big-endian so cursor order is pack order
-PACK_VALUE = struct.Struct("<QQBI")
+PACK_VALUE = struct.Struct("<QQQBI")
 U64 = struct.Struct("<Q")
 I64 = struct.Struct("<q")
 FLAG_META = 0x01
@@ -74,21 +74,28 @@ class ObjectEntry:
 
 @dataclass(frozen=True)
 class PackEntry:
-    size: int
-    live: int
+    size: int    # file size, header and trailer included
+    total: int   # bytes of object records written (the base of the dead fraction)
+    live: int    # bytes of object records still indexed
     meta: bool
-    count: int
+    count: int   # object records still indexed
 
     def encode(self) -> bytes:
-        return PACK_VALUE.pack(self.size, self.live, FLAG_META if self.meta else 0, self.count)
+        flags = FLAG_META if self.meta else 0
+        return PACK_VALUE.pack(self.size, self.total, self.live, flags, self.count)
 
     @classmethod
     def decode(cls, buf: bytes) -> PackEntry:
         try:
-            size, live, flags, count = PACK_VALUE.unpack(buf)
+            size, total, live, flags, count = PACK_VALUE.unpack(buf)
         except struct.error as exc:
             raise FormatError(f"malformed pack entry in index: {exc}") from exc
-        return cls(size, live, bool(flags & FLAG_META), count)
+        return cls(size, total, live, bool(flags & FLAG_META), count)
+
+    @property
+    def dead_fraction(self) -> float:
+        """Share of the object bytes no longer indexed (1.0 for a pack without objects)."""
+        return 1.0 if self.total == 0 else (self.total - self.live) / self.total
 
 
 def pack_key(n: int) -> bytes:

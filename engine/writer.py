@@ -168,7 +168,7 @@ class PackWriter(Writer):
         for oid, entry in self._new.items():
             txn.put(oid, entry.encode(), db=index.objects)
         for pf in self._packs.files:
-            entry = ix.PackEntry(pf.size, pf.live, pf.meta, pf.objects)
+            entry = ix.PackEntry(pf.size, pf.live, pf.live, pf.meta, pf.objects)
             txn.put(ix.pack_key(pf.number), entry.encode(), db=index.packs)
         for name, oid in self._roots.items():
             key = name.encode("utf-8")

@@ -1,0 +1,247 @@
+"""Garbage collection: mark, sweep, compact, delete (docs/FORMAT.md "Garbage collection").
+
+Runs with the writer lock held. Each phase ends in a state a crash may leave behind:
+
+1. mark: walk refs from every root through the index alone (payloads are never read);
+2. sweep: ONE transaction drops dead object entries and lowers their packs' live bytes;
+3. compact: live records of mostly-dead packs are copied verbatim (checksum checked) into
+   new packs, which are sealed and fsync'ed; ONE transaction moves their entries and drops
+   the old packs' entries (plus a fresh roots snapshot when the current one was in them);
+4. delete: only now are the old pack files, and files no index entry lists (crash
+   leftovers), unlinked. A reader whose older transaction still names a deleted pack gets
+   FileNotFoundError, looks the object up again and finds its new place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from . import crashpoints
+from . import format as fmt
+from . import index as ix
+from .api import GCReport, ProgressFn
+from .errors import CorruptObject
+from .fileio import allocated_bytes, fsync_dir, store_error
+from .pack import PackSet, list_pack_files, pack_name, pack_path, read_trailer
+
+if TYPE_CHECKING:
+    from .store import PackStore
+
+
+def mark(index: ix.Index) -> set[bytes]:
+    """Ids reachable from the roots, following refs kept in the index."""
+
+    def walk(txn):
+        live: set[bytes] = set()
+        stack = [bytes(v) for _, v in txn.cursor(db=index.roots)]
+        while stack:
+            oid = stack.pop()
+            if oid in live:
+                continue
+            raw = txn.get(oid, db=index.objects)
+            if raw is None:
+                continue  # a dangling ref is verify's to report; gc keeps what exists
+            live.add(oid)
+            stack.extend(ix.ObjectEntry.decode(raw).refs)
+        return live
+
+    return index.read(walk)
+
+
+def sweep(index: ix.Index, live: set[bytes]) -> int:
+    """Drop every unmarked object entry; return how many were dropped."""
+
+    def apply(txn):
+        dead: dict[int, list[int]] = {}
+        keys = []
+        for key, raw in txn.cursor(db=index.objects):
+            if key not in live:
+                entry = ix.ObjectEntry.decode(raw)
+                keys.append(key)
+                acc = dead.setdefault(entry.pack, [0, 0])
+                acc[0] += entry.length
+                acc[1] += 1
+        for key in keys:
+            txn.delete(key, db=index.objects)
+        for n, (nbytes, count) in dead.items():
+            raw = txn.get(ix.pack_key(n), db=index.packs)
+            if raw is None:
+                continue
+            p = ix.PackEntry.decode(raw)
+            p = ix.PackEntry(p.size, p.total, max(0, p.live - nbytes), p.meta,
+                             max(0, p.count - count))
+            txn.put(ix.pack_key(n), p.encode(), db=index.packs)
+        return len(keys)
+
+    return index.write(apply)
+
+
+@dataclass
+class _Plan:
+    rewrite: list[int] = field(default_factory=list)  # packs whose live records move
+    drop: list[int] = field(default_factory=list)     # packs with nothing live
+    meta: dict[int, bool] = field(default_factory=dict)
+    next_pack: int = 0
+    seq: int = 0
+    snapshot_pack: int = -1
+    roots: dict[str, bytes] = field(default_factory=dict)
+
+
+def _plan(store: PackStore, threshold: float) -> _Plan:
+    index = store._index
+
+    def read(txn):
+        plan = _Plan()
+        plan.next_pack = ix.get_u64(txn, index.meta, ix.META_NEXT_PACK)
+        plan.seq = ix.get_u64(txn, index.meta, ix.META_SEQ)
+        plan.snapshot_pack = ix.get_snapshot_pack(txn, index.meta)
+        plan.roots = {k.decode(): bytes(v) for k, v in txn.cursor(db=index.roots)}
+        for key, raw in txn.cursor(db=index.packs):
+            n, p = ix.unpack_pack_key(key), ix.PackEntry.decode(raw)
+            plan.meta[n] = p.meta
+            if p.count == 0:
+                # Nothing live; a snapshot-only pack holding the current snapshot stays,
+                # or every gc would replace it with an identical one.
+                if p.total > 0 or n != plan.snapshot_pack:
+                    plan.drop.append(n)
+            elif p.dead_fraction > threshold:
+                plan.rewrite.append(n)
+        return plan
+
+    return index.read(read)
+
+
+def _copy_live(store: PackStore, plan: _Plan, out: PackSet) -> dict[bytes, ix.ObjectEntry]:
+    """Copy the live records of ``plan.rewrite`` into ``out``; packs that cannot be read
+    cleanly are left in place (and out of the plan) for verify and repair to deal with."""
+    index = store._index
+    moves: dict[bytes, ix.ObjectEntry] = {}
+    kept = []
+    for n in plan.rewrite:
+        name = pack_name(n)
+        try:
+            entries = read_trailer(pack_path(store.path, n), name=name)
+            live = index.read(lambda txn, n=n, entries=entries: _live_entries(txn, index, n,
+                                                                            entries))
+            records = []
+            for oid, e in live:
+                data = store._readers.read(n, e.offset, e.length)
+                fmt.check_record(data, 0, pack=name)
+                records.append((oid, e, data))
+        except (CorruptObject, OSError):
+            continue
+        for oid, e, data in records:
+            pack, offset = out.append(data, fmt.RECORD_OBJECT, oid, meta=plan.meta[n])
+            moves[oid] = ix.ObjectEntry(pack, offset, e.length, e.kind, e.raw_len, e.meta, e.refs)
+        kept.append(n)
+    plan.rewrite = kept
+    return moves
+
+
+def _live_entries(txn, index, n, entries):
+    live = []
+    for t in entries:
+        if t.rtype != fmt.RECORD_OBJECT:
+            continue
+        raw = txn.get(t.oid, db=index.objects)
+        if raw is None:
+            continue
+        e = ix.ObjectEntry.decode(raw)
+        if e.pack == n and e.offset == t.offset:
+            live.append((t.oid, e))
+    return live
+
+
+def collect(store: PackStore, *, threshold: float, progress: ProgressFn | None) -> GCReport:
+    index = store._index
+    before = {n: allocated_bytes(p) for n, p in list_pack_files(store.path).items()}
+    live = mark(index)
+    crashpoints.hit("gc.after_mark")
+    freed_objects = sweep(index, live)
+    crashpoints.hit("gc.after_sweep_commit")
+    if progress:
+        progress(1, 3)
+
+    plan = _plan(store, threshold)
+    out = PackSet(store.path, plan.next_pack, store.pack_target_size)
+    try:
+        moves = _copy_live(store, plan, out)
+        gone = set(plan.rewrite) | set(plan.drop)
+        seq, snap = plan.seq, plan.snapshot_pack
+        if plan.snapshot_pack in gone:
+            seq += 1
+            payload = fmt.encode_snapshot(seq, plan.roots)
+            sid = fmt.snapshot_id(payload)
+            record = fmt.encode_record(fmt.RECORD_ROOTS, 0, (), payload, sid, cctx=None)
+            snap, _ = out.append(record, fmt.RECORD_ROOTS, sid, meta=True)
+        out.seal_and_sync()
+        crashpoints.hit("gc.after_compact_write")
+        if gone or out.files:
+            index.write(lambda txn: _publish(txn, index, moves, gone, out, seq, snap))
+        crashpoints.hit("gc.after_compact_commit")
+    except OSError as exc:
+        out.discard()
+        raise store_error("gc compaction failed", exc) from exc
+    except BaseException:
+        out.discard()
+        raise
+    finally:
+        out.close()
+    if progress:
+        progress(2, 3)
+
+    deleted = _delete_unlisted(store)
+    crashpoints.hit("gc.after_delete")
+    if progress:
+        progress(3, 3)
+    after = sum(allocated_bytes(p) for p in list_pack_files(store.path).values())
+    return GCReport(
+        objects_live=len(live),
+        objects_freed=freed_objects,
+        bytes_freed=max(0, sum(before.values()) - after),
+        packs_rewritten=len(plan.rewrite),
+        packs_deleted=deleted,
+    )
+
+
+def _publish(txn, index, moves, gone, out: PackSet, seq: int, snap: int) -> None:
+    for oid, entry in moves.items():
+        txn.put(oid, entry.encode(), db=index.objects)
+    for n in gone:
+        txn.delete(ix.pack_key(n), db=index.packs)
+    for pf in out.files:
+        live = [m for m in moves.values() if m.pack == pf.number]
+        nbytes = sum(m.length for m in live)
+        entry = ix.PackEntry(pf.size, nbytes, nbytes, pf.meta, len(live))
+        txn.put(ix.pack_key(pf.number), entry.encode(), db=index.packs)
+    next_pack = max(out.next_number, ix.get_u64(txn, index.meta, ix.META_NEXT_PACK))
+    txn.put(ix.META_NEXT_PACK, ix.U64.pack(next_pack), db=index.meta)
+    txn.put(ix.META_SEQ, ix.U64.pack(seq), db=index.meta)
+    txn.put(ix.META_SNAPSHOT_PACK, ix.I64.pack(snap), db=index.meta)
+
+
+def _delete_unlisted(store: PackStore) -> int:
+    """Unlink pack files the index does not list: compacted packs and crash leftovers.
+    Safe only under the writer lock, when no writer has unpublished packs."""
+    index = store._index
+    listed = set(index.read(
+        lambda txn: [ix.unpack_pack_key(k) for k, _ in txn.cursor(db=index.packs)]
+    ))
+    dirs = set()
+    deleted = 0
+    for n, path in list_pack_files(store.path).items():
+        if n in listed:
+            continue
+        store._readers.forget(n)
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            raise store_error(f"cannot delete pack {pack_name(n)}", exc) from exc
+        dirs.add(path.parent)
+        deleted += 1
+    for d in dirs:
+        fsync_dir(d)
+    return deleted

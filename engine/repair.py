@@ -1,0 +1,181 @@
+"""Rebuild the index from the pack files alone (docs/FORMAT.md "Recovery and repair").
+
+Every pack is read by its trailer, or record by record when the trailer is missing or
+damaged; damaged records are skipped and reported. Roots come from the roots snapshot with
+the highest (sequence, pack, offset) whose DAGs are complete, so a snapshot of a commit a
+crash cut short can never bring back roots over missing objects. The new index is written
+beside the old one (``index.new``), synced, and swapped in by two renames that
+``PackStore`` finishes on open should a crash fall between them.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from . import format as fmt
+from . import index as ix
+from .api import Problem, RepairReport
+from .errors import CorruptObject
+from .fileio import fsync_dir, store_error
+from .ids import hexid
+from .pack import list_pack_files, pack_name, read_trailer, scan_records
+
+if TYPE_CHECKING:
+    from .store import PackStore
+
+
+@dataclass
+class _Found:
+    objects: dict[bytes, ix.ObjectEntry]
+    packs: dict[int, ix.PackEntry]
+    snapshots: list[tuple[int, int, int, dict[str, bytes]]]  # (seq, pack, offset, roots)
+    damaged: list[Problem]
+
+
+def _scan(store: PackStore) -> tuple[_Found, int]:
+    found = _Found({}, {}, [], [])
+    files = list_pack_files(store.path)
+    for n, path in sorted(files.items()):
+        name = pack_name(n)
+        try:
+            data = path.read_bytes()
+            header = fmt.PackHeader.unpack(data[: fmt.PACK_HEADER.size], pack=name)
+        except CorruptObject as exc:
+            found.damaged.append(Problem("corrupt-pack", str(exc), pack=name, offset=0))
+            continue
+        except OSError as exc:
+            raise store_error(f"cannot read pack {name}", exc) from exc
+        try:
+            entries = read_trailer(path, name=name)
+        except CorruptObject as exc:
+            entries = None  # unsealed crash leftover or damaged trailer: scan sequentially
+            found.damaged.append(Problem("damaged-trailer", str(exc), pack=name,
+                                         offset=exc.offset))
+        total = live = count = 0
+        for scanned in scan_records(data, name=name, entries=entries):
+            rec = scanned.record
+            if rec is None:
+                err = scanned.error
+                found.damaged.append(Problem("corrupt", str(err), oid=err.oid, pack=name,
+                                             offset=scanned.offset))
+                continue
+            h = rec.header
+            if h.rtype == fmt.RECORD_ROOTS:
+                try:
+                    seq, roots = fmt.decode_snapshot(rec.payload, pack=name, offset=scanned.offset)
+                except CorruptObject as exc:
+                    found.damaged.append(Problem("corrupt", str(exc), pack=name,
+                                                 offset=scanned.offset))
+                    continue
+                found.snapshots.append((seq, n, scanned.offset, roots))
+                continue
+            total += h.length
+            if h.oid in found.objects:
+                continue  # a copy gc made before a crash: the first one wins
+            found.objects[h.oid] = ix.ObjectEntry(n, scanned.offset, h.length, h.kind,
+                                                  h.raw_len, header.meta, rec.refs)
+            live += h.length
+            count += 1
+        found.packs[n] = ix.PackEntry(len(data), total, live, header.meta, count)
+    return found, max(files, default=-1) + 1
+
+
+def _complete(objects: dict[bytes, ix.ObjectEntry], roots: dict[str, bytes]) -> bool:
+    seen: set[bytes] = set()
+    stack = list(roots.values())
+    while stack:
+        oid = stack.pop()
+        if oid in seen:
+            continue
+        entry = objects.get(oid)
+        if entry is None:
+            return False
+        seen.add(oid)
+        stack.extend(entry.refs)
+    return True
+
+
+def _choose_roots(found: _Found) -> tuple[int, int, dict[str, bytes]]:
+    """(max sequence seen, pack of the chosen snapshot, its roots)."""
+    ordered = sorted(found.snapshots, key=lambda s: s[:3], reverse=True)
+    max_seq = ordered[0][0] if ordered else 0
+    for _seq, n, _offset, roots in ordered:
+        if _complete(found.objects, roots):
+            return max_seq, n, roots
+    if not ordered:
+        return 0, -1, {}
+    _, n, offset, roots = ordered[0]
+    kept = {}
+    for name, oid in roots.items():
+        if _complete(found.objects, {name: oid}):
+            kept[name] = oid
+        else:
+            found.damaged.append(Problem(
+                "dangling-root", f"root {name!r} -> {hexid(oid)} reaches missing objects; "
+                "dropped", oid=oid, pack=pack_name(n), offset=offset))
+    return max_seq, n, kept
+
+
+def rebuild(store: PackStore) -> RepairReport:
+    """Called by ``PackStore.repair`` with the writer lock held."""
+    found, next_pack = _scan(store)
+    seq, snap_pack, roots = _choose_roots(found)
+    old = store._index
+    try:
+        old_next = old.read(lambda t: ix.get_u64(t, old.meta, ix.META_NEXT_PACK))
+        old_seq = old.read(lambda t: ix.get_u64(t, old.meta, ix.META_SEQ))
+    except Exception:  # the old index may be the damaged thing we are replacing
+        old_next = old_seq = 0
+    map_size = old.map_size
+    new_path = store.path / "index.new"
+    if new_path.exists():
+        shutil.rmtree(new_path)
+    new = ix.Index(new_path, map_size=map_size, create=True,
+                   options={"compression_level": store.compression_level,
+                            "pack_target_size": store.pack_target_size})
+
+    def fill(txn):
+        for oid, entry in found.objects.items():
+            txn.put(oid, entry.encode(), db=new.objects)
+        for n, entry in found.packs.items():
+            txn.put(ix.pack_key(n), entry.encode(), db=new.packs)
+        for name, oid in roots.items():
+            txn.put(name.encode("utf-8"), oid, db=new.roots)
+        txn.put(ix.META_NEXT_PACK, ix.U64.pack(max(next_pack, old_next)), db=new.meta)
+        txn.put(ix.META_SEQ, ix.U64.pack(max(seq, old_seq)), db=new.meta)
+        txn.put(ix.META_SNAPSHOT_PACK, ix.I64.pack(snap_pack), db=new.meta)
+
+    try:
+        new.write(fill)
+        new.sync()
+    finally:
+        new.close()
+    _swap(store, map_size)
+    return RepairReport(len(found.packs), len(found.objects), len(roots),
+                        tuple(found.damaged))
+
+
+def _swap(store: PackStore, map_size: int) -> None:
+    """index.new -> index, keeping the old one as index.old until the swap is durable."""
+    p = store.path
+    store._index.close()
+    try:
+        if (p / "index.old").exists():
+            shutil.rmtree(p / "index.old")
+        if (p / "index").exists():
+            os.replace(p / "index", p / "index.old")
+        fsync_dir(p)
+        os.replace(p / "index.new", p / "index")
+        fsync_dir(p)
+        shutil.rmtree(p / "index.old", ignore_errors=True)
+    except OSError as exc:
+        raise store_error("cannot swap in the rebuilt index", exc) from exc
+    finally:
+        if (p / "index").exists():
+            store._index = ix.Index(p / "index", map_size=map_size, create=False)
+        else:  # nothing sane to serve from; a reopen finishes the swap (see PackStore)
+            store._closed = True
+    store._readers.close()

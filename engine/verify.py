@@ -1,0 +1,138 @@
+"""Integrity checks of what the roots reach (docs/FORMAT.md "Verify").
+
+Structural: every reachable id is indexed, its pack is indexed and on disk and long enough
+to hold the record. Deep: additionally read every reachable record and check its checksum
+and id. Damage is reported as ``Problem`` values, never raised.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from . import index as ix
+from .api import Problem, ProgressFn, VerifyReport
+from .errors import CorruptObject, ObjectNotFound, StoreError
+from .ids import hexid
+from .pack import pack_name, pack_path
+from .writer import check_root_name
+
+if TYPE_CHECKING:
+    from .store import PackStore
+
+
+def _walk(store: PackStore, names: list[str] | None):
+    """Reachable entries and the structural problems met on the way (one read txn)."""
+    index = store._index
+
+    def walk(txn):
+        problems: list[Problem] = []
+        found: dict[bytes, ix.ObjectEntry] = {}
+        all_roots = {k.decode(): bytes(v) for k, v in txn.cursor(db=index.roots)}
+        wanted = all_roots if names is None else {n: all_roots.get(n) for n in names}
+        stack: list[tuple[bytes, str]] = []
+        for name, oid in wanted.items():
+            if oid is None:
+                problems.append(Problem("missing-root", f"root {name!r} does not exist"))
+            elif txn.get(oid, db=index.objects) is None:
+                problems.append(Problem("dangling-root",
+                                        f"root {name!r} points at missing object {hexid(oid)}",
+                                        oid=oid))
+            else:
+                stack.append((oid, f"root {name!r}"))
+        seen: set[bytes] = set()
+        while stack:
+            oid, via = stack.pop()
+            if oid in seen:
+                continue
+            seen.add(oid)
+            raw = txn.get(oid, db=index.objects)
+            if raw is None:
+                problems.append(Problem("missing", f"object {hexid(oid)} (ref of {via}) is "
+                                        "not in the index", oid=oid))
+                continue
+            entry = ix.ObjectEntry.decode(raw)
+            found[oid] = entry
+            stack.extend((r, f"object {hexid(oid)}") for r in entry.refs)
+        packs = {ix.unpack_pack_key(k) for k, _ in txn.cursor(db=index.packs)}
+        return found, problems, packs
+
+    return index.read(walk)
+
+
+def _pack_problem(store: PackStore, oid: bytes, e: ix.ObjectEntry, packs: set[int],
+                  sizes: dict[int, int]) -> Problem | None:
+    name = pack_name(e.pack)
+    if e.pack not in packs:
+        return Problem("missing-pack", f"object {hexid(oid)}: pack {name} is not indexed",
+                       oid=oid, pack=name, offset=e.offset)
+    if e.pack not in sizes:
+        try:
+            sizes[e.pack] = os.stat(pack_path(store.path, e.pack)).st_size
+        except FileNotFoundError:
+            sizes[e.pack] = -1
+    if sizes[e.pack] < 0:
+        return Problem("missing-pack", f"object {hexid(oid)}: pack file {name} is missing",
+                       oid=oid, pack=name, offset=e.offset)
+    if sizes[e.pack] < e.offset + e.length:
+        return Problem("truncated", f"object {hexid(oid)}: pack {name} ends at "
+                       f"{sizes[e.pack]}, before its record ends at {e.offset + e.length}",
+                       oid=oid, pack=name, offset=e.offset)
+    return None
+
+
+def verify(store: PackStore, *, deep: bool, roots: Iterable[str] | None,
+           progress: ProgressFn | None) -> VerifyReport:
+    names = None
+    if roots is not None:
+        if isinstance(roots, str):
+            raise TypeError("roots must be an iterable of root names, not a single str")
+        names = list(roots)
+        for n in names:
+            check_root_name(n)
+    found, problems, packs = _walk(store, names)
+    sizes: dict[int, int] = {}
+    total = len(found)
+    nbytes = 0
+    for done, (oid, entry) in enumerate(found.items(), 1):
+        problem = _pack_problem(store, oid, entry, packs, sizes)
+        if problem is not None:
+            # A concurrent gc (another process) may have moved the object: look again.
+            problem = _recheck(store, oid, problem)
+        if problem is None and deep:
+            problem = _deep_check(store, oid)
+            nbytes += entry.raw_len
+        if problem is not None:
+            problems.append(problem)
+        if progress:
+            progress(done, total)
+    return VerifyReport(not problems, tuple(problems), total, nbytes)
+
+
+def _recheck(store: PackStore, oid: bytes, problem: Problem) -> Problem | None:
+    try:
+        entry = store._lookup(oid)
+    except ObjectNotFound:
+        return problem
+    if pack_name(entry.pack) == problem.pack:
+        return problem
+    fresh = _pack_problem(store, oid, entry, _listed(store), {})
+    return fresh
+
+
+def _listed(store: PackStore) -> set[int]:
+    index = store._index
+    return set(index.read(lambda t: [ix.unpack_pack_key(k) for k, _ in t.cursor(db=index.packs)]))
+
+
+def _deep_check(store: PackStore, oid: bytes) -> Problem | None:
+    try:
+        store.get(oid)
+    except CorruptObject as exc:
+        return Problem("corrupt", str(exc), oid=oid, pack=exc.pack, offset=exc.offset)
+    except ObjectNotFound as exc:
+        return Problem("missing", str(exc), oid=oid)
+    except StoreError as exc:
+        return Problem("unreadable", str(exc), oid=oid)
+    return None
