@@ -1,0 +1,207 @@
+"""Per-row 64-bit fingerprints of a table, computed on the table's own device.
+
+A put compares each row's fingerprint with the one kept from the previous put to find the
+changed rows without moving the table off its device. The hash therefore has to be
+bit-identical on CPU and CUDA, which rules out float reductions and anything whose result
+depends on the reduction order: it uses torch integer ops only, and the one reduction is a
+wrapping int64 sum, which is associative and commutative.
+
+Construction (see docs/QUANTIZATION.md, "Row fingerprints", for the collision analysis):
+
+1. The row's bytes are viewed as little-endian 64-bit words w_j (zero-padded to a multiple
+   of 8 bytes; the byte length is mixed in at the end, so padding cannot alias).
+2. Each word goes through a position-keyed bijection of the 64-bit ring
+       f_j(w) = M(w XOR a_j) * b_j,   M(x) = y XOR (y >>> 32) with y = x * C
+   with random 64-bit a_j and random odd b_j. The xorshift is the nonlinear step: a purely
+   linear sum of words times odd keys maps a flip of bit 63 in two words to
+   2^63 * (odd + odd) = 0 mod 2^64, i.e. it misses two sign flips of float64 rows.
+3. h = sum_j f_j(w_j) mod 2^64, then h XOR (nbytes * golden) and the splitmix64 finalizer.
+
+Rows are processed in chunks through reused buffers: these VMs first-touch fresh memory at
+well under 1 GB/s, so allocating temporaries the size of the table would dominate.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import torch
+
+__all__ = ["row_fingerprints", "FINGERPRINT_VERSION"]
+
+# Bump when the construction or the keys change: stored fingerprints become incomparable.
+FINGERPRINT_VERSION = 1
+
+_MASK64 = (1 << 64) - 1
+_SEED = 0x6A09E667F3BCC908  # sqrt(2) fraction bits: a nothing-up-my-sleeve seed
+_C = 0x9E3779B97F4A7C15  # 2^64 / golden ratio, odd
+_LEN_MUL = 0xD6E8FEB86659FD93
+# Words per chunk: keeps the two int64 work buffers of a chunk inside the L2 caches on
+# CPU (2 x 1 MiB here); on CUDA a chunk only bounds temporary memory.
+_CPU_CHUNK_WORDS = 1 << 16
+_CUDA_CHUNK_WORDS = 1 << 24
+
+
+def _to_signed(value: int) -> int:
+    value &= _MASK64
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def _splitmix64_stream(seed: int, count: int) -> list[int]:
+    out = []
+    state = seed
+    for _ in range(count):
+        state = (state + 0x9E3779B97F4A7C15) & _MASK64
+        z = state
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+        out.append(z ^ (z >> 31))
+    return out
+
+
+_keys_lock = threading.Lock()
+_key_cache: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
+_buffers_lock = threading.Lock()
+_buffer_cache: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+
+def _keys(device: torch.device, words: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-position keys (a_j, b_j) for rows of `words` words, cached per device.
+
+    Key j depends only on j (not on the row length), so the keys of a longer row extend
+    those of a shorter one; the cache keeps the longest prefix generated so far.
+    """
+    key = (str(device), 0)
+    with _keys_lock:
+        cached = _key_cache.get(key)
+        if cached is None or cached[0].numel() < words:
+            count = max(words, 2 * (cached[0].numel() if cached is not None else 0), 64)
+            raw = _splitmix64_stream(_SEED, 2 * count)
+            a = torch.tensor([_to_signed(v) for v in raw[0::2]], dtype=torch.int64)
+            b = torch.tensor([_to_signed(v | 1) for v in raw[1::2]], dtype=torch.int64)
+            cached = (a.to(device), b.to(device))
+            _key_cache[key] = cached
+    return cached[0][:words], cached[1][:words]
+
+
+def _take_buffers(device: torch.device, elems: int):
+    with _buffers_lock:
+        bufs = _buffer_cache.pop((str(device), elems), None)
+    if bufs is None:
+        bufs = (
+            torch.empty(elems, dtype=torch.int64, device=device),
+            torch.empty(elems, dtype=torch.int64, device=device),
+            torch.empty(elems, dtype=torch.int64, device=device),
+        )
+    return bufs
+
+
+def _return_buffers(device: torch.device, elems: int, bufs) -> None:
+    with _buffers_lock:
+        # One set per (device, size): concurrent callers simply allocate their own.
+        _buffer_cache.setdefault((str(device), elems), bufs)
+
+
+def _avalanche(h: torch.Tensor) -> torch.Tensor:
+    """splitmix64 finalizer on int64 (logical shifts via masks), in place."""
+    low = (1 << 34) - 1
+    h ^= (h >> 30) & low
+    h *= _to_signed(0xBF58476D1CE4E5B9)
+    h ^= (h >> 27) & ((1 << 37) - 1)
+    h *= _to_signed(0x94D049BB133111EB)
+    h ^= (h >> 31) & ((1 << 33) - 1)
+    return h
+
+
+def _as_rows_of_bytes(table: torch.Tensor) -> torch.Tensor:
+    """A [rows, nbytes] uint8 view (or copy, for non-contiguous layouts) of the table."""
+    rows = table.shape[0]
+    flat = table.reshape(rows, math.prod(table.shape[1:]))
+    if flat.dtype == torch.uint8:
+        return flat
+    if flat.shape[1] == 0:
+        return torch.empty((rows, 0), dtype=torch.uint8, device=table.device)
+    if flat.stride(1) != 1:
+        flat = flat.contiguous()
+    return flat.view(torch.uint8)
+
+
+def _as_words(chunk_bytes: torch.Tensor, words: int, pad_buf: torch.Tensor) -> torch.Tensor:
+    """View (or copy into `pad_buf`) a [n, nbytes] uint8 chunk as [n, words] int64."""
+    n, nbytes = chunk_bytes.shape
+    if nbytes == words * 8 and chunk_bytes.is_contiguous():
+        try:
+            return chunk_bytes.view(torch.int64)
+        except RuntimeError:  # storage offset not 8-byte aligned: fall through to a copy
+            pass
+    padded = pad_buf[: n * words].view(n, words)
+    padded_bytes = padded.view(torch.uint8)
+    if nbytes != words * 8:
+        padded_bytes[:, nbytes:].zero_()
+    padded_bytes[:, :nbytes].copy_(chunk_bytes)
+    return padded
+
+
+def row_fingerprints(table: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """int64 tensor [rows] on table.device: a 64-bit hash of each row's bytes.
+
+    Rows are dim 0; any ndim >= 1, any dtype (bool, ints, floats incl. bf16), contiguous or
+    not, and rows of zero bytes are accepted. Equal row bytes give equal fingerprints on
+    every device; the result depends only on the bytes, not on dtype or shape.
+    `out`, when given, must be an int64 tensor of shape [rows] on the table's device.
+    """
+    if not isinstance(table, torch.Tensor):
+        raise TypeError(f"row_fingerprints expects a torch.Tensor, got {type(table).__name__}")
+    if table.ndim < 1:
+        raise ValueError("row_fingerprints needs a tensor with ndim >= 1 (rows are dim 0)")
+    if table.is_complex() or table.is_quantized or table.layout != torch.strided:
+        raise ValueError(f"row_fingerprints cannot hash a {table.dtype} {table.layout} tensor")
+    rows = table.shape[0]
+    device = table.device
+    if out is None:
+        out = torch.empty(rows, dtype=torch.int64, device=device)
+    elif out.dtype != torch.int64 or tuple(out.shape) != (rows,) or out.device != device:
+        raise ValueError(
+            f"out must be int64 [{rows}] on {device}, got {out.dtype} {list(out.shape)} "
+            f"on {out.device}"
+        )
+    nbytes = math.prod(table.shape[1:]) * table.element_size()
+    words = (nbytes + 7) // 8
+    if rows == 0:
+        return out
+    if words == 0:
+        out.zero_()
+    else:
+        _hash_words(table, words, out)
+    out ^= _to_signed(nbytes * _LEN_MUL)
+    _avalanche(out)
+    return out
+
+
+def _hash_words(table: torch.Tensor, words: int, out: torch.Tensor) -> None:
+    device = table.device
+    a, b = _keys(device, words)
+    budget = _CUDA_CHUNK_WORDS if device.type == "cuda" else _CPU_CHUNK_WORDS
+    chunk_rows = max(1, budget // words)
+    elems = min(chunk_rows, table.shape[0]) * words
+    work, tmp, pad = _take_buffers(device, elems)
+    c = _to_signed(_C)
+    mask32 = (1 << 32) - 1
+    try:
+        for start in range(0, table.shape[0], chunk_rows):
+            # Chunk before flattening: a non-contiguous table is copied a chunk at a time.
+            chunk = _as_rows_of_bytes(table[start : start + chunk_rows])
+            n = chunk.shape[0]
+            w = _as_words(chunk, words, pad)
+            x = work[: n * words].view(n, words)
+            y = tmp[: n * words].view(n, words)
+            torch.bitwise_xor(w, a, out=x)
+            x *= c
+            torch.bitwise_right_shift(x, 32, out=y)
+            y &= mask32
+            x ^= y
+            x *= b
+            torch.sum(x, dim=1, out=out[start : start + n])
+    finally:
+        _return_buffers(device, elems, (work, tmp, pad))

@@ -1,0 +1,110 @@
+"""Choice of the quantization range [lo, hi] of each row: min/max or adaptive clipping.
+
+Check-N-Run's adaptive quantization clips each row's range where that lowers the row's L2
+error: a few outliers otherwise stretch the scale for every other element. The search is
+PyTorch's `choose_qparams_optimized` (aten/src/ATen/native/quantized/QTensor.cpp), run for
+all rows at once as tensor ops so it stays on the rows' device:
+
+    step = (max - min) / N_BINS; walk from [min, max], each time moving the end whose move
+    gives the lower error, until less than (1 - MAX_CLIP_RATIO) of the range is left; the
+    answer is the best local optimum met (min/max itself counts).
+
+Then the winner and plain min/max are both encoded exactly as the encoder will (fp16
+parameters, codes, output dtype) and the winner is kept only if its float64 L2 error is
+strictly lower, so the adaptive range is never worse than min/max.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cnrstore.qparams import dequantize, fp16_qparams, quantize_codes
+
+__all__ = ["SEARCHES", "N_BINS", "MAX_CLIP_RATIO", "choose_ranges", "row_sq_errors"]
+
+SEARCHES = ("greedy", "minmax")
+N_BINS = 200
+MAX_CLIP_RATIO = 0.16
+# The adaptive range must beat min/max by this relative margin, so that a caller summing
+# the same errors in another order still sees it as no worse.
+_WIN_MARGIN = 1e-9
+# Elements per search chunk: two float32 work buffers of a chunk stay cache-resident.
+_CHUNK_ELEMS = 1 << 17
+
+
+def choose_ranges(x: torch.Tensor, bits: int, *, search: str, dtype: torch.dtype):
+    """float32 rows [n, w] -> (lo, hi), float32 [n] each: the range to quantize per row.
+
+    `dtype` is the table's dtype, which the final comparison decodes to.
+    """
+    if search not in SEARCHES:
+        raise ValueError(f"search must be one of {SEARCHES}, got {search!r}")
+    n, w = x.shape
+    if w == 0 or n == 0:
+        zeros = torch.zeros(n, dtype=torch.float32, device=x.device)
+        return zeros, zeros.clone()
+    lo, hi = x.amin(dim=1), x.amax(dim=1)
+    if search == "minmax":
+        return lo, hi
+    out_lo, out_hi = lo.clone(), hi.clone()
+    rows = max(1, _CHUNK_ELEMS // w)
+    for start in range(0, n, rows):
+        sl = slice(start, start + rows)
+        glo, ghi = _greedy(x[sl], lo[sl], hi[sl], bits)
+        err_mm = row_sq_errors(x[sl], lo[sl], hi[sl], bits, dtype)
+        err_g = row_sq_errors(x[sl], glo, ghi, bits, dtype)
+        win = err_g < err_mm * (1 - _WIN_MARGIN)
+        out_lo[sl] = torch.where(win, glo, lo[sl])
+        out_hi[sl] = torch.where(win, ghi, hi[sl])
+    return out_lo, out_hi
+
+
+def row_sq_errors(x, lo, hi, bits: int, dtype: torch.dtype) -> torch.Tensor:
+    """float64 [n]: sum of squared errors of each row encoded with range [lo, hi] and
+    decoded to `dtype`, computed exactly as encode_rows/decode_rows do."""
+    scale, offset = fp16_qparams(lo, hi, bits)
+    rec = dequantize(quantize_codes(x, scale, offset, bits), scale, offset).to(dtype)
+    diff = rec.to(torch.float64) - x.to(torch.float64)
+    return (diff * diff).sum(dim=1)
+
+
+def _loss(x, lo, hi, levels: int, y, q) -> torch.Tensor:
+    """L2 error of fake-quantizing rows x with float32 range [lo, hi] ([n, 1] each),
+    as choose_qparams_optimized computes it; y, q are [n, w] work buffers."""
+    scale = (hi - lo) / levels
+    inv = torch.where(scale > 0, 1.0 / scale, torch.ones_like(scale))
+    torch.sub(x, lo, out=y)
+    y *= inv
+    torch.round(y, out=q)
+    q.clamp_(0, levels)
+    q -= y  # residual in code units; times scale it is the error of each element
+    return torch.linalg.vector_norm(q, dim=1) * scale[:, 0]
+
+
+def _greedy(x, lo, hi, bits: int):
+    levels = (1 << bits) - 1
+    y = torch.empty_like(x)
+    q = torch.empty_like(x)
+    cur_lo, cur_hi = lo.clone(), hi.clone()
+    step = (hi - lo) / N_BINS
+    thr = int(N_BINS * (1.0 - MAX_CLIP_RATIO)) * step
+    cur_loss = _loss(x, cur_lo[:, None], cur_hi[:, None], levels, y, q)
+    best_lo, best_hi, best_loss = cur_lo.clone(), cur_hi.clone(), cur_loss.clone()
+    # In exact arithmetic the walk takes N_BINS * MAX_CLIP_RATIO steps; float rounding of
+    # the loop test can add one, and rows finish independently (the `active` mask). A
+    # fixed trip count keeps the loop free of device-to-host syncs.
+    for _ in range(int(N_BINS * MAX_CLIP_RATIO) + 2):
+        active = cur_lo + thr < cur_hi
+        up = cur_lo + step
+        down = cur_hi - step
+        loss_up = _loss(x, up[:, None], cur_hi[:, None], levels, y, q)
+        loss_down = _loss(x, cur_lo[:, None], down[:, None], levels, y, q)
+        local = active & (cur_loss < loss_up) & (cur_loss < loss_down) & (cur_loss < best_loss)
+        best_lo = torch.where(local, cur_lo, best_lo)
+        best_hi = torch.where(local, cur_hi, best_hi)
+        best_loss = torch.where(local, cur_loss, best_loss)
+        move_up = loss_up < loss_down
+        cur_lo = torch.where(active & move_up, up, cur_lo)
+        cur_hi = torch.where(active & ~move_up, down, cur_hi)
+        cur_loss = torch.where(active, torch.where(move_up, loss_up, loss_down), cur_loss)
+    return best_lo, best_hi

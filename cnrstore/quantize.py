@@ -1,0 +1,236 @@
+"""Per-row quantization schemes: encode rows to self-contained byte rows and back.
+
+Every encoded row stands alone (intN rows carry their own scale and offset), so a block or a
+patch can store any subset of a table's rows. Encoding runs on the rows' device; the byte
+layout of each scheme is specified in docs/QUANTIZATION.md ("Row encoding").
+
+- "exact": the row's raw bytes (bit-identical, NaN payloads and -0.0 kept), any dtype.
+- "fp16" / "bf16": a cast (values beyond the fp16 range saturate to +-65504).
+- "int8" / "int4" / "int3" / "int2": asymmetric uniform codes q in [0, 2^bits - 1] with
+  x ~ offset + q * scale, scale and offset stored as fp16 and the codes computed from the
+  fp16 values (as FBGEMM does), codes bit-packed (cnrstore.bitpack). The range [lo, hi] is
+  either the row's min/max or Check-N-Run's adaptive clipped range (cnrstore.qsearch).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cnrstore.bitpack import pack_codes, packed_nbytes, unpack_codes
+from cnrstore.qparams import FP16_MAX, dequantize, fp16_qparams, quantize_codes
+from cnrstore.qsearch import SEARCHES, choose_ranges
+
+__all__ = [
+    "SCHEMES",
+    "LOSSY_DTYPES",
+    "DEFAULT_SEARCH",
+    "check_scheme",
+    "scheme_bits",
+    "row_nbytes",
+    "encode_rows",
+    "decode_rows",
+    "first_nonfinite_row",
+    "max_abs_error",
+    "auto_scheme",
+]
+
+SCHEMES = ("exact", "fp16", "bf16", "int8", "int4", "int3", "int2")
+LOSSY_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+_BITS = {"int8": 8, "int4": 4, "int3": 3, "int2": 2}
+_CASTS = {"fp16": torch.float16, "bf16": torch.bfloat16}
+# fp16 scale then fp16 offset, little-endian, ahead of the packed codes.
+HEADER_NBYTES = 4
+# "greedy" (Check-N-Run's adaptive clipping) or "minmax"; see cnrstore.qsearch.
+DEFAULT_SEARCH = "greedy"
+# Rows per chunk when scanning for non-finite values (bounds the bool temporary).
+_SCAN_ELEMS = 1 << 22
+
+
+def check_scheme(scheme: str, dtype: torch.dtype, *, table: str) -> None:
+    """Raise ValueError (naming table, scheme and dtype) unless `scheme` can encode `dtype`."""
+    if not isinstance(scheme, str) or scheme not in SCHEMES:
+        raise ValueError(
+            f"table {table!r}: unknown quantization scheme {scheme!r}; "
+            f"expected one of {', '.join(SCHEMES)}"
+        )
+    if scheme != "exact" and dtype not in LOSSY_DTYPES:
+        raise ValueError(
+            f"table {table!r}: scheme {scheme!r} is lossy and needs a float32, float16, "
+            f"bfloat16 or float64 table, but the table is {dtype}; use 'exact'"
+        )
+
+
+def scheme_bits(scheme: str) -> int | None:
+    """Code width in bits of an intN scheme, None for the others."""
+    return _BITS.get(scheme)
+
+
+def row_nbytes(scheme: str, dtype: torch.dtype, width: int) -> int:
+    """Bytes of one encoded row of `width` elements of `dtype` under `scheme`."""
+    check_scheme(scheme, dtype, table="<row_nbytes>")
+    if not isinstance(width, int) or width < 0:
+        raise ValueError(f"width must be an int >= 0, got {width!r}")
+    if scheme == "exact":
+        return width * _itemsize(dtype)
+    if scheme in _CASTS:
+        return 2 * width
+    return HEADER_NBYTES + packed_nbytes(width, _BITS[scheme])
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _check_rows(rows: torch.Tensor) -> None:
+    if not isinstance(rows, torch.Tensor):
+        raise TypeError(f"rows must be a torch.Tensor, got {type(rows).__name__}")
+    if rows.ndim != 2:
+        raise ValueError(f"rows must be 2-D [n, width], got shape {list(rows.shape)}")
+
+
+def encode_rows(rows: torch.Tensor, scheme: str, *, search: str | None = None) -> torch.Tensor:
+    """[n, width] rows of the table's dtype -> uint8 [n, row_nbytes] on the same device.
+
+    `search` picks the intN range per row: "greedy" (default, DEFAULT_SEARCH) or "minmax".
+    Lossy schemes reject non-finite values (ValueError naming the first bad row).
+    """
+    _check_rows(rows)
+    check_scheme(scheme, rows.dtype, table="<encode_rows>")
+    n, width = rows.shape
+    if scheme == "exact":
+        if width == 0:
+            return torch.empty((n, 0), dtype=torch.uint8, device=rows.device)
+        return rows.contiguous().view(torch.uint8).reshape(n, -1)
+    bad = first_nonfinite_row(rows)
+    if bad is not None:
+        raise ValueError(f"row {bad} holds NaN or Inf, which scheme {scheme!r} cannot encode")
+    if scheme in _CASTS:
+        # Saturate instead of overflowing to inf: a finite table must decode finite.
+        x = rows.clamp(-FP16_MAX, FP16_MAX) if scheme == "fp16" else rows
+        return x.to(_CASTS[scheme]).contiguous().view(torch.uint8).reshape(n, 2 * width)
+    bits = _BITS[scheme]
+    search = DEFAULT_SEARCH if search is None else search
+    if search not in SEARCHES:
+        raise ValueError(f"search must be one of {SEARCHES}, got {search!r}")
+    out = torch.empty(
+        (n, row_nbytes(scheme, rows.dtype, width)), dtype=torch.uint8, device=rows.device
+    )
+    if n == 0:
+        return out
+    x = rows.to(torch.float32)
+    lo, hi = choose_ranges(x, bits, search=search, dtype=rows.dtype)
+    scale, offset = fp16_qparams(lo, hi, bits)
+    codes = quantize_codes(x, scale, offset, bits)
+    out[:, 0:2] = scale.to(torch.float16).view(torch.uint8).view(n, 2)
+    out[:, 2:4] = offset.to(torch.float16).view(torch.uint8).view(n, 2)
+    out[:, HEADER_NBYTES:] = pack_codes(codes, bits)
+    return out
+
+
+def decode_rows(codes: torch.Tensor, scheme: str, dtype: torch.dtype, width: int) -> torch.Tensor:
+    """uint8 [n, row_nbytes(scheme, dtype, width)] -> [n, width] of `dtype` on codes.device."""
+    nbytes = row_nbytes(scheme, dtype, width)
+    if not isinstance(codes, torch.Tensor) or codes.dtype != torch.uint8 or codes.ndim != 2:
+        raise ValueError("codes must be a 2-D uint8 tensor")
+    if codes.shape[1] != nbytes:
+        raise ValueError(
+            f"codes have {codes.shape[1]} bytes per row, scheme {scheme!r} with {width} "
+            f"{dtype} elements needs {nbytes}"
+        )
+    n = codes.shape[0]
+    if scheme == "exact":
+        if width == 0:
+            return torch.empty((n, 0), dtype=dtype, device=codes.device)
+        return codes.contiguous().view(dtype).reshape(n, width)
+    if scheme in _CASTS:
+        return codes.contiguous().view(_CASTS[scheme]).reshape(n, width).to(dtype)
+    bits = _BITS[scheme]
+    params = codes[:, :HEADER_NBYTES].contiguous().view(torch.float16).to(torch.float32)
+    scale, offset = params[:, 0:1], params[:, 1:2]
+    q = unpack_codes(codes[:, HEADER_NBYTES:], bits, width)
+    return dequantize(q, scale, offset).to(dtype)
+
+
+def first_nonfinite_row(rows: torch.Tensor) -> int | None:
+    """Index of the first row (dim 0) holding NaN or +-Inf, or None; None for int/bool."""
+    if not isinstance(rows, torch.Tensor) or rows.ndim < 1:
+        raise ValueError("first_nonfinite_row needs a tensor with ndim >= 1")
+    if not rows.is_floating_point() or rows.numel() == 0:
+        return None
+    flat = rows.reshape(rows.shape[0], -1)
+    step = max(1, _SCAN_ELEMS // max(1, flat.shape[1]))
+    for start in range(0, flat.shape[0], step):
+        bad = ~torch.isfinite(flat[start : start + step]).all(dim=1)
+        idx = torch.nonzero(bad)
+        if idx.numel():
+            return start + int(idx[0, 0])
+    return None
+
+
+# Relative rounding slack of the float32 encode/decode arithmetic (a few ulps, see
+# docs/QUANTIZATION.md "Error bound") and the output rounding of each table dtype.
+_F32_SLACK = 2.0**-21
+_OUT_REL = {
+    torch.float32: 0.0,
+    torch.float64: 0.0,
+    torch.float16: 2.0**-11,
+    torch.bfloat16: 2.0**-8,
+}
+_OUT_ABS = {
+    torch.float32: 0.0,
+    torch.float64: 0.0,
+    torch.float16: 2.0**-25,
+    torch.bfloat16: 2.0**-134,
+}
+
+
+def max_abs_error(scheme: str, rows: torch.Tensor) -> torch.Tensor:
+    """Per-row float64 bound [n] on |decode(encode(rows, search="minmax")) - rows|.
+
+    Holds for finite rows whose values lie within +-FP16_MAX (beyond it, fp16 saturates).
+    intN: scale / 2 + slack * (|offset| + levels * scale) + output rounding of the dtype;
+    fp16/bf16: the half-ulp of the cast; exact: 0.
+    """
+    _check_rows(rows)
+    check_scheme(scheme, rows.dtype, table="<max_abs_error>")
+    n = rows.shape[0]
+    x = rows.to(torch.float64)
+    if scheme == "exact" or rows.shape[1] == 0:
+        return torch.zeros(n, dtype=torch.float64, device=rows.device)
+    amax = x.abs().amax(dim=1)
+    if scheme in _CASTS:
+        rel = 2.0**-11 if scheme == "fp16" else 2.0**-8
+        tiny = 2.0**-25 if scheme == "fp16" else 2.0**-134
+        return amax * rel + tiny + amax * _OUT_REL[rows.dtype] + _OUT_ABS[rows.dtype]
+    bits = _BITS[scheme]
+    levels = (1 << bits) - 1
+    lo, hi = rows.to(torch.float32).amin(dim=1), rows.to(torch.float32).amax(dim=1)
+    scale, offset = fp16_qparams(lo, hi, bits)
+    scale, offset = scale[:, 0].double(), offset[:, 0].double()
+    span = offset.abs() + levels * scale
+    return scale / 2 + span * (_F32_SLACK + _OUT_REL[rows.dtype]) + _OUT_ABS[rows.dtype]
+
+
+# "auto" policy (docs/QUANTIZATION.md, "The auto policy"): quantization error compounds
+# with every restore (each restore resumes training from the dequantized tables), so the
+# fewer restores a job expects, the fewer bits its checkpoints can afford. Upper bounds on
+# the expected number of restores for each bit width:
+AUTO_INT2_MAX_RESTORES = 1.0
+AUTO_INT3_MAX_RESTORES = 3.0
+AUTO_INT4_MAX_RESTORES = 20.0
+# Beyond AUTO_INT4_MAX_RESTORES: int8 (its error is ~16x below int4's per restore).
+
+
+def auto_scheme(expected_restores: float) -> str:
+    """The scheme the "auto" policy picks for a job expecting this many restores."""
+    if isinstance(expected_restores, bool) or not isinstance(expected_restores, (int, float)):
+        raise TypeError(f"expected_restores must be a number, got {expected_restores!r}")
+    if not expected_restores >= 0 or expected_restores == float("inf"):
+        raise ValueError(f"expected_restores must be finite and >= 0, got {expected_restores}")
+    if expected_restores <= AUTO_INT2_MAX_RESTORES:
+        return "int2"
+    if expected_restores <= AUTO_INT3_MAX_RESTORES:
+        return "int3"
+    if expected_restores <= AUTO_INT4_MAX_RESTORES:
+        return "int4"
+    return "int8"
