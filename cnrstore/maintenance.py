@@ -1,0 +1,223 @@
+"""The read and maintenance side of CheckpointStore: get_tables, delete_step, gc, verify,
+stats, and their report types. Functions take the store handle; writes (delete, gc) run on
+its writer thread, after every put queued before them."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from engine import GCReport as EngineGCReport
+from engine import StoreError
+from engine import VerifyReport as EngineVerifyReport
+
+from .blocks import resolve
+from .errors import (
+    CheckpointError,
+    InvalidInput,
+    InvalidType,
+    StepNotFound,
+    TableNotFound,
+)
+from .fingerprint import row_fingerprints
+from .manifest import list_steps, load_manifest, load_step, root_name
+from .restore import read_table
+from .tablestate import TableState
+from .validate import check_step
+
+__all__ = ["GCReport", "VerifyReport", "StoreStats"]
+
+
+@dataclass(frozen=True)
+class GCReport:
+    steps_deleted: tuple[int, ...]
+    steps_kept: tuple[int, ...]
+    objects_live: int
+    objects_freed: int
+    bytes_freed: int
+    packs_rewritten: int
+    packs_deleted: int
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    ok: bool
+    problems: tuple[str, ...]
+    steps_checked: int
+    blocks_checked: int
+    engine: EngineVerifyReport | None = None
+
+
+@dataclass(frozen=True)
+class StoreStats:
+    steps: int
+    logical_bytes: int      # sum of the put tables' sizes over the kept steps
+    stored_bytes: int       # bytes the engine holds (allocated on disk for a pack store)
+    objects: int
+    dedup_ratio: float      # logical / stored
+
+
+def get_tables(store, step, *, names, rows, device) -> dict:
+    store._check_open()
+    if names is not None:
+        if isinstance(names, str) or not isinstance(names, Iterable):
+            raise InvalidType("names must be an iterable of table names (not a str)")
+        names = list(names)
+    if rows is not None and not isinstance(rows, Mapping):
+        raise InvalidType("rows must be a mapping table name -> slice")
+    rows = dict(rows or {})
+    try:
+        device = torch.device(device)
+    except (TypeError, RuntimeError) as exc:
+        raise InvalidInput(f"bad device {device!r}: {exc}") from exc
+    if step is None:
+        store._writer.drain()
+        steps = list_steps(store._objects)
+        if not steps:
+            raise StepNotFound(-1, "the store holds no steps")
+        step = steps[-1]
+    else:
+        check_step(step)
+        store._wait_step(step)
+    manifest = load_manifest(store._objects, step, names=names)
+    for name, sel in rows.items():
+        if name not in manifest.tables:
+            raise TableNotFound(name, step)
+        if not isinstance(sel, slice):
+            raise InvalidType(f"rows[{name!r}] must be a slice, got {type(sel).__name__}")
+    out = {}
+    for name, tm in manifest.tables.items():
+        whole = rows.get(name) is None
+        with store._lock:
+            seed = whole and name not in store._states and not store._closed
+        lossy = tm.node.scheme != "exact"
+        tensor, codes = read_table(
+            store._objects, tm, store._pool, rows=rows.get(name), keep_codes=seed and lossy
+        )
+        if seed:
+            _seed(store, name, tm, tensor, codes)
+        out[name] = tensor.to(device)
+    return out
+
+
+def _seed(store, name, tm, tensor, codes) -> None:
+    """Seed the diff base of a table this handle has no base of (DESIGN.md: a restarted
+    job's next put is incremental again; a table the handle put keeps its base)."""
+    if codes is not None:
+        state = TableState.from_manifest(tm, seed_codes=torch.from_numpy(codes))
+    else:
+        flat = tensor.reshape(tensor.shape[0], -1) if tensor.ndim > 1 else tensor[:, None]
+        state = TableState.from_manifest(tm, fingerprints=row_fingerprints(flat))
+    with store._lock:
+        store._states.setdefault(name, state)
+
+
+def delete_step(store, step: int) -> None:
+    store._check_open()
+    check_step(step)
+    with store._lock:
+        store._wait_step(step)
+
+        def job() -> None:
+            with store._objects.writer(timeout=store._opt.lock_timeout) as w:
+                if store._objects.root(root_name(step)) is None:
+                    raise StepNotFound(step)
+                w.delete_root(root_name(step))
+
+        store._writer.run(job)
+
+
+def gc(store, keep_last, keep, *, threshold) -> GCReport:
+    store._check_open()
+    if keep_last is not None:
+        if not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 0:
+            raise InvalidInput(f"keep_last must be None or an int >= 0, got {keep_last!r}")
+    if isinstance(keep, (str, bytes)) or not isinstance(keep, Iterable):
+        raise InvalidType("keep must be an iterable of steps")
+    keep = {check_step(s) for s in keep}
+    if not isinstance(threshold, (int, float)) or not 0.0 <= threshold <= 1.0:
+        raise InvalidInput(f"threshold must be in [0, 1], got {threshold!r}")
+
+    def job() -> GCReport:
+        steps = list_steps(store._objects)
+        if keep_last is None and not keep:
+            kept = set(steps)
+        else:
+            kept = set(steps[len(steps) - keep_last:] if keep_last else ()) | (keep & set(steps))
+        dropped = [s for s in steps if s not in kept]
+        if dropped:
+            with store._objects.writer(timeout=store._opt.lock_timeout) as w:
+                for s in dropped:
+                    w.delete_root(root_name(s))
+        rep: EngineGCReport = store._objects.gc(
+            threshold=threshold, timeout=store._opt.lock_timeout
+        )
+        return GCReport(
+            steps_deleted=tuple(dropped),
+            steps_kept=tuple(sorted(kept)),
+            objects_live=rep.objects_live,
+            objects_freed=rep.objects_freed,
+            bytes_freed=rep.bytes_freed,
+            packs_rewritten=rep.packs_rewritten,
+            packs_deleted=rep.packs_deleted,
+        )
+
+    with store._lock:
+        report = store._writer.run(job)
+        # Blocks of dropped steps may be gone: the diff base must not refer to them.
+        for state in store._states.values():
+            state.drop_missing(store._objects.has)
+    return report
+
+
+def verify(store, *, deep: bool) -> VerifyReport:
+    store._check_open()
+    store._writer.drain()
+    objects = store._objects
+    eng = objects.verify(deep=deep)
+    problems = [f"{p.what}: {p.message}" for p in eng.problems]
+    seen: set[bytes] = set()
+    steps = list_steps(objects)
+    for step in steps:
+        try:
+            manifest = load_manifest(objects, step)
+            if manifest.node.step != step:
+                problems.append(f"step {step}: root holds step node of step {manifest.node.step}")
+        except (CheckpointError, StoreError) as exc:
+            problems.append(f"step {step}: {type(exc).__name__}: {exc}")
+            continue
+        if not deep:
+            continue
+        for name, tm in manifest.tables.items():
+            for i, oid in enumerate(tm.block_ids):
+                if oid in seen:
+                    continue
+                seen.add(oid)
+                start, stop = tm.node.block_range(i)
+                try:
+                    codes = resolve(objects.get, oid)
+                    if codes.shape != (stop - start, tm.node.row_nbytes):
+                        problems.append(
+                            f"step {step} table {name!r} block {i} ({oid.hex()}): shape "
+                            f"{codes.shape} != {(stop - start, tm.node.row_nbytes)}"
+                        )
+                except (CheckpointError, StoreError) as exc:
+                    problems.append(
+                        f"step {step} table {name!r} block {i} ({oid.hex()}): "
+                        f"{type(exc).__name__}: {exc}"
+                    )
+    return VerifyReport(not problems, tuple(problems), len(steps), len(seen), eng)
+
+
+def stats(store) -> StoreStats:
+    store._check_open()
+    store._writer.drain()
+    objects = store._objects
+    steps = list_steps(objects)
+    logical = sum(load_step(objects, s)[1].logical_bytes for s in steps)
+    st = objects.stats()
+    stored = st.stored_bytes or st.logical_bytes  # the memory twin allocates no disk
+    ratio = logical / stored if stored else 0.0
+    return StoreStats(len(steps), logical, stored, st.objects, ratio)

@@ -1,0 +1,101 @@
+"""Restore: walk a step's manifest, decode the needed blocks in parallel, reassemble tables.
+
+Each block is resolved (full block + its patches) and decoded independently, so blocks
+decode on a thread pool (zstd in the engine, numpy copies and torch decoding release the
+GIL). With ``rows=`` only the blocks overlapping the asked row range are read.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Executor
+
+import numpy as np
+import torch
+
+from engine import ObjectStore
+
+from .blocks import resolve
+from .errors import InvalidInput, ManifestError
+from .manifest import TableManifest
+from .quantize import decode_rows
+from .tablestate import parse_dtype
+
+__all__ = ["row_range", "read_table", "read_codes"]
+
+
+def row_range(sel: slice | None, rows: int) -> tuple[int, int, np.ndarray | None]:
+    """Rows ``[lo, hi)`` covering ``sel``, plus the indices within that range to keep
+    (None when the slice is contiguous)."""
+    if sel is None:
+        return 0, rows, None
+    if not isinstance(sel, slice):
+        raise InvalidInput(f"rows= takes a slice per table, got {type(sel).__name__}")
+    start, stop, step = sel.indices(rows)
+    if step == 1:
+        return start, max(start, stop), None
+    idx = np.arange(start, stop, step, dtype=np.int64)
+    if len(idx) == 0:
+        return 0, 0, idx
+    lo, hi = int(idx.min()), int(idx.max()) + 1
+    return lo, hi, idx - lo
+
+
+def _block_codes(objects: ObjectStore, tm: TableManifest, i: int) -> np.ndarray:
+    node = tm.node
+    oid = tm.block_ids[i]
+    codes = resolve(objects.get, oid)
+    start, stop = node.block_range(i)
+    if codes.shape != (stop - start, node.row_nbytes):
+        raise ManifestError(
+            f"table {node.name!r} block {i} holds {codes.shape} codes, expected "
+            f"{(stop - start, node.row_nbytes)}",
+            oid=oid,
+        )
+    return codes
+
+
+def read_codes(objects: ObjectStore, tm: TableManifest, pool: Executor) -> np.ndarray:
+    """All encoded rows ``uint8[rows, row_nbytes]`` of a stored table (seeding a diff base)."""
+    node = tm.node
+    out = np.empty((node.rows, node.row_nbytes), dtype=np.uint8)
+
+    def one(i: int) -> None:
+        start, stop = node.block_range(i)
+        out[start:stop] = _block_codes(objects, tm, i)
+
+    list(pool.map(one, range(node.nblocks)))
+    return out
+
+
+def read_table(
+    objects: ObjectStore,
+    tm: TableManifest,
+    pool: Executor,
+    *,
+    rows: slice | None = None,
+    keep_codes: bool = False,
+) -> tuple[torch.Tensor, np.ndarray | None]:
+    """Decode a stored table (or the rows ``rows`` of it) on the CPU. With ``keep_codes`` also
+    return the encoded rows of the range read (for seeding a lossy diff base)."""
+    node = tm.node
+    dtype = parse_dtype(node.dtype)
+    width = node.width
+    lo, hi, pick = row_range(rows, node.rows)
+    out = torch.empty((hi - lo, width), dtype=dtype)
+    codes_out = np.empty((hi - lo, node.row_nbytes), dtype=np.uint8) if keep_codes else None
+    first = lo // node.block_rows
+    last = -(-hi // node.block_rows) if hi > lo else first
+
+    def one(i: int) -> None:
+        start, stop = node.block_range(i)
+        codes = _block_codes(objects, tm, i)
+        a, b = max(start, lo), min(stop, hi)
+        part = codes[a - start:b - start]
+        out[a - lo:b - lo] = decode_rows(torch.from_numpy(part), node.scheme, dtype, width)
+        if codes_out is not None:
+            codes_out[a - lo:b - lo] = part
+
+    list(pool.map(one, range(first, last)))
+    if pick is not None:
+        out = out[torch.from_numpy(pick)]
+    return out.reshape((out.shape[0], *node.shape[1:])), codes_out

@@ -1,0 +1,239 @@
+"""The on-device part of a put: find changed rows, plan blocks, gather + encode, copy to host.
+
+This is the training stall of a put (DESIGN.md, "Data flow of a put", steps 1-2). It runs on
+the table's own device and changes nothing in the store or the handle: it returns a
+``TablePlan`` (host codes of exactly the rows to write, plus the block plan and the new
+diff base), which the background writer turns into objects. A plan raises before anything
+changes, so a refused put leaves the diff base as it was.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .blocks import patch_nbytes
+from .errors import NonFiniteValues
+from .fingerprint import row_fingerprints
+from .quantize import encode_rows, first_nonfinite_row, row_nbytes
+from .tablestate import BlockSlot, TableState
+
+__all__ = ["BlockWrite", "TablePlan", "HostBuffers", "plan_table", "FULL", "PATCH"]
+
+FULL = 0
+PATCH = 1
+
+
+@dataclass(frozen=True)
+class BlockWrite:
+    """One block to write: ``codes[start:stop]`` of the plan are its rows (all of them for a
+    full block; those listed in ``rows``, block-local, for a patch)."""
+
+    index: int
+    kind: int
+    start: int
+    stop: int
+    rows: np.ndarray | None     # block-local row indices of a patch
+
+
+@dataclass
+class TablePlan:
+    name: str
+    state: TableState           # the new diff base; the writer fills its new slots' ids
+    writes: list[BlockWrite]
+    codes: np.ndarray           # uint8[k, row_nbytes] on the host
+    rows_changed: int           # rows that differ from the diff base (all without one)
+    logical_bytes: int
+    base_slots: list | None = None  # the diff base's slots (patch bases), when compatible
+    release: object = None      # callable returning the host buffer to its pool
+
+
+class HostBuffers:
+    """A small pool of host buffers reused across puts: these VMs first-touch fresh memory
+    at well under 1 GB/s, so a fresh staging buffer per put would cost more than the copy.
+    Buffers for CUDA tables are pinned, so the device-to-host copy runs at full speed."""
+
+    def __init__(self, *, keep: int = 4):
+        self._free: list[torch.Tensor] = []
+        self._keep = keep
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int, *, pinned: bool) -> torch.Tensor:
+        with self._lock:
+            fits = [
+                (b.numel(), i) for i, b in enumerate(self._free)
+                if b.numel() >= nbytes and b.is_pinned() == pinned
+            ]
+            if fits:
+                return self._free.pop(min(fits)[1])
+        return torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=pinned)
+
+    def give(self, buf: torch.Tensor) -> None:
+        with self._lock:
+            self._free.append(buf)
+            if len(self._free) > self._keep:
+                smallest = min(range(len(self._free)), key=lambda i: self._free[i].numel())
+                self._free.pop(smallest)
+
+
+def _as_rows(table: torch.Tensor) -> torch.Tensor:
+    """The table as [rows, width] (a 1-D table has width 1)."""
+    return table.detach().reshape(table.shape[0], -1) if table.ndim > 1 else table.detach()[:, None]
+
+
+def _changed_old_rows(
+    x: torch.Tensor, fp: torch.Tensor, base: TableState, common: int, scheme: str
+) -> np.ndarray:
+    """Ascending ids of rows < common that differ from the diff base."""
+    if base.fingerprints is not None:
+        mask = fp[:common] != base.fingerprints[:common].to(fp.device)
+    else:  # seeded from stored codes: compare codes row by row
+        codes = encode_rows(x[:common], scheme)
+        seed = base.seed_codes[:common].to(codes.device)
+        if codes.shape[1]:
+            mask = (codes != seed).any(dim=1)
+        else:
+            mask = torch.zeros(common, dtype=torch.bool, device=fp.device)
+    return torch.nonzero(mask).flatten().cpu().numpy()
+
+
+def plan_table(
+    name: str,
+    table: torch.Tensor,
+    *,
+    scheme: str,
+    base: TableState | None,
+    block_rows: int,
+    fanout: int,
+    max_chain: int,
+    touched: torch.Tensor | None = None,
+    buffers: HostBuffers | None = None,
+) -> TablePlan:
+    """Plan the put of one table against its diff base (None: all blocks full)."""
+    x = _as_rows(table)
+    rows, width = x.shape
+    rnb = row_nbytes(scheme, table.dtype, width)
+    compatible = (
+        base is not None
+        and base.has_diff()
+        and base.compatible(tuple(table.shape), table.dtype, scheme, block_rows, fanout)
+    )
+    common = min(rows, base.rows) if compatible else 0
+
+    if compatible and touched is not None and base.fingerprints is not None:
+        # The caller tracked the touched rows: hash only those (and any new rows).
+        t = touched[touched < common]
+        fp = torch.empty(rows, dtype=torch.int64, device=x.device)
+        fp[:common] = base.fingerprints[:common].to(x.device)
+        if t.numel():
+            fp[t] = row_fingerprints(x[t])
+        if rows > common:
+            fp[common:] = row_fingerprints(x[common:])
+        changed = torch.unique(t).cpu().numpy()
+    else:
+        fp = row_fingerprints(x)
+        changed = (
+            _changed_old_rows(x, fp, base, common, scheme) if compatible
+            else np.zeros(0, dtype=np.int64)
+        )
+
+    nblocks = -(-rows // block_rows)
+    counts = np.bincount(changed // block_rows, minlength=nblocks) if len(changed) else None
+    slots: list[BlockSlot | None] = []
+    kinds: list[tuple[int, int]] = []      # (block index, FULL/PATCH) of blocks to write
+    for i in range(nblocks):
+        start = i * block_rows
+        nr = min(start + block_rows, rows) - start
+        old = base.slots[i] if compatible and i < len(base.slots) else None
+        if old is not None and old.nrows == nr:
+            k = int(counts[i]) if counts is not None else 0
+            if k == 0:
+                slots.append(old)
+                continue
+            pbytes = patch_nbytes(nr, k, rnb)
+            if old.depth < max_chain and old.chain_bytes + pbytes <= nr * rnb:
+                slots.append(BlockSlot(nr, old.depth + 1, old.chain_bytes + pbytes))
+                kinds.append((i, PATCH))
+                continue
+        slots.append(BlockSlot(nr))
+        kinds.append((i, FULL))
+
+    # Rows to encode, ascending: every row of full blocks, the changed rows of patches.
+    parts = []
+    for i, kind in kinds:
+        start = i * block_rows
+        if kind == FULL:
+            parts.append(np.arange(start, start + slots[i].nrows, dtype=np.int64))
+        else:
+            lo, hi = np.searchsorted(changed, [start, start + block_rows])
+            parts.append(changed[lo:hi])
+    idx = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+    writes: list[BlockWrite] = []
+    pos = 0
+    for (i, kind), part in zip(kinds, parts):
+        local = part - i * block_rows if kind == PATCH else None
+        writes.append(BlockWrite(i, kind, pos, pos + len(part), local))
+        pos += len(part)
+
+    codes, release = _gather_encode(name, x, idx, scheme, rnb, buffers)
+    state = TableState(
+        shape=tuple(table.shape),
+        dtype=table.dtype,
+        scheme=scheme,
+        block_rows=block_rows,
+        fanout=fanout,
+        row_nbytes=rnb,
+        slots=slots,
+        fingerprints=fp,
+        segments=list(base.segments) if compatible else [],
+    )
+    logical = table.numel() * table.element_size()
+    base_slots = base.slots if compatible else None
+    nchanged = len(changed) + rows - common if compatible else rows
+    return TablePlan(name, state, writes, codes, nchanged, logical, base_slots, release)
+
+
+def _gather_encode(
+    name: str,
+    x: torch.Tensor,
+    idx: np.ndarray,
+    scheme: str,
+    rnb: int,
+    buffers: HostBuffers | None,
+) -> tuple[np.ndarray, object]:
+    """Gather rows ``idx`` of ``x`` on its device, encode them, and copy the codes to host
+    memory that nothing else references (the caller may mutate ``x`` right after)."""
+    n = len(idx)
+    whole = n == len(x)  # every row, in order: no gather needed
+    idx_t = None if whole else torch.from_numpy(idx).to(x.device)
+    nbytes = n * rnb
+    if nbytes == 0:  # no rows to write, or zero-width rows: nothing to encode
+        return np.zeros((n, rnb), dtype=np.uint8), None
+    if scheme == "exact" and not x.is_cuda and buffers is not None and nbytes:
+        # Exact codes are the raw row bytes: gather straight into a reused host buffer.
+        buf = buffers.take(nbytes, pinned=False)
+        dst = buf[:nbytes].view(x.dtype).view(n, x.shape[1])
+        if whole:
+            dst.copy_(x)
+        else:
+            torch.index_select(x, 0, idx_t, out=dst)
+        return buf[:nbytes].numpy().reshape(n, rnb), lambda: buffers.give(buf)
+    sel = x if whole else x.index_select(0, idx_t)
+    if scheme != "exact" and n:
+        bad = first_nonfinite_row(sel)
+        if bad is not None:
+            raise NonFiniteValues(name, int(idx[bad]), scheme)
+    codes = encode_rows(sel, scheme)
+    if not codes.is_cuda or buffers is None or nbytes == 0:
+        # A lossy encode allocates fresh codes; exact codes may alias the table: copy them.
+        alias = whole and scheme == "exact"
+        host = codes.to("cpu", copy=True) if (alias or codes.is_cuda) else codes
+        return host.numpy().reshape(n, rnb), None
+    buf = buffers.take(nbytes, pinned=True)
+    host = buf[:nbytes].view(n, rnb)
+    host.copy_(codes, non_blocking=True)
+    torch.cuda.current_stream(codes.device).synchronize()
+    return host.numpy(), lambda: buffers.give(buf)

@@ -1,0 +1,323 @@
+"""CheckpointStore: the public API of cnrstore (DESIGN.md, "Public API").
+
+A store handle owns one background writer thread (all engine writes go through it, so
+steps, deletes and gc happen in call order) and the diff base of every table it put or
+restored. The API methods are thread-safe: one lock serializes them.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Iterable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+import engine
+from engine import ObjectStore
+
+from . import maintenance
+from .errors import CheckpointError, InvalidInput, StepExists, StepNotFound, WriteFailed
+from .manifest import list_steps, load_manifest, root_name
+from .restore import read_codes
+from .snapshot import HostBuffers, plan_table
+from .tablestate import TableState
+from .validate import check_step, check_tables, check_touched, pack_metadata, resolve_quant
+from .writer import BackgroundWriter, StepInfo, write_step
+
+__all__ = ["CheckpointStore", "open"]
+
+
+@dataclass(frozen=True)
+class _Options:
+    block_rows: int
+    fanout: int
+    max_chain: int
+    max_inflight: int
+    decode_threads: int
+    expected_restores: int
+    seed_from_store: bool
+    lock_timeout: float | None
+
+
+def _positive(name: str, value, *, lo: int = 1) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < lo:
+        raise InvalidInput(f"{name} must be an int >= {lo}, got {value!r}")
+    return value
+
+
+class CheckpointStore:
+    """Checkpoints of embedding tables over an engine object store.
+
+    Use ``cnrstore.open(path)`` for a store on disk; construct directly over any
+    ``engine.ObjectStore`` (e.g. ``engine.MemoryStore()``) for tests. Options:
+
+    - ``block_rows`` (4096): rows per block, the unit of patching and of partial restores.
+    - ``fanout`` (256): blocks per segment node.
+    - ``max_chain`` (16): patches allowed above a full block before it is rewritten full.
+    - ``max_inflight`` (2): non-blocking puts that may wait or run before a put blocks.
+    - ``decode_threads``: threads decoding blocks on restore (default: CPU count, <= 8).
+    - ``expected_restores`` (1): what ``quant="auto"`` bases its choice on.
+    - ``seed_from_store`` (True): a table's first put in this handle diffs against the
+      newest stored step holding it (same geometry), so it is incremental, not full.
+    - ``lock_timeout`` (60 s): how long a write waits for another process's writer.
+    """
+
+    def __init__(
+        self,
+        objects: ObjectStore,
+        *,
+        block_rows: int = 4096,
+        fanout: int = 256,
+        max_chain: int = 16,
+        max_inflight: int = 2,
+        decode_threads: int | None = None,
+        expected_restores: int = 1,
+        seed_from_store: bool = True,
+        lock_timeout: float | None = 60.0,
+        owns_objects: bool = False,
+    ):
+        if not isinstance(objects, ObjectStore):
+            raise InvalidInput(f"objects must be an engine.ObjectStore, got {type(objects)}")
+        threads = decode_threads or min(8, os.cpu_count() or 1)
+        self._opt = _Options(
+            block_rows=_positive("block_rows", block_rows),
+            fanout=_positive("fanout", fanout),
+            max_chain=_positive("max_chain", max_chain, lo=0),
+            max_inflight=_positive("max_inflight", max_inflight),
+            decode_threads=_positive("decode_threads", threads),
+            expected_restores=_positive("expected_restores", expected_restores, lo=0),
+            seed_from_store=bool(seed_from_store),
+            lock_timeout=lock_timeout,
+        )
+        if block_rows > 1 << 31:
+            raise InvalidInput("block_rows must fit in 32 bits")
+        self._objects = objects
+        self._owns = owns_objects
+        self._lock = threading.RLock()
+        self._states: dict[str, TableState] = {}
+        self._pending: dict[int, Future] = {}
+        self._failed = False
+        self._buffers = HostBuffers(keep=max_inflight + 1)
+        self._pool = ThreadPoolExecutor(self._opt.decode_threads, thread_name_prefix="cnr-decode")
+        self._writer = BackgroundWriter(max_inflight=self._opt.max_inflight)
+        self._closed = False
+
+    # -- lifetime ------------------------------------------------------------------------
+    @property
+    def objects(self) -> ObjectStore:
+        """The engine store underneath (for inspection tools)."""
+        return self._objects
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CheckpointError("store is closed")
+
+    def close(self) -> None:
+        """Wait for pending puts, stop the writer and close the engine store (if owned)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._writer.close()
+            self._pool.shutdown(wait=True)
+            self._states.clear()
+            if self._owns:
+                self._objects.close()
+
+    def __enter__(self) -> CheckpointStore:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- put -----------------------------------------------------------------------------
+    def put_tables(
+        self,
+        step: int,
+        tables: Mapping,
+        *,
+        quant: str | Mapping[str, str] = "exact",
+        metadata: Mapping | None = None,
+        blocking: bool = True,
+        touched: Mapping | None = None,
+    ) -> StepInfo | Future:
+        """Store ``tables`` (name -> tensor, rows = dim 0) as ``step``.
+
+        Validates everything before writing anything (InvalidInput subclasses). Returns a
+        StepInfo, or with ``blocking=False`` a Future of it once the tables were
+        fingerprinted, encoded and copied to host memory (the caller may then modify them).
+        ``touched`` optionally gives, per table, the row ids changed since this handle's
+        last put of it (rows outside it are assumed unchanged). A failed write raises
+        WriteFailed (on the Future when non-blocking).
+        """
+        self._check_open()
+        check_step(step)
+        check_tables(tables)
+        schemes = resolve_quant(quant, tables, expected_restores=self._opt.expected_restores)
+        meta_doc = pack_metadata(metadata)
+        rows_touched = check_touched(touched, tables)
+        with self._lock:
+            self._check_open()
+            if self._failed:  # a background put failed: its diff base cannot be trusted
+                self._states.clear()
+                self._failed = False
+            if step in self._pending or self._objects.root(root_name(step)) is not None:
+                raise StepExists(step)
+            t0 = time.perf_counter()
+            plans = []
+            try:
+                for name, table in tables.items():
+                    base = self._states.get(name)
+                    if base is None and self._opt.seed_from_store:
+                        base = self._seed_from_newest(name, table, schemes[name])
+                    plans.append(
+                        plan_table(
+                            name,
+                            table,
+                            scheme=schemes[name],
+                            base=base,
+                            block_rows=self._opt.block_rows,
+                            fanout=self._opt.fanout,
+                            max_chain=self._opt.max_chain,
+                            touched=rows_touched.get(name),
+                            buffers=self._buffers,
+                        )
+                    )
+            except BaseException:
+                for p in plans:
+                    if p.release:
+                        p.release()
+                raise
+            stall = time.perf_counter() - t0
+            for p in plans:
+                self._states[p.name] = p.state
+            fut = self._writer.submit(
+                lambda: self._write(step, plans, meta_doc, stall),
+                cleanup=lambda: [p.release() for p in plans if p.release],
+            )
+            self._pending[step] = fut
+            fut.add_done_callback(lambda f, s=step: self._pending.pop(s, None))
+        return fut.result() if blocking else fut
+
+    def _write(self, step: int, plans, metadata: dict, stall: float) -> StepInfo:
+        try:
+            return write_step(
+                self._objects,
+                step,
+                plans,
+                metadata=metadata,
+                stall_seconds=stall,
+                lock_timeout=self._opt.lock_timeout,
+            )
+        except BaseException as exc:
+            self._failed = True
+            if isinstance(exc, WriteFailed):
+                raise
+            raise WriteFailed(step, f"{type(exc).__name__}: {exc}") from exc
+
+    def _seed_from_newest(self, name: str, table, scheme: str) -> TableState | None:
+        """Diff base for a table's first put in this handle, from the newest stored step that
+        holds it with the same geometry and encoding (docs/MANIFEST.md, "Write rules")."""
+        self._writer.drain()
+        steps = list_steps(self._objects)
+        if not steps:
+            return None
+        try:
+            manifest = load_manifest(self._objects, steps[-1], names=[name])
+        except KeyError:
+            return None
+        tm = manifest.tables[name]
+        state = TableState.from_manifest(tm)
+        shape = tuple(table.shape)
+        if not state.compatible(
+            shape, table.dtype, scheme, self._opt.block_rows, self._opt.fanout
+        ) or (len(shape) == 1) != (len(tm.node.shape) == 1):
+            return None
+        codes = read_codes(self._objects, tm, self._pool)
+        state.seed_codes = torch.from_numpy(codes)
+        return state
+
+    # -- get -----------------------------------------------------------------------------
+    def _wait_step(self, step: int) -> None:
+        fut = self._pending.get(step)
+        if fut is not None:
+            exc = fut.exception()
+            if exc is not None:
+                raise StepNotFound(step, f"step {step} was not written: {exc}") from exc
+
+    def get_tables(
+        self,
+        step: int | None = None,
+        *,
+        names: Iterable[str] | None = None,
+        rows: Mapping[str, slice] | None = None,
+        device="cpu",
+    ) -> dict:
+        """Tables of ``step`` (None: the highest step) as name -> tensor on ``device``, with
+        the dtype and shape they were put with. ``names`` picks tables; ``rows`` maps a
+        table name to a slice of its rows (only the blocks it overlaps are read)."""
+        return maintenance.get_tables(self, step, names=names, rows=rows, device=device)
+
+    def steps(self) -> list[int]:
+        """Ascending list of the steps the store holds (waits for pending puts)."""
+        self._check_open()
+        self._writer.drain()
+        return list_steps(self._objects)
+
+    def delete_step(self, step: int) -> None:
+        """Delete a step (its bytes are reclaimed by the next gc). Waits if it is pending."""
+        maintenance.delete_step(self, step)
+
+    def gc(self, keep_last: int | None = None, keep: Iterable[int] = (), *, threshold=0.25):
+        """Drop every step but the newest ``keep_last`` and those in ``keep`` (with neither
+        given, none), then reclaim unreachable bytes. Returns a GCReport."""
+        return maintenance.gc(self, keep_last, keep, threshold=threshold)
+
+    def verify(self, *, deep: bool = True):
+        """Check every step's manifest and blocks (deep: decode every block). VerifyReport."""
+        return maintenance.verify(self, deep=deep)
+
+    def stats(self):
+        """Logical vs stored bytes, objects and dedup ratio. StoreStats."""
+        return maintenance.stats(self)
+
+    def __repr__(self) -> str:
+        return f"CheckpointStore({self._objects!r}, block_rows={self._opt.block_rows})"
+
+
+def open(  # noqa: A001 - the public name is cnrstore.open, like engine.open
+    path: str | os.PathLike,
+    *,
+    create: bool = True,
+    block_rows: int = 4096,
+    fanout: int = 256,
+    max_chain: int = 16,
+    max_inflight: int = 2,
+    decode_threads: int | None = None,
+    expected_restores: int = 1,
+    seed_from_store: bool = True,
+    lock_timeout: float | None = 60.0,
+) -> CheckpointStore:
+    """Open (creating it if missing and ``create``) the checkpoint store at ``path``.
+    Options are those of CheckpointStore."""
+    objects = engine.open(path, create=create)
+    try:
+        return CheckpointStore(
+            objects,
+            block_rows=block_rows,
+            fanout=fanout,
+            max_chain=max_chain,
+            max_inflight=max_inflight,
+            decode_threads=decode_threads,
+            expected_restores=expected_restores,
+            seed_from_store=seed_from_store,
+            lock_timeout=lock_timeout,
+            owns_objects=True,
+        )
+    except BaseException:
+        objects.close()
+        raise
