@@ -1,0 +1,191 @@
+"""Byte formats of engine/format.py: round trips, codec choice, and decoders that raise
+nothing but CorruptObject on malformed input (docs/FORMAT.md "Records", "Trailer")."""
+
+from __future__ import annotations
+
+import os
+import struct
+
+import msgpack
+import pytest
+import xxhash
+import zstandard
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine import format as fmt
+from engine.errors import CorruptObject
+from engine.ids import object_id
+
+CCTX = zstandard.ZstdCompressor(level=3)
+ids = st.binary(min_size=16, max_size=16)
+kinds = st.integers(0, 255)
+payloads = st.one_of(
+    st.binary(max_size=2048),
+    st.integers(0, 5000).map(lambda n: b"ab" * n),  # compressible
+)
+
+
+def record(kind=1, refs=(), payload=b"x" * 1000, cctx=CCTX, rtype=fmt.RECORD_OBJECT):
+    oid = object_id(kind, refs, payload) if rtype == fmt.RECORD_OBJECT else fmt.snapshot_id(
+        payload)
+    return fmt.encode_record(rtype, kind, tuple(refs), payload, oid, cctx=cctx), oid
+
+
+@settings(max_examples=60, deadline=None)
+@given(kind=kinds, refs=st.lists(ids, max_size=5), payload=payloads,
+       compress=st.booleans(), prefix=st.binary(max_size=40))
+def test_record_round_trip(kind, refs, payload, compress, prefix):
+    data, oid = record(kind, refs, payload, CCTX if compress else None)
+    buf = prefix + data + b"trailing junk"
+    rec = fmt.decode_record(buf, len(prefix))
+    assert rec.payload == payload
+    assert rec.refs == tuple(refs)
+    assert rec.header.oid == oid and rec.header.kind == kind
+    assert rec.header.length == len(data)
+    assert fmt.check_record(buf, len(prefix)) == rec.header
+
+
+def test_codec_choice_zstd_for_compressible_raw_for_random():
+    packed, _ = record(payload=b"abc" * 10_000)
+    assert fmt.RecordHeader.unpack(packed).codec == fmt.CODEC_ZSTD
+    assert len(packed) < 3000
+    noise = os.urandom(10_000)
+    raw, _ = record(payload=noise)
+    head = fmt.RecordHeader.unpack(raw)
+    assert head.codec == fmt.CODEC_RAW and head.stored_len == len(noise)
+    off, _ = record(payload=b"abc" * 10_000, cctx=None)
+    assert fmt.RecordHeader.unpack(off).codec == fmt.CODEC_RAW
+
+
+def test_codec_stays_raw_when_saving_is_under_three_percent():
+    # 98% incompressible noise + 2% zeros: zstd saves ~2%, below MIN_SAVING.
+    payload = os.urandom(9800) + bytes(200)
+    data, _ = record(payload=payload)
+    assert fmt.RecordHeader.unpack(data).codec == fmt.CODEC_RAW
+    assert fmt.decode_record(data).payload == payload
+
+
+def test_every_flipped_byte_is_caught():
+    data, _ = record(refs=(b"r" * 16,), payload=b"hello world " * 50)
+    for i in range(len(data)):
+        bad = bytearray(data)
+        bad[i] ^= 0x40
+        with pytest.raises(CorruptObject):
+            fmt.decode_record(bytes(bad))
+
+
+def test_every_truncation_is_caught():
+    data, _ = record(payload=b"payload" * 40)
+    for n in range(len(data)):
+        with pytest.raises(CorruptObject) as info:
+            fmt.decode_record(data[:n])
+        assert info.value.offset == 0
+
+
+def _reseal(body: bytes) -> bytes:
+    """Give forged record bytes a valid checksum, as a malicious writer could."""
+    return body + fmt.CHECKSUM.pack(xxhash.xxh3_64_intdigest(body))
+
+
+def test_forged_lengths_with_valid_checksum_raise_corrupt_without_allocating():
+    payload = b"z" * 1000
+    oid = object_id(1, (), payload)
+    stored = CCTX.compress(payload)
+    for raw_len in (999, 1001, 1 << 40, (1 << 64) - 1):
+        head = fmt.RECORD_HEADER.pack(fmt.RECORD_MAGIC, fmt.FORMAT_VERSION, 0, 1,
+                                      fmt.CODEC_ZSTD, 0, len(stored), raw_len, oid)
+        with pytest.raises(CorruptObject):
+            fmt.decode_record(_reseal(head + stored))
+    # raw codec whose raw_len disagrees with its stored length
+    head = fmt.RECORD_HEADER.pack(fmt.RECORD_MAGIC, fmt.FORMAT_VERSION, 0, 1, fmt.CODEC_RAW,
+                                  0, 1000, 5000, oid)
+    with pytest.raises(CorruptObject):
+        fmt.decode_record(_reseal(head + payload))
+    # a zstd frame that is not zstd at all
+    head = fmt.RECORD_HEADER.pack(fmt.RECORD_MAGIC, fmt.FORMAT_VERSION, 0, 1, fmt.CODEC_ZSTD,
+                                  0, 1000, 1000, oid)
+    with pytest.raises(CorruptObject):
+        fmt.decode_record(_reseal(head + payload))
+
+
+def test_wrong_id_with_valid_checksum_is_corrupt():
+    payload = b"abc"
+    head = fmt.RECORD_HEADER.pack(fmt.RECORD_MAGIC, fmt.FORMAT_VERSION, 0, 1, fmt.CODEC_RAW,
+                                  0, 3, 3, b"\x00" * 16)
+    with pytest.raises(CorruptObject, match="hashes to"):
+        fmt.decode_record(_reseal(head + payload))
+
+
+@settings(max_examples=150, deadline=None)
+@given(junk=st.binary(max_size=300), offset=st.integers(-2, 80))
+def test_decoders_raise_only_corrupt_object_on_junk(junk, offset):
+    decoders = [
+        lambda: fmt.decode_record(junk, offset),
+        lambda: fmt.check_record(junk, offset),
+        lambda: fmt.PackHeader.unpack(junk),
+        lambda: fmt.decode_snapshot(junk),
+        lambda: fmt.parse_footer(junk[-fmt.FOOTER.size:], len(junk) + offset),
+        lambda: fmt.decode_trailer(junk, max(offset, 0) % 8, 16),
+    ]
+    for decode in decoders:
+        try:
+            decode()
+        except CorruptObject:
+            pass
+
+
+@settings(max_examples=80, deadline=None)
+@given(pos=st.integers(0, 10_000), value=st.integers(0, 255), cut=st.integers(0, 10_000))
+def test_mutated_records_raise_only_corrupt_object(pos, value, cut):
+    data, _ = record(refs=(b"q" * 16,), payload=b"0123456789" * 30)
+    bad = bytearray(data)
+    bad[pos % len(bad)] = value
+    bad = bytes(bad[: max(1, len(bad) - cut % 8)])
+    try:
+        rec = fmt.decode_record(bad)
+    except CorruptObject:
+        return
+    assert bad == data and rec.payload == b"0123456789" * 30  # only an unchanged record decodes
+
+
+def test_trailer_round_trip_and_damage():
+    entries = [fmt.TrailerEntry(16 + 100 * i, 100, i % 2, bytes([i]) * 16) for i in range(5)]
+    at = 16 + 500
+    blob = fmt.encode_trailer(entries, at)
+    size = at + len(blob)
+    count, entries_offset = fmt.parse_footer(blob[-fmt.FOOTER.size:], size)
+    assert (count, entries_offset) == (5, at)
+    assert fmt.decode_trailer(blob, count, entries_offset) == entries
+    for i in range(len(blob)):
+        bad = bytearray(blob)
+        bad[i] ^= 1
+        with pytest.raises(CorruptObject):
+            c, o = fmt.parse_footer(bytes(bad[-fmt.FOOTER.size:]), size)
+            fmt.decode_trailer(bytes(bad), c, o)
+
+
+def test_trailer_entry_pointing_past_the_records_is_corrupt():
+    blob = fmt.encode_trailer([fmt.TrailerEntry(16, 10_000, 0, b"a" * 16)], 116)
+    with pytest.raises(CorruptObject, match="out of range"):
+        fmt.decode_trailer(blob, 1, 116)
+
+
+def test_pack_header_round_trip_and_refusals():
+    h = fmt.PackHeader(fmt.FORMAT_VERSION, True, 12345)
+    assert fmt.PackHeader.unpack(h.pack()) == h
+    with pytest.raises(CorruptObject, match="version"):
+        fmt.PackHeader.unpack(struct.pack("<4sBB2xI4x", b"CNRP", 99, 0, 1))
+    with pytest.raises(CorruptObject, match="magic"):
+        fmt.PackHeader.unpack(b"XXXX" + h.pack()[4:])
+
+
+def test_snapshot_round_trip_and_validation():
+    roots = {"step-2": b"b" * 16, "step-1": b"a" * 16, "ünï": b"c" * 16}
+    payload = fmt.encode_snapshot(7, roots)
+    assert fmt.decode_snapshot(payload) == (7, roots)
+    data, _ = record(kind=0, payload=payload, rtype=fmt.RECORD_ROOTS)
+    assert fmt.decode_record(data).payload == payload
+    for doc in ({"seq": -1, "roots": {}}, {"seq": 1, "roots": {"a": b"short"}}, [1, 2], {}):
+        with pytest.raises(CorruptObject):
+            fmt.decode_snapshot(msgpack.packb(doc))
