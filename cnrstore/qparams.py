@@ -58,7 +58,11 @@ def quantize_codes(x: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, b
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
-    """Codes (any int or float dtype) [n, w] -> float32 offset + q * scale."""
+    """Codes (any int or float dtype) [n, w] -> float32 offset + q * scale.
+
+    Clamped to the fp16 range: the top code of a row whose range was clamped can land
+    above FP16_MAX, which an fp16 table would turn into inf.
+    """
     y = q.to(torch.float32) * scale
     y += offset
-    return y
+    return y.clamp_(-FP16_MAX, FP16_MAX)

@@ -141,14 +141,23 @@ def decode_rows(codes: torch.Tensor, scheme: str, dtype: torch.dtype, width: int
     if scheme == "exact":
         if width == 0:
             return torch.empty((n, 0), dtype=dtype, device=codes.device)
-        return codes.contiguous().view(dtype).reshape(n, width)
+        return _dense(codes).view(dtype).reshape(n, width)
     if scheme in _CASTS:
-        return codes.contiguous().view(_CASTS[scheme]).reshape(n, width).to(dtype)
+        return _dense(codes).view(_CASTS[scheme]).reshape(n, width).to(dtype)
     bits = _BITS[scheme]
-    params = codes[:, :HEADER_NBYTES].contiguous().view(torch.float16).to(torch.float32)
+    params = _dense(codes[:, :HEADER_NBYTES]).view(torch.float16).to(torch.float32)
     scale, offset = params[:, 0:1], params[:, 1:2]
     q = unpack_codes(codes[:, HEADER_NBYTES:], bits, width)
     return dequantize(q, scale, offset).to(dtype)
+
+
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """t itself if its bytes can be reinterpreted as a wider dtype, else a dense copy."""
+    if t.is_contiguous() and t.stride(0) == t.shape[1] and t.storage_offset() % 8 == 0:
+        return t
+    out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+    out.copy_(t)
+    return out
 
 
 def first_nonfinite_row(rows: torch.Tensor) -> int | None:
