@@ -1,0 +1,41 @@
+"""Shared helpers of the checkpoint-layer tests (C2): store factories and exact compares."""
+
+from __future__ import annotations
+
+import torch
+
+import cnrstore
+import engine
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
+
+
+def make_store(kind: str, path, **opts) -> cnrstore.CheckpointStore:
+    """A checkpoint store over the memory twin ("memory") or a real pack store ("pack")."""
+    if kind == "memory":
+        return cnrstore.CheckpointStore(engine.MemoryStore(), **opts)
+    return cnrstore.open(path, **opts)
+
+
+def raw_bytes(t: torch.Tensor) -> bytes:
+    """The tensor's bytes in row-major order (NaN payloads and -0.0 included)."""
+    t = t.detach().contiguous().cpu()
+    return t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+
+
+def assert_identical(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.dtype == want.dtype, (got.dtype, want.dtype)
+    assert tuple(got.shape) == tuple(want.shape), (got.shape, want.shape)
+    assert raw_bytes(got) == raw_bytes(want)
+
+
+def random_table(gen: torch.Generator, rows: int, *tail: int, dtype=torch.float32):
+    shape = (rows, *tail)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=gen).bool()
+    if not dtype.is_floating_point:
+        info = torch.iinfo(dtype)
+        return torch.randint(max(info.min, -1000), min(info.max, 1000) + 1, shape,
+                             generator=gen, dtype=torch.int64).to(dtype)
+    return torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)
