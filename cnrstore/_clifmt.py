@@ -1,0 +1,252 @@
+"""Output of the ``cnrstore`` command: human sizes, aligned tables, JSON, progress bars.
+
+Kept apart from cli.py so the argument layer stays thin and these helpers can be tested
+without a subprocess. Nothing here touches a store.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import enum
+import sys
+import time
+from collections.abc import Iterable, Sequence
+
+_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
+
+
+def size(n: int | float | None) -> str:
+    """Bytes in binary units with three significant digits: 1536 -> '1.50 KiB'."""
+    if n is None:
+        return "-"
+    value = float(n)
+    for unit in _UNITS:
+        if abs(value) < 1024 or unit == _UNITS[-1]:
+            if unit == "B":
+                return f"{int(value)} B"
+            return f"{value:.3g} {unit}" if abs(value) >= 100 else f"{value:.2f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def ratio(x: float | None) -> str:
+    if x is None:
+        return "-"
+    return f"{x:.2f}x"
+
+
+def when(ts: float | None) -> str:
+    if ts is None:
+        return "-"
+    return _dt.datetime.fromtimestamp(ts, tz=_dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def table(headers: Sequence[str], rows: Iterable[Sequence[object]], *,
+          right: Sequence[int] = ()) -> str:
+    """Columns aligned by width; the columns whose index is in ``right`` align right."""
+    cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = []
+    for r in cells:
+        parts = [c.rjust(w) if i in right else c.ljust(w)
+                 for i, (c, w) in enumerate(zip(r, widths))]
+        lines.append("  ".join(parts).rstrip())
+    return "\n".join(lines)
+
+
+def jsonable(value):
+    """Dataclasses, tuples, bytes and enums as plain JSON values (bytes as hex)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        items = sorted(value) if isinstance(value, (set, frozenset)) else value
+        return [jsonable(v) for v in items]
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value).hex()
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, float) and value != value:
+        return None
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    if hasattr(value, "item"):  # numpy / torch scalars
+        return value.item()
+    return str(value)
+
+
+class Progress:
+    """A one-line progress bar on stderr, usable as an engine ``ProgressFn(done, total)``.
+
+    Draws at most ten times a second, and only when ``enabled`` (the CLI enables it when
+    stderr is a terminal), so scripts and logs get no control characters.
+    """
+
+    def __init__(self, label: str, *, enabled: bool, stream=None):
+        self.label = label
+        self.enabled = enabled
+        self.stream = stream if stream is not None else sys.stderr
+        self._last = 0.0
+        self._drawn = False
+
+    def __call__(self, done: int, total: int) -> None:
+        if not self.enabled:
+            return
+        now = time.monotonic()
+        if now - self._last < 0.1 and done != total:
+            return
+        self._last = now
+        if total > 0:
+            frac = min(max(done / total, 0.0), 1.0)
+            bar = "#" * int(frac * 30)
+            text = f"{self.label} [{bar:<30}] {frac:6.1%} {done}/{total}"
+        else:
+            text = f"{self.label} {done}"
+        self.stream.write("\r" + text)
+        self.stream.flush()
+        self._drawn = True
+
+    def __enter__(self) -> Progress:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._drawn:
+            self.stream.write("\r\033[K")
+            self.stream.flush()
+
+
+# -- one renderer per command: each takes the object --json would print ------------------
+
+def steps_text(steps) -> str:
+    if not steps:
+        return "no steps"
+    rows = [(s.step, when(s.time), s.tables, size(s.logical_bytes), size(s.stored_bytes),
+             size(s.new_bytes)) for s in steps]
+    return table(("STEP", "TIME (UTC)", "TABLES", "LOGICAL", "STORED", "NEW"), rows,
+                 right=(0, 2, 3, 4, 5))
+
+
+def step_text(d) -> str:
+    head = [f"step {d.step}  {when(d.time)} UTC  root {d.root}"]
+    if d.metadata:
+        head.append("metadata: " + ", ".join(f"{k}={v!r}" for k, v in d.metadata.items()))
+    rows = [(t.name, "x".join(map(str, t.shape)), t.dtype, t.scheme, t.blocks,
+             f"{t.full_blocks}/{t.patched_blocks}", f"{t.max_depth}/{t.mean_depth:.1f}",
+             "-" if t.rows_changed is None else t.rows_changed, size(t.logical_bytes),
+             size(t.stored_bytes)) for t in d.tables]
+    body = table(("TABLE", "SHAPE", "DTYPE", "SCHEME", "BLOCKS", "FULL/PATCHED",
+                  "DEPTH MAX/MEAN", "ROWS WRITTEN", "LOGICAL", "STORED"), rows,
+                 right=(4, 5, 6, 7, 8, 9))
+    return "\n".join(head) + "\n" + body
+
+
+def diff_text(d, *, max_rows: int) -> str:
+    if d.identical:
+        return f"steps {d.a} and {d.b} are identical (same root)"
+    lines = [f"diff {d.a} -> {d.b}" + ("  (metadata changed)" if d.metadata_changed else "")]
+    for t in d.tables:
+        if t.status == "unchanged":
+            lines.append(f"  = {t.name}: unchanged")
+            continue
+        if t.status in ("added", "removed"):
+            shape = t.shape_b if t.status == "added" else t.shape_a
+            lines.append(f"  {'+' if t.status == 'added' else '-'} {t.name}: {t.status} "
+                         f"({'x'.join(map(str, shape))})")
+            continue
+        what = [f"{len(t.blocks_changed)} blocks"]
+        if t.encoding_changed:
+            what.append(f"re-encoded ({t.scheme_a} {'x'.join(map(str, t.shape_a))} -> "
+                        f"{t.scheme_b} {'x'.join(map(str, t.shape_b))})")
+        if t.rows_changed is not None:
+            what.append(f"{t.rows_changed} rows")
+        if t.rows_added:
+            what.append(f"+{t.rows_added} rows added")
+        if t.rows_removed:
+            what.append(f"-{t.rows_removed} rows removed")
+        lines.append(f"  ~ {t.name}: " + ", ".join(what))
+        if t.row_ranges:
+            lines.append(f"      rows: {ranges_text(t.row_ranges, limit=max_rows)}")
+    return "\n".join(lines)
+
+
+def ranges_text(ranges: Sequence[Sequence[int]], *, limit: int) -> str:
+    """Half-open row ranges as '0-2, 7': at most ``limit`` rows spelled out."""
+    parts, shown = [], 0
+    total = sum(b - a for a, b in ranges)
+    for a, b in ranges:
+        if shown >= limit:
+            parts.append(f"... ({total} rows in all)")
+            break
+        parts.append(str(a) if b == a + 1 else f"{a}-{b - 1}")
+        shown += b - a
+    return ", ".join(parts) if parts else "-"
+
+
+def usage_text(u) -> str:
+    lines = [
+        f"steps {u.steps}, objects {u.objects}, unreachable objects {u.garbage_objects}",
+        f"logical    {size(u.logical_bytes):>11}   tables as dense tensors, all kept steps",
+        f"referenced {size(u.referenced_bytes):>11}   encoded bytes each step reaches "
+        f"(encoding {ratio(u.encoding_ratio)})",
+        f"unique     {size(u.unique_bytes):>11}   distinct objects (dedup {ratio(u.dedup_ratio)})",
+        f"stored     {size(u.stored_bytes):>11}   their records in packs "
+        f"(compression {ratio(u.compression_ratio)})",
+        f"on disk    {size(u.disk_bytes):>11}   allocated by the pack files",
+        f"overall    {ratio(u.overall_ratio):>11}   logical / stored",
+        "",
+    ]
+    rows = [(t.name, t.steps, size(t.logical_bytes), size(t.referenced_bytes),
+             size(t.unique_bytes), size(t.stored_bytes),
+             ratio(t.referenced_bytes / t.unique_bytes if t.unique_bytes else None),
+             ratio(t.logical_bytes / t.stored_bytes if t.stored_bytes else None))
+            for t in u.tables]
+    lines.append(table(("TABLE", "STEPS", "LOGICAL", "REFERENCED", "UNIQUE", "STORED",
+                        "DEDUP", "OVERALL"), rows, right=(1, 2, 3, 4, 5, 6, 7)))
+    return "\n".join(lines)
+
+
+def verify_text(r) -> str:
+    head = (f"{'ok' if r.ok else 'PROBLEMS FOUND'}: {r.steps_checked} steps, "
+            f"{r.objects_checked} objects ({size(r.bytes_checked)}) checked, "
+            f"{r.blocks_decoded} blocks decoded")
+    lines = [head]
+    for p in r.problems:
+        where = " ".join(x for x in (
+            f"object {bytes(p.oid).hex()}" if p.oid else "",
+            f"pack {p.pack}" if p.pack else "",
+            f"offset {p.offset}" if p.offset is not None else "") if x)
+        lines.append(f"  {p.what}: {p.message}" + (f" [{where}]" if where else ""))
+    return "\n".join(lines)
+
+
+def repair_text(r) -> str:
+    lines = [f"index rebuilt: {r.packs_scanned} packs scanned, {r.objects_indexed} objects "
+             f"indexed, {r.roots_restored} roots restored"]
+    for p in r.damaged:
+        lines.append(f"  damaged: {p.what}: {p.message}")
+    return "\n".join(lines)
+
+
+def gc_plan_text(p) -> str:
+    drop = ", ".join(map(str, p.drop)) or "none"
+    keep = ", ".join(map(str, p.keep)) or "none"
+    return (f"dry run: would drop steps {drop}; keep {keep}\n"
+            f"would free {p.objects_freed} objects ({size(p.bytes_freed)} of records) plus "
+            f"{p.garbage_objects} objects already unreachable")
+
+
+def gc_text(r) -> str:
+    dropped = ", ".join(map(str, r.steps_deleted)) or "none"
+    return (f"dropped steps {dropped}; kept {len(r.steps_kept)}\n"
+            f"freed {r.objects_freed} objects, {size(r.bytes_freed)} on disk; "
+            f"{r.packs_rewritten} packs rewritten, {r.packs_deleted} deleted; "
+            f"{r.objects_live} objects live")
+
+
+def transfer_text(r) -> str:
+    verb = "exported" if r.direction == "export" else "imported"
+    prep = "to" if r.direction == "export" else "from"
+    return (f"{verb} step {r.step} ({len(r.tables)} tables, {size(r.logical_bytes)}) "
+            f"{prep} {r.path}")

@@ -1,0 +1,405 @@
+"""Read-only views of a store: list steps, show a step, disk usage, gc plan, verify.
+
+The Python side of the ``cnrstore`` command (cli.py is a thin layer over it). Every function
+takes an open ``CheckpointStore``, an engine ``ObjectStore``, or a path (opened without
+creating anything). Sizes come from the engine index (``info``: kind, refs, lengths), so
+listing and measuring never read block payloads; only ``verify(deep=True)`` and the row
+part of ``diff_steps`` (cnrstore.diff) decode blocks.
+
+Byte counts used throughout:
+
+- *logical*: what the tables take as dense tensors of their dtype (rows * width * itemsize).
+- *raw*: uncompressed payload bytes of the objects (after quantization, before zstd).
+- *stored*: bytes the objects' records take in the packs (after zstd, with headers).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import engine
+from engine import ObjectStore, Problem
+
+from . import manifest as mf
+from .errors import ManifestError, StepNotFound
+from .manifest import TableNode, load_step, load_table_manifest, root_name
+
+__all__ = [
+    "StepSummary",
+    "TableDetail",
+    "StepDetail",
+    "TableUsage",
+    "Usage",
+    "GCPlan",
+    "VerifyResult",
+    "opened",
+    "objects_of",
+    "list_steps",
+    "show_step",
+    "disk_usage",
+    "gc_plan",
+    "kept_steps",
+    "verify",
+    "collect",
+    "repair",
+    "diff_steps",
+]
+
+
+@dataclass(frozen=True)
+class StepSummary:
+    step: int
+    time: float
+    tables: int
+    logical_bytes: int
+    stored_bytes: int      # records reachable from the step (shared ones included)
+    new_bytes: int         # records no lower kept step reaches
+    root: str
+
+
+@dataclass(frozen=True)
+class TableDetail:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    scheme: str
+    block_rows: int
+    blocks: int
+    full_blocks: int
+    patched_blocks: int    # blocks whose newest object is a patch
+    max_depth: int         # patches above the full block, worst block
+    mean_depth: float
+    rows_changed: int | None
+    logical_bytes: int
+    stored_bytes: int
+
+
+@dataclass(frozen=True)
+class StepDetail:
+    step: int
+    time: float
+    root: str
+    metadata: dict
+    tables: tuple[TableDetail, ...]
+
+
+@dataclass(frozen=True)
+class TableUsage:
+    name: str
+    steps: int
+    logical_bytes: int     # summed over the steps holding the table
+    referenced_bytes: int  # raw bytes each step's table reaches, summed over steps
+    unique_bytes: int      # raw bytes of the distinct objects, over all steps
+    stored_bytes: int      # stored bytes of the distinct objects
+
+
+@dataclass(frozen=True)
+class Usage:
+    steps: int
+    objects: int           # distinct objects reachable from the steps
+    logical_bytes: int
+    referenced_bytes: int
+    unique_bytes: int
+    stored_bytes: int
+    disk_bytes: int        # allocated by the pack files (dead records included)
+    garbage_objects: int   # indexed but unreachable: gc reclaims them
+    encoding_ratio: float | None     # logical / referenced: quantization (and patches)
+    dedup_ratio: float | None        # referenced / unique: sharing between steps
+    compression_ratio: float | None  # unique / stored: zstd
+    overall_ratio: float | None      # logical / stored
+    tables: tuple[TableUsage, ...]
+
+
+@dataclass(frozen=True)
+class GCPlan:
+    keep: tuple[int, ...]
+    drop: tuple[int, ...]
+    objects_freed: int     # reachable only from dropped steps
+    bytes_freed: int       # their stored bytes (before compaction rounds to packs)
+    garbage_objects: int   # already unreachable before the drop
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    ok: bool
+    problems: tuple[Problem, ...]
+    steps_checked: int
+    objects_checked: int
+    bytes_checked: int
+    blocks_decoded: int
+
+
+def objects_of(store) -> ObjectStore:
+    """The engine object store behind ``store`` (a CheckpointStore or an ObjectStore)."""
+    if isinstance(store, ObjectStore):
+        return store
+    for attr in ("objects", "engine", "_objects", "_engine"):
+        inner = getattr(store, attr, None)
+        if isinstance(inner, ObjectStore):
+            return inner
+    raise TypeError(f"expected a CheckpointStore, an engine ObjectStore or a path, got "
+                    f"{type(store).__name__}")
+
+
+@contextlib.contextmanager
+def opened(store) -> Iterator[ObjectStore]:
+    """Yield the engine store of ``store``; a path is opened (never created) and closed."""
+    if isinstance(store, (str, os.PathLike)):
+        if not os.path.isdir(store):
+            raise FileNotFoundError(f"no store at {os.fspath(store)!r}")
+        objects = engine.open(store, create=False)
+        try:
+            yield objects
+        finally:
+            objects.close()
+    else:
+        yield objects_of(store)
+
+
+class _Sizes:
+    """Index lookups cached per object: every walk below reads each entry once."""
+
+    def __init__(self, objects: ObjectStore):
+        self.objects = objects
+        self._info: dict[bytes, engine.ObjectInfo] = {}
+
+    def info(self, oid: bytes) -> engine.ObjectInfo:
+        got = self._info.get(oid)
+        if got is None:
+            got = self._info[oid] = self.objects.info(oid)
+        return got
+
+    def reach(self, oid: bytes, into: set[bytes] | None = None) -> set[bytes]:
+        """Ids reachable from ``oid`` (itself included), added to ``into``."""
+        seen = set() if into is None else into
+        stack = [oid]
+        while stack:
+            cur = stack.pop()
+            if cur in seen:
+                continue
+            seen.add(cur)
+            stack.extend(self.info(cur).refs)
+        return seen
+
+    def raw(self, oids: Iterable[bytes]) -> int:
+        return sum(self.info(o).raw_len for o in oids)
+
+    def stored(self, oids: Iterable[bytes]) -> int:
+        return sum(self.info(o).stored_len for o in oids)
+
+
+def _itemsize(dtype: str) -> int:
+    import torch
+
+    from .tablestate import parse_dtype
+
+    return torch.empty((), dtype=parse_dtype(dtype)).element_size()
+
+
+def table_logical_bytes(node: TableNode) -> int:
+    return node.rows * node.width * _itemsize(node.dtype)
+
+
+def _steps(objects: ObjectStore, steps: Iterable[int] | None) -> list[int]:
+    have = mf.list_steps(objects)
+    if steps is None:
+        return have
+    wanted = sorted(set(steps))
+    for s in wanted:
+        if s not in have:
+            raise StepNotFound(s)
+    return wanted
+
+
+def list_steps(store) -> list[StepSummary]:
+    """Every kept step, ascending, with its sizes. ``new_bytes`` counts the records that
+    no lower step reaches: what keeping this step costs on top of the earlier ones."""
+    with opened(store) as objects:
+        sizes = _Sizes(objects)
+        earlier: set[bytes] = set()
+        out = []
+        for step in mf.list_steps(objects):
+            oid, node = load_step(objects, step)
+            mine = sizes.reach(oid)
+            new = mine - earlier
+            earlier |= mine
+            out.append(StepSummary(step, node.time, len(node.tables), node.logical_bytes,
+                                   sizes.stored(mine), sizes.stored(new), oid.hex()))
+        return out
+
+
+def show_step(store, step: int) -> StepDetail:
+    """The tables of one step: geometry, scheme, block chains and sizes (no block reads)."""
+    with opened(store) as objects:
+        sizes = _Sizes(objects)
+        oid, node = load_step(objects, step)
+        tables = []
+        for name, toid in zip(node.tables, node.table_ids):
+            tm = load_table_manifest(objects, toid)
+            depth = tm.depth
+            full = sum(1 for d in depth if d == 0)
+            t = tm.node
+            tables.append(TableDetail(
+                name=name, shape=t.shape, dtype=t.dtype, scheme=t.scheme,
+                block_rows=t.block_rows, blocks=len(depth), full_blocks=full,
+                patched_blocks=len(depth) - full, max_depth=max(depth, default=0),
+                mean_depth=sum(depth) / len(depth) if depth else 0.0,
+                rows_changed=node.rows_changed.get(name),
+                logical_bytes=table_logical_bytes(t),
+                stored_bytes=sizes.stored(sizes.reach(toid)),
+            ))
+        return StepDetail(step, node.time, oid.hex(), dict(node.metadata), tuple(tables))
+
+
+def _ratio(a: int, b: int) -> float | None:
+    return a / b if b else None
+
+
+def disk_usage(store) -> Usage:
+    """Logical vs stored bytes of the kept steps, overall and per table name."""
+    with opened(store) as objects:
+        sizes = _Sizes(objects)
+        everything: set[bytes] = set()
+        per_table: dict[str, list] = {}  # name -> [steps, logical, referenced, ids]
+        logical = referenced = 0
+        steps = mf.list_steps(objects)
+        for step in steps:
+            oid, node = load_step(objects, step)
+            mine = sizes.reach(oid)
+            everything |= mine
+            logical += node.logical_bytes
+            referenced += sizes.raw(mine)
+            for name, toid in zip(node.tables, node.table_ids):
+                t = TableNode.decode(objects.get(toid), toid)
+                ids = sizes.reach(toid)
+                acc = per_table.setdefault(name, [0, 0, 0, set()])
+                acc[0] += 1
+                acc[1] += table_logical_bytes(t)
+                acc[2] += sizes.raw(ids)
+                acc[3] |= ids
+        unique, stored = sizes.raw(everything), sizes.stored(everything)
+        stats = objects.stats()
+        tables = tuple(
+            TableUsage(name, n, lg, ref, sizes.raw(ids), sizes.stored(ids))
+            for name, (n, lg, ref, ids) in sorted(per_table.items())
+        )
+        return Usage(
+            steps=len(steps), objects=len(everything), logical_bytes=logical,
+            referenced_bytes=referenced, unique_bytes=unique, stored_bytes=stored,
+            disk_bytes=stats.stored_bytes,
+            garbage_objects=max(stats.objects - len(everything), 0),
+            encoding_ratio=_ratio(logical, referenced), dedup_ratio=_ratio(referenced, unique),
+            compression_ratio=_ratio(unique, stored), overall_ratio=_ratio(logical, stored),
+            tables=tables,
+        )
+
+
+def kept_steps(have: Iterable[int], *, keep_last: int | None, keep: Iterable[int] = ()
+               ) -> list[int]:
+    """The steps gc keeps: the newest ``keep_last`` plus ``keep``; all when neither is
+    given (DESIGN.md, gc). Naming a step in ``keep`` that the store lacks is an error, so a
+    typo cannot silently drop the step that was meant."""
+    have = sorted(have)
+    keep = set(keep)
+    missing = sorted(keep - set(have))
+    if missing:
+        raise StepNotFound(missing[0], f"cannot keep step {missing[0]}: no such step")
+    if keep_last is None and not keep:
+        return have
+    if keep_last is not None and keep_last < 0:
+        raise ValueError(f"keep_last must be >= 0, got {keep_last}")
+    newest = set(have[len(have) - keep_last:]) if keep_last else set()
+    return sorted(newest | keep)
+
+
+def gc_plan(store, *, keep_last: int | None, keep: Iterable[int] = ()) -> GCPlan:
+    """What ``gc(keep_last=..., keep=...)`` would drop and free, changing nothing."""
+    with opened(store) as objects:
+        sizes = _Sizes(objects)
+        have = mf.list_steps(objects)
+        kept = kept_steps(have, keep_last=keep_last, keep=keep)
+        drop = [s for s in have if s not in set(kept)]
+        live: set[bytes] = set()
+        for s in kept:
+            sizes.reach(objects.root(root_name(s)), live)
+        dead: set[bytes] = set()
+        for s in drop:
+            sizes.reach(objects.root(root_name(s)), dead)
+        dead -= live
+        stats = objects.stats()
+        garbage = max(stats.objects - len(live) - len(dead), 0)
+        return GCPlan(tuple(kept), tuple(drop), len(dead), sizes.stored(dead), garbage)
+
+
+def collect(store, *, keep_last: int | None, keep: Iterable[int] = ()):
+    """Run the store's gc after checking ``keep`` names existing steps (see kept_steps).
+    Returns cnrstore.GCReport. ``store`` must be a CheckpointStore: gc drops steps."""
+    keep = list(keep)
+    kept_steps(store.steps(), keep_last=keep_last, keep=keep)
+    return store.gc(keep_last=keep_last, keep=keep)
+
+
+def repair(path: str | os.PathLike, *, progress=None) -> engine.RepairReport:
+    """Rebuild the index of the store at ``path`` from its packs (engine.repair)."""
+    del progress  # the engine's repair reports no progress
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"no store at {os.fspath(path)!r}")
+    with engine.open(path, create=False) as objects:
+        return objects.repair()
+
+
+def diff_steps(store, a: int, b: int, *, rows: bool = True):
+    """Which tables, blocks and rows differ between steps ``a`` and ``b``
+    (cnrstore.diff.StepDiff): ids compared top-down, only differing blocks read."""
+    from .diff import diff_steps as _diff
+
+    with opened(store) as objects:
+        return _diff(objects, a, b, rows=rows)
+
+
+def verify(store, *, deep: bool = False, steps: Iterable[int] | None = None,
+           progress: engine.api.ProgressFn | None = None) -> VerifyResult:
+    """Check the engine (structure; with ``deep`` re-hash every object) and then the
+    manifests of the steps: nodes decode, block counts match shapes, and with ``deep``
+    every block's chain resolves to codes of the table's geometry."""
+    from .blocks import read_header, resolve
+
+    with opened(store) as objects:
+        chosen = _steps(objects, steps)
+        roots = None if steps is None else [root_name(s) for s in chosen]
+        report = objects.verify(deep=deep, roots=roots, progress=progress)
+        problems = list(report.problems)
+        checked: set[bytes] = set()
+        decoded = 0
+        for step in chosen:
+            try:
+                _, node = load_step(objects, step)
+                tables = [load_table_manifest(objects, t) for t in node.table_ids]
+            except (ManifestError, engine.StoreError) as exc:
+                problems.append(Problem("bad-manifest", f"step {step}: {exc}",
+                                        oid=getattr(exc, "oid", None)))
+                continue
+            for tm in tables if deep else ():
+                for i, bid in enumerate(tm.block_ids):
+                    if bid in checked:
+                        continue
+                    checked.add(bid)
+                    start, stop = tm.node.block_range(i)
+                    where = f"step {step} table {tm.node.name!r} block {i}"
+                    try:
+                        read_header(objects.get(bid), bid)
+                        codes = resolve(objects.get, bid)
+                    except (ManifestError, engine.StoreError) as exc:
+                        problems.append(Problem("bad-block", f"{where}: {exc}", oid=bid))
+                        continue
+                    decoded += 1
+                    if codes.shape != (stop - start, tm.node.row_nbytes):
+                        problems.append(Problem(
+                            "bad-block", f"{where} holds {codes.shape} codes, expected "
+                            f"{(stop - start, tm.node.row_nbytes)}", oid=bid))
+        return VerifyResult(not problems, tuple(problems), len(chosen),
+                            report.objects_checked, report.bytes_checked, decoded)
+
