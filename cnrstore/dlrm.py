@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,6 +35,7 @@ __all__ = [
     "DLRMConfig",
     "RowWiseAdagrad",
     "SyntheticCTR",
+    "Trainer",
     "auc",
     "deterministic",
     "embedding_names",
@@ -337,3 +339,72 @@ def deterministic(*, threads: int = 1) -> Iterator[None]:
     finally:
         torch.use_deterministic_algorithms(old_det)
         torch.set_num_threads(old_threads)
+
+
+class Trainer:
+    """Model, optimizer and data position, checkpointed into ``store`` every ``every`` steps.
+
+    ``step`` counts the training steps done; checkpoint ``s`` is the state after ``s``
+    steps, so a job restored from ``s`` trains on batch ``s`` next, like the original.
+    Puts are non-blocking; ``on_checkpoint(info, stall_seconds)`` is called once each has
+    committed (in step order), from the thread that calls ``run`` or ``wait``.
+    """
+
+    def __init__(self, config: DLRMConfig, *, store=None, every: int = 25,
+                 quant: str | Mapping[str, str] = "exact",
+                 on_checkpoint: Callable[[object, float], None] | None = None) -> None:
+        if every < 1:
+            raise ValueError(f"every must be >= 1; got {every}")
+        self.config, self.store, self.every, self.quant = config, store, every, quant
+        self.data = SyntheticCTR(config)
+        self.model = DLRM(config)
+        self.opt = RowWiseAdagrad(self.model, lr=config.lr, dense_lr=config.dense_lr)
+        self.step = 0
+        self.on_checkpoint = on_checkpoint
+        self._pending: list[tuple[object, float]] = []
+
+    def tables(self) -> dict[str, torch.Tensor]:
+        return state_tables(self.model, self.opt)
+
+    def checkpoint(self) -> None:
+        """Put the current state as step ``self.step``; returns once the store has it copied."""
+        t0 = time.perf_counter()
+        future = self.store.put_tables(self.step, self.tables(), quant=self.quant,
+                                       metadata={"seed": self.config.seed}, blocking=False)
+        self._pending.append((future, time.perf_counter() - t0))
+        self._collect(wait=False)
+
+    def restore_latest(self) -> int:
+        """Load the newest step of the store into the model; returns that step."""
+        steps = self.store.steps()
+        if not steps:
+            raise ValueError("the store has no step to restore")
+        load_state_tables(self.model, self.opt, self.store.get_tables(steps[-1]))
+        self.step = steps[-1]
+        return self.step
+
+    def run(self, until: int, *, checkpoint_last: bool = False,
+            on_step: Callable[[int, float], None] | None = None) -> None:
+        """Train up to step ``until``, checkpointing every ``every`` steps (and at
+        ``until`` when ``checkpoint_last``) if the trainer has a store."""
+        while self.step < until:
+            loss = train_step(self.model, self.opt, self.data.batch(self.step))
+            self.step += 1
+            due = self.step % self.every == 0 or (checkpoint_last and self.step == until)
+            if self.store is not None and due:
+                self.checkpoint()
+            elif self._pending:
+                self._collect(wait=False)  # report commits promptly, even if killed later
+            if on_step is not None:
+                on_step(self.step, loss)
+
+    def wait(self) -> None:
+        """Block until every put has committed (re-raising a failed put's error)."""
+        self._collect(wait=True)
+
+    def _collect(self, *, wait: bool) -> None:
+        while self._pending and (wait or self._pending[0][0].done()):
+            future, stall = self._pending.pop(0)
+            info = future.result()
+            if self.on_checkpoint is not None:
+                self.on_checkpoint(info, stall)

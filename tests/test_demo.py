@@ -1,0 +1,66 @@
+"""The demo end to end at a tiny scale: a real subprocess trainer, SIGKILLed and resumed."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import cnrstore
+from cnrstore import demo
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["--steps", "30", "--every", "10", "--scale", "0.01", "--fail-at", "24"]
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env,
+                          cwd=ROOT, timeout=240)
+
+
+def test_demo_kills_resumes_and_matches_the_uninterrupted_run(tmp_path):
+    store = tmp_path / "store"
+    out = _run("-m", "cnrstore.demo", *TINY, "--store", str(store))
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    assert "killed at step 24" in text
+    # Checkpoints 0, 10, 20 before the kill; 20 is restored; 30 after.
+    assert re.search(r"restored step 20 in \d+ ms", text), text
+    table = {int(m.group(1)): m.group(2) for m in
+             re.finditer(r"^\s+(\d+)\s+([\d,]+)\s+[\d.]+ MB", text, re.M)}
+    assert sorted(table) == [0, 10, 20, 30], text
+    assert "(bit-identical)" in text
+    assert "full torch.save of the same state" in text
+    # gc kept the two newest steps; the store is left for inspection.
+    assert "-> [20, 30]" in text
+    with cnrstore.open(store) as s:
+        assert s.steps() == [20, 30]
+        assert set(s.get_tables(30)) >= {"emb0", "emb0.adagrad", "top.0.weight"}
+
+
+def test_demo_refuses_bad_options_before_doing_anything(tmp_path, capsys):
+    assert demo.main(["--steps", "10", "--fail-at", "10"]) == 2
+    assert "--fail-at" in capsys.readouterr().err
+    assert demo.main(["--every", "0"]) == 2
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "x").write_text("keep me")
+    assert demo.main(["--store", str(full), *TINY]) == 2
+    assert "not empty" in capsys.readouterr().err
+    assert (full / "x").read_text() == "keep me"
+    with pytest.raises(SystemExit):
+        demo.main(["--scheme", "int9"])
+
+
+def test_resolve_quant_quantizes_only_embedding_tables():
+    config = demo.DLRMConfig(table_rows=(10, 20))
+    assert demo.resolve_quant("exact", config, expected_restores=1) == "exact"
+    assert demo.resolve_quant("int4", config, expected_restores=1) == {
+        "emb0": "int4", "emb1": "int4"}
+    auto = demo.resolve_quant("auto", config, expected_restores=1)
+    assert auto == "exact" or set(auto) == {"emb0", "emb1"}
