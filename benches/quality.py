@@ -1,0 +1,186 @@
+"""Model quality after restores from quantized checkpoints (Check-N-Run's accuracy question).
+
+Trains the demo's DLRM (cnrstore.dlrm) on its synthetic click-through task. For each
+number of simulated failures and each scheme, a run checkpoints every ``--every`` steps
+into a real store with that scheme (embedding tables quantized; row accumulators and the
+dense part exact), and at each failure point drops the model, the optimizer and the store
+handle, reopens the store, restores the latest step and trains on. Every run sees the same
+batches in the same order, so its final eval loss and AUC differ from the uninterrupted
+run's only through what the restores changed. Exact restores must reproduce the
+uninterrupted run bit for bit.
+
+    .venv/bin/python benches/quality.py                 # the table of docs/QUALITY.md
+    .venv/bin/python benches/quality.py --write docs/QUALITY.md --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import cnrstore  # noqa: E402
+from cnrstore.demo import resolve_quant  # noqa: E402
+from cnrstore.dlrm import DLRMConfig, Trainer, deterministic, evaluate  # noqa: E402
+
+SCHEMES = ("exact", "fp16", "int8", "int4", "int3", "int2", "auto")
+RESTORES = (1, 5, 20)
+BUDGET = 1e-4  # Check-N-Run: accuracy may drop by less than 0.01% (relative)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    scheme: str         # as asked ("auto" stays "auto")
+    resolved: str       # the scheme the embedding tables were stored with
+    restores: int
+    loss: float
+    auc: float
+    mean_bytes: float   # bytes written per incremental checkpoint
+    seconds: float
+
+    def loss_rel(self, base: Outcome) -> float:
+        """Relative loss increase over ``base`` (positive: worse)."""
+        return (self.loss - base.loss) / base.loss
+
+    def auc_rel(self, base: Outcome) -> float:
+        """Relative AUC drop from ``base`` (positive: worse)."""
+        return (base.auc - self.auc) / base.auc
+
+    def within(self, base: Outcome, budget: float = BUDGET) -> bool:
+        return self.loss_rel(base) < budget and self.auc_rel(base) < budget
+
+
+def failure_points(n: int, *, steps: int, every: int) -> list[int]:
+    """``n`` distinct steps spread over the run, none on a checkpoint (work is lost)."""
+    if n < 0 or n >= steps:
+        raise ValueError(f"cannot place {n} failures in {steps} steps")
+    points = []
+    for i in range(n):
+        f = max(1, (i + 1) * steps // (n + 1))
+        if f % every == 0:
+            f = f + 1 if f + 1 < steps else f - 1
+        points.append(f)
+    if len(set(points)) != n:
+        raise ValueError(f"{n} failures do not fit in {steps} steps at every={every}")
+    return points
+
+
+def run_case(config: DLRMConfig, *, steps: int, every: int, failures: list[int],
+             scheme: str, workdir: Path, n_eval: int = 32,
+             keep_tables: bool = False) -> tuple[Outcome, dict[str, torch.Tensor] | None]:
+    """Train to ``steps``, failing and restoring at each of ``failures``; evaluate."""
+    quant = resolve_quant(scheme, config, expected_restores=max(1, len(failures)))
+    resolved = quant if isinstance(quant, str) else next(iter(quant.values()))
+    written: list[int] = []
+    t0 = time.perf_counter()
+    with deterministic():
+        store = cnrstore.open(workdir) if failures else None
+        trainer = Trainer(config, store=store, every=every, quant=quant,
+                          on_checkpoint=lambda info, _stall: written.append(info.bytes_written))
+        if store is not None:
+            trainer.checkpoint()
+        for point in failures:
+            trainer.run(point)
+            trainer.wait()
+            # The failure: model, optimizer and store handle are gone; a new job reopens.
+            store.close()
+            del trainer
+            store = cnrstore.open(workdir)
+            trainer = Trainer(config, store=store, every=every, quant=quant,
+                              on_checkpoint=lambda info, _s: written.append(info.bytes_written))
+            trainer.restore_latest()
+        trainer.run(steps)
+        if store is not None:
+            trainer.wait()
+            store.close()
+        loss, auc = evaluate(trainer.model, trainer.data.eval_batches(n_eval))
+        tables = {k: v.clone() for k, v in trainer.tables().items()} if keep_tables else None
+    incremental = written[1:]  # the first checkpoint (step 0) is a full one
+    outcome = Outcome(scheme, resolved, len(failures), loss, auc,
+                      sum(incremental) / max(1, len(incremental)), time.perf_counter() - t0)
+    return outcome, tables
+
+
+def experiment(config: DLRMConfig, *, steps: int, every: int, restores=RESTORES,
+               schemes=SCHEMES, n_eval: int = 32, log=None) -> tuple[Outcome, list[Outcome]]:
+    """The uninterrupted run and one run per (restores, scheme)."""
+    with tempfile.TemporaryDirectory(prefix="cnrstore-quality-") as tmp:
+        base, _ = run_case(config, steps=steps, every=every, failures=[], scheme="exact",
+                           workdir=Path(tmp) / "base", n_eval=n_eval)
+        if log:
+            log(f"uninterrupted: loss {base.loss:.6f} auc {base.auc:.6f} ({base.seconds:.1f}s)")
+        out = []
+        for n in restores:
+            points = failure_points(n, steps=steps, every=every)
+            for scheme in schemes:
+                o, _ = run_case(config, steps=steps, every=every, failures=points,
+                                scheme=scheme, workdir=Path(tmp) / f"{scheme}-{n}",
+                                n_eval=n_eval)
+                out.append(o)
+                if log:
+                    log(f"{n:>3} restores {scheme:>5} ({o.resolved}): loss {o.loss:.6f} "
+                        f"({o.loss_rel(base):+.2e}) auc {o.auc:.6f} ({-o.auc_rel(base):+.2e}) "
+                        f"{o.seconds:.1f}s")
+    return base, out
+
+
+def markdown(base: Outcome, outcomes: list[Outcome], params: dict) -> str:
+    restores = sorted({o.restores for o in outcomes})
+    schemes = list(dict.fromkeys(o.scheme for o in outcomes))
+    cell = {(o.scheme, o.restores): o for o in outcomes}
+    head = "| scheme | bytes/ckpt | " + " | ".join(
+        f"{n} restores: loss / AUC (rel.)" for n in restores) + " |"
+    lines = [head, "|" + "---|" * (2 + len(restores))]
+    for s in schemes:
+        row = [s, f"{cell[(s, restores[0])].mean_bytes / 1e3:,.0f} kB"]
+        for n in restores:
+            o = cell[(s, n)]
+            mark = "" if o.within(base) else " ✗"
+            name = f" [{o.resolved}]" if s == "auto" else ""
+            row.append(f"{o.loss_rel(base):+.1e} / {-o.auc_rel(base):+.1e}{mark}{name}")
+        lines.append("| " + " | ".join(row) + " |")
+    lines += ["", f"Uninterrupted run: eval loss {base.loss:.6f}, AUC {base.auc:.6f}.",
+              "Parameters: " + ", ".join(f"{k}={v}" for k, v in params.items()) + "."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=1500)
+    parser.add_argument("--every", type=int, default=25)
+    parser.add_argument("--scale", type=float, default=0.05)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--restores", type=int, nargs="+", default=list(RESTORES))
+    parser.add_argument("--schemes", nargs="+", default=list(SCHEMES), choices=SCHEMES)
+    parser.add_argument("--json", metavar="PATH", help="write the outcomes as JSON")
+    parser.add_argument("--write", metavar="PATH", help="write the Markdown table here")
+    args = parser.parse_args(argv)
+    config = DLRMConfig(seed=args.seed).scaled(args.scale)
+    t0 = time.perf_counter()
+    base, outcomes = experiment(config, steps=args.steps, every=args.every,
+                                restores=args.restores, schemes=args.schemes,
+                                log=lambda s: print(s, flush=True))
+    params = {"steps": args.steps, "every": args.every, "scale": args.scale,
+              "seed": args.seed, "table_rows": config.table_rows, "dim": config.dim,
+              "batch": config.batch_size, "wall_s": round(time.perf_counter() - t0)}
+    table = markdown(base, outcomes, params)
+    print(table)
+    if args.write:
+        Path(args.write).write_text(table + "\n")
+    if args.json:
+        Path(args.json).write_text(json.dumps(
+            {"params": params, "base": asdict(base),
+             "outcomes": [asdict(o) for o in outcomes]}, indent=2, default=list))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
