@@ -1,0 +1,151 @@
+"""Non-blocking puts: snapshot semantics, order, back-pressure, errors on the Future.
+
+The background writer is held up for real by holding the engine's writer lock from the test
+(the same lock another process's writer would hold), never by mocks.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from ckpt_util import assert_identical, make_store, random_table
+
+import cnrstore
+import engine
+
+
+def _store(**opts):
+    return make_store("memory", None, block_rows=16, fanout=4, **opts)
+
+
+def test_mutating_tables_after_a_non_blocking_put_does_not_change_what_is_stored(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    for kind in ("memory", "pack"):
+        s = make_store(kind, tmp_path / "s", block_rows=16, max_inflight=4)
+        t = {"f": random_table(g, 100, 8), "i": random_table(g, 64, dtype=torch.int64)}
+        want, futs = [], []
+        for step in range(6):
+            want.append({k: v.clone() for k, v in t.items()})
+            futs.append(s.put_tables(step, t, blocking=False, quant={"f": "exact"}))
+            t["f"].mul_(1.5)[step] = -1.0  # in place, right after the put returned
+            t["i"] += step
+        for f in futs:
+            f.result(timeout=60)
+        for step in range(6):
+            got = s.get_tables(step)
+            for name in t:
+                assert_identical(got[name], want[step][name])
+        s.close()
+
+
+def test_steps_commit_in_order():
+    g = torch.Generator().manual_seed(1)
+    s = _store(max_inflight=3)
+    t = random_table(g, 64, 4)
+    done, futs = [], []
+    for step in (5, 2, 9, 1):
+        t[step] += 1
+        f = s.put_tables(step, {"t": t}, blocking=False)
+        f.add_done_callback(lambda f, step=step: done.append(step))
+        futs.append((step, f, t.clone()))
+    for step, f, want in futs:
+        assert f.result(timeout=60).step == step
+        assert_identical(s.get_tables(step)["t"], want)
+    assert done == [5, 2, 9, 1]
+    assert s.steps() == [1, 2, 5, 9]
+
+
+def test_back_pressure_blocks_the_caller_while_max_inflight_puts_wait():
+    g = torch.Generator().manual_seed(2)
+    s = _store(max_inflight=1, lock_timeout=None)
+    t = random_table(g, 32, 4)
+    held = s.objects.writer()  # another writer holds the engine: nothing can commit
+    first = s.put_tables(1, {"t": t}, blocking=False)
+    returned = threading.Event()
+
+    def second():
+        s.put_tables(2, {"t": t}, blocking=False)
+        returned.set()
+
+    th = threading.Thread(target=second)
+    th.start()
+    assert not returned.wait(0.5)  # blocked: one put already in flight
+    assert not first.done()
+    held.abort()
+    th.join(timeout=60)
+    assert returned.is_set()
+    assert first.result(timeout=60).step == 1
+    assert s.steps() == [1, 2]
+
+
+@pytest.mark.parametrize("seed", [True, False])
+def test_background_failure_surfaces_on_the_future_and_resets_the_diff_base(seed):
+    g = torch.Generator().manual_seed(3)
+    s = _store(lock_timeout=0.2, seed_from_store=seed)
+    t = random_table(g, 64, 4)
+    s.put_tables(0, {"t": t})
+    held = s.objects.writer()
+    t1 = t.clone()
+    t1[3] += 1
+    f1 = s.put_tables(1, {"t": t1}, blocking=False)
+    f1.add_done_callback(lambda _: held.abort())  # free the engine before put 2 runs
+    t2 = t1.clone()
+    t2[3] += 1
+    f2 = s.put_tables(2, {"t": t2}, blocking=False)
+    with pytest.raises(cnrstore.WriteFailed) as e1:
+        f1.result(timeout=60)
+    assert isinstance(e1.value.__cause__, engine.StoreLocked)
+    with pytest.raises(cnrstore.WriteFailed, match="missing"):  # its base never committed
+        f2.result(timeout=60)
+    with pytest.raises(cnrstore.StepNotFound):
+        s.get_tables(1)
+    info = s.put_tables(3, {"t": t2})
+    # The diff base was reset: re-seeded from the newest stored step (0), or a full put.
+    assert info.rows_changed == {"t": 1 if seed else 64}
+    assert info.objects_new < 10  # either way only block 0 and nodes are new
+    assert s.steps() == [0, 3]
+    assert_identical(s.get_tables(3)["t"], t2)
+    assert s.verify().ok
+
+
+def test_blocking_put_raises_write_failed():
+    s = _store(lock_timeout=0.05)
+    held = s.objects.writer()
+    with pytest.raises(cnrstore.WriteFailed):
+        s.put_tables(1, {"t": torch.ones(4, 2)})
+    held.abort()
+    assert s.steps() == []
+
+
+def test_get_and_delete_of_a_pending_step_wait_for_it():
+    g = torch.Generator().manual_seed(4)
+    s = _store(lock_timeout=None)
+    t = random_table(g, 40, 4)
+    held = s.objects.writer()
+    s.put_tables(1, {"t": t}, blocking=False)
+    s.put_tables(2, {"t": t * 2}, blocking=False)
+    result = {}
+    getter = threading.Thread(target=lambda: result.update(s.get_tables(1)))
+    getter.start()
+    time.sleep(0.3)
+    assert not result  # waiting for step 1
+    held.abort()
+    getter.join(timeout=60)
+    assert_identical(result["t"], t)
+    s.delete_step(2)
+    assert s.steps() == [1]
+
+
+def test_close_waits_for_pending_puts(tmp_path):
+    g = torch.Generator().manual_seed(5)
+    t = random_table(g, 500, 16)
+    s = cnrstore.open(tmp_path / "s", block_rows=64)
+    futs = [s.put_tables(k, {"t": t + k}, blocking=False) for k in range(3)]
+    s.close()
+    assert all(f.done() and f.exception() is None for f in futs)
+    with cnrstore.open(tmp_path / "s") as s2:
+        assert s2.steps() == [0, 1, 2]
+        assert_identical(s2.get_tables(2)["t"], t + 2)
