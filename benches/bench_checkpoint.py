@@ -59,7 +59,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"subset of {','.join(SYSTEMS)} (default: all available)")
     p.add_argument("--repeat", type=int, default=None, help="runs per job; medians are reported")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=0, help="torch threads per job (0: default)")
+    # One intra-op thread by default: on a loaded 2-core machine OpenMP workers spin against
+    # each other and other users' processes, which made cnrstore's int8 encode 20x slower
+    # (measured, docs/PERFORMANCE.md). Pass 0 for torch's default on a quiet machine.
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch intra-op threads per job (0: torch's default)")
     p.add_argument("--workdir", type=Path, default=None,
                    help="where stores are written (default: a temp dir under --out)")
     p.add_argument("--drop-caches", action="store_true",
@@ -82,6 +86,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--scale must be > 0, got {args.scale}")
     if args.steps < 1:
         p.error(f"--steps must be >= 1 (one incremental step at least), got {args.steps}")
+    if args.threads < 0:
+        p.error(f"--threads must be >= 0, got {args.threads}")
     if args.repeat < 1:
         p.error(f"--repeat must be >= 1, got {args.repeat}")
     try:
@@ -142,12 +148,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         fingerprint: dict[str, Any] = {}
         runs: dict[str, list[dict[str, Any]]] = {}
         for rep in range(args.repeat):
-            specs = [{**base, "system": system,
-                      "workloads": [[w.fraction, w.dist] for w in workloads]}
-                     for system, workloads in _jobs(args)]
+            jobs = [{**base, "system": system,
+                     "workloads": [[w.fraction, w.dist] for w in workloads]}
+                    for system, workloads in _jobs(args)]
             if rep == 0:
-                specs.insert(0, {**base, "system": "fingerprint"})
-            batches = [specs] if args.one_process else [[s] for s in specs]
+                jobs.insert(0, {**base, "system": "fingerprint"})
+            batches = [jobs] if args.one_process else [[j] for j in jobs]
             for batch in batches:
                 t0 = time.perf_counter()
                 for result in _run_worker(batch, tmp, args.job_timeout):
@@ -168,7 +174,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "workloads": [w.name for w in args.workloads], "systems": args.systems,
         "baselines_per_workload": args.baselines_per_workload,
         "cache_eviction": first["cache_eviction"],
-        "memory_method": next(iter(merged.values()))["memory_method"],
+        "memory_method": next(iter(merged.values()))["memory_method"], "threads": args.threads,
         "one_process": args.one_process,
         "fingerprint": fingerprint, "python": platform.python_version(),
         "machine": platform.machine(), "cpus": os.cpu_count(),

@@ -103,7 +103,9 @@ class SafeTensors(System):
     def restore(self, step):
         from safetensors.torch import load_file
 
-        return load_file(str(self._path(step)), device="cpu")
+        # load_file maps the file lazily: pages would be read at first use, after the timer
+        # stops. Copy into process memory so a restore means what it means for the others.
+        return {k: v.clone() for k, v in load_file(str(self._path(step)), device="cpu").items()}
 
 
 class DistributedCheckpoint(System):

@@ -160,6 +160,7 @@ def test_check_targets_compares_against_limits():
 
 @pytest.mark.parametrize("argv", [["--scale", "0"], ["--steps", "0"], ["--repeat", "0"],
                                   ["--systems", "torch_save,nope"], ["--fractions", "0"],
+                                  ["--threads", "-1"],
                                   ["--dists", "pareto"]])
 def test_bad_arguments_are_refused_before_running(argv, tmp_path):
     with pytest.raises(SystemExit):
@@ -190,6 +191,7 @@ def test_quick_run_writes_json_and_markdown_of_every_system(quick_run):
     assert list(doc["summary"]) == ["zipf-1pct"]
     assert set(doc["summary"]["zipf-1pct"]) == set(systems)
     assert doc["meta"]["steps"] == 2 and doc["meta"]["repeat"] == 1
+    assert doc["meta"]["n_tables"] == len(doc["meta"]["tables"]) == len(table_specs())
     md = (out / "results.md").read_text()
     assert all(f"| {s} |" in md for s in systems)
 
