@@ -4,6 +4,7 @@ its writer thread, after every put queued before them."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -108,7 +109,7 @@ def _seed(store, name, tm, tensor, codes) -> None:
     if codes is not None:
         state = TableState.from_manifest(tm, seed_codes=torch.from_numpy(codes))
     else:
-        flat = tensor.reshape(tensor.shape[0], -1) if tensor.ndim > 1 else tensor[:, None]
+        flat = tensor.reshape(tensor.shape[0], math.prod(tensor.shape[1:]))
         state = TableState.from_manifest(tm, fingerprints=row_fingerprints(flat))
     with store._lock:
         store._states.setdefault(name, state)

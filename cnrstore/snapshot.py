@@ -9,6 +9,7 @@ changes, so a refused put leaves the diff base as it was.
 
 from __future__ import annotations
 
+import math
 import threading
 from dataclasses import dataclass
 
@@ -81,7 +82,7 @@ class HostBuffers:
 
 def _as_rows(table: torch.Tensor) -> torch.Tensor:
     """The table as [rows, width] (a 1-D table has width 1)."""
-    return table.detach().reshape(table.shape[0], -1) if table.ndim > 1 else table.detach()[:, None]
+    return table.detach().reshape(table.shape[0], math.prod(table.shape[1:]))
 
 
 def _changed_old_rows(

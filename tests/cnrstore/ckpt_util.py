@@ -18,10 +18,15 @@ def make_store(kind: str, path, **opts) -> cnrstore.CheckpointStore:
     return cnrstore.open(path, **opts)
 
 
+_SAME_SIZE_INT = {torch.bfloat16: torch.int16, torch.float16: torch.int16}
+
+
 def raw_bytes(t: torch.Tensor) -> bytes:
     """The tensor's bytes in row-major order (NaN payloads and -0.0 included)."""
-    t = t.detach().contiguous().cpu()
-    return t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+    t = t.detach().cpu()
+    if t.dtype in _SAME_SIZE_INT:  # numpy has no bfloat16; same-size views keep the bits
+        t = t.view(_SAME_SIZE_INT[t.dtype])
+    return t.numpy().tobytes()
 
 
 def assert_identical(got: torch.Tensor, want: torch.Tensor) -> None:
