@@ -111,9 +111,10 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     p = add("import", "store the tensors of a .safetensors file as a new step")
     p.add_argument("step", type=_step, metavar="STEP")
     p.add_argument("path", metavar="IN.safetensors")
-    p.add_argument("--quant", default=None, metavar="SCHEME",
-                   help="quantization scheme for every table (default: the schemes the "
-                   "file was exported with, else exact)")
+    p.add_argument("--quant", action="append", metavar="[NAME=]SCHEME",
+                   help="scheme of table NAME, or without NAME of every floating-point "
+                   "table (integer tables stay exact); repeatable. Default: the schemes "
+                   "the file was exported with, else exact")
     p = add("demo", "run the demo: a small DLRM trained with checkpoints, killed, resumed")
     if argv is None or "demo" in argv:
         _add_demo_arguments(p)
@@ -197,10 +198,24 @@ def _run(args: argparse.Namespace) -> int:
             _emit(args, result, fmt.transfer_text(result))
         elif cmd == "import":
             with _progress(args, "import") as bar:
-                result = transfer.import_step(store, args.step, args.path, quant=args.quant,
-                                              progress=bar)
+                result = transfer.import_step(store, args.step, args.path,
+                                              quant=_quant(args.quant), progress=bar)
             _emit(args, result, fmt.transfer_text(result))
     return EXIT_OK
+
+
+def _quant(items: list[str] | None) -> str | dict | None:
+    """``--quant`` values as import_step takes them: None, one scheme, or a mapping."""
+    if not items:
+        return None
+    out: dict[str, str] = {}
+    for item in items:
+        name, sep, scheme = item.rpartition("=")
+        key = name if sep else "*float"
+        if not scheme or (sep and not name) or key in out:
+            raise UsageError(f"--quant {item!r}: expected SCHEME or NAME=SCHEME, once each")
+        out[key] = scheme
+    return out["*float"] if list(out) == ["*float"] else out
 
 
 def _exit_code(exc: BaseException) -> int:

@@ -111,12 +111,28 @@ def _file_metadata(path: str) -> dict[str, str]:
         return dict(f.metadata() or {})
 
 
+def _schemes(quant, tensors: dict, stored: dict) -> dict[str, str]:
+    if quant is None:
+        return {n: stored.get(n, "exact") for n in tensors}
+    if isinstance(quant, str):
+        quant = {"*float": quant}
+    unknown = sorted(set(quant) - set(tensors) - {"*float"})
+    if unknown:
+        raise InvalidInput(f"quant names {unknown[0]!r}, which the file does not hold")
+    default = quant.get("*float", "exact")
+    return {n: quant.get(n, default if t.is_floating_point() else "exact")
+            for n, t in tensors.items()}
+
+
 def import_step(store, step: int, path: str | os.PathLike, *, quant=None,
                 progress=None) -> TransferResult:
     """Store the tensors of the safetensors file ``path`` as ``step``.
 
-    ``quant`` as for ``put_tables``; None uses the schemes recorded by ``export_step``
-    (``exact`` for files from elsewhere). The step's metadata is the exported one, if any.
+    ``quant``: None uses the schemes recorded by ``export_step`` (``exact`` for files from
+    elsewhere); one scheme applies to the floating-point tensors (integer and bool tensors
+    stay exact, the only scheme they take); a mapping names schemes per tensor, with the
+    key ``"*float"`` for the floating-point tensors it does not name. The step's metadata
+    is the exported one, if any.
     The store validates everything before writing (an existing step is an error)."""
     st = _safetensors()
     path = os.fspath(path)
@@ -135,8 +151,7 @@ def import_step(store, step: int, path: str | os.PathLike, *, quant=None,
         stored_schemes = json.loads(meta.get(_KEY_SCHEMES, "{}"))
     except json.JSONDecodeError as exc:
         raise InvalidInput(f"{path!r} has malformed cnrstore metadata: {exc}") from exc
-    if quant is None:
-        quant = {n: s for n, s in stored_schemes.items() if n in tensors} or "exact"
+    quant = _schemes(quant, tensors, stored_schemes)
     info = store.put_tables(step, tensors, quant=quant, metadata=metadata)
     _tick(progress, 2, 2)
     # Read the schemes back: "auto" and "*" resolve inside put_tables.
