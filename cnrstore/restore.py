@@ -91,7 +91,8 @@ def read_table(
         codes = _block_codes(objects, tm, i)
         a, b = max(start, lo), min(stop, hi)
         part = codes[a - start:b - start]
-        out[a - lo:b - lo] = decode_rows(torch.from_numpy(part), node.scheme, dtype, width)
+        if width and b > a:  # zero-width rows decode to nothing (and some codecs refuse)
+            out[a - lo:b - lo] = decode_rows(torch.from_numpy(part), node.scheme, dtype, width)
         if codes_out is not None:
             codes_out[a - lo:b - lo] = part
 
