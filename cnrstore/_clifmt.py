@@ -30,6 +30,10 @@ def size(n: int | float | None) -> str:
     raise AssertionError("unreachable")
 
 
+def plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
 def ratio(x: float | None) -> str:
     if x is None:
         return "-"
@@ -155,16 +159,16 @@ def diff_text(d, *, max_rows: int) -> str:
             lines.append(f"  {'+' if t.status == 'added' else '-'} {t.name}: {t.status} "
                          f"({'x'.join(map(str, shape))})")
             continue
-        what = [f"{len(t.blocks_changed)} blocks"]
+        what = [plural(len(t.blocks_changed), "block")]
         if t.encoding_changed:
             what.append(f"re-encoded ({t.scheme_a} {'x'.join(map(str, t.shape_a))} -> "
                         f"{t.scheme_b} {'x'.join(map(str, t.shape_b))})")
         if t.rows_changed is not None:
-            what.append(f"{t.rows_changed} rows")
+            what.append(plural(t.rows_changed, "row"))
         if t.rows_added:
-            what.append(f"+{t.rows_added} rows added")
+            what.append(f"+{plural(t.rows_added, 'row')} added")
         if t.rows_removed:
-            what.append(f"-{t.rows_removed} rows removed")
+            what.append(f"-{plural(t.rows_removed, 'row')} removed")
         lines.append(f"  ~ {t.name}: " + ", ".join(what))
         if t.row_ranges:
             lines.append(f"      rows: {ranges_text(t.row_ranges, limit=max_rows)}")
@@ -208,7 +212,7 @@ def usage_text(u) -> str:
 
 
 def verify_text(r) -> str:
-    head = (f"{'ok' if r.ok else 'PROBLEMS FOUND'}: {r.steps_checked} steps, "
+    head = (f"{'ok' if r.ok else 'PROBLEMS FOUND'}: {plural(r.steps_checked, 'step')}, "
             f"{r.objects_checked} objects ({size(r.bytes_checked)}) checked, "
             f"{r.blocks_decoded} blocks decoded")
     lines = [head]
@@ -239,7 +243,8 @@ def gc_plan_text(p) -> str:
 
 def gc_text(r) -> str:
     dropped = ", ".join(map(str, r.steps_deleted)) or "none"
-    return (f"dropped steps {dropped}; kept {len(r.steps_kept)}\n"
+    kept = ", ".join(map(str, r.steps_kept)) or "none"
+    return (f"dropped steps {dropped}; kept {kept}\n"
             f"freed {r.objects_freed} objects, {size(r.bytes_freed)} on disk; "
             f"{r.packs_rewritten} packs rewritten, {r.packs_deleted} deleted; "
             f"{r.objects_live} objects live")
@@ -248,5 +253,5 @@ def gc_text(r) -> str:
 def transfer_text(r) -> str:
     verb = "exported" if r.direction == "export" else "imported"
     prep = "to" if r.direction == "export" else "from"
-    return (f"{verb} step {r.step} ({len(r.tables)} tables, {size(r.logical_bytes)}) "
+    return (f"{verb} step {r.step} ({plural(len(r.tables), 'table')}, {size(r.logical_bytes)}) "
             f"{prep} {r.path}")

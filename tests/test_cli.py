@@ -148,7 +148,7 @@ def test_usage_errors_exit_2(store, capsys):
 def test_export_import_and_verify_step(store, tmp_path, capsys):
     out = tmp_path / "s20.safetensors"
     assert main(["export", str(store), "20", str(out), "--table", "user"]) == 0
-    assert "exported step 20 (1 tables" in capsys.readouterr().out
+    assert "exported step 20 (1 table," in capsys.readouterr().out
     assert main(["export", str(store), "20", str(out)]) == 2  # exists
     assert main(["export", str(store), "20", str(out), "--force"]) == 0
     # One scheme for the file: floating tables take it, "ids" (int64) stays exact.
