@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from ckpt_util import FLOAT_DTYPES, INT_DTYPES, assert_identical, make_store, random_table
 from hypothesis import HealthCheck, given, settings
@@ -108,3 +109,26 @@ def test_pack_store_roundtrip_of_all_dtypes_and_schemes(tmp_path):
         for name, t in tables.items():
             assert_identical(got[name], _codec_view(t, quant.get(name, "exact")))
         assert s.verify().ok
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_tables_diff_on_device_and_restore_to_cuda():
+    g = torch.Generator().manual_seed(1)
+    s = make_store("memory", None, block_rows=64)
+    t = {"f": random_table(g, 1000, 16).cuda(), "q": random_table(g, 300, 8).cuda()}
+    quant = {"q": "int8"}
+    s.put_tables(1, t, quant=quant)
+    t["f"][[3, 700]] += 1.0
+    t["q"][10] -= 1.0
+    fut = s.put_tables(2, t, quant=quant, blocking=False)
+    t["f"].zero_()  # right after the put returned: must not reach the store
+    info = fut.result()
+    assert info.rows_changed == {"f": 2, "q": 1}
+    got = s.get_tables(2, device="cuda")
+    assert got["f"].is_cuda and got["q"].is_cuda
+    cpu = s.get_tables(2)
+    assert torch.equal(got["f"].cpu(), cpu["f"]) and float(cpu["f"].abs().sum()) > 0
+    assert_identical(cpu["q"], _codec_view(t["q"], "int8").cpu())  # codes made on the GPU
+    t["f"][5] += 1.0
+    assert s.put_tables(3, t, touched={"f": [5]}, quant=quant).rows_changed["f"] == 1
