@@ -43,16 +43,25 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
         return codes.contiguous()
     n, width = codes.shape
     nbytes = packed_nbytes(width, bits)
+    if 8 % bits == 0:
+        # Whole codes per byte: uint8 shifts and ORs only (the hot path for int4/int2).
+        per_byte = 8 // bits
+        grouped = _pad_columns(codes, nbytes * per_byte, torch.uint8).view(n, nbytes, per_byte)
+        out = grouped[:, :, 0].clone()
+        for i in range(1, per_byte):
+            out |= grouped[:, :, i] << (bits * i)
+        return out
     groups = (width + 7) // 8
-    padded = torch.zeros((n, groups * 8), dtype=torch.int64, device=codes.device)
-    padded[:, :width] = codes
-    grouped = padded.view(n, groups, 8)
-    shifts = torch.arange(0, 8 * bits, bits, dtype=torch.int64, device=codes.device)
-    # Codes of a group occupy disjoint bit ranges, so the sum is an OR and never carries.
-    value = (grouped << shifts).sum(dim=2, keepdim=True)
-    byte_shifts = torch.arange(0, 8 * bits, 8, dtype=torch.int64, device=codes.device)
-    out = ((value >> byte_shifts) & 0xFF).to(torch.uint8).view(n, groups * bits)
-    return out[:, :nbytes].contiguous()
+    wide = torch.int32 if bits * 8 <= 31 else torch.int64
+    grouped = _pad_columns(codes, groups * 8, wide).view(n, groups, 8)
+    # Codes of a group occupy disjoint bit ranges, so OR-ing never carries.
+    value = grouped[:, :, 0].clone()
+    for i in range(1, 8):
+        value |= grouped[:, :, i] << (bits * i)
+    out = torch.empty((n, groups, bits), dtype=torch.uint8, device=codes.device)
+    for k in range(bits):
+        out[:, :, k] = (value >> (8 * k)) & 0xFF
+    return out.view(n, groups * bits)[:, :nbytes].contiguous()
 
 
 def unpack_codes(packed: torch.Tensor, bits: int, width: int) -> torch.Tensor:
@@ -67,11 +76,29 @@ def unpack_codes(packed: torch.Tensor, bits: int, width: int) -> torch.Tensor:
     if bits == 8:
         return packed.contiguous()
     n = packed.shape[0]
+    mask = (1 << bits) - 1
+    if 8 % bits == 0:
+        per_byte = 8 // bits
+        out = torch.empty((n, nbytes, per_byte), dtype=torch.uint8, device=packed.device)
+        for i in range(per_byte):
+            torch.bitwise_and(packed >> (bits * i), mask, out=out[:, :, i])
+        return out.view(n, nbytes * per_byte)[:, :width].contiguous()
     groups = (width + 7) // 8
-    full = torch.zeros((n, groups * bits), dtype=torch.int64, device=packed.device)
-    full[:, :nbytes] = packed
-    byte_shifts = torch.arange(0, 8 * bits, 8, dtype=torch.int64, device=packed.device)
-    value = (full.view(n, groups, bits) << byte_shifts).sum(dim=2, keepdim=True)
-    shifts = torch.arange(0, 8 * bits, bits, dtype=torch.int64, device=packed.device)
-    codes = ((value >> shifts) & ((1 << bits) - 1)).to(torch.uint8)
-    return codes.view(n, groups * 8)[:, :width].contiguous()
+    wide = torch.int32 if bits * 8 <= 31 else torch.int64
+    full = _pad_columns(packed, groups * bits, wide).view(n, groups, bits)
+    value = full[:, :, 0].clone()
+    for k in range(1, bits):
+        value |= full[:, :, k] << (8 * k)
+    out = torch.empty((n, groups, 8), dtype=torch.uint8, device=packed.device)
+    for i in range(8):
+        out[:, :, i] = (value >> (bits * i)) & mask
+    return out.view(n, groups * 8)[:, :width].contiguous()
+
+
+def _pad_columns(t: torch.Tensor, columns: int, dtype: torch.dtype) -> torch.Tensor:
+    """t as `dtype`, zero-padded on the right to `columns` columns (contiguous)."""
+    if t.shape[1] == columns:
+        return t.to(dtype).contiguous()
+    out = torch.zeros((t.shape[0], columns), dtype=dtype, device=t.device)
+    out[:, : t.shape[1]] = t
+    return out

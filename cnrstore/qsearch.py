@@ -7,7 +7,8 @@ all rows at once as tensor ops so it stays on the rows' device:
 
     step = (max - min) / N_BINS; walk from [min, max], each time moving the end whose move
     gives the lower error, until less than (1 - MAX_CLIP_RATIO) of the range is left; the
-    answer is the best local optimum met (min/max itself counts).
+    answer is the best local optimum met (min/max itself counts), or the end of the walk
+    if that is better still (an addition to the reference).
 
 Then the winner and plain min/max are both encoded exactly as the encoder will (fp16
 parameters, codes, output dtype) and the winner is kept only if its float64 L2 error is
@@ -68,43 +69,58 @@ def row_sq_errors(x, lo, hi, bits: int, dtype: torch.dtype) -> torch.Tensor:
     return (diff * diff).sum(dim=1)
 
 
-def _loss(x, lo, hi, levels: int, y, q) -> torch.Tensor:
-    """L2 error of fake-quantizing rows x with float32 range [lo, hi] ([n, 1] each),
-    as choose_qparams_optimized computes it; y, q are [n, w] work buffers."""
-    scale = (hi - lo) / levels
-    inv = torch.where(scale > 0, 1.0 / scale, torch.ones_like(scale))
-    torch.sub(x, lo, out=y)
-    y *= inv
+def _residual_norm(y: torch.Tensor, levels: int, q: torch.Tensor) -> torch.Tensor:
+    """Per-row L2 norm of (clamp(round(y), 0, levels) - y): the fake-quantization error
+    of rows already scaled to code units."""
     torch.round(y, out=q)
     q.clamp_(0, levels)
-    q -= y  # residual in code units; times scale it is the error of each element
-    return torch.linalg.vector_norm(q, dim=1) * scale[:, 0]
+    q -= y
+    return torch.linalg.vector_norm(q, dim=1)
+
+
+def _loss(x, lo, hi, levels: int, y, q) -> torch.Tensor:
+    """L2 error of fake-quantizing rows x with float32 range [lo, hi] ([n] each), as
+    choose_qparams_optimized computes it; y, q are [n, w] work buffers."""
+    scale = (hi - lo) / levels
+    inv = torch.where(scale > 0, 1.0 / scale, torch.ones_like(scale))
+    torch.sub(x, lo[:, None], out=y)
+    y *= inv[:, None]
+    return _residual_norm(y, levels, q) * scale
 
 
 def _greedy(x, lo, hi, bits: int):
     levels = (1 << bits) - 1
     y = torch.empty_like(x)
     q = torch.empty_like(x)
-    cur_lo, cur_hi = lo.clone(), hi.clone()
     step = (hi - lo) / N_BINS
     thr = int(N_BINS * (1.0 - MAX_CLIP_RATIO)) * step
-    cur_loss = _loss(x, cur_lo[:, None], cur_hi[:, None], levels, y, q)
-    best_lo, best_hi, best_loss = cur_lo.clone(), cur_hi.clone(), cur_loss.clone()
+    # Rows of `cur` and `best`: lo, hi, loss; one torch.where updates all three.
+    cur = torch.stack([lo, hi, _loss(x, lo, hi, levels, y, q)])
+    best = cur.clone()
+    tiny = torch.finfo(torch.float32).tiny
     # In exact arithmetic the walk takes N_BINS * MAX_CLIP_RATIO steps; float rounding of
     # the loop test can add one, and rows finish independently (the `active` mask). A
     # fixed trip count keeps the loop free of device-to-host syncs.
     for _ in range(int(N_BINS * MAX_CLIP_RATIO) + 2):
+        cur_lo, cur_hi, cur_loss = cur[0], cur[1], cur[2]
         active = cur_lo + thr < cur_hi
-        up = cur_lo + step
-        down = cur_hi - step
-        loss_up = _loss(x, up[:, None], cur_hi[:, None], levels, y, q)
-        loss_down = _loss(x, cur_lo[:, None], down[:, None], levels, y, q)
-        local = active & (cur_loss < loss_up) & (cur_loss < loss_down) & (cur_loss < best_loss)
-        best_lo = torch.where(local, cur_lo, best_lo)
-        best_hi = torch.where(local, cur_hi, best_hi)
-        best_loss = torch.where(local, cur_loss, best_loss)
+        # Both moves leave the same scale; they differ only by an offset of one step,
+        # which in code units is the per-row constant `shift`: y_up = y_down - shift.
+        scale = (cur_hi - cur_lo - step) / levels
+        inv = scale.clamp_min(tiny).reciprocal_()  # a constant row has y = 0 anyway
+        torch.sub(x, cur_lo[:, None], out=y)
+        y *= inv[:, None]
+        loss_down = _residual_norm(y, levels, q) * scale
+        y -= (step * inv)[:, None]
+        loss_up = _residual_norm(y, levels, q) * scale
+        # A local optimum better than any met so far (min/max is the first candidate).
+        local = active & (cur_loss < torch.minimum(torch.minimum(loss_up, loss_down), best[2]))
+        best = torch.where(local, cur, best)
         move_up = loss_up < loss_down
-        cur_lo = torch.where(active & move_up, up, cur_lo)
-        cur_hi = torch.where(active & ~move_up, down, cur_hi)
-        cur_loss = torch.where(active, torch.where(move_up, loss_up, loss_down), cur_loss)
-    return best_lo, best_hi
+        cur_lo += step * (active & move_up)
+        cur_hi -= step * (active & ~move_up)
+        cur[2] = torch.where(active, torch.minimum(loss_up, loss_down), cur_loss)
+    # Unlike the reference, the end of the walk is a candidate too: at 2-3 bits the loss
+    # often falls all the way to the clipping limit, which no local optimum records.
+    best = torch.where(cur[2] < best[2], cur, best)
+    return best[0].clone(), best[1].clone()

@@ -23,7 +23,7 @@ from cnrstore.qsearch import SEARCHES, choose_ranges
 __all__ = [
     "SCHEMES",
     "LOSSY_DTYPES",
-    "DEFAULT_SEARCH",
+    "GREEDY_MAX_BITS",
     "check_scheme",
     "scheme_bits",
     "row_nbytes",
@@ -40,10 +40,17 @@ _BITS = {"int8": 8, "int4": 4, "int3": 3, "int2": 2}
 _CASTS = {"fp16": torch.float16, "bf16": torch.bfloat16}
 # fp16 scale then fp16 offset, little-endian, ahead of the packed codes.
 HEADER_NBYTES = 4
-# "greedy" (Check-N-Run's adaptive clipping) or "minmax"; see cnrstore.qsearch.
-DEFAULT_SEARCH = "greedy"
-# Rows per chunk when scanning for non-finite values (bounds the bool temporary).
+# Default range search per row: Check-N-Run's adaptive clipping ("greedy",
+# cnrstore.qsearch) up to GREEDY_MAX_BITS, plain "minmax" above. Measured on 4000x64 rows
+# (docs/QUANTIZATION.md): greedy cuts the L2^2 error by 16-48% at 2-4 bits but only by
+# 0.2-0.6% at 8 bits, for ~40x the encode time, so int8 defaults to min/max.
+GREEDY_MAX_BITS = 4
+# Elements per chunk when scanning for non-finite values (bounds the bool temporary).
 _SCAN_ELEMS = 1 << 22
+# Elements per encode chunk: float32 work buffers of a chunk stay cache-resident on CPU;
+# on CUDA a chunk only bounds temporary memory.
+_CPU_CHUNK_ELEMS = 1 << 18
+_CUDA_CHUNK_ELEMS = 1 << 24
 
 
 def check_scheme(scheme: str, dtype: torch.dtype, *, table: str) -> None:
@@ -91,39 +98,63 @@ def _check_rows(rows: torch.Tensor) -> None:
 def encode_rows(rows: torch.Tensor, scheme: str, *, search: str | None = None) -> torch.Tensor:
     """[n, width] rows of the table's dtype -> uint8 [n, row_nbytes] on the same device.
 
-    `search` picks the intN range per row: "greedy" (default, DEFAULT_SEARCH) or "minmax".
+    `search` picks the intN range per row: "greedy" or "minmax"; by default greedy for
+    schemes of at most GREEDY_MAX_BITS bits, min/max for int8.
     Lossy schemes reject non-finite values (ValueError naming the first bad row).
     """
     _check_rows(rows)
     check_scheme(scheme, rows.dtype, table="<encode_rows>")
+    if search is not None and search not in SEARCHES:
+        raise ValueError(f"search must be one of {SEARCHES}, got {search!r}")
     n, width = rows.shape
     if scheme == "exact":
         if width == 0:
             return torch.empty((n, 0), dtype=torch.uint8, device=rows.device)
         return rows.contiguous().view(torch.uint8).reshape(n, -1)
-    bad = first_nonfinite_row(rows)
-    if bad is not None:
-        raise ValueError(f"row {bad} holds NaN or Inf, which scheme {scheme!r} cannot encode")
     if scheme in _CASTS:
+        bad = first_nonfinite_row(rows)
+        if bad is not None:
+            raise _nonfinite_error(bad, scheme)
         # Saturate instead of overflowing to inf: a finite table must decode finite.
         x = rows.clamp(-FP16_MAX, FP16_MAX) if scheme == "fp16" else rows
         return x.to(_CASTS[scheme]).contiguous().view(torch.uint8).reshape(n, 2 * width)
     bits = _BITS[scheme]
-    search = DEFAULT_SEARCH if search is None else search
-    if search not in SEARCHES:
-        raise ValueError(f"search must be one of {SEARCHES}, got {search!r}")
-    out = torch.empty(
-        (n, row_nbytes(scheme, rows.dtype, width)), dtype=torch.uint8, device=rows.device
-    )
+    if search is None:
+        search = "greedy" if bits <= GREEDY_MAX_BITS else "minmax"
+    return _encode_int(rows, bits, search, scheme)
+
+
+def _nonfinite_error(row: int, scheme: str) -> ValueError:
+    return ValueError(f"row {row} holds NaN or Inf, which scheme {scheme!r} cannot encode")
+
+
+def _encode_int(rows: torch.Tensor, bits: int, search: str, scheme: str) -> torch.Tensor:
+    n, width = rows.shape
+    device = rows.device
+    out = torch.empty((n, row_nbytes(scheme, rows.dtype, width)), dtype=torch.uint8, device=device)
     if n == 0:
         return out
-    x = rows.to(torch.float32)
-    lo, hi = choose_ranges(x, bits, search=search, dtype=rows.dtype)
-    scale, offset = fp16_qparams(lo, hi, bits)
-    codes = quantize_codes(x, scale, offset, bits)
-    out[:, 0:2] = scale.to(torch.float16).view(torch.uint8).view(n, 2)
-    out[:, 2:4] = offset.to(torch.float16).view(torch.uint8).view(n, 2)
-    out[:, HEADER_NBYTES:] = pack_codes(codes, bits)
+    # Row chunks keep every temporary cache-sized and reused: fresh full-size temporaries
+    # cost more in page first-touch than the arithmetic itself.
+    budget = _CUDA_CHUNK_ELEMS if device.type == "cuda" else _CPU_CHUNK_ELEMS
+    chunk = max(1, budget // max(1, width))
+    xbuf = torch.empty(min(chunk, n) * width, dtype=torch.float32, device=device)
+    finite = torch.empty(n, dtype=torch.bool, device=device)
+    for start in range(0, n, chunk):
+        part = rows[start : start + chunk]
+        m = part.shape[0]
+        x = xbuf[: m * width].view(m, width)
+        x.copy_(part)
+        lo, hi = choose_ranges(x, bits, search=search, dtype=rows.dtype)
+        # amin/amax propagate NaN and +-Inf, so the range says whether a row is finite.
+        torch.logical_and(torch.isfinite(lo), torch.isfinite(hi), out=finite[start : start + m])
+        scale, offset = fp16_qparams(lo, hi, bits)
+        dest = out[start : start + m]
+        dest[:, 0:2] = scale.to(torch.float16).view(torch.uint8).view(m, 2)
+        dest[:, 2:4] = offset.to(torch.float16).view(torch.uint8).view(m, 2)
+        dest[:, HEADER_NBYTES:] = pack_codes(quantize_codes(x, scale, offset, bits), bits)
+    if width and not bool(finite.all()):  # one device sync per call, not per chunk
+        raise _nonfinite_error(int(torch.nonzero(~finite)[0, 0]), scheme)
     return out
 
 
@@ -167,12 +198,18 @@ def first_nonfinite_row(rows: torch.Tensor) -> int | None:
     if not rows.is_floating_point() or rows.numel() == 0:
         return None
     flat = rows.reshape(rows.shape[0], -1)
+    acc = torch.float64 if flat.dtype == torch.float64 else torch.float32
     step = max(1, _SCAN_ELEMS // max(1, flat.shape[1]))
     for start in range(0, flat.shape[0], step):
-        bad = ~torch.isfinite(flat[start : start + step]).all(dim=1)
-        idx = torch.nonzero(bad)
-        if idx.numel():
-            return start + int(idx[0, 0])
+        part = flat[start : start + step]
+        # A row sum is finite when every element is (NaN and Inf propagate); it can also
+        # overflow on finite rows, so only rows with a non-finite sum get the exact check.
+        suspects = torch.nonzero(~torch.isfinite(part.sum(dim=1, dtype=acc)))[:, 0]
+        if suspects.numel():
+            bad = ~torch.isfinite(part[suspects]).all(dim=1)
+            hits = suspects[bad]
+            if hits.numel():
+                return start + int(hits[0])
     return None
 
 
