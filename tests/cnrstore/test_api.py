@@ -197,3 +197,15 @@ def test_lossy_keeps_dtype_and_shape(store):
     assert_identical(got["ids"], t["ids"])  # unnamed: exact
     assert not torch.equal(got["user"], t["user"])
     assert torch.allclose(got["user"], t["user"], atol=0.5)
+
+
+def test_auto_quant_picks_from_expected_restores():
+    from cnrstore.manifest import load_manifest
+    from cnrstore.quantize import auto_scheme
+
+    for restores in (0, 1, 100):
+        s = make_store("memory", None, expected_restores=restores)
+        s.put_tables(1, _tables(), quant="auto")
+        schemes = {n: tm.node.scheme for n, tm in load_manifest(s.objects, 1).tables.items()}
+        assert schemes == {"user": auto_scheme(restores), "item": auto_scheme(restores),
+                           "ids": "exact"}

@@ -40,6 +40,8 @@ BAD_PUTS = [
     (1, None, {"quant": 8}, TypeError, ["quant"]),
     (1, None, {"quant": {"f": "int8"}}, None, []),  # valid: control case
     (1, None, {"quant": {"F": "int8"}}, ValueError, ["'F'"]),
+    (1, None, {"quant": {"*": "int8", "i": "exact"}}, None, []),  # valid: "*" for the rest
+    (1, None, {"quant": {"*": "int8"}}, cnrstore.UnknownScheme, ["i"]),
     (1, None, {"quant": "int8"}, cnrstore.UnknownScheme, ["i"]),  # lossy on an int table
     (1, None, {"quant": {"i": "fp16"}}, ValueError, ["i"]),
     (1, None, {"metadata": {"x": object()}}, ValueError, ["metadata"]),
