@@ -163,21 +163,27 @@ def plan_table(
         kinds.append((i, FULL))
 
     # Rows to encode, ascending: every row of full blocks, the changed rows of patches.
+    writes: list[BlockWrite] = []
     parts = []
+    pos = 0
     for i, kind in kinds:
         start = i * block_rows
         if kind == FULL:
-            parts.append(np.arange(start, start + slots[i].nrows, dtype=np.int64))
+            n = slots[i].nrows
+            parts.append((start, start + n))
+            writes.append(BlockWrite(i, kind, pos, pos + n, None))
         else:
             lo, hi = np.searchsorted(changed, [start, start + block_rows])
-            parts.append(changed[lo:hi])
-    idx = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
-    writes: list[BlockWrite] = []
-    pos = 0
-    for (i, kind), part in zip(kinds, parts):
-        local = part - i * block_rows if kind == PATCH else None
-        writes.append(BlockWrite(i, kind, pos, pos + len(part), local))
-        pos += len(part)
+            part = changed[lo:hi]
+            parts.append(part)
+            writes.append(BlockWrite(i, kind, pos, pos + len(part), part - start))
+        pos += writes[-1].stop - writes[-1].start
+    # A table written whole (first put, new encoding) is encoded without an index array:
+    # an arange over 10^9 rows would cost 8 GB.
+    idx = None if pos == rows else np.concatenate(
+        [np.arange(*p, dtype=np.int64) if isinstance(p, tuple) else p for p in parts]
+        or [np.zeros(0, dtype=np.int64)]
+    )
 
     codes, release = _gather_encode(name, x, idx, scheme, rnb, buffers)
     state = TableState(
@@ -200,15 +206,15 @@ def plan_table(
 def _gather_encode(
     name: str,
     x: torch.Tensor,
-    idx: np.ndarray,
+    idx: np.ndarray | None,
     scheme: str,
     rnb: int,
     buffers: HostBuffers | None,
 ) -> tuple[np.ndarray, object]:
-    """Gather rows ``idx`` of ``x`` on its device, encode them, and copy the codes to host
-    memory that nothing else references (the caller may mutate ``x`` right after)."""
-    n = len(idx)
-    whole = n == len(x)  # every row, in order: no gather needed
+    """Gather rows ``idx`` (None: all) of ``x`` on its device, encode them, and copy the codes
+    to host memory that nothing else references (the caller may mutate ``x`` right after)."""
+    whole = idx is None
+    n = len(x) if whole else len(idx)
     idx_t = None if whole else torch.from_numpy(idx).to(x.device)
     nbytes = n * rnb
     if nbytes == 0:  # no rows to write, or zero-width rows: nothing to encode
@@ -226,7 +232,7 @@ def _gather_encode(
     if scheme != "exact" and n:
         bad = first_nonfinite_row(sel)
         if bad is not None:
-            raise NonFiniteValues(name, int(idx[bad]), scheme)
+            raise NonFiniteValues(name, bad if whole else int(idx[bad]), scheme)
     codes = encode_rows(sel, scheme)
     if not codes.is_cuda or buffers is None or nbytes == 0:
         # A lossy encode allocates fresh codes; exact codes may alias the table: copy them.
