@@ -119,8 +119,6 @@ def _run_workload(spec: dict[str, Any], workload: Workload, mem: PeakMemory) -> 
 
 def run_job(spec: dict[str, Any]) -> dict[str, Any]:
     """Run ``spec['system']`` over ``spec['workloads']`` ([fraction, dist] pairs)."""
-    if spec.get("threads"):
-        torch.set_num_threads(int(spec["threads"]))
     mem = PeakMemory()
     out = {"system": spec["system"], "memory_method": mem.method, "workloads": {}}
     for fraction, dist in spec["workloads"]:
@@ -159,6 +157,8 @@ def main(argv: list[str]) -> int:
     spec_path, result_path = argv
     results = []
     for spec in json.loads(Path(spec_path).read_text()):
+        if spec.get("threads"):
+            torch.set_num_threads(int(spec["threads"]))
         t0 = time.perf_counter()
         result = fingerprint_job(spec) if spec["system"] == "fingerprint" else run_job(spec)
         result["job_s"] = time.perf_counter() - t0
