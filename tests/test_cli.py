@@ -179,6 +179,14 @@ def test_repair_rebuilds_a_deleted_index(store, capsys):
     assert main(["verify", str(store), "--deep"]) == 0
 
 
+def test_demo_subcommand_takes_the_demo_options(capsys):
+    assert main(["demo", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "--steps" in out and "--scheme" in out and "--fail-at" in out
+    assert main(["demo", "--steps", "0", "--quiet"]) == 2  # the demo's own validation
+    assert "--steps must be >= 1" in capsys.readouterr().err
+
+
 def test_progress_draws_only_when_enabled():
     stream = io.StringIO()
     with fmt.Progress("verify", enabled=True, stream=stream) as bar:
