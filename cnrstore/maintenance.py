@@ -60,6 +60,24 @@ class StoreStats:
     dedup_ratio: float      # logical / stored
 
 
+def _resolve_step(store, step) -> int:
+    """``step`` itself once it is written, or the highest step when None."""
+    if step is None:
+        store._writer.drain()
+        steps = list_steps(store._objects)
+        if not steps:
+            raise StepNotFound(-1, "the store holds no steps")
+        return steps[-1]
+    check_step(step)
+    store._wait_step(step)
+    return step
+
+
+def metadata(store, step) -> dict:
+    store._check_open()
+    return dict(load_step(store._objects, _resolve_step(store, step))[1].metadata)
+
+
 def get_tables(store, step, *, names, rows, device) -> dict:
     store._check_open()
     if names is not None:
@@ -73,15 +91,7 @@ def get_tables(store, step, *, names, rows, device) -> dict:
         device = torch.device(device)
     except (TypeError, RuntimeError) as exc:
         raise InvalidInput(f"bad device {device!r}: {exc}") from exc
-    if step is None:
-        store._writer.drain()
-        steps = list_steps(store._objects)
-        if not steps:
-            raise StepNotFound(-1, "the store holds no steps")
-        step = steps[-1]
-    else:
-        check_step(step)
-        store._wait_step(step)
+    step = _resolve_step(store, step)
     manifest = load_manifest(store._objects, step, names=names)
     for name, sel in rows.items():
         if name not in manifest.tables:

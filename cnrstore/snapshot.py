@@ -55,11 +55,14 @@ class TablePlan:
 class HostBuffers:
     """A small pool of host buffers reused across puts: these VMs first-touch fresh memory
     at well under 1 GB/s, so a fresh staging buffer per put would cost more than the copy.
-    Buffers for CUDA tables are pinned, so the device-to-host copy runs at full speed."""
+    Buffers for CUDA tables are pinned, so the device-to-host copy runs at full speed.
+    At most ``keep`` buffers of together at most ``max_bytes`` are kept; larger ones (a
+    first put of a huge table) are freed rather than pinned in memory for good."""
 
-    def __init__(self, *, keep: int = 4):
+    def __init__(self, *, keep: int = 4, max_bytes: int = 2 << 30):
         self._free: list[torch.Tensor] = []
         self._keep = keep
+        self._max_bytes = max_bytes
         self._lock = threading.Lock()
 
     def take(self, nbytes: int, *, pinned: bool) -> torch.Tensor:
@@ -75,9 +78,19 @@ class HostBuffers:
     def give(self, buf: torch.Tensor) -> None:
         with self._lock:
             self._free.append(buf)
-            if len(self._free) > self._keep:
-                smallest = min(range(len(self._free)), key=lambda i: self._free[i].numel())
-                self._free.pop(smallest)
+            while self._free and (
+                len(self._free) > self._keep
+                or sum(b.numel() for b in self._free) > self._max_bytes
+            ):
+                # Drop the largest when over the byte budget, else the smallest.
+                sizes = [b.numel() for b in self._free]
+                over = sum(sizes) > self._max_bytes
+                pick = max if over else min
+                self._free.pop(pick(range(len(sizes)), key=sizes.__getitem__))
+
+    def held_bytes(self) -> int:
+        with self._lock:
+            return sum(b.numel() for b in self._free)
 
 
 def _as_rows(table: torch.Tensor) -> torch.Tensor:

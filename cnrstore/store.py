@@ -64,6 +64,7 @@ class CheckpointStore:
     - ``seed_from_store`` (True): a table's first put in this handle diffs against the
       newest stored step holding it (same geometry), so it is incremental, not full.
     - ``lock_timeout`` (60 s): how long a write waits for another process's writer.
+    - ``host_buffer_bytes`` (2 GiB): host staging buffers kept for reuse across puts.
     """
 
     def __init__(
@@ -78,6 +79,7 @@ class CheckpointStore:
         expected_restores: int = 1,
         seed_from_store: bool = True,
         lock_timeout: float | None = 60.0,
+        host_buffer_bytes: int = 2 << 30,
         owns_objects: bool = False,
     ):
         if not isinstance(objects, ObjectStore):
@@ -101,7 +103,10 @@ class CheckpointStore:
         self._states: dict[str, TableState] = {}
         self._pending: dict[int, Future] = {}
         self._failed = False
-        self._buffers = HostBuffers(keep=max_inflight + 1)
+        self._buffers = HostBuffers(
+            keep=max_inflight + 1,
+            max_bytes=_positive("host_buffer_bytes", host_buffer_bytes, lo=0),
+        )
         self._pool = ThreadPoolExecutor(self._opt.decode_threads, thread_name_prefix="cnr-decode")
         self._writer = BackgroundWriter(max_inflight=self._opt.max_inflight)
         self._closed = False
@@ -262,6 +267,10 @@ class CheckpointStore:
         table name to a slice of its rows (only the blocks it overlaps are read)."""
         return maintenance.get_tables(self, step, names=names, rows=rows, device=device)
 
+    def metadata(self, step: int | None = None) -> dict:
+        """The ``metadata`` mapping put with ``step`` (None: the highest step)."""
+        return maintenance.metadata(self, step)
+
     def steps(self) -> list[int]:
         """Ascending list of the steps the store holds (waits for pending puts)."""
         self._check_open()
@@ -301,6 +310,7 @@ def open(  # noqa: A001 - the public name is cnrstore.open, like engine.open
     expected_restores: int = 1,
     seed_from_store: bool = True,
     lock_timeout: float | None = 60.0,
+    host_buffer_bytes: int = 2 << 30,
 ) -> CheckpointStore:
     """Open (creating it if missing and ``create``) the checkpoint store at ``path``.
     Options are those of CheckpointStore."""
@@ -316,6 +326,7 @@ def open(  # noqa: A001 - the public name is cnrstore.open, like engine.open
             expected_restores=expected_restores,
             seed_from_store=seed_from_store,
             lock_timeout=lock_timeout,
+            host_buffer_bytes=host_buffer_bytes,
             owns_objects=True,
         )
     except BaseException:

@@ -209,3 +209,27 @@ def test_auto_quant_picks_from_expected_restores():
         schemes = {n: tm.node.scheme for n, tm in load_manifest(s.objects, 1).tables.items()}
         assert schemes == {"user": auto_scheme(restores), "item": auto_scheme(restores),
                            "ids": "exact"}
+
+
+def test_metadata_round_trips(store):
+    store.put_tables(3, _tables(), metadata={"lr": 0.1, "tags": ["a", "b"], "epoch": 2})
+    store.put_tables(4, _tables())
+    assert store.metadata(3) == {"lr": 0.1, "tags": ["a", "b"], "epoch": 2}
+    assert store.metadata() == {}
+    with pytest.raises(cnrstore.StepNotFound):
+        store.metadata(5)
+
+
+def test_host_buffers_are_reused_within_their_budget():
+    from cnrstore.snapshot import HostBuffers
+
+    pool = HostBuffers(keep=2, max_bytes=1000)
+    a = pool.take(600, pinned=False)
+    pool.give(a)
+    b = pool.take(500, pinned=False)
+    assert b.data_ptr() == a.data_ptr()  # the same memory, not a fresh allocation
+    pool.give(b)
+    pool.give(torch.empty(700, dtype=torch.uint8))
+    assert pool.held_bytes() <= 1000  # over budget: the largest was dropped
+    pool.give(torch.empty(5000, dtype=torch.uint8))
+    assert pool.held_bytes() <= 1000
