@@ -161,13 +161,13 @@ def _run(args: argparse.Namespace) -> int:
 
         return int(demo.main(args) or 0)
     if cmd == "repair":
-        with _progress(args, "repair") as bar:
-            report = inspect.repair(args.store, progress=bar)
+        report = inspect.repair(args.store)
         _emit(args, report, fmt.repair_text(report))
         return EXIT_PROBLEMS if report.damaged else EXIT_OK
     with _open(args.store, create=cmd == "import") as store:
         if cmd == "ls":
-            steps = inspect.list_steps(store)
+            with _progress(args, "ls") as bar:
+                steps = inspect.list_steps(store, progress=bar)
             _emit(args, steps, fmt.steps_text(steps))
         elif cmd == "show":
             detail = inspect.show_step(store, args.step)
@@ -176,7 +176,8 @@ def _run(args: argparse.Namespace) -> int:
             diff = inspect.diff_steps(store, args.a, args.b, rows=not args.no_rows)
             _emit(args, diff, fmt.diff_text(diff, max_rows=args.max_rows))
         elif cmd == "du":
-            usage = inspect.disk_usage(store)
+            with _progress(args, "du") as bar:
+                usage = inspect.disk_usage(store, progress=bar)
             _emit(args, usage, fmt.usage_text(usage))
         elif cmd == "verify":
             with _progress(args, "verify") as bar:

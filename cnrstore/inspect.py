@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import engine
 from engine import ObjectStore, Problem
+from engine.api import ProgressFn
 
 from . import manifest as mf
 from .errors import ManifestError, StepNotFound
@@ -214,14 +215,21 @@ def _steps(objects: ObjectStore, steps: Iterable[int] | None) -> list[int]:
     return wanted
 
 
-def list_steps(store) -> list[StepSummary]:
+def _tick(progress, done: int, total: int) -> None:
+    if progress is not None:
+        progress(done, total)
+
+
+def list_steps(store, *, progress: ProgressFn | None = None) -> list[StepSummary]:
     """Every kept step, ascending, with its sizes. ``new_bytes`` counts the records that
     no lower step reaches: what keeping this step costs on top of the earlier ones."""
     with opened(store) as objects:
         sizes = _Sizes(objects)
         earlier: set[bytes] = set()
         out = []
-        for step in mf.list_steps(objects):
+        steps = mf.list_steps(objects)
+        for i, step in enumerate(steps):
+            _tick(progress, i, len(steps))
             oid, node = load_step(objects, step)
             mine = sizes.reach(oid)
             new = mine - earlier
@@ -258,7 +266,7 @@ def _ratio(a: int, b: int) -> float | None:
     return a / b if b else None
 
 
-def disk_usage(store) -> Usage:
+def disk_usage(store, *, progress: ProgressFn | None = None) -> Usage:
     """Logical vs stored bytes of the kept steps, overall and per table name."""
     with opened(store) as objects:
         sizes = _Sizes(objects)
@@ -266,7 +274,8 @@ def disk_usage(store) -> Usage:
         per_table: dict[str, list] = {}  # name -> [steps, logical, referenced, ids]
         logical = referenced = 0
         steps = mf.list_steps(objects)
-        for step in steps:
+        for i, step in enumerate(steps):
+            _tick(progress, i, len(steps))
             oid, node = load_step(objects, step)
             mine = sizes.reach(oid)
             everything |= mine
@@ -342,9 +351,8 @@ def collect(store, *, keep_last: int | None, keep: Iterable[int] = ()):
     return store.gc(keep_last=keep_last, keep=keep)
 
 
-def repair(path: str | os.PathLike, *, progress=None) -> engine.RepairReport:
+def repair(path: str | os.PathLike) -> engine.RepairReport:
     """Rebuild the index of the store at ``path`` from its packs (engine.repair)."""
-    del progress  # the engine's repair reports no progress
     if not os.path.isdir(path):
         raise FileNotFoundError(f"no store at {os.fspath(path)!r}")
     with engine.open(path, create=False) as objects:
@@ -361,10 +369,11 @@ def diff_steps(store, a: int, b: int, *, rows: bool = True):
 
 
 def verify(store, *, deep: bool = False, steps: Iterable[int] | None = None,
-           progress: engine.api.ProgressFn | None = None) -> VerifyResult:
+           progress: ProgressFn | None = None) -> VerifyResult:
     """Check the engine (structure; with ``deep`` re-hash every object) and then the
     manifests of the steps: nodes decode, block counts match shapes, and with ``deep``
-    every block's chain resolves to codes of the table's geometry."""
+    every block's chain resolves to codes of the table's geometry. ``progress`` hears of
+    the engine's pass, then of the blocks decoded."""
     from .blocks import read_header, resolve
 
     with opened(store) as objects:
@@ -374,6 +383,7 @@ def verify(store, *, deep: bool = False, steps: Iterable[int] | None = None,
         problems = list(report.problems)
         checked: set[bytes] = set()
         decoded = 0
+        manifests = []
         for step in chosen:
             try:
                 _, node = load_step(objects, step)
@@ -382,8 +392,15 @@ def verify(store, *, deep: bool = False, steps: Iterable[int] | None = None,
                 problems.append(Problem("bad-manifest", f"step {step}: {exc}",
                                         oid=getattr(exc, "oid", None)))
                 continue
-            for tm in tables if deep else ():
+            manifests.append((step, tables))
+        total = sum(len(tm.block_ids) for _, tables in manifests for tm in tables) if deep else 0
+        done = 0
+        for step, tables in manifests if deep else ():
+            for tm in tables:
                 for i, bid in enumerate(tm.block_ids):
+                    done += 1
+                    if done % 64 == 0 or done == total:
+                        _tick(progress, done, total)
                     if bid in checked:
                         continue
                     checked.add(bid)

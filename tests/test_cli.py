@@ -187,6 +187,22 @@ def test_demo_subcommand_takes_the_demo_options(capsys):
     assert "--steps must be >= 1" in capsys.readouterr().err
 
 
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_bar_on_a_terminal_only(store, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "stderr", _Terminal())
+    assert main(["verify", str(store), "--deep"]) == 0
+    assert "verify [" in sys.stderr.getvalue()  # drawn, then erased
+    assert sys.stderr.getvalue().endswith("\r\033[K")
+    monkeypatch.setattr(sys, "stderr", _Terminal())
+    assert main(["verify", str(store), "--deep", "--no-progress"]) == 0
+    assert sys.stderr.getvalue() == ""
+    assert capsys.readouterr().out.count("ok: 3 steps") == 2
+
+
 def test_progress_draws_only_when_enabled():
     stream = io.StringIO()
     with fmt.Progress("verify", enabled=True, stream=stream) as bar:
