@@ -23,9 +23,10 @@ import numpy as np
 from engine import Object
 
 from .errors import ManifestError
-from .manifest import KIND_BLOCK_FULL, KIND_BLOCK_PATCH
 
 __all__ = [
+    "KIND_BLOCK_FULL",
+    "KIND_BLOCK_PATCH",
     "BLOCK_VERSION",
     "BlockHeader",
     "encode_full",
@@ -36,6 +37,10 @@ __all__ = [
     "resolve",
 ]
 
+# Engine object kinds of blocks (docs/MANIFEST.md, "Object kinds"); manifest.py re-exports
+# them with the node kinds, so blocks stay below the manifest in the layering.
+KIND_BLOCK_FULL = 4
+KIND_BLOCK_PATCH = 5
 BLOCK_VERSION = 1
 LAYOUT_PLANES = 1
 _FULL = struct.Struct("<4sBBHII")

@@ -18,6 +18,7 @@ import msgpack
 
 from engine import Object, ObjectStore
 
+from .blocks import KIND_BLOCK_FULL, KIND_BLOCK_PATCH
 from .errors import ManifestError, StepNotFound, TableNotFound
 
 __all__ = [
@@ -48,8 +49,7 @@ FORMAT_VERSION = 1  # docs/MANIFEST.md, "Versioning"
 KIND_STEP = 1
 KIND_TABLE = 2
 KIND_SEGMENT = 3
-KIND_BLOCK_FULL = 4
-KIND_BLOCK_PATCH = 5
+# KIND_BLOCK_FULL = 4 and KIND_BLOCK_PATCH = 5 come from blocks.py.
 
 ROOT_PREFIX = "step/"
 
