@@ -228,3 +228,12 @@ def test_quick_run_cnrstore_writes_less_and_restores_what_was_put(quick_run):
         assert not rows[system]["bit_exact_latest"]
         assert 0 < rows[system]["rel_rmse"] < 0.02
     assert rows["cnr_int8"]["incr_bytes"] < rows["cnr_exact"]["incr_bytes"]
+
+
+def test_plot_writes_pngs_when_matplotlib_is_installed(tmp_path):
+    pytest.importorskip("matplotlib")
+    summary = {"zipf-5pct": {"torch_save": {"incr_bytes": 1e8, "incr_put_s": 1.0},
+                             "cnr_int8": {"incr_bytes": 1e6, "incr_put_s": 0.3}}}
+    written = report.plot(summary, tmp_path)
+    assert written == ["incr_bytes.png", "incr_put_s.png"]
+    assert all((tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for name in written)
