@@ -176,7 +176,7 @@ def quick_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     systems = ["torch_save", "dcp"]
     if _has_store_api():
-        systems += ["cnr_exact", "cnr_int8", "cnr_int8_async"]
+        systems += ["cnr_exact", "cnr_int8_async"]  # blocking int8 adds time, not coverage
     cmd = [sys.executable, str(REPO / "benches" / "bench_checkpoint.py"), "--quick",
            "--systems", ",".join(systems), "--fractions", "0.01", "--dists", "zipf",
            "--out", str(out)]
@@ -219,15 +219,15 @@ def test_quick_run_cnrstore_writes_less_and_restores_what_was_put(quick_run):
     doc, _, _ = quick_run
     rows = doc["summary"]["zipf-1pct"]
     ts = rows["torch_save"]
-    for system in ("cnr_exact", "cnr_int8", "cnr_int8_async"):
+    for system in ("cnr_exact", "cnr_int8_async"):
         row = rows[system]
         assert 0 < row["incr_bytes"] < ts["incr_bytes"], system
         assert row["cum_bytes"] < ts["cum_bytes"], system
     assert rows["cnr_exact"]["bit_exact_latest"] and rows["cnr_exact"]["oldest_bit_exact"]
-    for system in ("cnr_int8", "cnr_int8_async"):
-        assert not rows[system]["bit_exact_latest"]
-        assert 0 < rows[system]["rel_rmse"] < 0.02
-    assert rows["cnr_int8"]["incr_bytes"] < rows["cnr_exact"]["incr_bytes"]
+    int8 = rows["cnr_int8_async"]
+    assert not int8["bit_exact_latest"] and 0 < int8["rel_rmse"] < 0.02
+    assert int8["incr_bytes"] < rows["cnr_exact"]["incr_bytes"]
+    assert int8["incr_stall_s"] <= int8["incr_put_s"]
 
 
 def test_plot_writes_pngs_when_matplotlib_is_installed(tmp_path):
