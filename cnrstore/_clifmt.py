@@ -211,17 +211,20 @@ def usage_text(u) -> str:
     return "\n".join(lines)
 
 
-def verify_text(r) -> str:
+def verify_text(r, *, limit: int = 20) -> str:
     head = (f"{'ok' if r.ok else 'PROBLEMS FOUND'}: {plural(r.steps_checked, 'step')}, "
             f"{r.objects_checked} objects ({size(r.bytes_checked)}) checked, "
             f"{r.blocks_decoded} blocks decoded")
     lines = [head]
-    for p in r.problems:
+    for p in r.problems[:limit]:
+        oid = bytes(p.oid).hex() if p.oid else ""
         where = " ".join(x for x in (
-            f"object {bytes(p.oid).hex()}" if p.oid else "",
-            f"pack {p.pack}" if p.pack else "",
+            f"object {oid}" if oid and oid not in p.message else "",
+            f"pack {p.pack}" if p.pack and p.pack not in p.message else "",
             f"offset {p.offset}" if p.offset is not None else "") if x)
         lines.append(f"  {p.what}: {p.message}" + (f" [{where}]" if where else ""))
+    if len(r.problems) > limit:
+        lines.append(f"  ... and {len(r.problems) - limit} more (--json lists them all)")
     return "\n".join(lines)
 
 

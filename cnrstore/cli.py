@@ -230,10 +230,17 @@ def _exit_code(exc: BaseException) -> int:
     return EXIT_PROBLEMS
 
 
-def _message(exc: BaseException) -> str:
+def _message(exc: BaseException, store: str | None) -> str:
+    from engine.errors import CorruptObject, ObjectNotFound
+
     text = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)
     text = " ".join(text.split()) or type(exc).__name__
-    return text if isinstance(exc, UsageError) else f"{text} ({type(exc).__name__})"
+    if isinstance(exc, UsageError):
+        return text
+    hint = ""
+    if isinstance(exc, (CorruptObject, ObjectNotFound)) and store:
+        hint = f"; `cnrstore verify {store}` lists what is damaged"
+    return f"{text} ({type(exc).__name__}{hint})"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -258,7 +265,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as exc:
         if args.debug:
             raise
-        print(f"cnrstore {args.command}: error: {_message(exc)}", file=sys.stderr)
+        message = _message(exc, getattr(args, "store", None))
+        print(f"cnrstore {args.command}: error: {message}", file=sys.stderr)
         return _exit_code(exc)
 
 

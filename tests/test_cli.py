@@ -169,6 +169,23 @@ def test_export_import_and_verify_step(store, tmp_path, capsys):
     assert rep["ok"] and rep["steps_checked"] == 1
 
 
+def test_a_lost_pack_is_found_and_named(store, tmp_path, capsys):
+    data_pack = max(store.glob("packs/*/*.pack"), key=lambda p: p.stat().st_size)
+    data_pack.unlink()
+    assert main(["ls", str(store)]) == 0  # sizes come from the index: still listable
+    capsys.readouterr()
+    assert main(["verify", str(store)]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith("PROBLEMS FOUND") and "missing" in out
+    assert data_pack.name in out
+    # diff reads only the patches of step 20, none of which is in step 10's lost pack
+    assert main(["diff", str(store), "10", "20"]) == 0
+    capsys.readouterr()
+    assert main(["export", str(store), "10", str(tmp_path / "x.safetensors")]) == 1
+    err = capsys.readouterr().err
+    assert "lists what is damaged" in err and len(err.strip().splitlines()) == 1
+
+
 def test_repair_rebuilds_a_deleted_index(store, capsys):
     before = [s.step for s in ci.list_steps(store)]
     for f in (store / "index").iterdir():

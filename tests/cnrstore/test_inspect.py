@@ -7,6 +7,7 @@ import pathlib
 import sys
 import tempfile
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -154,6 +155,17 @@ def test_diff_rows_match_the_tables(first, second, fresh_handle):
             assert got == want, (a, b)
             assert td.rows_changed == len(want)
             assert (td.status == "unchanged") == (not want)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.sets(st.integers(0, 5000), max_size=200))
+def test_row_ranges_cover_exactly_the_rows(rows):
+    want = sorted(rows)
+    ranges = cdiff._ranges(np.array(want, dtype=np.int64))
+    assert [r for lo, hi in ranges for r in range(lo, hi)] == want
+    # maximal runs: each range is non-empty and a gap separates it from the next
+    assert all(lo < hi for lo, hi in ranges)
+    assert all(a[1] < b[0] for a, b in zip(ranges, ranges[1:]))
 
 
 def test_gc_plan_predicts_what_gc_frees(three_steps):
