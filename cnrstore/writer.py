@@ -82,8 +82,10 @@ def _write_table(w, plan: TablePlan, counter: list[int]) -> bytes:
             slot.oid = _put(
                 w, counter, KIND_BLOCK_PATCH, encode_patch(slot.nrows, bw.rows, codes), (base.oid,)
             )
+    # Reused blocks need no lookup here: putting a new segment makes the engine check that
+    # every block it refers to exists, and an existing segment implies its blocks exist.
     for i, slot in enumerate(state.slots):
-        if slot.oid is None or not w.has(slot.oid):
+        if slot.oid is None:
             raise _MissingBase(f"table {plan.name!r} block {i} refers to a missing block")
     seg_ids = []
     fan = state.fanout

@@ -149,3 +149,20 @@ def test_close_waits_for_pending_puts(tmp_path):
     with cnrstore.open(tmp_path / "s") as s2:
         assert s2.steps() == [0, 1, 2]
         assert_identical(s2.get_tables(2)["t"], t + 2)
+
+
+def test_diff_base_collected_by_another_handle_fails_one_put_then_recovers():
+    g = torch.Generator().manual_seed(6)
+    a = _store()
+    t = random_table(g, 64, 4)
+    a.put_tables(1, {"t": t})
+    other = cnrstore.CheckpointStore(a.objects, block_rows=16, fanout=4)
+    other.gc(keep_last=0)  # drops step 1 and every block a's diff base refers to
+    t[3] += 1
+    with pytest.raises(cnrstore.WriteFailed, match="missing"):
+        a.put_tables(2, {"t": t})
+    assert a.steps() == []
+    info = a.put_tables(3, {"t": t})  # the failure reset the diff base: written whole
+    assert info.rows_changed == {"t": 64}
+    assert_identical(a.get_tables(3)["t"], t)
+    assert a.verify().ok
