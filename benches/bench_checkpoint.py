@@ -147,6 +147,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "workdir": str(tmp / "stores")}
         fingerprint: dict[str, Any] = {}
         runs: dict[str, list[dict[str, Any]]] = {}
+        failures: list[dict[str, Any]] = []
         for rep in range(args.repeat):
             jobs = [{**base, "system": system,
                      "workloads": [[w.fraction, w.dist] for w in workloads]}
@@ -156,14 +157,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             batches = [jobs] if args.one_process else [[j] for j in jobs]
             for batch in batches:
                 t0 = time.perf_counter()
-                for result in _run_worker(batch, tmp, args.job_timeout):
+                names = ",".join(s["system"] for s in batch)
+                try:
+                    results = _run_worker(batch, tmp, args.job_timeout)
+                except (RuntimeError, subprocess.TimeoutExpired) as exc:
+                    # One broken system must not hide the others' figures: record, go on.
+                    failures.append({"repeat": rep, "jobs": names, "error": str(exc)[-4000:]})
+                    print(f"[{rep + 1}/{args.repeat}] {names}: FAILED\n{exc}", file=sys.stderr)
+                    continue
+                for result in results:
                     if result.get("system") is None:
                         fingerprint = result
                     else:
                         runs.setdefault(result["system"], []).append(result)
-                names = ",".join(s["system"] for s in batch)
                 print(f"[{rep + 1}/{args.repeat}] {names}: {time.perf_counter() - t0:.1f} s",
                       file=sys.stderr, flush=True)
+    if not runs:
+        raise RuntimeError(f"every job failed: {failures}")
     merged = {system: report.median_merge(results) for system, results in runs.items()}
     summary = report.summarize(merged)
     checks = report.check_targets(summary)
@@ -184,17 +194,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     meta["torch"] = torch.__version__
     meta["plots"] = report.plot(summary, args.out)
-    doc = {"meta": meta, "summary": summary, "targets": checks, "runs": runs}
+    doc = {"meta": meta, "summary": summary, "targets": checks, "runs": runs,
+           "failures": failures}
+    md = report.markdown(summary, checks, meta)
+    if failures:
+        md += "\n## Failed jobs\n\n" + "\n".join(
+            f"- repeat {f['repeat'] + 1}, {f['jobs']}: `{f['error'].splitlines()[-1]}`"
+            for f in failures) + "\n"
     (args.out / "results.json").write_text(json.dumps(doc, indent=1))
-    (args.out / "results.md").write_text(report.markdown(summary, checks, meta))
+    (args.out / "results.md").write_text(md)
     return doc
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    run(args)
+    doc = run(args)
     print((args.out / "results.md").read_text())
-    return 0
+    return 1 if doc["failures"] else 0
 
 
 if __name__ == "__main__":

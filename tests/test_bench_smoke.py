@@ -187,7 +187,8 @@ def quick_run(tmp_path_factory):
 
 def test_quick_run_writes_json_and_markdown_of_every_system(quick_run):
     doc, out, systems = quick_run
-    assert set(doc) == {"meta", "summary", "targets", "runs"}
+    assert set(doc) == {"meta", "summary", "targets", "runs", "failures"}
+    assert doc["failures"] == []
     assert list(doc["summary"]) == ["zipf-1pct"]
     assert set(doc["summary"]["zipf-1pct"]) == set(systems)
     assert doc["meta"]["steps"] == 2 and doc["meta"]["repeat"] == 1
