@@ -64,7 +64,7 @@ def _evolve(g, t: torch.Tensor, rows: int, frac: float) -> torch.Tensor:
     return t[:rows].clone()
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios())
 def test_every_step_restores(scenario):
     dtype, scheme, block_rows, tail, rows, seed, frac = scenario

@@ -138,6 +138,6 @@ class CheckpointMachine(RuleBasedStateMachine):
 
 
 CheckpointMachine.TestCase.settings = settings(
-    max_examples=25, stateful_step_count=20, deadline=None
+    max_examples=40, stateful_step_count=20, deadline=None
 )
 test_checkpoint_state_machine = CheckpointMachine.TestCase
