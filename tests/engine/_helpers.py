@@ -178,8 +178,8 @@ def _cmd_churn(path: str, start: str, size: str, seconds: str) -> None:
                     w.delete_root(f"r{i - 2}")
             _say(f"committed {i}")
             if i % 3 == 0:
-                store.gc(threshold=0.0, timeout=30)
-                _say(f"gc {i}")
+                report = store.gc(threshold=0.0, timeout=30)
+                _say(f"gc {i} {report.objects_freed} {report.packs_rewritten}")
             i += 1
 
 
