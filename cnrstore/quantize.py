@@ -259,12 +259,13 @@ def max_abs_error(scheme: str, rows: torch.Tensor) -> torch.Tensor:
 
 # "auto" policy (docs/QUANTIZATION.md, "The auto policy"): quantization error compounds
 # with every restore (each restore resumes training from the dequantized tables), so the
-# fewer restores a job expects, the fewer bits its checkpoints can afford. Upper bounds on
-# the expected number of restores for each bit width:
+# fewer restores a job expects, the fewer bits its checkpoints can afford. Each bound keeps
+# the accumulated error, ~sqrt(restores) / (2^bits - 1) of the row range, within that of
+# one int2 restore (1/3); provisional until the accuracy benchmark calibrates them.
 AUTO_INT2_MAX_RESTORES = 1.0
-AUTO_INT3_MAX_RESTORES = 3.0
-AUTO_INT4_MAX_RESTORES = 20.0
-# Beyond AUTO_INT4_MAX_RESTORES: int8 (its error is ~16x below int4's per restore).
+AUTO_INT3_MAX_RESTORES = 5.0  # (7 / 3)^2
+AUTO_INT4_MAX_RESTORES = 25.0  # (15 / 3)^2
+# Beyond AUTO_INT4_MAX_RESTORES: int8.
 
 
 def auto_scheme(expected_restores: float) -> str:

@@ -239,3 +239,15 @@ def test_cpu_cuda_agree(dtype):
     assert torch.equal(gpu.cpu(), cpu)
     strided = table.cuda()[::3, 1:]
     assert torch.equal(row_fingerprints(strided).cpu(), row_fingerprints(table[::3, 1:]))
+
+
+def test_keys_make_two_top_bit_flips_detectable():
+    # docs/QUANTIZATION.md: flipping bit 63 of words i and j collides only if
+    # b_i +- b_j = 0 mod 2^33. Check the fixed keys never satisfy that (first 1024).
+    _, b = fp_mod._keys(torch.device("cpu"), 1024)
+    low = np.array([int(k) % 2**33 for k in b], dtype=np.int64)
+    diff = (low[:, None] - low[None, :]) % 2**33
+    total = (low[:, None] + low[None, :]) % 2**33
+    off_diag = ~np.eye(1024, dtype=bool)
+    assert not np.any((diff == 0) & off_diag)
+    assert not np.any(total == 0)
