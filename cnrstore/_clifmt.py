@@ -152,7 +152,9 @@ def diff_text(d, *, max_rows: int) -> str:
     lines = [f"diff {d.a} -> {d.b}" + ("  (metadata changed)" if d.metadata_changed else "")]
     for t in d.tables:
         if t.status == "unchanged":
-            lines.append(f"  = {t.name}: unchanged")
+            extra = (f" (same rows; {plural(t.blocks_examined, 'block')} stored under other "
+                     f"ids)" if t.blocks_examined else "")
+            lines.append(f"  = {t.name}: unchanged{extra}")
             continue
         if t.status in ("added", "removed"):
             shape = t.shape_b if t.status == "added" else t.shape_a

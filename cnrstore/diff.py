@@ -44,7 +44,8 @@ class TableDiff:
     encoding_changed: bool           # dtype, width, scheme or block geometry differ
     segments_compared: int
     segments_equal: int              # skipped by id without reading their blocks
-    blocks_changed: tuple[int, ...]  # block indices in B whose ids differ from A's
+    blocks_changed: tuple[int, ...]  # blocks of B whose rows differ (rows=False: whose ids do)
+    blocks_examined: int             # blocks whose ids differ (equal content may differ in id)
     rows_changed: int | None         # rows of the common range that differ (None: not computed)
     row_ranges: tuple[tuple[int, int], ...] | None  # half-open [start, stop) runs
     rows_added: int
@@ -125,26 +126,27 @@ def diff_tables(objects: ObjectStore, name: str, a_id: bytes | None, b_id: bytes
         if b_id is None:
             t = load_table(objects, a_id)
             return TableDiff(name, "removed", t.shape, None, t.scheme, None, False, 0, 0, (),
-                             None, None, 0, t.rows, 0, 0)
+                             0, None, None, 0, t.rows, 0, 0)
         t = load_table(objects, b_id)
         return TableDiff(name, "added", None, t.shape, None, t.scheme, False, 0, 0,
-                         tuple(range(t.nblocks)), None, None, t.rows, 0, 0, 0)
+                         tuple(range(t.nblocks)), 0, None, None, t.rows, 0, 0, 0)
     ta = load_table(objects, a_id)
     if a_id == b_id:
         n = len(ta.segment_ids)
         return TableDiff(name, "unchanged", ta.shape, ta.shape, ta.scheme, ta.scheme, False,
-                         n, n, (), 0 if rows else None, () if rows else None, 0, 0, 0, 0)
+                         n, n, (), 0, 0 if rows else None, () if rows else None, 0, 0, 0, 0)
     tb = load_table(objects, b_id)
     added, removed = max(tb.rows - ta.rows, 0), max(ta.rows - tb.rows, 0)
     if not _same_encoding(ta, tb):
         # Every block was re-encoded: ids say nothing about rows, and codes of two schemes
         # do not compare. Report the table as rewritten without decoding it.
         return TableDiff(name, "changed", ta.shape, tb.shape, ta.scheme, tb.scheme, True,
-                         0, 0, tuple(range(tb.nblocks)), None, None, added, removed, 0, 0)
+                         0, 0, tuple(range(tb.nblocks)), tb.nblocks, None, None, added, removed,
+                         0, 0)
     finder = _Rows(objects)
     changed: list[int] = []
     row_ids: list[np.ndarray] = []
-    equal = 0
+    equal = examined = 0
     nseg = max(len(ta.segment_ids), len(tb.segment_ids))
     for j in range(nseg):
         sa = ta.segment_ids[j] if j < len(ta.segment_ids) else None
@@ -161,12 +163,19 @@ def diff_tables(objects: ObjectStore, name: str, a_id: bytes | None, b_id: bytes
             aid = blocks_a[k] if k < len(blocks_a) else None
             if aid == bid:
                 continue
-            changed.append(i)
+            examined += 1
             start, stop_b = tb.block_range(i)
-            common = min(stop_b, ta.rows) - start
-            if not rows or aid is None or common <= 0:
+            common = max(min(stop_b, ta.rows) - start, 0)
+            rows_a = max(min(start + ta.block_rows, ta.rows) - start, 0)
+            if not rows or aid is None or common == 0:
+                changed.append(i)
                 continue
-            row_ids.append(finder.differing(aid, bid, common) + start)
+            # Equal content may be stored under another id (a patch vs a full block of
+            # the same rows, written by another handle): only differing rows count.
+            found = finder.differing(aid, bid, common)
+            if found.size or rows_a != stop_b - start:
+                changed.append(i)
+                row_ids.append(found + start)
     if rows:
         found = np.concatenate(row_ids) if row_ids else np.empty(0, np.int64)
         count, ranges = int(found.size), _ranges(found)
@@ -174,8 +183,8 @@ def diff_tables(objects: ObjectStore, name: str, a_id: bytes | None, b_id: bytes
         count, ranges = None, None
     status = "changed" if changed or added or removed else "unchanged"
     return TableDiff(name, status, ta.shape, tb.shape, ta.scheme, tb.scheme, False, nseg,
-                     equal, tuple(changed), count, ranges, added, removed, finder.decoded,
-                     finder.patches)
+                     equal, tuple(changed), examined, count, ranges, added, removed,
+                     finder.decoded, finder.patches)
 
 
 def diff_steps(objects: ObjectStore, a: int, b: int, *, rows: bool = True) -> StepDiff:

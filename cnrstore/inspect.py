@@ -21,11 +21,11 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import engine
-from engine import ObjectStore, Problem
+from engine import ObjectStore
 from engine.api import ProgressFn
 
 from . import manifest as mf
-from .errors import ManifestError, StepNotFound
+from .errors import StepNotFound
 from .manifest import TableNode, load_step, load_table_manifest, root_name
 
 __all__ = [
@@ -35,7 +35,6 @@ __all__ = [
     "TableUsage",
     "Usage",
     "GCPlan",
-    "VerifyResult",
     "opened",
     "objects_of",
     "list_steps",
@@ -43,10 +42,10 @@ __all__ = [
     "disk_usage",
     "gc_plan",
     "kept_steps",
-    "verify",
     "collect",
-    "repair",
     "diff_steps",
+    "verify",
+    "repair",
 ]
 
 
@@ -121,16 +120,6 @@ class GCPlan:
     objects_freed: int     # reachable only from dropped steps
     bytes_freed: int       # their stored bytes (before compaction rounds to packs)
     garbage_objects: int   # already unreachable before the drop
-
-
-@dataclass(frozen=True)
-class VerifyResult:
-    ok: bool
-    problems: tuple[Problem, ...]
-    steps_checked: int
-    objects_checked: int
-    bytes_checked: int
-    blocks_decoded: int
 
 
 def objects_of(store) -> ObjectStore:
@@ -351,14 +340,6 @@ def collect(store, *, keep_last: int | None, keep: Iterable[int] = ()):
     return store.gc(keep_last=keep_last, keep=keep)
 
 
-def repair(path: str | os.PathLike) -> engine.RepairReport:
-    """Rebuild the index of the store at ``path`` from its packs (engine.repair)."""
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"no store at {os.fspath(path)!r}")
-    with engine.open(path, create=False) as objects:
-        return objects.repair()
-
-
 def diff_steps(store, a: int, b: int, *, rows: bool = True):
     """Which tables, blocks and rows differ between steps ``a`` and ``b``
     (cnrstore.diff.StepDiff): ids compared top-down, only differing blocks read."""
@@ -368,55 +349,18 @@ def diff_steps(store, a: int, b: int, *, rows: bool = True):
         return _diff(objects, a, b, rows=rows)
 
 
+# Integrity checks live in cnrstore.check (which builds on this module); these wrappers
+# give the CLI and users one entry point without a circular import.
 def verify(store, *, deep: bool = False, steps: Iterable[int] | None = None,
-           progress: ProgressFn | None = None) -> VerifyResult:
-    """Check the engine (structure; with ``deep`` re-hash every object) and then the
-    manifests of the steps: nodes decode, block counts match shapes, and with ``deep``
-    every block's chain resolves to codes of the table's geometry. ``progress`` hears of
-    the engine's pass, then of the blocks decoded."""
-    from .blocks import read_header, resolve
+           progress: ProgressFn | None = None):
+    """cnrstore.check.verify: engine and manifest checks; returns a VerifyResult."""
+    from .check import verify as _verify
 
-    with opened(store) as objects:
-        chosen = _steps(objects, steps)
-        roots = None if steps is None else [root_name(s) for s in chosen]
-        report = objects.verify(deep=deep, roots=roots, progress=progress)
-        problems = list(report.problems)
-        checked: set[bytes] = set()
-        decoded = 0
-        manifests = []
-        for step in chosen:
-            try:
-                _, node = load_step(objects, step)
-                tables = [load_table_manifest(objects, t) for t in node.table_ids]
-            except (ManifestError, engine.StoreError) as exc:
-                problems.append(Problem("bad-manifest", f"step {step}: {exc}",
-                                        oid=getattr(exc, "oid", None)))
-                continue
-            manifests.append((step, tables))
-        total = sum(len(tm.block_ids) for _, tables in manifests for tm in tables) if deep else 0
-        done = 0
-        for step, tables in manifests if deep else ():
-            for tm in tables:
-                for i, bid in enumerate(tm.block_ids):
-                    done += 1
-                    if done % 64 == 0 or done == total:
-                        _tick(progress, done, total)
-                    if bid in checked:
-                        continue
-                    checked.add(bid)
-                    start, stop = tm.node.block_range(i)
-                    where = f"step {step} table {tm.node.name!r} block {i}"
-                    try:
-                        read_header(objects.get(bid), bid)
-                        codes = resolve(objects.get, bid)
-                    except (ManifestError, engine.StoreError) as exc:
-                        problems.append(Problem("bad-block", f"{where}: {exc}", oid=bid))
-                        continue
-                    decoded += 1
-                    if codes.shape != (stop - start, tm.node.row_nbytes):
-                        problems.append(Problem(
-                            "bad-block", f"{where} holds {codes.shape} codes, expected "
-                            f"{(stop - start, tm.node.row_nbytes)}", oid=bid))
-        return VerifyResult(not problems, tuple(problems), len(chosen),
-                            report.objects_checked, report.bytes_checked, decoded)
+    return _verify(store, deep=deep, steps=steps, progress=progress)
 
+
+def repair(path: str | os.PathLike):
+    """cnrstore.check.repair: rebuild the index of the store at ``path`` from its packs."""
+    from .check import repair as _repair
+
+    return _repair(path)
