@@ -215,3 +215,18 @@ def test_touched_rows_skip_fingerprinting_the_rest():
     assert not torch.equal(s.get_tables(3)["t"][90], t[90])
     t[95] += 1  # a put without touched= fingerprints every row again
     assert s.put_tables(4, {"t": t}).rows_changed == {"t": 2}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("quant", ["exact", "int8"])
+def test_scattered_update_at_default_block_size(tmp_path, quant):
+    g = torch.Generator().manual_seed(11)
+    t = random_table(g, 200_000, 64)
+    with cnrstore.open(tmp_path / "s") as s:  # block_rows 4096, fanout 256
+        full = s.put_tables(1, {"t": t}, quant=quant)
+        idx = _scattered(g, t, 0.05)
+        info = s.put_tables(2, {"t": t}, quant=quant)
+        changed = len(idx) * row_nbytes(quant, torch.float32, 64)
+        assert info.rows_changed == {"t": len(idx)}
+        assert info.bytes_written <= 1.15 * changed
+        assert info.bytes_written < full.bytes_written / 10
