@@ -8,9 +8,11 @@ that is what a checkpoint is for, and what cnrstore's commit protocol pays for.
 - ``safetensors``: one safetensors file per step (skipped when not installed).
 - ``dcp``: torch.distributed.checkpoint, one process without a process group, a
   FileSystemWriter directory per step (its writer fsyncs the files itself).
-- ``cnr_<scheme>[_async]``: cnrstore, one store for all steps; ``_async`` puts with
-  ``blocking=False`` and records the stall (time until put_tables returns) apart from the
-  time until the step is durable.
+- ``cnr_<scheme>[_async|_touched]``: cnrstore, one store for all steps; ``_async`` puts
+  with ``blocking=False`` and records the stall (time until put_tables returns) apart from
+  the time until the step is durable; ``_touched`` passes the row ids the interval changed
+  (``touched=``, what a trainer tracking its embedding lookups knows), so the store hashes
+  only those rows instead of fingerprinting whole tables.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from benches.measure import fsync_dir, timed
@@ -28,9 +31,13 @@ __all__ = ["BASELINES", "SYSTEMS", "System", "available_systems", "make_system"]
 
 BASELINES = ("torch_save", "safetensors", "dcp")
 CNR_SCHEMES = ("exact", "int8", "int4")
-SYSTEMS = BASELINES + tuple(f"cnr_{s}" for s in CNR_SCHEMES) + tuple(
-    f"cnr_{s}_async" for s in CNR_SCHEMES
+SYSTEMS = (
+    BASELINES
+    + tuple(f"cnr_{s}" for s in CNR_SCHEMES)
+    + tuple(f"cnr_{s}_async" for s in CNR_SCHEMES)
+    + ("cnr_exact_touched", "cnr_int8_touched")
 )
+Touched = dict[str, np.ndarray]
 
 
 class System(abc.ABC):
@@ -43,8 +50,13 @@ class System(abc.ABC):
         self.root.mkdir(parents=True, exist_ok=True)
 
     @abc.abstractmethod
-    def put(self, step: int, tables: dict[str, torch.Tensor]) -> dict[str, Any]:
-        """Save ``tables`` as ``step`` durably; returns at least put_s and stall_s."""
+    def put(
+        self, step: int, tables: dict[str, torch.Tensor], *, touched: Touched | None = None
+    ) -> dict[str, Any]:
+        """Save ``tables`` as ``step`` durably; returns at least put_s and stall_s.
+
+        ``touched``: row ids changed since the previous put, per table (None: unknown);
+        systems that cannot use it ignore it."""
 
     @abc.abstractmethod
     def restore(self, step: int) -> dict[str, torch.Tensor]:
@@ -68,7 +80,7 @@ class TorchSave(System):
     def _path(self, step: int) -> Path:
         return self.root / f"step_{step:08d}.pt"
 
-    def put(self, step, tables):
+    def put(self, step, tables, *, touched=None):
         def save():
             with open(self._path(step), "wb") as f:
                 torch.save(tables, f)
@@ -89,7 +101,7 @@ class SafeTensors(System):
     def _path(self, step: int) -> Path:
         return self.root / f"step_{step:08d}.safetensors"
 
-    def put(self, step, tables):
+    def put(self, step, tables, *, touched=None):
         from safetensors.torch import save_file
 
         def save():
@@ -114,7 +126,7 @@ class DistributedCheckpoint(System):
     def _path(self, step: int) -> Path:
         return self.root / f"step_{step:08d}"
 
-    def put(self, step, tables):
+    def put(self, step, tables, *, touched=None):
         import torch.distributed.checkpoint as dcp
 
         def save():
@@ -141,11 +153,13 @@ class DistributedCheckpoint(System):
 class CnrStore(System):
     """cnrstore through its public API only (DESIGN.md "Public API")."""
 
-    def __init__(self, root: Path, *, scheme: str, blocking: bool) -> None:
+    def __init__(self, root: Path, *, scheme: str, blocking: bool, use_touched: bool) -> None:
         super().__init__(root)
         self.scheme = scheme
         self.blocking = blocking
-        self.name = f"cnr_{scheme}" + ("" if blocking else "_async")
+        self.use_touched = use_touched
+        suffix = "_touched" if use_touched else ("" if blocking else "_async")
+        self.name = f"cnr_{scheme}{suffix}"
         self._store = None
 
     def _open(self):
@@ -155,11 +169,17 @@ class CnrStore(System):
             self._store = cnrstore.open(str(self.root / "store"))
         return self._store
 
-    def put(self, step, tables):
+    def put(self, step, tables, *, touched=None):
         store = self._open()
 
+        extra = {}
+        if self.use_touched and touched is not None:
+            extra["touched"] = {k: torch.from_numpy(v) for k, v in touched.items()}
+
         def submit():
-            return store.put_tables(step, tables, quant=self.scheme, blocking=self.blocking)
+            return store.put_tables(
+                step, tables, quant=self.scheme, blocking=self.blocking, **extra
+            )
 
         stall, out = timed(submit)
         if self.blocking:
@@ -209,8 +229,8 @@ def make_system(name: str, root: Path) -> System:
         return SafeTensors(root)
     if name == "dcp":
         return DistributedCheckpoint(root)
-    if name.startswith("cnr_"):
-        scheme = name[len("cnr_") :].removesuffix("_async")
-        if scheme in CNR_SCHEMES:
-            return CnrStore(root, scheme=scheme, blocking=not name.endswith("_async"))
+    if name in SYSTEMS and name.startswith("cnr_"):
+        scheme = name[len("cnr_") :].removesuffix("_async").removesuffix("_touched")
+        return CnrStore(root, scheme=scheme, blocking=not name.endswith("_async"),
+                        use_touched=name.endswith("_touched"))
     raise ValueError(f"unknown system {name!r}; choose from {SYSTEMS}")

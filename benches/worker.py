@@ -79,9 +79,13 @@ def _run_workload(spec: dict[str, Any], workload: Workload, mem: PeakMemory) -> 
     records = []
     mem.start()
     for step in range(steps + 1):
-        rows = apply_update(tables, workload, seed=seed, step=step) if step else None
+        touched: dict | None = None  # step 0 is the full checkpoint: nothing to track
+        rows = None
+        if step:
+            touched = {}
+            rows = apply_update(tables, workload, seed=seed, step=step, touched=touched)
         before = disk_bytes(root)
-        rec = system.put(step, tables)
+        rec = system.put(step, tables, touched=touched)
         after = disk_bytes(root)
         rec.update(step=step, bytes_written=after - before, cum_bytes=after, rows_updated=rows)
         records.append(rec)

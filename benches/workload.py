@@ -117,12 +117,22 @@ def changed_rows(
 
 
 def apply_update(
-    tables: dict[str, torch.Tensor], workload: Workload, *, seed: int, step: int
+    tables: dict[str, torch.Tensor],
+    workload: Workload,
+    *,
+    seed: int,
+    step: int,
+    touched: dict[str, np.ndarray] | None = None,
 ) -> int:
-    """Apply interval ``step``'s update in place; returns the number of rows changed."""
+    """Apply interval ``step``'s update in place; returns the number of rows changed.
+
+    ``touched``, when given, receives each table's changed row ids (what a trainer that
+    tracks its lookups would hand to the store)."""
     total = 0
-    for i, t in enumerate(tables.values()):
+    for i, (name, t) in enumerate(tables.items()):
         ids = changed_rows(t.shape[0], workload, seed=seed, step=step, table_index=i)
+        if touched is not None:
+            touched[name] = ids
         delta = torch.randn(
             len(ids), *t.shape[1:], dtype=t.dtype, generator=_generator(seed, 4, step, i)
         )

@@ -82,7 +82,8 @@ def test_tables_and_updates_are_deterministic_and_change_exactly_the_chosen_rows
     assert all(torch.equal(a[k], b[k]) for k in a)
     before = {k: v.clone() for k, v in a.items()}
     w = Workload(0.05, "zipf")
-    n = apply_update(a, w, seed=3, step=1)
+    touched = {}
+    n = apply_update(a, w, seed=3, step=1, touched=touched)
     apply_update(b, w, seed=3, step=1)
     assert all(torch.equal(a[k], b[k]) for k in a)
     total = 0
@@ -90,6 +91,7 @@ def test_tables_and_updates_are_deterministic_and_change_exactly_the_chosen_rows
         changed = (t != before[name]).any(dim=1).nonzero().flatten().numpy()
         want = changed_rows(t.shape[0], w, seed=3, step=1, table_index=i)
         assert np.array_equal(changed, want), name
+        assert np.array_equal(touched[name], want), name
         total += len(want)
     assert n == total
 
@@ -176,7 +178,8 @@ def quick_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     systems = ["torch_save", "dcp"]
     if _has_store_api():
-        systems += ["cnr_exact", "cnr_int8_async"]  # blocking int8 adds time, not coverage
+        # blocking int8 would add time, not coverage
+        systems += ["cnr_exact", "cnr_exact_touched", "cnr_int8_async"]
     cmd = [sys.executable, str(REPO / "benches" / "bench_checkpoint.py"), "--quick",
            "--systems", ",".join(systems), "--fractions", "0.01", "--dists", "zipf",
            "--out", str(out)]
@@ -224,7 +227,11 @@ def test_quick_run_cnrstore_writes_less_and_restores_what_was_put(quick_run):
         row = rows[system]
         assert 0 < row["incr_bytes"] < ts["incr_bytes"], system
         assert row["cum_bytes"] < ts["cum_bytes"], system
-    assert rows["cnr_exact"]["bit_exact_latest"] and rows["cnr_exact"]["oldest_bit_exact"]
+    for system in ("cnr_exact", "cnr_exact_touched"):
+        assert rows[system]["bit_exact_latest"] and rows[system]["oldest_bit_exact"], system
+    # Touched ids name exactly the changed rows: the same rows get written.
+    assert rows["cnr_exact_touched"]["incr_bytes"] == pytest.approx(
+        rows["cnr_exact"]["incr_bytes"], rel=0.1)
     int8 = rows["cnr_int8_async"]
     assert not int8["bit_exact_latest"] and 0 < int8["rel_rmse"] < 0.02
     assert int8["incr_bytes"] < rows["cnr_exact"]["incr_bytes"]
