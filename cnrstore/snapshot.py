@@ -99,12 +99,16 @@ def _as_rows(table: torch.Tensor) -> torch.Tensor:
 
 
 def _changed_old_rows(
-    x: torch.Tensor, fp: torch.Tensor, base: TableState, common: int, scheme: str
+    name: str, x: torch.Tensor, fp: torch.Tensor, base: TableState, common: int, scheme: str
 ) -> np.ndarray:
     """Ascending ids of rows < common that differ from the diff base."""
     if base.fingerprints is not None:
         mask = fp[:common] != base.fingerprints[:common].to(fp.device)
     else:  # seeded from stored codes: compare codes row by row
+        if scheme != "exact" and common:
+            bad = first_nonfinite_row(x[:common])
+            if bad is not None:
+                raise NonFiniteValues(name, bad, scheme)
         codes = encode_rows(x[:common], scheme)
         seed = base.seed_codes[:common].to(codes.device)
         if codes.shape[1]:
@@ -150,7 +154,7 @@ def plan_table(
     else:
         fp = row_fingerprints(x)
         changed = (
-            _changed_old_rows(x, fp, base, common, scheme) if compatible
+            _changed_old_rows(name, x, fp, base, common, scheme) if compatible
             else np.zeros(0, dtype=np.int64)
         )
 

@@ -131,3 +131,16 @@ def test_bad_options_are_refused(tmp_path):
             make_store("memory", None, **opts)
     with pytest.raises(ValueError):
         cnrstore.CheckpointStore("not a store")
+
+
+def test_nonfinite_found_while_comparing_seeded_codes(store):
+    g = torch.Generator().manual_seed(1)
+    t = random_table(g, 40, 4)
+    store.put_tables(1, {"f": t}, quant="int8")
+    fresh = type(store)(store.objects, block_rows=8, fanout=4)  # seeds from step 1's codes
+    t[33, 1] = float("nan")
+    with pytest.raises(cnrstore.NonFiniteValues) as info:
+        fresh.put_tables(2, {"f": t}, quant="int8")
+    assert info.value.table == "f" and info.value.row == 33
+    assert store.steps() == [1]
+    fresh.close()
