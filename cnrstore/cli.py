@@ -130,11 +130,20 @@ def _add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     demo.add_arguments(parser)
 
 
+def _require_store(path: str) -> None:
+    # The engine's layout (engine/store.py): a store directory holds index/ and packs/.
+    # Checked here so a mistyped path is a usage error, and nothing is created.
+    if not os.path.isdir(path):
+        raise UsageError(f"no store at {path!r} (directory not found)")
+    if not any(os.path.exists(os.path.join(path, d)) for d in ("index", "packs")):
+        raise UsageError(f"no store at {path!r} (no index/ or packs/ inside)")
+
+
 def _open(path: str, *, create: bool = False):
     import cnrstore
 
-    if not create and not os.path.isdir(path):
-        raise UsageError(f"no store at {path!r} (directory not found)")
+    if not create:
+        _require_store(path)
     return cnrstore.open(path, create=create)
 
 
@@ -161,6 +170,7 @@ def _run(args: argparse.Namespace) -> int:
 
         return int(demo.main(args) or 0)
     if cmd == "repair":
+        _require_store(args.store)
         report = inspect.repair(args.store)
         _emit(args, report, fmt.repair_text(report))
         return EXIT_PROBLEMS if report.damaged else EXIT_OK

@@ -98,6 +98,10 @@ def test_missing_store_and_debug(store, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "no store at" in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "nowhere").exists()  # read-only commands create nothing
+    (tmp_path / "empty").mkdir()
+    assert main(["repair", str(tmp_path / "empty")]) == 2
+    assert "no index/ or packs/ inside" in capsys.readouterr().err
+    assert list((tmp_path / "empty").iterdir()) == []
     with pytest.raises(cnrstore.StepNotFound):
         main(["--debug", "show", str(store), "99"])
 
