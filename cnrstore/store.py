@@ -20,7 +20,14 @@ import engine
 from engine import ObjectStore
 
 from . import maintenance
-from .errors import CheckpointError, InvalidInput, StepExists, StepNotFound, WriteFailed
+from .errors import (
+    CheckpointError,
+    InvalidInput,
+    InvalidType,
+    StepExists,
+    StepNotFound,
+    WriteFailed,
+)
 from .manifest import list_steps, load_manifest, root_name
 from .restore import read_codes
 from .snapshot import HostBuffers, plan_table
@@ -83,7 +90,7 @@ class CheckpointStore:
         owns_objects: bool = False,
     ):
         if not isinstance(objects, ObjectStore):
-            raise InvalidInput(f"objects must be an engine.ObjectStore, got {type(objects)}")
+            raise InvalidType(f"objects must be an engine.ObjectStore, got {type(objects)}")
         threads = decode_threads or min(8, os.cpu_count() or 1)
         self._opt = _Options(
             block_rows=_positive("block_rows", block_rows),
