@@ -69,6 +69,8 @@ def _row(result: dict[str, Any]) -> dict[str, Any]:
         "oldest_bit_exact": result.get("oldest_bit_exact"),
         "rel_rmse": err.get("rel_rmse"),
         "max_abs_err": err.get("max_abs_err"),
+        "per_step": [{k: st.get(k) for k in ("step", "bytes_written", "cum_bytes", "put_s",
+                                            "stall_s")} for st in steps],
     }
 
 
@@ -180,6 +182,19 @@ def markdown(summary: dict[str, Any], checks: list[dict[str, Any]], meta: dict[s
         for system, row in rows.items():
             cells = [system] + [_fmt(row.get(key), kind) for _, key, kind in COLUMNS[1:]]
             lines.append("| " + " | ".join(cells) + " |")
+        lines.append("")
+    per_step = summary.get(TARGET_WORKLOAD) or next(iter(summary.values()), {})
+    if per_step:
+        name = TARGET_WORKLOAD if TARGET_WORKLOAD in summary else next(iter(summary))
+        lines += [f"### Per step ({name}): MB written / MB stored / put s / stall s", "",
+                  "| system | " + " | ".join(
+                      f"step {st['step']}" for st in next(iter(per_step.values()))["per_step"])
+                  + " |",
+                  "|---|" + "---|" * len(next(iter(per_step.values()))["per_step"])]
+        for system, row in per_step.items():
+            cells = [f"{st['bytes_written'] / 1e6:.1f} / {st['cum_bytes'] / 1e6:.1f} / "
+                     f"{st['put_s']:.3f} / {st['stall_s']:.3f}" for st in row["per_step"]]
+            lines.append(f"| {system} | " + " | ".join(cells) + " |")
         lines.append("")
     fp = meta.get("fingerprint") or {}
     if fp.get("available"):
