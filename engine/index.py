@@ -108,19 +108,48 @@ def unpack_pack_key(key: bytes) -> int:
     return PACK_KEY.unpack(key)[0]
 
 
+# LMDB forbids opening one environment twice in a process (closing either would drop the
+# other's locks), so handles of one store in one process share one Index.
+_SHARED: dict[tuple[int, str], Index] = {}
+_SHARED_LOCK = threading.RLock()
+
+
+def open_shared(path: pathlib.Path, *, map_size: int, options: dict) -> Index:
+    """The process-wide Index of ``path``; each call must be paired with ``close()``."""
+    key = (os.getpid(), os.path.realpath(path))
+    with _SHARED_LOCK:
+        index = _SHARED.get(key)
+        if index is None:
+            index = Index(path, map_size=map_size, create=True, options=options)
+            index._shared_key = key
+            _SHARED[key] = index
+        index._users += 1
+        return index
+
+
 class Index:
     """An open LMDB environment with the four named databases."""
 
     def __init__(self, path: pathlib.Path, *, map_size: int, create: bool,
                  options: dict | None = None) -> None:
         self.path = path
-        data = path / "data.mdb"
+        self._shared_key: tuple[int, str] | None = None
+        self._users = 0
+        self._open_env(map_size, create)
+        # A grow (set_mapsize) needs no transaction of this process to be active.
+        self._cond = threading.Condition()
+        self._active = 0
+        self._resizing = False
+        self._init_meta(options or {})
+
+    def _open_env(self, map_size: int, create: bool) -> None:
+        data = self.path / "data.mdb"
         if data.exists():
             map_size = max(map_size, data.stat().st_size)
         try:
             self.env = lmdb.open(
-                os.fspath(path), map_size=map_size, subdir=True, max_dbs=4, create=create,
-                readahead=False, meminit=False, max_spare_txns=0,
+                os.fspath(self.path), map_size=map_size, subdir=True, max_dbs=4,
+                create=create, readahead=False, meminit=False, max_spare_txns=0,
             )
             self.env.reader_check()  # clear slots of dead reader processes
             self.objects = self.env.open_db(DB_OBJECTS)
@@ -128,12 +157,21 @@ class Index:
             self.packs = self.env.open_db(DB_PACKS)
             self.meta = self.env.open_db(DB_META)
         except lmdb.Error as exc:
-            raise StoreError(f"cannot open index {path}: {exc}") from exc
-        # A grow (set_mapsize) needs no transaction of this process to be active.
-        self._cond = threading.Condition()
-        self._active = 0
-        self._resizing = False
-        self._init_meta(options or {})
+            raise StoreError(f"cannot open index {self.path}: {exc}") from exc
+
+    def replace_files(self, swap: Callable[[], None]) -> None:
+        """Close the environment, let ``swap`` replace its directory, and reopen it; every
+        handle sharing this Index sees the new files (used by repair)."""
+
+        def action():
+            size = self.env.info()["map_size"]
+            self.env.close()
+            try:
+                swap()
+            finally:
+                self._open_env(size, False)
+
+        self._exclusive(action)
 
     def _init_meta(self, options: dict) -> None:
         def init(txn):
@@ -221,7 +259,14 @@ class Index:
         self.env.sync(True)
 
     def close(self) -> None:
-        self.env.close()
+        """Drop one user; the environment closes with its last user."""
+        with _SHARED_LOCK:
+            if self._shared_key is not None:
+                self._users -= 1
+                if self._users > 0:
+                    return
+                _SHARED.pop(self._shared_key, None)
+            self.env.close()
 
 
 # -- helpers used inside transactions --------------------------------------------------

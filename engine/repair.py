@@ -153,15 +153,15 @@ def rebuild(store: PackStore) -> RepairReport:
         new.sync()
     finally:
         new.close()
-    _swap(store, map_size)
+    store._index.replace_files(lambda: _swap(store.path))
+    store._readers.close()
     return RepairReport(len(found.packs), len(found.objects), len(roots),
                         tuple(found.damaged))
 
 
-def _swap(store: PackStore, map_size: int) -> None:
-    """index.new -> index, keeping the old one as index.old until the swap is durable."""
-    p = store.path
-    store._index.close()
+def _swap(p) -> None:
+    """index.new -> index, keeping the old one as index.old until the swap is durable
+    (PackStore finishes an interrupted swap on open)."""
     try:
         if (p / "index.old").exists():
             shutil.rmtree(p / "index.old")
@@ -173,9 +173,3 @@ def _swap(store: PackStore, map_size: int) -> None:
         shutil.rmtree(p / "index.old", ignore_errors=True)
     except OSError as exc:
         raise store_error("cannot swap in the rebuilt index", exc) from exc
-    finally:
-        if (p / "index").exists():
-            store._index = ix.Index(p / "index", map_size=map_size, create=False)
-        else:  # nothing sane to serve from; a reopen finishes the swap (see PackStore)
-            store._closed = True
-    store._readers.close()

@@ -80,9 +80,9 @@ class PackStore(ObjectStore):
         try:
             needs_repair = self._prepare_dir(create)
             self._lock = WriterLock(self.path / "lock")
-            self._index = ix.Index(self.path / "index", map_size=map_size, create=True,
-                                   options={"compression_level": compression_level,
-                                            "pack_target_size": pack_target_size})
+            self._index = ix.open_shared(self.path / "index", map_size=map_size,
+                                         options={"compression_level": compression_level,
+                                                  "pack_target_size": pack_target_size})
         except OSError as exc:
             raise store_error(f"cannot open store {self.path}", exc) from exc
         self._readers = PackReaders(self.path)

@@ -1,0 +1,440 @@
+"""The pack store against the ObjectStore contract (shared with the memory twin) and its
+on-disk behaviour: dedup, codecs, persistence, gc, verify, repair, map growth, locking."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import random
+import shutil
+import subprocess
+import sys
+import threading
+
+import lmdb
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import engine
+from engine import format as fmt
+from engine import index as ix
+from engine.errors import (
+    CorruptObject,
+    FormatError,
+    ObjectNotFound,
+    StoreClosed,
+    StoreError,
+    StoreLocked,
+)
+from engine.ids import object_id
+from engine.pack import list_pack_files
+
+
+def pack_bytes(path) -> int:
+    return sum(p.stat().st_size for p in list_pack_files(pathlib.Path(path)).values())
+
+
+def put_chain(w, n: int, size: int, *, seed: int = 0) -> list[bytes]:
+    """n random leaves plus a meta node over them; returns [leaves..., node]."""
+    rnd = random.Random(seed)
+    leaves = [w.put(1, rnd.randbytes(size)) for _ in range(n)]
+    return leaves + [w.put(2, b"node%d" % seed, leaves, meta=True)]
+
+
+# -- contract: both stores ------------------------------------------------------------------
+
+
+@settings(max_examples=25, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(objs=st.lists(st.tuples(st.integers(0, 255), st.binary(max_size=3000), st.booleans()),
+                     min_size=1, max_size=6), nref=st.integers(0, 3))
+def test_round_trip(store_factory, objs, nref):
+    # One store per test run, shared by the examples: they must not disturb each other.
+    if not hasattr(store_factory, "shared"):
+        store_factory.shared = store_factory(pack_target_size=4096)
+    store = store_factory.shared
+    written = {}
+    with store.writer() as w:
+        for kind, payload, meta in objs:
+            refs = tuple(list(written)[-nref:]) if nref else ()
+            oid = w.put(kind, payload, refs, meta=meta)
+            assert oid == object_id(kind, refs, payload)
+            written[oid] = (kind, refs, payload)
+    for oid, (kind, refs, payload) in written.items():
+        obj = store.get(oid)
+        assert (obj.kind, obj.refs, obj.payload) == (kind, refs, payload)
+        info = store.info(oid)
+        assert (info.kind, info.refs, info.raw_len) == (kind, refs, len(payload))
+    assert [o.payload for o in store.get_many(list(written))] == [
+        v[2] for v in written.values()
+    ]
+
+
+def test_dedup_counts_reuse(store_factory):
+    store = store_factory()
+    with store.writer() as w:
+        a = w.put(1, b"same")
+        assert w.put(1, b"same") == a
+    w2 = store.writer()
+    assert w2.put(1, b"same") == a
+    info = w2.commit()
+    assert (info.objects_new, info.objects_reused, info.bytes_written) == (0, 1, 0)
+
+
+def test_refs_must_exist(store_factory):
+    store = store_factory()
+    with store.writer() as w, pytest.raises(ObjectNotFound):
+        w.put(1, b"x", [b"\x01" * 16])
+    with store.writer() as w:
+        a = w.put(1, b"a")
+        b = w.put(1, b"b", [a])  # a ref put earlier in the same writer is fine
+    assert store.get(b).refs == (a,)
+
+
+def test_roots_set_move_delete(store_factory):
+    store = store_factory()
+    with store.writer() as w:
+        a, b = w.put(1, b"a"), w.put(1, b"b")
+        w.set_root("one", a)
+        w.set_root("two", a)
+    with store.writer() as w:
+        w.set_root("two", b)
+        w.delete_root("one")
+        with pytest.raises(ObjectNotFound):
+            w.delete_root("never")
+        with pytest.raises(ObjectNotFound):
+            w.set_root("bad", b"\x07" * 16)
+    assert store.roots() == {"two": b}
+    assert store.root("one") is None and store.root("two") == b
+
+
+def test_abort_publishes_nothing(store_factory):
+    store = store_factory()
+    with pytest.raises(RuntimeError), store.writer() as w:
+        oid = w.put(1, b"lost")
+        w.set_root("r", oid)
+        raise RuntimeError("boom")
+    assert not store.has(oid) and store.roots() == {}
+    with pytest.raises(ObjectNotFound):
+        store.get(oid)
+
+
+def test_second_writer_is_locked_out(store_factory):
+    store = store_factory()
+    w = store.writer()
+    with pytest.raises(StoreLocked):
+        store.writer(timeout=0.0)
+    with pytest.raises(StoreLocked):
+        store.writer(timeout=0.05)
+    w.abort()
+    store.writer().abort()  # free again
+
+
+def test_closed_store_refuses_use(store_factory):
+    store = store_factory()
+    store.close()
+    with pytest.raises(StoreClosed):
+        store.roots()
+
+
+# -- pack store specifics -------------------------------------------------------------------
+
+
+def test_dedup_writes_no_bytes(pack_store):
+    with pack_store.writer() as w:
+        oid = w.put(1, os.urandom(5000))
+    data = pack_store.get(oid).payload
+    before = pack_bytes(pack_store.path)
+    with pack_store.writer() as w:
+        w.put(1, data)
+    assert pack_bytes(pack_store.path) == before
+    assert len(list_pack_files(pack_store.path)) == 1
+
+
+def test_codec_on_disk(pack_store):
+    with pack_store.writer() as w:
+        squeezed = w.put(1, b"abcd" * 10_000)
+        noise = w.put(1, os.urandom(10_000))
+    assert pack_store.info(squeezed).stored_len < 2000
+    assert pack_store.info(noise).stored_len > 10_000
+
+
+def test_compression_level_zero_stores_raw(tmp_path):
+    with engine.open(tmp_path / "s", compression_level=0) as store:
+        with store.writer() as w:
+            oid = w.put(1, b"abcd" * 10_000)
+        assert store.info(oid).stored_len > 40_000
+        assert store.get(oid).payload == b"abcd" * 10_000
+
+
+def test_objects_larger_than_a_pack_and_empty_ones(tmp_path):
+    with engine.open(tmp_path / "s", pack_target_size=4096) as store:
+        big = os.urandom(20_000)
+        with store.writer() as w:
+            ids = [w.put(1, b""), w.put(1, big), w.put(1, os.urandom(3000)),
+                   w.put(1, os.urandom(3000))]
+        assert store.get(ids[0]).payload == b"" and store.get(ids[1]).payload == big
+        assert len(list_pack_files(store.path)) >= 3  # rolled at the target size
+        assert store.verify(deep=True).ok
+
+
+def test_reopen_persists_everything(tmp_path):
+    path = tmp_path / "s"
+    with engine.open(path) as store:
+        with store.writer() as w:
+            ids = put_chain(w, 3, 1000)
+            w.set_root("r", ids[-1])
+    with engine.open(path, create=False) as store:
+        assert store.roots() == {"r": ids[-1]}
+        assert store.get(ids[-1]).refs == tuple(ids[:-1])
+        assert store.stats().objects == 4
+
+
+def test_open_validates_arguments_and_layout(tmp_path):
+    with pytest.raises(ValueError):
+        engine.open(tmp_path / "a", compression_level=99)
+    with pytest.raises(ValueError):
+        engine.open(tmp_path / "a", pack_target_size=0)
+    with pytest.raises(FormatError):
+        engine.open(tmp_path / "missing", create=False)
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    with pytest.raises(FormatError, match="not a cnrstore"):
+        engine.open(other)
+    assert sorted(p.name for p in other.iterdir()) == ["notes.txt"]
+
+
+def test_unknown_format_version_is_refused(tmp_path):
+    path = tmp_path / "s"
+    engine.open(path).close()
+    env = lmdb.open(str(path / "index"), max_dbs=4)
+    meta = env.open_db(ix.DB_META)  # outside the write txn: open_db takes its own
+    with env.begin(write=True) as txn:
+        txn.put(ix.META_VERSION, ix.U64.pack(fmt.FORMAT_VERSION + 1), db=meta)
+    env.close()
+    with pytest.raises(FormatError, match="format version 2"):
+        engine.open(path)
+
+
+def test_map_grows_past_a_tiny_initial_size(tmp_path):
+    path = tmp_path / "s"
+    with engine.open(path, map_size=1 << 16) as store:
+        with store.writer() as w:
+            ids = [w.put(1, b"%d" % i) for i in range(3000)]
+        assert store._index.map_size > 1 << 16
+        assert store.stats().objects == 3000
+    with engine.open(path, map_size=1 << 16) as store:
+        assert store.get(ids[-1]).payload == b"2999"
+
+
+def test_gc_frees_bytes_and_compacts(tmp_path):
+    with engine.open(tmp_path / "s", pack_target_size=1 << 20) as store:
+        with store.writer() as w:
+            keep = put_chain(w, 4, 20_000, seed=1)
+            drop = put_chain(w, 16, 20_000, seed=2)
+            w.set_root("keep", keep[-1])
+            w.set_root("drop", drop[-1])
+        with store.writer() as w:
+            w.delete_root("drop")
+        before = store.stats().stored_bytes
+        report = store.gc()
+        assert report.objects_freed == 17 and report.objects_live == 5
+        assert report.packs_rewritten >= 1 and report.bytes_freed >= 16 * 20_000
+        assert store.stats().stored_bytes <= before - report.bytes_freed + 8192
+        for oid in keep:
+            store.get(oid)
+        assert not any(store.has(oid) for oid in drop)
+        assert store.verify(deep=True).ok
+        again = store.gc()  # idempotent: nothing left to do
+        assert (again.objects_freed, again.packs_rewritten, again.packs_deleted) == (0, 0, 0)
+
+
+def test_gc_deletes_unindexed_leftover_packs(pack_store):
+    with pack_store.writer() as w:
+        w.set_root("r", w.put(1, b"x" * 100))
+    files = list_pack_files(pack_store.path)
+    stray = pathlib.Path(str(next(iter(files.values()))).replace("00000000", "00000099"))
+    shutil.copyfile(next(iter(files.values())), stray)
+    report = pack_store.gc()
+    assert not stray.exists() and report.packs_deleted == 1
+    assert pack_store.roots().keys() == {"r"}
+
+
+def test_reader_with_a_stale_location_retries_after_gc(tmp_path):
+    path = tmp_path / "s"
+    with engine.open(path, pack_target_size=1 << 20) as a, engine.open(path) as b:
+        with a.writer() as w:
+            keep = w.put(1, os.urandom(1000))
+            junk = w.put(1, os.urandom(50_000))
+            w.set_root("k", keep)
+            w.set_root("j", junk)
+        stale = b._lookup(keep)
+        with a.writer() as w:
+            w.delete_root("j")
+        a.gc()
+        assert b._read_entry(keep, stale) is None  # its pack is gone
+        assert b.get(keep) == a.get(keep)
+
+
+def test_verify_and_get_report_a_flipped_byte(tmp_path):
+    path = tmp_path / "s"
+    with engine.open(path) as store:
+        with store.writer() as w:
+            ids = put_chain(w, 3, 2000)
+            w.set_root("r", ids[-1])
+        victim = store._lookup(ids[1])
+        pack = list_pack_files(path)[victim.pack]
+        with open(pack, "r+b") as f:
+            f.seek(victim.offset + victim.length // 2)
+            byte = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        assert store.verify().ok  # structure is intact
+        report = store.verify(deep=True)
+        assert not report.ok and [p.what for p in report.problems] == ["corrupt"]
+        problem = report.problems[0]
+        assert problem.oid == ids[1] and problem.offset == victim.offset
+        with pytest.raises(CorruptObject) as info:
+            store.get(ids[1])
+        assert info.value.offset == victim.offset and info.value.pack.endswith(".pack")
+
+
+def test_verify_reports_missing_pack_and_roots(tmp_path):
+    path = tmp_path / "s"
+    with engine.open(path) as store:
+        with store.writer() as w:
+            ids = put_chain(w, 2, 100)
+            w.set_root("r", ids[-1])
+        data_pack = store._lookup(ids[0]).pack
+        list_pack_files(path)[data_pack].unlink()
+        report = store.verify(roots=["r", "nope"])
+        kinds = sorted(p.what for p in report.problems)
+        assert kinds == ["missing-pack", "missing-pack", "missing-root"]
+
+
+def test_repair_rebuilds_from_packs_after_losing_the_index(tmp_path):
+    path = tmp_path / "s"
+    with engine.open(path, pack_target_size=4096) as store:
+        with store.writer() as w:
+            first = put_chain(w, 5, 1500, seed=1)
+            w.set_root("a", first[-1])
+        with store.writer() as w:
+            second = put_chain(w, 2, 1500, seed=2)
+            w.set_root("b", second[-1])
+            w.delete_root("a")
+        expect = store.stats()
+    shutil.rmtree(path / "index")
+    with engine.open(path) as store:  # index lost: rebuilt from the packs on open
+        assert store.roots() == {"b": second[-1]}
+        got = store.stats()
+        assert (got.objects, got.logical_bytes) == (expect.objects, expect.logical_bytes)
+        assert store.verify(deep=True).ok
+        report = store.repair()
+        assert (report.objects_indexed, report.roots_restored, report.damaged) == (
+            expect.objects, 1, ())
+        assert store.gc().objects_freed == 6  # what only root "a" reached
+        with store.writer() as w:
+            w.set_root("c", w.put(1, b"after repair"))
+    with engine.open(path) as store:
+        assert set(store.roots()) == {"b", "c"}
+
+
+def test_repair_skips_damaged_records_and_trailers(tmp_path):
+    path = tmp_path / "s"
+    with engine.open(path) as store:
+        with store.writer() as w:
+            ids = [w.put(1, os.urandom(500)) for _ in range(4)]
+            w.set_root("r", w.put(2, b"n", ids, meta=True))
+        victim = store._lookup(ids[1])
+        pack = list_pack_files(path)[victim.pack]
+        raw = bytearray(pack.read_bytes())
+        raw[victim.offset + 60] ^= 0xFF  # inside the record
+        raw[-3] ^= 0xFF  # inside the trailer checksum
+        pack.write_bytes(bytes(raw))
+        report = store.repair()
+        assert {p.what for p in report.damaged} >= {"corrupt", "damaged-trailer"}
+        assert report.objects_indexed == 4  # 3 data + the meta node
+        assert not store.has(ids[1]) and store.get(ids[2]).payload
+        # the root's DAG is incomplete, so repair drops it rather than point at a hole
+        assert store.roots() == {}
+        assert any(p.what == "dangling-root" for p in report.damaged)
+
+
+def test_concurrent_reads_from_threads(pack_store):
+    with pack_store.writer() as w:
+        ids = [w.put(1, os.urandom(3000)) for _ in range(40)]
+    expect = {oid: pack_store.get(oid).payload for oid in ids}
+    errors = []
+
+    def reader():
+        try:
+            for oid in ids * 3:
+                assert pack_store.get(oid).payload == expect[oid]
+        except Exception as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=reader) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+
+
+_HOLD_LOCK = """
+import sys, time, engine
+s = engine.open(sys.argv[1])
+w = s.writer()
+print("locked", flush=True)
+sys.stdin.readline()
+w.abort()
+"""
+
+
+def test_writer_lock_spans_processes(pack_store):
+    proc = subprocess.Popen([sys.executable, "-c", _HOLD_LOCK, str(pack_store.path)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            cwd=pathlib.Path(engine.__file__).parents[1])
+    try:
+        assert proc.stdout.readline().strip() == "locked"
+        with pytest.raises(StoreLocked):
+            pack_store.writer(timeout=0.0)
+        with pytest.raises(StoreLocked):
+            pack_store.gc(timeout=0.1)
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        pack_store.writer(timeout=20.0).abort()  # waits until the other process lets go
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_use_after_fork_is_refused(pack_store):
+    pid = os.fork()
+    if pid == 0:  # child: must get StoreClosed, not a corrupted LMDB handle
+        try:
+            pack_store.roots()
+            os._exit(1)
+        except StoreClosed:
+            os._exit(0)
+        except BaseException:
+            os._exit(2)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert pack_store.roots() == {}
+
+
+def test_bad_arguments_raise_before_writing(pack_store):
+    with pack_store.writer() as w:
+        with pytest.raises(ValueError):
+            w.put(256, b"x")
+        with pytest.raises(TypeError):
+            w.put(1, "text")
+        with pytest.raises(ValueError):
+            w.put(1, b"x", [b"short"])
+        with pytest.raises(ValueError):
+            w.set_root("", object_id(1, (), b"x"))
+    assert pack_store.stats().objects == 0 and list_pack_files(pack_store.path) == {}
+    assert isinstance(StoreLocked("x"), StoreError)
