@@ -120,6 +120,8 @@ def test_show_and_du(store, capsys):
 
 
 def test_gc_dry_run_changes_nothing_then_gc_drops(store, capsys):
+    assert main(["gc", str(store)]) == 0  # neither option: no step dropped
+    assert capsys.readouterr().out.startswith("dropped steps none; kept 10, 20, 30")
     assert main(["gc", str(store), "--keep-last", "1", "--keep", "10", "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert "would drop steps 20; keep 10, 30" in out
