@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from engine.fileio import fsync_dir
 
-from .errors import CheckpointError, InvalidInput
+from .errors import CheckpointError, InvalidInput, InvalidType
 from .manifest import load_step, load_table
 
 __all__ = ["MissingExtra", "TransferResult", "export_step", "import_step"]
@@ -54,6 +54,14 @@ def _safetensors():
     return st
 
 
+def _check_store(store) -> None:
+    from .store import CheckpointStore
+
+    if not isinstance(store, CheckpointStore):
+        raise InvalidType(f"expected an open CheckpointStore (cnrstore.open(path)), got "
+                          f"{type(store).__name__}")
+
+
 def _tick(progress, done: int, total: int) -> None:
     if progress is not None:
         progress(done, total)
@@ -66,6 +74,7 @@ def export_step(store, step: int, path: str | os.PathLike, *,
 
     The file appears complete or not at all (written to a temporary file, fsync'ed, then
     renamed). An existing ``path`` is an error unless ``overwrite``."""
+    _check_store(store)
     st = _safetensors()
     path = os.fspath(path)
     if os.path.isdir(path):

@@ -240,6 +240,8 @@ def test_export_import_round_trip(three_steps, tmp_path):
         with pytest.raises(cnrstore.InvalidInput):
             transfer.import_step(s, 6, junk)
         assert s.steps() == [0, 1, 2, 5]
+    with pytest.raises(cnrstore.InvalidType, match="CheckpointStore"):
+        transfer.export_step(str(three_steps), 1, tmp_path / "y.safetensors")
 
 
 def test_transfer_without_safetensors_says_what_to_install(three_steps, tmp_path,
