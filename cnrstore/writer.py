@@ -184,6 +184,9 @@ class BackgroundWriter:
         """Queue ``job``; blocks while ``max_inflight`` jobs are pending."""
         if self._closed:
             raise RuntimeError("writer is closed")
+        if threading.current_thread() is self._thread:
+            # e.g. a Future callback calling steps(): waiting on ourselves would hang forever
+            raise RuntimeError("cannot queue store writes or waits from the writer thread")
         self._slots.acquire()
         fut: Future = Future()
         fut.set_running_or_notify_cancel()

@@ -166,3 +166,22 @@ def test_diff_base_collected_by_another_handle_fails_one_put_then_recovers():
     assert info.rows_changed == {"t": 64}
     assert_identical(a.get_tables(3)["t"], t)
     assert a.verify().ok
+
+
+def test_waiting_from_a_future_callback_raises_instead_of_hanging():
+    s = _store(lock_timeout=None)
+    seen = []
+
+    def callback(fut):
+        try:
+            s.steps()  # would wait for the writer thread that runs this callback
+        except RuntimeError as exc:
+            seen.append(str(exc))
+
+    held = s.objects.writer()  # keeps the put pending until the callback is registered
+    fut = s.put_tables(1, {"t": torch.ones(3, 2)}, blocking=False)
+    fut.add_done_callback(callback)
+    held.abort()
+    fut.result(timeout=30)
+    s.close()  # returns: the writer thread is not stuck
+    assert len(seen) == 1 and "writer thread" in seen[0]
