@@ -156,7 +156,8 @@ def gc(store, keep_last, keep, *, threshold) -> GCReport:
         if keep_last is None and not keep:
             kept = set(steps)
         else:
-            kept = set(steps[len(steps) - keep_last:] if keep_last else ()) | (keep & set(steps))
+            newest = steps[max(0, len(steps) - keep_last):] if keep_last else []
+            kept = set(newest) | (keep & set(steps))
         dropped = [s for s in steps if s not in kept]
         if dropped:
             with store._objects.writer(timeout=store._opt.lock_timeout) as w:

@@ -233,3 +233,10 @@ def test_host_buffers_are_reused_within_their_budget():
     assert pool.held_bytes() <= 1000  # over budget: the largest was dropped
     pool.give(torch.empty(5000, dtype=torch.uint8))
     assert pool.held_bytes() <= 1000
+
+
+def test_gc_keep_last_larger_than_the_number_of_steps(store):
+    for step in (1, 2):
+        store.put_tables(step, _tables(step))
+    rep = store.gc(keep_last=5)
+    assert rep.steps_deleted == () and store.steps() == [1, 2]

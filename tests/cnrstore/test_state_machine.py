@@ -121,7 +121,8 @@ class CheckpointMachine(RuleBasedStateMachine):
         if keep_last is None and not keep:
             kept = set(steps)
         else:
-            kept = set(steps[len(steps) - keep_last:] if keep_last else []) | (keep & set(steps))
+            newest = sorted(steps, reverse=True)[:keep_last] if keep_last else []
+            kept = set(newest) | (keep & set(steps))
         report = self.store.gc(keep_last=keep_last, keep=keep)
         assert set(report.steps_kept) == kept
         assert set(report.steps_deleted) == set(steps) - kept
