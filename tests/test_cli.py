@@ -57,13 +57,14 @@ def _corrupt(path: pathlib.Path) -> None:
 
 # -- the real command in a subprocess ------------------------------------------------------
 
-def test_ls_json_matches_the_python_api(store):
-    proc = run("ls", str(store), "--json")
-    assert proc.returncode == 0, proc.stderr
+def test_verify_json_and_exit_code_in_a_subprocess(store):
+    _corrupt(store)
+    proc = run("verify", str(store), "--deep", "--json")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
     assert proc.stderr == ""  # not a terminal: no progress bar, no noise
-    got = json.loads(proc.stdout)
-    assert got == fmt.jsonable(ci.list_steps(store))
-    assert [s["step"] for s in got] == [10, 20, 30]
+    report = json.loads(proc.stdout)
+    assert report["ok"] is False and report["steps_checked"] == 3
+    assert report["problems"] and all(p["message"] for p in report["problems"])
 
 
 def test_errors_are_one_line_with_usage_exit_code(store):
@@ -74,14 +75,18 @@ def test_errors_are_one_line_with_usage_exit_code(store):
     assert "Traceback" not in proc.stderr
 
 
-def test_verify_exit_code_says_problems_found(store):
-    _corrupt(store)
-    proc = run("verify", str(store), "--deep")
-    assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert proc.stdout.startswith("PROBLEMS FOUND")
-
-
 # -- the same entry point in-process ---------------------------------------------------------
+
+def test_ls_json_matches_the_python_api(store, capsys):
+    assert main(["ls", str(store), "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got == fmt.jsonable(ci.list_steps(store))
+    assert [s["step"] for s in got] == [10, 20, 30]
+    assert main(["ls", str(store)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["STEP", "TIME", "(UTC)", "TABLES", "LOGICAL", "STORED", "NEW"]
+    assert [ln.split()[0] for ln in lines[1:]] == ["10", "20", "30"]
+
 
 def test_diff_human_output_names_rows(store, capsys):
     assert main(["diff", str(store), "10", "20"]) == 0
