@@ -114,10 +114,23 @@ _SHARED: dict[tuple[int, str], Index] = {}
 _SHARED_LOCK = threading.RLock()
 
 
+def _after_fork_in_child() -> None:
+    global _SHARED_LOCK
+    _SHARED_LOCK = threading.RLock()  # another thread may have held it at fork time
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def open_shared(path: pathlib.Path, *, map_size: int, options: dict) -> Index:
     """The process-wide Index of ``path``; each call must be paired with ``close()``."""
     key = (os.getpid(), os.path.realpath(path))
     with _SHARED_LOCK:
+        for stale in [k for k in _SHARED if k[1] == key[1] and k[0] != key[0]]:
+            # Inherited over fork(): release the parent's environment in this process
+            # only (LMDB locks are per process, its reader slots carry the parent's pid),
+            # so that this child may open the store afresh.
+            _SHARED.pop(stale)._close_inherited()
         index = _SHARED.get(key)
         if index is None:
             index = Index(path, map_size=map_size, create=True, options=options)
@@ -257,6 +270,12 @@ class Index:
 
     def sync(self) -> None:
         self.env.sync(True)
+
+    def _close_inherited(self) -> None:
+        try:
+            self.env.close()
+        except lmdb.Error:
+            pass
 
     def close(self) -> None:
         """Drop one user; the environment closes with its last user."""

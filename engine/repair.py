@@ -99,24 +99,32 @@ def _complete(objects: dict[bytes, ix.ObjectEntry], roots: dict[str, bytes]) -> 
 
 
 def _choose_roots(found: _Found) -> tuple[int, int, dict[str, bytes]]:
-    """(max sequence seen, pack of the chosen snapshot, its roots)."""
+    """(max sequence seen, pack of the newest snapshot, the roots to restore).
+
+    The newest snapshot decides which names exist. A name whose DAG there is incomplete
+    falls back to its newest older target whose DAG is complete (reported as
+    "root-rolled-back"), or is dropped (reported as "dangling-root"); other roots are
+    never held back by one damaged root."""
     ordered = sorted(found.snapshots, key=lambda s: s[:3], reverse=True)
-    max_seq = ordered[0][0] if ordered else 0
-    for _seq, n, _offset, roots in ordered:
-        if _complete(found.objects, roots):
-            return max_seq, n, roots
     if not ordered:
         return 0, -1, {}
-    _, n, offset, roots = ordered[0]
-    kept = {}
-    for name, oid in roots.items():
+    max_seq, newest_pack, newest_offset, newest = ordered[0]
+    kept: dict[str, bytes] = {}
+    for name, oid in sorted(newest.items()):
         if _complete(found.objects, {name: oid}):
             kept[name] = oid
+            continue
+        older = next((s[3][name] for s in ordered[1:]
+                      if name in s[3] and _complete(found.objects, {name: s[3][name]})), None)
+        if older is not None:
+            kept[name] = older
+            what, tail = "root-rolled-back", f"restored to its older target {hexid(older)}"
         else:
-            found.damaged.append(Problem(
-                "dangling-root", f"root {name!r} -> {hexid(oid)} reaches missing objects; "
-                "dropped", oid=oid, pack=pack_name(n), offset=offset))
-    return max_seq, n, kept
+            what, tail = "dangling-root", "dropped"
+        found.damaged.append(Problem(
+            what, f"root {name!r} -> {hexid(oid)} reaches missing objects; {tail}",
+            oid=oid, pack=pack_name(newest_pack), offset=newest_offset))
+    return max_seq, newest_pack, kept
 
 
 def rebuild(store: PackStore) -> RepairReport:

@@ -150,6 +150,9 @@ class PackStore(ObjectStore):
             return None
         except OSError as exc:
             raise store_error(f"cannot read pack {name}", exc) from exc
+        except CorruptObject as exc:  # a short read: the pack was truncated
+            raise CorruptObject(f"object {hexid(oid)}: {exc}", oid=oid, pack=name,
+                                offset=entry.offset) from exc
         try:
             rec = fmt.decode_record(data, 0, pack=name, dctx=self._dctx())
         except CorruptObject as exc:
