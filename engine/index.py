@@ -214,13 +214,21 @@ class Index:
         with self.env.begin(buffers=False) as txn:
             return fn(txn)
 
+    def _enter(self) -> None:
+        with self._cond:
+            while self._resizing:
+                self._cond.wait()
+            self._active += 1
+
+    def _leave(self) -> None:
+        with self._cond:
+            self._active -= 1
+            self._cond.notify_all()
+
     def read(self, fn: Callable[[lmdb.Transaction], T]) -> T:
         """Run ``fn`` in a short read transaction (thread-safe)."""
         for _ in range(8):
-            with self._cond:
-                while self._resizing:
-                    self._cond.wait()
-                self._active += 1
+            self._enter()
             try:
                 return self._begin_read(fn)
             except lmdb.MapResizedError:
@@ -228,26 +236,32 @@ class Index:
             except lmdb.Error as exc:
                 raise StoreError(f"index read failed: {exc}") from exc
             finally:
-                with self._cond:
-                    self._active -= 1
-                    self._cond.notify_all()
+                self._leave()
             self._exclusive(lambda: self.env.set_mapsize(0))
         raise StoreError("index read failed: the map size keeps changing")
 
     def write(self, fn: Callable[[lmdb.Transaction], T]) -> T:
         """Run ``fn`` in one write transaction, doubling the map on MapFullError.
 
-        ``fn`` may run more than once, so it must only touch the transaction."""
+        ``fn`` may run more than once, so it must only touch the transaction. Write
+        transactions count as active too: a map resize must wait for them."""
         while True:
+            self._enter()
             try:
                 with self.env.begin(write=True) as txn:
                     return fn(txn)
             except lmdb.MapFullError:
-                self._grow()
+                grow = True
             except lmdb.MapResizedError:
-                self._exclusive(lambda: self.env.set_mapsize(0))
+                grow = False  # another process grew it first: adopt that size
             except lmdb.Error as exc:
                 raise StoreError(f"index write failed: {exc}") from exc
+            finally:
+                self._leave()
+            if grow:
+                self._grow()
+            else:
+                self._exclusive(lambda: self.env.set_mapsize(0))
 
     def _exclusive(self, action: Callable[[], None]) -> None:
         with self._cond:

@@ -154,41 +154,65 @@ class PackSet:
         self._open.clear()
 
 
+class _OpenPack:
+    __slots__ = ("fd", "users", "evicted")
+
+    def __init__(self, fd: int) -> None:
+        self.fd, self.users, self.evicted = fd, 0, False
+
+
 class PackReaders:
-    """Thread-safe pread access to packs through a small LRU of open descriptors."""
+    """Thread-safe pread access to packs through a small LRU of open descriptors.
+
+    A descriptor is closed only when it is out of the cache AND no read is using it:
+    closing it under a concurrent pread could let the number be reused for another file
+    and feed that reader foreign bytes."""
 
     def __init__(self, root: pathlib.Path, *, max_open: int = 64) -> None:
         self._root = root
         self._max = max_open
-        self._fds: collections.OrderedDict[int, int] = collections.OrderedDict()
+        self._open: collections.OrderedDict[int, _OpenPack] = collections.OrderedDict()
         self._lock = threading.Lock()
 
-    def _fd(self, n: int) -> int:
+    def _checkout(self, n: int) -> _OpenPack:
         with self._lock:
-            fd = self._fds.get(n)
-            if fd is not None:
-                self._fds.move_to_end(n)
-                return fd
+            entry = self._open.get(n)
+            if entry is not None:
+                self._open.move_to_end(n)
+                entry.users += 1
+                return entry
         fd = os.open(pack_path(self._root, n), os.O_RDONLY)  # FileNotFoundError propagates
         with self._lock:
-            if n in self._fds:
-                os.close(fd)
-                return self._fds[n]
-            self._fds[n] = fd
-            while len(self._fds) > self._max:
-                # Closing under a concurrent pread of that fd is harmless only because we
-                # never close while the entry could be handed out: it was just evicted.
-                _, old = self._fds.popitem(last=False)
-                os.close(old)
-            return fd
+            entry = self._open.get(n)
+            if entry is None:
+                entry = self._open[n] = _OpenPack(fd)
+                fd = -1
+            entry.users += 1
+            while len(self._open) > self._max:
+                _, old = self._open.popitem(last=False)
+                self._evict(old)
+        if fd >= 0:
+            os.close(fd)  # another thread opened it first
+        return entry
+
+    def _evict(self, entry: _OpenPack) -> None:
+        """With the lock held: close now, or when its last reader is done."""
+        entry.evicted = True
+        if entry.users == 0:
+            os.close(entry.fd)
+
+    def _checkin(self, entry: _OpenPack) -> None:
+        with self._lock:
+            entry.users -= 1
+            if entry.evicted and entry.users == 0:
+                os.close(entry.fd)
 
     def read(self, n: int, offset: int, length: int) -> bytes:
-        fd = self._fd(n)
+        entry = self._checkout(n)
         try:
-            data = pread_exact(fd, length, offset)
-        except OSError:
-            self.forget(n)
-            raise
+            data = pread_exact(entry.fd, length, offset)
+        finally:
+            self._checkin(entry)
         if len(data) != length:
             raise CorruptObject(
                 f"pack {pack_name(n)} offset {offset}: truncated ({len(data)} of {length} bytes)",
@@ -198,15 +222,15 @@ class PackReaders:
 
     def forget(self, n: int) -> None:
         with self._lock:
-            fd = self._fds.pop(n, None)
-        if fd is not None:
-            os.close(fd)
+            entry = self._open.pop(n, None)
+            if entry is not None:
+                self._evict(entry)
 
     def close(self) -> None:
         with self._lock:
-            fds, self._fds = list(self._fds.values()), collections.OrderedDict()
-        for fd in fds:
-            os.close(fd)
+            entries, self._open = list(self._open.values()), collections.OrderedDict()
+            for entry in entries:
+                self._evict(entry)
 
 
 # -- scanning (repair, gc leftovers) -------------------------------------------------------

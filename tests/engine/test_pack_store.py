@@ -362,9 +362,34 @@ def test_repair_skips_damaged_records_and_trailers(tmp_path):
         assert any(p.what == "dangling-root" for p in report.damaged)
 
 
-def test_concurrent_reads_from_threads(pack_store):
+def test_repair_rolls_a_damaged_root_back_and_keeps_the_others(tmp_path):
+    path = tmp_path / "s"
+    with engine.open(path) as store:
+        with store.writer() as w:
+            old = w.put(1, b"old target")
+            w.set_root("a", old)
+            w.set_root("b", w.put(1, b"b target"))
+        with store.writer() as w:
+            new = w.put(1, os.urandom(4000))
+            w.set_root("a", new)
+        with store.writer() as w:
+            w.set_root("c", w.put(1, b"c target"))
+        lost = store._lookup(new).pack
+        expect_b, expect_c = store.root("b"), store.root("c")
+    list_pack_files(path)[lost].unlink()
+    with engine.open(path) as store:
+        report = store.repair()
+        assert store.roots() == {"a": old, "b": expect_b, "c": expect_c}
+        assert [p.what for p in report.damaged] == ["root-rolled-back"]
+        assert store.verify(deep=True).ok
+
+
+def test_concurrent_reads_from_threads(tmp_path):
+    pack_store = engine.open(tmp_path / "s", pack_target_size=4096)
+    pack_store._readers._max = 3  # far fewer descriptors than packs: constant eviction
     with pack_store.writer() as w:
         ids = [w.put(1, os.urandom(3000)) for _ in range(40)]
+    assert len(list_pack_files(pack_store.path)) == 40
     expect = {oid: pack_store.get(oid).payload for oid in ids}
     errors = []
 
@@ -380,6 +405,7 @@ def test_concurrent_reads_from_threads(pack_store):
         t.start()
     for t in threads:
         t.join()
+    pack_store.close()
     assert errors == []
 
 
