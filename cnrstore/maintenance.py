@@ -108,19 +108,20 @@ def get_tables(store, step, *, names, rows, device) -> dict:
             store._objects, tm, store._pool, rows=rows.get(name), keep_codes=seed and lossy
         )
         if seed:
-            _seed(store, name, tm, tensor, codes)
+            _seed(store, name, tm, tensor, codes, (root_name(step), manifest.oid))
         out[name] = tensor.to(device)
     return out
 
 
-def _seed(store, name, tm, tensor, codes) -> None:
+def _seed(store, name, tm, tensor, codes, anchor) -> None:
     """Seed the diff base of a table this handle has no base of (DESIGN.md: a restarted
     job's next put is incremental again; a table the handle put keeps its base)."""
     if codes is not None:
-        state = TableState.from_manifest(tm, seed_codes=torch.from_numpy(codes))
+        state = TableState.from_manifest(tm, seed_codes=torch.from_numpy(codes), anchor=anchor)
     else:
         flat = tensor.reshape(tensor.shape[0], math.prod(tensor.shape[1:]))
-        state = TableState.from_manifest(tm, fingerprints=row_fingerprints(flat))
+        fp = row_fingerprints(flat)
+        state = TableState.from_manifest(tm, fingerprints=fp, anchor=anchor)
     with store._lock:
         store._states.setdefault(name, state)
 

@@ -182,9 +182,18 @@ class CheckpointStore:
             t0 = time.perf_counter()
             plans = []
             try:
+                roots: dict[str, bytes | None] = {}
+
+                def root(name: str) -> bytes | None:  # one lookup per anchor step per put
+                    if name not in roots:
+                        roots[name] = self._objects.root(name)
+                    return roots[name]
+
                 for name, table in tables.items():
                     base = self._states.get(name)
-                    if base is None and self._opt.seed_from_store:
+                    if base is not None:
+                        base.revalidate(root, self._objects.has)
+                    elif self._opt.seed_from_store:
                         base = self._seed_from_newest(name, table, schemes[name])
                     plans.append(
                         plan_table(
@@ -243,7 +252,7 @@ class CheckpointStore:
         except KeyError:
             return None
         tm = manifest.tables[name]
-        state = TableState.from_manifest(tm)
+        state = TableState.from_manifest(tm, anchor=(root_name(steps[-1]), manifest.oid))
         shape = tuple(table.shape)
         if not state.compatible(
             shape, table.dtype, scheme, self._opt.block_rows, self._opt.fanout

@@ -67,6 +67,9 @@ class TableState:
     seed_codes: torch.Tensor | None = None      # uint8[rows, row_nbytes], on CPU
     # The writer's cache of segment ids: (block ids of the segment, segment id) per index.
     segments: list[tuple[tuple[bytes, ...], bytes] | None] = field(default_factory=list)
+    # (root name, step node id) of a committed step that reaches every slot: while that
+    # root is unchanged, gc cannot have dropped a slot's block. None while pending.
+    anchor: tuple[str, bytes] | None = None
 
     @property
     def rows(self) -> int:
@@ -91,6 +94,16 @@ class TableState:
     def has_diff(self) -> bool:
         return self.fingerprints is not None or self.seed_codes is not None
 
+    def revalidate(self, root, has) -> int:
+        """Before diffing against this state: if its anchor step was deleted or replaced
+        (by this or another process), forget the slots whose blocks the engine no longer
+        holds, so they are written full. ``root(name)`` reads a root, ``has(oid)`` checks
+        an object. Returns how many slots were dropped."""
+        if self.anchor is None or root(self.anchor[0]) == self.anchor[1]:
+            return 0
+        self.anchor = None  # checked now; the next put anchors its own state
+        return self.drop_missing(has)
+
     def drop_missing(self, has) -> int:
         """Forget slots whose object the engine no longer holds (after gc or delete_step), so
         their blocks are written full next time. Returns how many were dropped."""
@@ -110,6 +123,7 @@ class TableState:
         *,
         fingerprints: torch.Tensor | None = None,
         seed_codes: torch.Tensor | None = None,
+        anchor: tuple[str, bytes] | None = None,
     ) -> TableState:
         """State of a stored table (seeding after a restore, or from the newest step)."""
         node = tm.node
@@ -131,4 +145,5 @@ class TableState:
             fingerprints=fingerprints,
             seed_codes=seed_codes,
             segments=segments,
+            anchor=anchor,
         )

@@ -146,6 +146,8 @@ def write_step(
         root = _put(w, counter, KIND_STEP, payload, refs, meta=True)
         w.set_root(root_name(step), root)
         commit = w.commit()
+        for plan in plans:
+            plan.state.anchor = (root_name(step), root)
     except _MissingBase as exc:
         w.abort()
         raise WriteFailed(step, str(exc)) from None

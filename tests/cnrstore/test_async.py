@@ -15,6 +15,7 @@ from ckpt_util import assert_identical, make_store, random_table
 
 import cnrstore
 import engine
+from cnrstore.manifest import load_manifest
 
 
 def _store(**opts):
@@ -151,20 +152,21 @@ def test_close_waits_for_pending_puts(tmp_path):
         assert_identical(s2.get_tables(2)["t"], t + 2)
 
 
-def test_diff_base_collected_by_another_handle_fails_one_put_then_recovers():
+def test_diff_base_collected_by_another_handle_is_written_full():
     g = torch.Generator().manual_seed(6)
-    a = _store()
+    a = _store(seed_from_store=False)
     t = random_table(g, 64, 4)
     a.put_tables(1, {"t": t})
-    other = cnrstore.CheckpointStore(a.objects, block_rows=16, fanout=4)
-    other.gc(keep_last=0)  # drops step 1 and every block a's diff base refers to
     t[3] += 1
-    with pytest.raises(cnrstore.WriteFailed, match="missing"):
-        a.put_tables(2, {"t": t})
-    assert a.steps() == []
-    info = a.put_tables(3, {"t": t})  # the failure reset the diff base: written whole
-    assert info.rows_changed == {"t": 64}
+    a.put_tables(2, {"t": t})  # block 0 is a patch on step 1's block
+    other = cnrstore.CheckpointStore(a.objects, block_rows=16, fanout=4)
+    other.gc(keep_last=0)  # drops every step and block a's diff base refers to
+    t[40] += 1
+    info = a.put_tables(3, {"t": t})  # a's anchor step is gone: missing blocks go full
+    assert info.rows_changed == {"t": 1}  # still diffed by fingerprint
+    assert a.steps() == [3]
     assert_identical(a.get_tables(3)["t"], t)
+    assert all(d == 0 for d in load_manifest(a.objects, 3).tables["t"].depth)
     assert a.verify().ok
 
 
