@@ -130,11 +130,6 @@ def test_truncated_pack(store_path):
         assert store.verify(deep=True).ok
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="engine/store.py _read_entry passes PackReaders.read's CorruptObject (short "
-    "read) through unwrapped: no object id in the message, exc.oid is None",
-)
 def test_truncated_pack_error_names_the_object(store_path):
     oid, pack = _truncate_in_victim(store_path)
     with open_store(store_path) as store:
@@ -159,13 +154,9 @@ def test_missing_pack(store_path):
         check_dag(store, 2, size=SIZE)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="engine/repair.py _choose_roots falls back to the newest *complete* roots "
-    "snapshot, so one damaged root also drops every root committed after it (r2 here) "
-    "without reporting it",
-)
 def test_repair_keeps_every_intact_root(store_path):
+    # One damaged root must not take down roots committed after it (an earlier repair
+    # fell back to the newest snapshot whose every root was complete, dropping r2 too).
     oid, payload = _victim(1, 1)
     pack, _ = find_in_packs(store_path, payload[:64])
     pack.unlink()
@@ -175,6 +166,25 @@ def test_repair_keeps_every_intact_root(store_path):
         check_dag(store, 2, size=SIZE)
         assert store.root("r1") is None
         assert any(p.what == "dangling-root" and "r1" in p.message for p in rep.damaged)
+
+
+def test_repair_rolls_a_damaged_root_back_to_its_last_intact_target(store_path):
+    # r1 moves from DAG 1 to DAG 5; DAG 5 is then damaged: r1 goes back to DAG 1.
+    with open_store(store_path) as store:
+        with store.writer() as w:
+            top5 = put_dag(w, 5, size=SIZE, root=False)
+            w.set_root("r1", top5)
+    _, objs = dag(5, size=SIZE)
+    victim = list(objs)[2]
+    pack, _ = find_in_packs(store_path, objs[victim].payload[:64])
+    pack.unlink()
+    with open_store(store_path) as store:
+        assert store.root("r1") == top5
+        store.repair()
+        check_dag(store, 1, size=SIZE)  # r1 points at DAG 1's top again, intact
+        check_dag(store, 0, size=SIZE)
+        check_dag(store, 2, size=SIZE)
+        assert store.verify(deep=True).ok
 
 
 def test_lost_index_is_rebuilt_on_open(store_path):
