@@ -38,9 +38,9 @@ _SEED = 0x6A09E667F3BCC908  # sqrt(2) fraction bits: a nothing-up-my-sleeve seed
 _C = 0x9E3779B97F4A7C15  # 2^64 / golden ratio, odd
 _LEN_MUL = 0xD6E8FEB86659FD93
 # Words per chunk: keeps the two int64 work buffers of a chunk inside the L2 caches on
-# CPU (2 x 1 MiB here); on CUDA a chunk only bounds temporary memory.
+# CPU (2 x 1 MiB here); on CUDA a chunk (32 MiB per buffer) only bounds temporary memory.
 _CPU_CHUNK_WORDS = 1 << 16
-_CUDA_CHUNK_WORDS = 1 << 24
+_CUDA_CHUNK_WORDS = 1 << 22
 
 
 def _to_signed(value: int) -> int:
@@ -63,7 +63,7 @@ def _splitmix64_stream(seed: int, count: int) -> list[int]:
 _keys_lock = threading.Lock()
 _key_cache: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
 _buffers_lock = threading.Lock()
-_buffer_cache: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+_buffer_cache: dict[tuple, tuple[torch.Tensor, ...]] = {}
 
 
 def _keys(device: torch.device, words: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,22 +85,34 @@ def _keys(device: torch.device, words: int) -> tuple[torch.Tensor, torch.Tensor]
     return cached[0][:words], cached[1][:words]
 
 
+def _cache_key(device: torch.device) -> tuple:
+    # On CUDA, work queued on one stream may still be reading a buffer after the Python
+    # loop returned it; only the same stream is ordered after that work.
+    if device.type == "cuda":
+        return (str(device), torch.cuda.current_stream(device).cuda_stream)
+    return (str(device), 0)
+
+
 def _take_buffers(device: torch.device, elems: int):
+    """Three flat int64 buffers of at least `elems` words, reused across calls.
+
+    One set is kept per device (and CUDA stream), grown to the largest chunk seen, so the
+    cache holds at most 3 chunks' worth of memory per device however many table shapes
+    come by; concurrent callers on the same device allocate their own.
+    """
     with _buffers_lock:
-        bufs = _buffer_cache.pop((str(device), elems), None)
-    if bufs is None:
-        bufs = (
-            torch.empty(elems, dtype=torch.int64, device=device),
-            torch.empty(elems, dtype=torch.int64, device=device),
-            torch.empty(elems, dtype=torch.int64, device=device),
-        )
+        bufs = _buffer_cache.pop(_cache_key(device), None)
+    if bufs is None or bufs[0].numel() < elems:
+        bufs = tuple(torch.empty(elems, dtype=torch.int64, device=device) for _ in range(3))
     return bufs
 
 
-def _return_buffers(device: torch.device, elems: int, bufs) -> None:
+def _return_buffers(device: torch.device, bufs) -> None:
     with _buffers_lock:
-        # One set per (device, size): concurrent callers simply allocate their own.
-        _buffer_cache.setdefault((str(device), elems), bufs)
+        key = _cache_key(device)
+        held = _buffer_cache.get(key)
+        if held is None or held[0].numel() < bufs[0].numel():
+            _buffer_cache[key] = bufs
 
 
 def _avalanche(h: torch.Tensor) -> torch.Tensor:
@@ -204,4 +216,4 @@ def _hash_words(table: torch.Tensor, words: int, out: torch.Tensor) -> None:
             x *= b
             torch.sum(x, dim=1, out=out[start : start + n])
     finally:
-        _return_buffers(device, elems, (work, tmp, pad))
+        _return_buffers(device, (work, tmp, pad))

@@ -251,3 +251,12 @@ def test_keys_make_two_top_bit_flips_detectable():
     off_diag = ~np.eye(1024, dtype=bool)
     assert not np.any((diff == 0) & off_diag)
     assert not np.any(total == 0)
+
+
+def test_buffer_cache_is_bounded_per_device():
+    for width in (3, 17, 64, 5, 130):
+        row_fingerprints(torch.randn(300, width))
+    cpu_sets = [k for k in fp_mod._buffer_cache if k[0] == "cpu"]
+    assert len(cpu_sets) == 1
+    held = fp_mod._buffer_cache[cpu_sets[0]]
+    assert held[0].numel() <= fp_mod._CPU_CHUNK_WORDS + 130 // 8 + 1
