@@ -201,16 +201,24 @@ class BackgroundWriter:
             if item is None:
                 return
             job, fut, cleanup = item
+            error: BaseException | None = None
+            result = None
             try:
                 result = job()
             except BaseException as exc:  # surfaces on the Future, never kills the thread
-                fut.set_exception(exc)
-            else:
+                error = exc
+            # Drop the job (and the host codes it holds) before waking the caller, so a
+            # table-sized first put is not kept alive until the next job arrives, and the
+            # caller's next put finds the staging buffer back in the pool.
+            item = job = None
+            if cleanup is not None:
+                cleanup()
+            self._slots.release()
+            if error is None:
                 fut.set_result(result)
-            finally:
-                if cleanup is not None:
-                    cleanup()
-                self._slots.release()
+            else:
+                fut.set_exception(error)
+            fut = result = error = cleanup = None
 
     def run(self, job: Callable[[], object]) -> object:
         """Run ``job`` on the writer thread after everything queued before it; return its

@@ -187,3 +187,15 @@ def test_waiting_from_a_future_callback_raises_instead_of_hanging():
     fut.result(timeout=30)
     s.close()  # returns: the writer thread is not stuck
     assert len(seen) == 1 and "writer thread" in seen[0]
+
+
+def test_writer_does_not_keep_a_finished_puts_codes_alive():
+    import gc
+
+    s = _store()
+    fut = s.put_tables(1, {"t": torch.randn(64, 4)}, quant="int8", blocking=False)
+    assert fut.result(timeout=30).step == 1
+    gc.collect()
+    # The finished put's plan (and its host codes) is unreachable while the writer idles.
+    assert not any(type(o).__name__ == "TablePlan" for o in gc.get_objects())
+    s.close()
