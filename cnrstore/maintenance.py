@@ -33,6 +33,8 @@ __all__ = ["GCReport", "VerifyReport", "StoreStats"]
 
 @dataclass(frozen=True)
 class GCReport:
+    """What ``CheckpointStore.gc`` dropped and reclaimed (bytes are allocated disk bytes)."""
+
     steps_deleted: tuple[int, ...]
     steps_kept: tuple[int, ...]
     objects_live: int
@@ -44,6 +46,9 @@ class GCReport:
 
 @dataclass(frozen=True)
 class VerifyReport:
+    """Result of ``CheckpointStore.verify``: ``ok`` and one message per problem found in
+    the engine (missing/corrupt objects) or the manifest (undecodable nodes or blocks)."""
+
     ok: bool
     problems: tuple[str, ...]
     steps_checked: int
@@ -53,6 +58,8 @@ class VerifyReport:
 
 @dataclass(frozen=True)
 class StoreStats:
+    """Sizes of a store: what the kept steps hold logically vs what is stored."""
+
     steps: int
     logical_bytes: int      # sum of the put tables' sizes over the kept steps
     stored_bytes: int       # bytes the engine holds (allocated on disk for a pack store)

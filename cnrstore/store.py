@@ -7,9 +7,11 @@ restored. The API methods are thread-safe: one lock serializes them.
 
 from __future__ import annotations
 
+import atexit
 import os
 import threading
 import time
+import weakref
 from collections.abc import Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -36,6 +38,19 @@ from .validate import check_step, check_tables, check_touched, pack_metadata, re
 from .writer import BackgroundWriter, StepInfo, write_step
 
 __all__ = ["CheckpointStore", "open"]
+
+# Handles still open at interpreter exit are closed then, so a non-blocking put that was
+# never waited for is still committed (the writer thread is a daemon and would be killed).
+_OPEN: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_stores() -> None:
+    for store in list(_OPEN):
+        try:
+            store.close()
+        except Exception:  # exiting anyway; one broken store must not stop the others
+            pass
 
 
 @dataclass(frozen=True)
@@ -117,6 +132,7 @@ class CheckpointStore:
         self._pool = ThreadPoolExecutor(self._opt.decode_threads, thread_name_prefix="cnr-decode")
         self._writer = BackgroundWriter(max_inflight=self._opt.max_inflight)
         self._closed = False
+        _OPEN.add(self)
 
     # -- lifetime ------------------------------------------------------------------------
     @property
@@ -134,6 +150,7 @@ class CheckpointStore:
             if self._closed:
                 return
             self._closed = True
+            _OPEN.discard(self)
             self._writer.close()
             self._pool.shutdown(wait=True)
             self._states.clear()

@@ -199,3 +199,20 @@ def test_writer_does_not_keep_a_finished_puts_codes_alive():
     # The finished put's plan (and its host codes) is unreachable while the writer idles.
     assert not any(type(o).__name__ == "TablePlan" for o in gc.get_objects())
     s.close()
+
+
+def test_pending_put_is_committed_at_interpreter_exit(tmp_path):
+    import subprocess
+    import sys
+
+    code = (
+        "import torch, cnrstore\n"
+        f"s = cnrstore.open({str(tmp_path / 's')!r})\n"
+        "s.put_tables(1, {'t': torch.arange(12.0).reshape(6, 2)}, blocking=False)\n"
+        "# exits without waiting or closing\n"
+    )
+    repo = __import__("pathlib").Path(__file__).resolve().parents[2]
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120, cwd=repo)
+    with cnrstore.open(tmp_path / "s") as s:
+        assert s.steps() == [1]
+        assert_identical(s.get_tables(1)["t"], torch.arange(12.0).reshape(6, 2))
