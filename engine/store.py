@@ -34,14 +34,13 @@ from .api import (
     VerifyReport,
     Writer,
 )
-from .errors import CorruptObject, FormatError, ObjectNotFound, StoreClosed
-from .fileio import allocated_bytes, makedirs_durable, store_error
+from .errors import CorruptObject, FormatError, ObjectNotFound, StoreClosed, StoreLocked
+from .fileio import allocated_bytes, fsync_dir, makedirs_durable, store_error
 from .ids import check_id, hexid
 from .lock import WriterLock
 from .pack import PackReaders, list_pack_files, pack_name, pack_path
 from .writer import PackWriter, check_root_name
 
-_STORE_ENTRIES = {"index", "packs", "lock", "index.new", "index.old"}
 _READ_RETRIES = 4
 
 
@@ -56,6 +55,21 @@ def open(  # noqa: A001 - mirrors the builtin on purpose: engine.open(path)
     """Open (or with ``create=True`` create) the pack store at ``path``."""
     return PackStore(path, create=create, compression_level=compression_level,
                      map_size=map_size, pack_target_size=pack_target_size)
+
+
+def _settle_index_swap(p: pathlib.Path) -> None:
+    """With the writer lock held: finish or undo a repair's index swap a crash interrupted
+    (docs/FORMAT.md "Recovery and repair")."""
+    if not (p / "index").exists() and (p / "index.new").exists():
+        if (p / "index.old").exists():
+            os.replace(p / "index.new", p / "index")  # index.new was complete and synced
+            fsync_dir(p)
+        else:
+            shutil.rmtree(p / "index.new")  # repair died while writing it
+    if (p / "index").exists():
+        for leftover in ("index.new", "index.old"):
+            if (p / leftover).exists():
+                shutil.rmtree(p / leftover)
 
 
 def _check_int(name: str, value, lo: int, hi: int) -> None:
@@ -78,21 +92,15 @@ class PackStore(ObjectStore):
         self._writer: Writer | None = None
         self._local = threading.local()
         try:
-            needs_repair = self._prepare_dir(create)
+            self._prepare_dir(create)
             self._lock = WriterLock(self.path / "lock")
-            self._index = ix.open_shared(self.path / "index", map_size=map_size,
-                                         options={"compression_level": compression_level,
-                                                  "pack_target_size": pack_target_size})
+            self._open_index(map_size, {"compression_level": compression_level,
+                                        "pack_target_size": pack_target_size})
         except OSError as exc:
             raise store_error(f"cannot open store {self.path}", exc) from exc
-        self._readers = PackReaders(self.path)
-        self._closed = False
-        if needs_repair:
-            self.repair()  # the index was lost but packs remain: rebuild it from them
 
-    def _prepare_dir(self, create: bool) -> bool:
-        """Create or check the layout; finish a repair's index swap a crash interrupted.
-        Returns True when packs exist but the index does not."""
+    def _prepare_dir(self, create: bool) -> None:
+        """Create the directory, or check that it is a store (before writing anything)."""
         p = self.path
         if not p.exists():
             if not create:
@@ -105,14 +113,40 @@ class PackStore(ObjectStore):
             raise FormatError(f"{p} is a non-empty directory that is not a cnrstore store")
         if not entries and not create:
             raise FormatError(f"no store at {p} (pass create=True to make one)")
-        if "index" not in entries and "index.new" in entries and "index.old" in entries:
-            os.replace(p / "index.new", p / "index")  # index.new was complete (see repair)
-            entries.add("index")
-        for leftover in ("index.new", "index.old"):
-            if (p / leftover).exists() and (p / "index").exists():
-                shutil.rmtree(p / leftover)
         makedirs_durable(p / "packs")
-        return "index" not in entries and bool(list_pack_files(p))
+
+    def _open_index(self, map_size: int, options: dict) -> None:
+        """Open the index. Without one, hold the writer lock throughout: a repair in
+        another process may be between its renames, and a lost index must be rebuilt
+        from the packs before anyone can mistake the store for an empty one (a gc would
+        then delete every pack as unindexed)."""
+        p = self.path
+        index_missing = not (p / "index").exists()
+        leftovers = (p / "index.new").exists() or (p / "index.old").exists()
+        locked = False
+        if index_missing:
+            self._lock.acquire(None)
+            locked = True
+        elif leftovers:
+            try:
+                self._lock.acquire(0.0)
+                locked = True
+            except StoreLocked:
+                pass  # a repair is running: its leftovers are its own
+        try:
+            if locked:
+                _settle_index_swap(p)
+            needs_repair = not (p / "index").exists() and bool(list_pack_files(p))
+            self._index = ix.open_shared(p / "index", map_size=map_size, options=options)
+            self._readers = PackReaders(p)
+            self._closed = False
+            if needs_repair:
+                from .repair import rebuild
+
+                rebuild(self)
+        finally:
+            if locked:
+                self._lock.release()
 
     # -- handle state ---------------------------------------------------------------------
     def _check_open(self) -> None:

@@ -464,3 +464,21 @@ def test_bad_arguments_raise_before_writing(pack_store):
             w.set_root("", object_id(1, (), b"x"))
     assert pack_store.stats().objects == 0 and list_pack_files(pack_store.path) == {}
     assert isinstance(StoreLocked("x"), StoreError)
+
+
+def test_open_finishes_a_repair_swap_a_crash_interrupted(tmp_path):
+    path = tmp_path / "s"
+    with engine.open(path) as store:
+        with store.writer() as w:
+            w.set_root("r", w.put(1, b"kept"))
+    # crash between repair's renames: index -> index.old done, index.new -> index not yet
+    shutil.copytree(path / "index", path / "index.new")
+    os.replace(path / "index", path / "index.old")
+    with engine.open(path) as store:
+        assert store.get(store.root("r")).payload == b"kept"
+    assert sorted(p.name for p in path.iterdir()) == ["index", "lock", "packs"]
+    # a repair that died while writing index.new leaves it beside the live index
+    shutil.copytree(path / "index", path / "index.new")
+    with engine.open(path) as store:
+        assert store.root("r") is not None
+    assert not (path / "index.new").exists()
