@@ -13,12 +13,14 @@ with ``os.pread`` on cached descriptors and decompressed by per-thread zstd cont
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import pathlib
 import shutil
 import threading
 from collections.abc import Iterable, Iterator
 
+import lmdb
 import zstandard
 
 from . import format as fmt
@@ -34,7 +36,14 @@ from .api import (
     VerifyReport,
     Writer,
 )
-from .errors import CorruptObject, FormatError, ObjectNotFound, StoreClosed, StoreLocked
+from .errors import (
+    CorruptObject,
+    FormatError,
+    ObjectNotFound,
+    StoreClosed,
+    StoreError,
+    StoreLocked,
+)
 from .fileio import allocated_bytes, fsync_dir, makedirs_durable, store_error
 from .ids import check_id, hexid
 from .lock import WriterLock
@@ -70,6 +79,22 @@ def _settle_index_swap(p: pathlib.Path) -> None:
         for leftover in ("index.new", "index.old"):
             if (p / leftover).exists():
                 shutil.rmtree(p / leftover)
+
+
+def _translated(method):
+    """Map OSError and lmdb errors escaping a maintenance method to StoreError, so none
+    leaves the engine untranslated (the hot read path translates its own)."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except OSError as exc:
+            raise store_error(f"{method.__name__} on {self.path} failed", exc) from exc
+        except lmdb.Error as exc:
+            raise StoreError(f"{method.__name__} on {self.path} failed: {exc}") from exc
+
+    return wrapper
 
 
 def _check_int(name: str, value, lo: int, hi: int) -> None:
@@ -259,6 +284,7 @@ class PackStore(ObjectStore):
         )
 
     # -- writes ---------------------------------------------------------------------------
+    @_translated
     def writer(self, *, timeout: float | None = 0.0) -> Writer:
         self._check_open()
         self._lock.acquire(timeout)
@@ -276,6 +302,7 @@ class PackStore(ObjectStore):
             self._lock.release()
 
     # -- maintenance (phases live in gc.py, verify.py, repair.py) -------------------------
+    @_translated
     def gc(self, *, threshold: float = 0.25, timeout: float | None = 0.0,
            progress: ProgressFn | None = None) -> GCReport:
         from .gc import collect
@@ -286,6 +313,7 @@ class PackStore(ObjectStore):
         with self._locked(timeout):
             return collect(self, threshold=float(threshold), progress=progress)
 
+    @_translated
     def verify(self, *, deep: bool = False, roots: Iterable[str] | None = None,
                progress: ProgressFn | None = None) -> VerifyReport:
         from .verify import verify
@@ -293,6 +321,7 @@ class PackStore(ObjectStore):
         self._check_open()
         return verify(self, deep=deep, roots=roots, progress=progress)
 
+    @_translated
     def repair(self) -> RepairReport:
         from .repair import rebuild
 
@@ -308,6 +337,7 @@ class PackStore(ObjectStore):
         finally:
             self._lock.release()
 
+    @_translated
     def stats(self) -> Stats:
         self._check_open()
         index = self._index

@@ -188,5 +188,8 @@ class PackWriter(Writer):
         self._done = True
         try:
             self._packs.discard()
+        except OSError as exc:
+            raise store_error("abort could not delete its packs (gc reclaims them)",
+                              exc) from exc
         finally:
             self._store._writer_done(self)
