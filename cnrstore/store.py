@@ -132,6 +132,7 @@ class CheckpointStore:
         self._pool = ThreadPoolExecutor(self._opt.decode_threads, thread_name_prefix="cnr-decode")
         self._writer = BackgroundWriter(max_inflight=self._opt.max_inflight)
         self._closed = False
+        self._pid = os.getpid()
         _OPEN.add(self)
 
     # -- lifetime ------------------------------------------------------------------------
@@ -151,6 +152,10 @@ class CheckpointStore:
                 return
             self._closed = True
             _OPEN.discard(self)
+            if os.getpid() != self._pid:
+                # A forked child: the writer thread and pool did not survive the fork, and
+                # the parent owns the store; waiting on them here would hang forever.
+                return
             self._writer.close()
             self._pool.shutdown(wait=True)
             self._states.clear()

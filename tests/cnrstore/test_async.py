@@ -216,3 +216,29 @@ def test_pending_put_is_committed_at_interpreter_exit(tmp_path):
     with cnrstore.open(tmp_path / "s") as s:
         assert s.steps() == [1]
         assert_identical(s.get_tables(1)["t"], torch.arange(12.0).reshape(6, 2))
+
+
+def test_close_in_a_forked_child_does_not_hang(tmp_path):
+    import os
+
+    s = cnrstore.open(tmp_path / "s")
+    s.put_tables(1, {"t": torch.ones(4, 2)})
+    pid = os.fork()
+    if pid == 0:  # child: closing must return at once, touching nothing of the parent's
+        try:
+            s.close()
+        finally:
+            os._exit(0)
+    deadline = time.monotonic() + 60
+    while True:  # poll, so a hanging child fails the test instead of hanging the suite
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            raise AssertionError("close() in the forked child hung")
+        time.sleep(0.05)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert s.steps() == [1]  # the parent's handle still works
+    s.close()
