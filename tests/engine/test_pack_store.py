@@ -44,10 +44,20 @@ def put_chain(w, n: int, size: int, *, seed: int = 0) -> list[bytes]:
 
 # -- contract: both stores ------------------------------------------------------------------
 
+# Sizes from 0 past the 4 KiB pack target used below; random (stored raw) or repetitive
+# (stored zstd).
+PAYLOADS = st.one_of(
+    st.binary(max_size=64),
+    st.tuples(st.integers(0, 9000), st.integers(0, 2**32)).map(
+        lambda t: random.Random(t[1]).randbytes(t[0])),
+    st.tuples(st.integers(0, 9000), st.binary(min_size=1, max_size=8)).map(
+        lambda t: (t[1] * t[0])[: t[0]]),
+)
+
 
 @settings(max_examples=25, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(objs=st.lists(st.tuples(st.integers(0, 255), st.binary(max_size=3000), st.booleans()),
+@given(objs=st.lists(st.tuples(st.integers(0, 255), PAYLOADS, st.booleans()),
                      min_size=1, max_size=6), nref=st.integers(0, 3))
 def test_round_trip(store_factory, objs, nref):
     # One store per test run, shared by the examples: they must not disturb each other.
