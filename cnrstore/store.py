@@ -144,6 +144,8 @@ class CheckpointStore:
     def _check_open(self) -> None:
         if self._closed:
             raise CheckpointError("store is closed")
+        if os.getpid() != self._pid:
+            raise CheckpointError("store handle used across fork(); open the store again")
 
     def close(self) -> None:
         """Wait for pending puts, stop the writer and close the engine store (if owned)."""
