@@ -88,6 +88,10 @@ class PackFile:
     def sync(self) -> None:
         os.fsync(self._fd)
 
+    @property
+    def closed(self) -> bool:
+        return self._fd < 0
+
     def close(self) -> None:
         if self._fd >= 0:
             os.close(self._fd)
@@ -125,7 +129,10 @@ class PackSet:
         """Append a record; return (pack number, offset)."""
         pf = self._open.get(meta)
         if pf is not None and pf.entries and pf.size + len(record) > self._target:
+            # Finish a full pack now, so a huge transaction never holds many descriptors.
             pf.seal()
+            pf.sync()
+            pf.close()
             pf = None
         if pf is None:
             pf = self._open[meta] = self._new_pack(meta)
@@ -138,8 +145,9 @@ class PackSet:
     def seal_and_sync(self) -> None:
         """Seal every pack, fsync them, then fsync the directories that hold them."""
         for pf in self.files:
-            pf.seal()
-            pf.sync()
+            if not pf.closed:
+                pf.seal()
+                pf.sync()
         for d in {pf.path.parent for pf in self.files}:
             fsync_dir(d)
 

@@ -492,3 +492,18 @@ def test_open_finishes_a_repair_swap_a_crash_interrupted(tmp_path):
     with engine.open(path) as store:
         assert store.root("r") is not None
     assert not (path / "index.new").exists()
+
+
+def test_a_transaction_of_many_packs_holds_few_descriptors(tmp_path):
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(256, hard), hard))
+    try:
+        with engine.open(tmp_path / "s", pack_target_size=1024) as store:
+            with store.writer() as w:
+                ids = [w.put(1, os.urandom(1000)) for _ in range(600)]
+            assert store.stats().packs == 600
+            assert [o.payload for o in store.get_many(ids[::50])]
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
