@@ -123,11 +123,15 @@ def _run_worker(specs: list[dict[str, Any]], tmp: Path, timeout: float) -> list[
 
 
 def _jobs(args: argparse.Namespace) -> list[tuple[str, list[Workload]]]:
+    """(system, workloads) per job. Apart from --one-process, every workload gets a process
+    of its own: memory a job's allocator kept from an earlier workload would otherwise be
+    resident already and hide part of the next workload's peak."""
     all_w = args.workloads
-    return [
-        (s, all_w if (s not in BASELINES or args.baselines_per_workload) else all_w[:1])
-        for s in args.systems
-    ]
+    jobs = []
+    for s in args.systems:
+        ws = all_w if (s not in BASELINES or args.baselines_per_workload) else all_w[:1]
+        jobs += [(s, ws)] if args.one_process else [(s, [w]) for w in ws]
+    return jobs
 
 
 def _baseline_first(workloads: list[Workload]) -> list[Workload]:
@@ -149,6 +153,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         runs: dict[str, list[dict[str, Any]]] = {}
         failures: list[dict[str, Any]] = []
         for rep in range(args.repeat):
+            rep_runs: dict[str, dict[str, Any]] = {}
             jobs = [{**base, "system": system,
                      "workloads": [[w.fraction, w.dist] for w in workloads]}
                     for system, workloads in _jobs(args)]
@@ -168,10 +173,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 for result in results:
                     if result.get("system") is None:
                         fingerprint = result
-                    else:
-                        runs.setdefault(result["system"], []).append(result)
-                print(f"[{rep + 1}/{args.repeat}] {names}: {time.perf_counter() - t0:.1f} s",
+                        continue
+                    agg = rep_runs.setdefault(result["system"], {**result, "workloads": {},
+                                                                 "job_s": 0.0})
+                    agg["workloads"].update(result["workloads"])
+                    agg["job_s"] += result["job_s"]
+                done = ",".join(f"{j['system']}:{Workload(*j['workloads'][0]).name}"
+                                if len(j.get("workloads", ())) == 1 else j["system"]
+                                for j in batch)
+                print(f"[{rep + 1}/{args.repeat}] {done}: {time.perf_counter() - t0:.1f} s",
                       file=sys.stderr, flush=True)
+            for system, agg in rep_runs.items():
+                runs.setdefault(system, []).append(agg)
     if not runs:
         raise RuntimeError(f"every job failed: {failures}")
     merged = {system: report.median_merge(results) for system, results in runs.items()}
