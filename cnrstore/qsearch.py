@@ -30,7 +30,7 @@ MAX_CLIP_RATIO = 0.16
 # the same errors in another order still sees it as no worse.
 _WIN_MARGIN = 1e-9
 # Elements per search chunk: two float32 work buffers of a chunk stay cache-resident.
-_CHUNK_ELEMS = 1 << 17
+_CHUNK_ELEMS = 1 << 18
 
 
 def choose_ranges(x: torch.Tensor, bits: int, *, search: str, dtype: torch.dtype):

@@ -101,6 +101,7 @@ def encode_rows(rows: torch.Tensor, scheme: str, *, search: str | None = None) -
     `search` picks the intN range per row: "greedy" or "minmax"; by default greedy for
     schemes of at most GREEDY_MAX_BITS bits, min/max for int8.
     Lossy schemes reject non-finite values (ValueError naming the first bad row).
+    For "exact" the result may be a view of `rows` (no copy): copy it before `rows` changes.
     """
     _check_rows(rows)
     check_scheme(scheme, rows.dtype, table="<encode_rows>")
