@@ -252,8 +252,9 @@ def _gather_encode(
             raise NonFiniteValues(name, bad if whole else int(idx[bad]), scheme)
     codes = encode_rows(sel, scheme)
     if not codes.is_cuda or buffers is None or nbytes == 0:
-        # A lossy encode allocates fresh codes; exact codes may alias the table: copy them.
-        alias = whole and scheme == "exact"
+        # Codes may alias the table (exact bytes, or a cast to the table's own dtype): copy
+        # those, so the caller may modify the table as soon as the put returns.
+        alias = codes.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
         host = codes.to("cpu", copy=True) if (alias or codes.is_cuda) else codes
         return host.numpy().reshape(n, rnb), None
     buf = buffers.take(nbytes, pinned=True)

@@ -26,13 +26,22 @@ def test_mutating_tables_after_a_non_blocking_put_does_not_change_what_is_stored
     g = torch.Generator().manual_seed(0)
     for kind in ("memory", "pack"):
         s = make_store(kind, tmp_path / "s", block_rows=16, max_inflight=4)
-        t = {"f": random_table(g, 100, 8), "i": random_table(g, 64, dtype=torch.int64)}
+        t = {
+            "f": random_table(g, 100, 8),
+            "i": random_table(g, 64, dtype=torch.int64),
+            # A cast to the table's own dtype could hand back the table itself.
+            "h": random_table(g, 40, 4, dtype=torch.float16),
+            "b": random_table(g, 40, 4, dtype=torch.bfloat16),
+        }
+        quant = {"f": "exact", "h": "fp16", "b": "bf16"}
         want, futs = [], []
         for step in range(6):
             want.append({k: v.clone() for k, v in t.items()})
-            futs.append(s.put_tables(step, t, blocking=False, quant={"f": "exact"}))
+            futs.append(s.put_tables(step, t, blocking=False, quant=quant))
             t["f"].mul_(1.5)[step] = -1.0  # in place, right after the put returned
             t["i"] += step
+            t["h"].mul_(2.0)
+            t["b"].add_(1.0)
         for f in futs:
             f.result(timeout=60)
         for step in range(6):
