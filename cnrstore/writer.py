@@ -46,10 +46,11 @@ class StepInfo:
     root: str                       # hex id of the step node
     bytes_written: int
     logical_bytes: int              # sum of the put tables' sizes
-    rows_changed: dict[str, int] = field(default_factory=dict)
+    rows_changed: dict[str, int] = field(default_factory=dict)   # rows differing from the base
     objects_new: int = 0
     objects_reused: int = 0
     bytes_new: int = 0
+    rows_written: dict[str, int] = field(default_factory=dict)   # incl. rest of full blocks
     stall_seconds: float = 0.0      # time put_tables held the caller (fingerprint+encode+copy)
     write_seconds: float = 0.0      # time the writer spent encoding blocks and committing
 
@@ -160,6 +161,7 @@ def write_step(
         bytes_written=commit.bytes_written,
         logical_bytes=node.logical_bytes,
         rows_changed=dict(node.rows_changed),
+        rows_written={p.name: len(p.codes) for p in plans},
         objects_new=commit.objects_new,
         objects_reused=commit.objects_reused,
         bytes_new=counter[0],

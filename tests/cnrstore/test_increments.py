@@ -76,8 +76,9 @@ def test_patch_bytes_bounded_by_block_size():
     s.put_tables(1, {"t": t})
     assert load_manifest(s.objects, 1).tables["t"].depth[:2] == [1, 0]
     t[0:20] += 1.0
-    s.put_tables(2, {"t": t})
+    info = s.put_tables(2, {"t": t})
     assert load_manifest(s.objects, 2).tables["t"].depth[:2] == [0, 0]
+    assert info.rows_changed == {"t": 20} and info.rows_written == {"t": 32}  # block 0 full
     assert_identical(s.get_tables(2)["t"], t)
 
 
