@@ -137,7 +137,9 @@ def test_gc_after_mark_leaves_garbage_readable_until_gc(tmp_path):
         check_dag(store, 3)
 
 
-@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize(
+    "seed", [*range(3), *(pytest.param(s, marks=pytest.mark.slow) for s in range(3, 40))]
+)
 def test_writer_killed_at_random_moment(tmp_path, seed):
     """A churning writer (commits, root drops, gc) killed at a random time."""
     path = tmp_path / "store"

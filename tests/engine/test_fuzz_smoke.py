@@ -97,8 +97,14 @@ def test_target_raises_only_corrupt_object(name, data):
     _run_bounded(target, buf)
 
 
-@pytest.mark.parametrize("name", sorted(TARGETS))
-def test_atheris_short_run(name, tmp_path):
+@pytest.mark.parametrize(
+    "name, runs",
+    [
+        *((n, 4000) for n in sorted(TARGETS)),
+        *(pytest.param(n, 300_000, marks=pytest.mark.slow) for n in sorted(TARGETS)),
+    ],
+)
+def test_atheris_run(name, runs, tmp_path):
     pytest.importorskip("atheris")
     corpus = tmp_path / "corpus"
     corpus.mkdir()
@@ -107,13 +113,13 @@ def test_atheris_short_run(name, tmp_path):
     cmd = [
         sys.executable,
         str(ROOT / "fuzz" / f"fuzz_{name}.py"),
-        "-runs=4000",
+        f"-runs={runs}",
         "-max_len=4096",
         "-rss_limit_mb=1024",
         "-timeout=5",
         "-seed=1",
         str(corpus),
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "Done 4000 runs" in proc.stderr
+    assert f"Done {runs} runs" in proc.stderr
