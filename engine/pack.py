@@ -15,6 +15,8 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import zstandard
+
 from . import format as fmt
 from .errors import CorruptObject
 from .fileio import fsync_dir, makedirs_durable, pread_exact, write_all
@@ -273,13 +275,14 @@ def scan_records(data: bytes, *, name: str, entries: list[fmt.TrailerEntry] | No
                  ) -> Iterator[ScannedRecord]:
     """Decode every record of a pack image, by trailer entries or, without a usable
     trailer, sequentially from the header, resyncing on the next record magic after damage."""
+    dctx = zstandard.ZstdDecompressor()
     if entries is not None:
         for e in entries:
-            yield _decode_at(data, e.offset, name)
+            yield _decode_at(data, e.offset, name, dctx)
         return
     offset = fmt.PACK_HEADER.size
     while offset + fmt.RECORD_HEADER.size <= len(data):
-        scanned = _decode_at(data, offset, name)
+        scanned = _decode_at(data, offset, name, dctx)
         if scanned.record is not None:
             yield scanned
             offset += scanned.record.header.length
@@ -292,8 +295,9 @@ def scan_records(data: bytes, *, name: str, entries: list[fmt.TrailerEntry] | No
         offset = nxt
 
 
-def _decode_at(data: bytes, offset: int, name: str) -> ScannedRecord:
+def _decode_at(data: bytes, offset: int, name: str, dctx) -> ScannedRecord:
     try:
-        return ScannedRecord(offset, fmt.decode_record(data, offset, pack=name), None)
+        return ScannedRecord(offset, fmt.decode_record(data, offset, pack=name, dctx=dctx),
+                             None)
     except CorruptObject as exc:
         return ScannedRecord(offset, None, exc)
