@@ -168,7 +168,11 @@ class PackStore(ObjectStore):
             if needs_repair:
                 from .repair import rebuild
 
-                rebuild(self)
+                try:
+                    rebuild(self)
+                except BaseException:
+                    self.close()
+                    raise
         finally:
             if locked:
                 self._lock.release()
