@@ -135,6 +135,7 @@ def spawn(*args: str, env: dict | None = None, **kw) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, str(HERE), *map(str, args)],
         env=full_env,
+        stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -241,6 +242,17 @@ def _cmd_hold_writer(path: str, seconds: str) -> None:
         _say("released")
 
 
+def _cmd_watch(path: str, i: str) -> None:
+    """Open the store, say so, wait for a line on stdin, then read root r{i}'s DAG with
+    the handle opened before: a long-lived reader must see later commits."""
+    with engine.open(path, **_open_kw()) as store:
+        _say("open")
+        sys.stdin.readline()
+        check_dag(store, int(i))
+        assert store.verify(deep=True).ok
+        _say(f"saw {i}")
+
+
 COMMANDS = {
     "write": _cmd_write,
     "churn": _cmd_churn,
@@ -248,11 +260,12 @@ COMMANDS = {
     "read": _cmd_read,
     "try_writer": _cmd_try_writer,
     "hold_writer": _cmd_hold_writer,
+    "watch": _cmd_watch,
 }
 
 if __name__ == "__main__":
     try:
         COMMANDS[sys.argv[1]](*sys.argv[2:])
-    except (CorruptObject, StoreError) as exc:
+    except (CorruptObject, StoreError, AssertionError) as exc:
         print(f"{type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         sys.exit(2)
