@@ -49,25 +49,28 @@ def scenarios(draw):
     rows = [draw(st.sampled_from(near) | st.integers(0, 30)) for _ in range(4)]
     seed = draw(st.integers(0, 2**31 - 1))
     frac = draw(st.sampled_from([0.0, 0.1, 0.5, 1.0]))
-    return dtype, scheme, block_rows, tail, rows, seed, frac
+    use_touched = draw(st.booleans())
+    return dtype, scheme, block_rows, tail, rows, seed, frac, use_touched
 
 
-def _evolve(g, t: torch.Tensor, rows: int, frac: float) -> torch.Tensor:
-    """Next version: random rows rewritten, then grown or shrunk to ``rows``."""
+def _evolve(g, t: torch.Tensor, rows: int, frac: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next version: random rows rewritten, then grown or shrunk to ``rows``; also the ids
+    of the rewritten rows that remain (what a caller tracking touched rows would pass)."""
     t = t.clone()
     n = t.shape[0]
+    idx = torch.zeros(0, dtype=torch.int64)
     if n and frac:
         idx = torch.randperm(n, generator=g)[: max(1, int(n * frac))]
         t[idx] = random_table(g, len(idx), *t.shape[1:], dtype=t.dtype)
     if rows > n:
         t = torch.cat([t, random_table(g, rows - n, *t.shape[1:], dtype=t.dtype)])
-    return t[:rows].clone()
+    return t[:rows].clone(), idx[idx < rows]
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios())
 def test_every_step_restores(scenario):
-    dtype, scheme, block_rows, tail, rows, seed, frac = scenario
+    dtype, scheme, block_rows, tail, rows, seed, frac, use_touched = scenario
     g = torch.Generator().manual_seed(seed)
     s = make_store("memory", None, block_rows=block_rows, fanout=2, max_chain=2)
     t = random_table(g, rows[0], *tail, dtype=dtype)
@@ -76,8 +79,10 @@ def test_every_step_restores(scenario):
     want = {}
     for step, n in enumerate(rows):
         if step:
-            t = _evolve(g, t, n, frac)
-        s.put_tables(step, {"t": t, "ctl": torch.arange(step + 1)}, quant={"t": scheme})
+            t, idx = _evolve(g, t, n, frac)
+        touched = {"t": idx} if step and use_touched else None
+        tables = {"t": t, "ctl": torch.arange(step + 1)}
+        s.put_tables(step, tables, quant={"t": scheme}, touched=touched)
         want[step] = _codec_view(t, scheme)
     for step, expected in want.items():
         got = s.get_tables(step)
