@@ -159,10 +159,12 @@ class StageTimers:
             owner, attr, value = self._undo.pop()
             setattr(owner, attr, value)
 
-    def take(self) -> dict[str, float]:
+    def take(self) -> tuple[dict[str, float], dict[str, int]]:
+        """(seconds, calls) per stage since the last take; resets both."""
         with self._lock:
-            out, self.seconds, self.calls = self.seconds, {}, {}
-        return out
+            out, calls = self.seconds, self.calls
+            self.seconds, self.calls = {}, {}
+        return out, calls
 
 
 def _phase(timers: StageTimers, name: str, fn) -> dict[str, Any]:
@@ -170,8 +172,9 @@ def _phase(timers: StageTimers, name: str, fn) -> dict[str, Any]:
     t0 = time.perf_counter()
     fn()
     wall = time.perf_counter() - t0
-    stages = dict(sorted(timers.take().items(), key=lambda kv: -kv[1]))
-    return {"phase": name, "wall_s": wall, "stages": stages,
+    seconds, calls = timers.take()
+    stages = dict(sorted(seconds.items(), key=lambda kv: -kv[1]))
+    return {"phase": name, "wall_s": wall, "stages": stages, "calls": calls,
             "untimed_s": wall - sum(stages.values())}
 
 
@@ -218,12 +221,13 @@ def markdown(phases: list[dict[str, Any]], logical_mb: float) -> str:
     lines = []
     for p in phases:
         lines += [f"### {p['phase']} ({logical_mb:.0f} MB logical): {p['wall_s']:.2f} s wall",
-                  "", "| stage | s | % of wall |", "|---|---|---|"]
+                  "", "| stage | s | % of wall | calls |", "|---|---|---|---|"]
         for stage, s in p["stages"].items():
             if s >= 0.0005:
-                lines.append(f"| {stage} | {s:.3f} | {100 * s / p['wall_s']:.0f}% |")
+                lines.append(f"| {stage} | {s:.3f} | {100 * s / p['wall_s']:.0f}% "
+                             f"| {p['calls'].get(stage, 0)} |")
         lines += [f"| untimed (glue, waits; < 0 when threads overlap) | {p['untimed_s']:.3f} "
-                  f"| {100 * p['untimed_s'] / p['wall_s']:.0f}% |", ""]
+                  f"| {100 * p['untimed_s'] / p['wall_s']:.0f}% | |", ""]
     return "\n".join(lines)
 
 
