@@ -5,7 +5,10 @@
         info = store.put_tables(100, {"user": t_user}, quant="int8")
         tables = store.get_tables()        # the latest step
 
-See DESIGN.md ("Public API") for the contract and docs/MANIFEST.md for what is stored.
+The user guide is docs/GUIDE.md (API, quantization schemes and their error bounds,
+retention and gc, async puts, partial restores); docs/MANIFEST.md and docs/FORMAT.md say
+what is stored on disk. ``cnrstore.inspect`` lists, shows, diffs and sizes steps from
+Python; the ``cnrstore`` command (``python -m cnrstore``) does the same from a shell.
 """
 
 from .errors import (

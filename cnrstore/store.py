@@ -321,16 +321,22 @@ class CheckpointStore:
         """Delete a step (its bytes are reclaimed by the next gc). Waits if it is pending."""
         maintenance.delete_step(self, step)
 
-    def gc(self, keep_last: int | None = None, keep: Iterable[int] = (), *, threshold=0.25):
+    def gc(
+        self,
+        keep_last: int | None = None,
+        keep: Iterable[int] = (),
+        *,
+        threshold: float = 0.25,
+    ) -> maintenance.GCReport:
         """Drop every step but the newest ``keep_last`` and those in ``keep`` (with neither
         given, none), then reclaim unreachable bytes. Returns a GCReport."""
         return maintenance.gc(self, keep_last, keep, threshold=threshold)
 
-    def verify(self, *, deep: bool = True):
+    def verify(self, *, deep: bool = True) -> maintenance.VerifyReport:
         """Check every step's manifest and blocks (deep: decode every block). VerifyReport."""
         return maintenance.verify(self, deep=deep)
 
-    def stats(self):
+    def stats(self) -> maintenance.StoreStats:
         """Logical vs stored bytes, objects and dedup ratio. StoreStats."""
         return maintenance.stats(self)
 
