@@ -8,6 +8,7 @@ leaves only unindexed pack files that gc or repair reclaims.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -45,8 +46,9 @@ class PackWriter(Writer):
         self._index = store._index
         next_pack = self._index.read(lambda t: ix.get_u64(t, self._index.meta, ix.META_NEXT_PACK))
         self._packs = PackSet(store.path, next_pack, store.pack_target_size)
-        level = store.compression_level
-        self._cctx = zstandard.ZstdCompressor(level=level) if level != 0 else None
+        self._level = store.compression_level
+        self._local = threading.local()  # zstd compressors are not thread-safe
+        self._lock = threading.Lock()  # puts from several threads append one at a time
         self._new: dict[bytes, ix.ObjectEntry] = {}
         self._roots: dict[str, bytes | None] = {}
         self._reused = 0
@@ -82,22 +84,48 @@ class PackWriter(Writer):
         refs = tuple(bytes(r) for r in refs)
         payload = bytes(payload)
         oid = object_id(kind, refs, payload)  # validates every ref's shape
+        absent = self._absent((oid, *refs))
         for ref in refs:
-            if not self.has(ref):
+            if ref in absent:
                 raise ObjectNotFound(f"ref {hexid(ref)} does not exist", oid=ref)
-        if self.has(oid):
-            self._reused += 1
+        if oid not in absent:
+            with self._lock:
+                self._reused += 1
             return oid
-        record = fmt.encode_record(fmt.RECORD_OBJECT, kind, refs, payload, oid, cctx=self._cctx)
-        try:
-            pack, offset = self._packs.append(record, fmt.RECORD_OBJECT, oid, meta=bool(meta))
-        except OSError as exc:
-            self._broken = exc
-            raise store_error("cannot append to pack", exc) from exc
-        self._new[oid] = ix.ObjectEntry(pack, offset, len(record), kind, len(payload),
-                                        bool(meta), refs)
-        self._bytes += len(record)
+        # Compress outside the lock, so puts from several threads compress in parallel.
+        record = fmt.encode_record(fmt.RECORD_OBJECT, kind, refs, payload, oid,
+                                   cctx=self._compressor())
+        with self._lock:
+            self._check()
+            if oid in self._new:  # another thread put it meanwhile
+                self._reused += 1
+                return oid
+            try:
+                pack, offset = self._packs.append(record, fmt.RECORD_OBJECT, oid,
+                                                  meta=bool(meta))
+            except OSError as exc:
+                self._broken = exc
+                raise store_error("cannot append to pack", exc) from exc
+            self._new[oid] = ix.ObjectEntry(pack, offset, len(record), kind, len(payload),
+                                            bool(meta), refs)
+            self._bytes += len(record)
         return oid
+
+    def _absent(self, oids: tuple[bytes, ...]) -> set[bytes]:
+        """Those of ``oids`` neither put in this writer nor indexed (one read txn)."""
+        pending = [o for o in oids if o not in self._new]
+        if not pending:
+            return set()
+        db = self._index.objects
+        return self._index.read(lambda t: {o for o in pending if t.get(o, db=db) is None})
+
+    def _compressor(self) -> zstandard.ZstdCompressor | None:
+        if self._level == 0:
+            return None
+        cctx = getattr(self._local, "cctx", None)
+        if cctx is None:
+            cctx = self._local.cctx = zstandard.ZstdCompressor(level=self._level)
+        return cctx
 
     def set_root(self, name: str, oid: bytes) -> None:
         self._check()
@@ -116,8 +144,9 @@ class PackWriter(Writer):
         self._roots[name] = None
 
     def commit(self) -> CommitInfo:
-        self._check()
-        self._done = True
+        with self._lock:  # no put may land between here and the seal
+            self._check()
+            self._done = True
         published = False
         try:
             if not self._new and not self._roots:
@@ -158,7 +187,7 @@ class PackWriter(Writer):
         seq += 1
         payload = fmt.encode_snapshot(seq, roots)
         sid = fmt.snapshot_id(payload)
-        record = fmt.encode_record(fmt.RECORD_ROOTS, 0, (), payload, sid, cctx=self._cctx)
+        record = fmt.encode_record(fmt.RECORD_ROOTS, 0, (), payload, sid, cctx=self._compressor())
         self._bytes += len(record)
         pack, _ = self._packs.append(record, fmt.RECORD_ROOTS, sid, meta=True)
         return seq, pack
@@ -183,9 +212,10 @@ class PackWriter(Writer):
             txn.put(ix.META_SNAPSHOT_PACK, ix.I64.pack(snapshot_pack), db=index.meta)
 
     def abort(self) -> None:
-        if self._done:
-            return
-        self._done = True
+        with self._lock:
+            if self._done:
+                return
+            self._done = True
         try:
             self._packs.discard()
         except OSError as exc:

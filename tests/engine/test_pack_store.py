@@ -345,3 +345,20 @@ def test_finished_writer_refuses_more_work(store_factory):
         w.commit()
     w.abort()  # harmless after commit
     store.writer().abort()  # the lock was released
+
+
+def test_puts_from_several_threads_share_one_writer(pack_store):
+    payloads = [random.Random(i).randbytes(2000) + bytes(2000) for i in range(60)]
+    w = pack_store.writer()
+    threads = [threading.Thread(target=lambda part=part: [w.put(1, p) for p in part])
+               for part in (payloads[0::3], payloads[1::3], payloads[2::3], payloads[:30])]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    info = w.commit()
+    assert (info.objects_new, info.objects_reused) == (60, 30)
+    assert pack_store.stats().objects == 60
+    for p in payloads:
+        assert pack_store.get(object_id(1, (), p)).payload == p
+    assert pack_store.verify(deep=True).ok
