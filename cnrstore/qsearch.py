@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from cnrstore.qparams import dequantize, fp16_qparams, quantize_codes
+from cnrstore.qparams import dequantize, fp16_qparams, quantize_codes, round_codes_
 
 __all__ = ["SEARCHES", "N_BINS", "MAX_CLIP_RATIO", "choose_ranges", "row_sq_errors"]
 
@@ -29,8 +29,11 @@ MAX_CLIP_RATIO = 0.16
 # The adaptive range must beat min/max by this relative margin, so that a caller summing
 # the same errors in another order still sees it as no worse.
 _WIN_MARGIN = 1e-9
-# Elements per search chunk: two float32 work buffers of a chunk stay cache-resident.
-_CHUNK_ELEMS = 1 << 18
+# Elements per search chunk. CPU: below torch's intra-op grain size (32768), so every op
+# runs on the calling thread; forking OpenMP threads per op on cache-sized chunks costs
+# 10-100x when the cores are shared (measured, docs/QUANTIZATION.md). CUDA: bounds memory.
+_CPU_CHUNK_ELEMS = (1 << 15) - 1
+_CUDA_CHUNK_ELEMS = 1 << 24
 
 
 def choose_ranges(x: torch.Tensor, bits: int, *, search: str, dtype: torch.dtype):
@@ -48,7 +51,8 @@ def choose_ranges(x: torch.Tensor, bits: int, *, search: str, dtype: torch.dtype
     if search == "minmax":
         return lo, hi
     out_lo, out_hi = lo.clone(), hi.clone()
-    rows = max(1, _CHUNK_ELEMS // w)
+    budget = _CUDA_CHUNK_ELEMS if x.device.type == "cuda" else _CPU_CHUNK_ELEMS
+    rows = max(1, budget // w)
     for start in range(0, n, rows):
         sl = slice(start, start + rows)
         glo, ghi = _greedy(x[sl], lo[sl], hi[sl], bits)
@@ -72,8 +76,8 @@ def row_sq_errors(x, lo, hi, bits: int, dtype: torch.dtype) -> torch.Tensor:
 def _residual_norm(y: torch.Tensor, levels: int, q: torch.Tensor) -> torch.Tensor:
     """Per-row L2 norm of (clamp(round(y), 0, levels) - y): the fake-quantization error
     of rows already scaled to code units."""
-    torch.round(y, out=q)
-    q.clamp_(0, levels)
+    q.copy_(y)
+    round_codes_(q, levels)
     q -= y
     return torch.linalg.vector_norm(q, dim=1)
 

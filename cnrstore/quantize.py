@@ -47,9 +47,10 @@ HEADER_NBYTES = 4
 GREEDY_MAX_BITS = 4
 # Elements per chunk when scanning for non-finite values (bounds the bool temporary).
 _SCAN_ELEMS = 1 << 22
-# Elements per encode chunk: float32 work buffers of a chunk stay cache-resident on CPU;
-# on CUDA a chunk only bounds temporary memory.
-_CPU_CHUNK_ELEMS = 1 << 18
+# Elements per encode chunk. CPU: below torch's intra-op grain size (32768), so no op
+# forks OpenMP threads (10-100x slower on shared cores, measured) and the work buffers
+# stay in cache. CUDA: a chunk only bounds temporary memory.
+_CPU_CHUNK_ELEMS = (1 << 15) - 1
 _CUDA_CHUNK_ELEMS = 1 << 24
 
 
@@ -116,13 +117,27 @@ def encode_rows(rows: torch.Tensor, scheme: str, *, search: str | None = None) -
         bad = first_nonfinite_row(rows)
         if bad is not None:
             raise _nonfinite_error(bad, scheme)
-        # Saturate instead of overflowing to inf: a finite table must decode finite.
-        x = rows.clamp(-FP16_MAX, FP16_MAX) if scheme == "fp16" else rows
-        return x.to(_CASTS[scheme]).contiguous().view(torch.uint8).reshape(n, 2 * width)
+        return _encode_cast(rows, scheme)
     bits = _BITS[scheme]
     if search is None:
         search = "greedy" if bits <= GREEDY_MAX_BITS else "minmax"
     return _encode_int(rows, bits, search, scheme)
+
+
+def _encode_cast(rows: torch.Tensor, scheme: str) -> torch.Tensor:
+    n, width = rows.shape
+    out = torch.empty((n, width), dtype=_CASTS[scheme], device=rows.device)
+    budget = _CUDA_CHUNK_ELEMS if rows.device.type == "cuda" else _CPU_CHUNK_ELEMS
+    step = max(1, budget // max(1, width))
+    for start in range(0, n if width else 0, step):  # chunked as _encode_int
+        part = out[start : start + step]
+        part.copy_(rows[start : start + step])
+        if scheme == "fp16":
+            # Saturate instead of overflowing to inf: a finite table must decode finite.
+            # (Clamping after the cast keeps the same result: the cast rounds to +-inf
+            # only values beyond FP16_MAX.)
+            part.clamp_(-FP16_MAX, FP16_MAX)
+    return out.view(torch.uint8).reshape(n, 2 * width)
 
 
 def _nonfinite_error(row: int, scheme: str) -> ValueError:
@@ -174,13 +189,25 @@ def decode_rows(codes: torch.Tensor, scheme: str, dtype: torch.dtype, width: int
         if width == 0:
             return torch.empty((n, 0), dtype=dtype, device=codes.device)
         return _dense(codes).view(dtype).reshape(n, width)
+    out = torch.empty((n, width), dtype=dtype, device=codes.device)
+    if n == 0 or width == 0:
+        return out
+    budget = _CUDA_CHUNK_ELEMS if codes.device.type == "cuda" else _CPU_CHUNK_ELEMS
+    step = max(1, budget // width)
+    for start in range(0, n, step):  # chunked for the same reason as encoding
+        _decode_into(codes[start : start + step], scheme, width, out[start : start + step])
+    return out
+
+
+def _decode_into(codes: torch.Tensor, scheme: str, width: int, out: torch.Tensor) -> None:
+    n = codes.shape[0]
     if scheme in _CASTS:
-        return _dense(codes).view(_CASTS[scheme]).reshape(n, width).to(dtype)
-    bits = _BITS[scheme]
+        out.copy_(_dense(codes).view(_CASTS[scheme]).view(n, width))
+        return
     params = _dense(codes[:, :HEADER_NBYTES]).view(torch.float16).to(torch.float32)
     scale, offset = params[:, 0:1], params[:, 1:2]
-    q = unpack_codes(codes[:, HEADER_NBYTES:], bits, width)
-    return dequantize(q, scale, offset).to(dtype)
+    q = unpack_codes(codes[:, HEADER_NBYTES:], _BITS[scheme], width)
+    out.copy_(dequantize(q, scale, offset))
 
 
 def _dense(t: torch.Tensor) -> torch.Tensor:
