@@ -123,6 +123,13 @@ def _emit(**event: object) -> None:
     sys.stdout.flush()
 
 
+def _embedding_rows(rows_changed: dict[str, int]) -> int:
+    # Rows of the embedding tables only: their accumulators change with them, and the
+    # dense tables' "rows" are matrix rows, which would muddle the count.
+    return sum(n for name, n in rows_changed.items()
+               if name.startswith("emb") and "." not in name)
+
+
 def _worker(args: argparse.Namespace) -> int:
     import cnrstore
 
@@ -133,7 +140,7 @@ def _worker(args: argparse.Namespace) -> int:
             quant=resolve_quant(args.scheme, config, expected_restores=1),
             on_checkpoint=lambda info, stall: _emit(
                 ckpt=info.step, bytes=info.bytes_written, stall=stall,
-                rows=sum(info.rows_changed.values()), logical=info.logical_bytes))
+                rows=_embedding_rows(info.rows_changed), logical=info.logical_bytes))
         if store.steps():
             t0 = time.perf_counter()
             step = trainer.restore_latest()
@@ -234,7 +241,7 @@ def _report(args, run1, run2, ref, gc_line, floor, store_bytes) -> str:
             f"{sum(_config(args).table_rows):,} rows, {args.steps} steps, checkpoint every "
             f"{args.every}, scheme {args.scheme}, killed at step {args.fail_at}",
             "",
-            f"{'step':>6} {'rows changed':>13} {'written':>12} {'torch.save':>12} "
+            f"{'step':>6} {'emb rows chg':>13} {'written':>12} {'torch.save':>12} "
             f"{'ratio':>7} {'stall ms':>9}"]
     for e in ckpts:
         rows.append(f"{e['ckpt']:>6} {e['rows']:>13,} {_mb(e['bytes']):>12} "
@@ -261,7 +268,8 @@ def _report(args, run1, run2, ref, gc_line, floor, store_bytes) -> str:
         f"final eval AUC:  resumed {final['final_auc']:.6f}, uninterrupted {auc_ref:.6f}; "
         f"teacher's own loss (floor) {floor:.6f}",
         gc_line,
-        f"store on disk: {_mb(store_bytes).strip()} at {args.store}",
+        f"store on disk: {_mb(store_bytes).strip()} at {args.store}"
+        + (" (temporary: removed now; keep one with --store PATH)" if args.temporary else ""),
     ]
     return "\n".join(rows)
 
@@ -279,7 +287,8 @@ def main(argv: list[str] | argparse.Namespace | None = None) -> int:
         _check(args)
         if args.worker:
             return _worker(args)
-        if args.store is None:
+        args.temporary = args.store is None
+        if args.temporary:
             tmp = tempfile.TemporaryDirectory(prefix="cnrstore-demo-")
             args.store = tmp.name
         elif Path(args.store).exists() and any(Path(args.store).iterdir()):

@@ -34,6 +34,8 @@ def test_demo_kills_resumes_and_matches_the_uninterrupted_run(tmp_path):
     table = {int(m.group(1)): m.group(2) for m in
              re.finditer(r"^\s+(\d+)\s+([\d,]+)\s+[\d.]+ MB", text, re.M)}
     assert sorted(table) == [0, 10, 20, 30], text
+    total = int(re.search(r"([\d,]+) rows", text).group(1).replace(",", ""))
+    assert all(0 < int(rows.replace(",", "")) <= total for rows in table.values()), text
     assert "(bit-identical)" in text
     assert "full torch.save of the same state" in text
     # gc kept the two newest steps; the store is left for inspection.
