@@ -114,7 +114,9 @@ def _recheck(store: PackStore, oid: bytes, problem: Problem) -> Problem | None:
     try:
         entry = store._lookup(oid)
     except ObjectNotFound:
-        return problem
+        # Indexed during the walk, gone now: a concurrent gc swept it (its root was
+        # dropped after the walk). Nothing reachable is damaged.
+        return None
     if pack_name(entry.pack) == problem.pack:
         return problem
     fresh = _pack_problem(store, oid, entry, _listed(store), {})
@@ -131,8 +133,8 @@ def _deep_check(store: PackStore, oid: bytes) -> Problem | None:
         store.get(oid)
     except CorruptObject as exc:
         return Problem("corrupt", str(exc), oid=oid, pack=exc.pack, offset=exc.offset)
-    except ObjectNotFound as exc:
-        return Problem("missing", str(exc), oid=oid)
+    except ObjectNotFound:
+        return None  # swept by a concurrent gc since the walk (see _recheck)
     except StoreError as exc:
         return Problem("unreadable", str(exc), oid=oid)
     return None

@@ -220,6 +220,21 @@ def _cmd_read(path: str, seconds: str, stable: str) -> None:
     _say(f"reads {reads} vanished {vanished}")
 
 
+def _cmd_verify_loop(path: str, seconds: str) -> None:
+    """verify(deep=True) in a loop: exit 3 at the first report of damage (the store is
+    healthy; only concurrent writes and gc are going on)."""
+    deadline = time.monotonic() + float(seconds)
+    runs = 0
+    with engine.open(path, **_open_kw()) as store:
+        while time.monotonic() < deadline:
+            report = store.verify(deep=True)
+            if not report.ok:
+                _say(f"FALSE {report.problems[:3]}")
+                sys.exit(3)
+            runs += 1
+    _say(f"verified {runs}")
+
+
 def _cmd_try_writer(path: str, timeout: str) -> None:
     with engine.open(path, **_open_kw()) as store:
         t0 = time.monotonic()
@@ -261,6 +276,7 @@ COMMANDS = {
     "try_writer": _cmd_try_writer,
     "hold_writer": _cmd_hold_writer,
     "watch": _cmd_watch,
+    "verify_loop": _cmd_verify_loop,
 }
 
 if __name__ == "__main__":

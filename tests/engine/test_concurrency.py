@@ -61,6 +61,18 @@ def test_reader_during_writes_and_gc(tmp_path):
         assert store.verify(deep=True).ok
 
 
+def test_verify_during_writes_and_gc_reports_no_false_damage(tmp_path):
+    path = tmp_path / "store"
+    with open_store(path) as store:
+        with store.writer() as w:
+            put_dag(w, 0, size=8 * 1024)
+    checker = spawn("verify_loop", path, 4)
+    writer = spawn("churn", path, 1, 8 * 1024, 4)
+    _finish(writer)
+    lines, _ = _finish(checker)
+    assert lines[-1].startswith("verified ") and int(lines[-1].split()[1]) > 3, lines
+
+
 def test_index_grows_past_tiny_map_with_reader_open(tmp_path):
     path = tmp_path / "store"
     tiny = {"map_size": 1 << 16}
