@@ -11,6 +11,7 @@ import os
 import pathlib
 import struct
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -36,6 +37,7 @@ PACK_VALUE = struct.Struct("<QQQBI")
 U64 = struct.Struct("<Q")
 I64 = struct.Struct("<q")
 FLAG_META = 0x01
+_REFRESH_S = 1.0  # how often readers look for an index directory swapped by repair
 
 META_VERSION = b"format_version"
 META_NEXT_PACK = b"next_pack"
@@ -169,8 +171,33 @@ class Index:
             self.roots = self.env.open_db(DB_ROOTS)
             self.packs = self.env.open_db(DB_PACKS)
             self.meta = self.env.open_db(DB_META)
+            self._identity = self._file_identity()
         except lmdb.Error as exc:
             raise StoreError(f"cannot open index {self.path}: {exc}") from exc
+        self._checked = time.monotonic()
+
+    def _file_identity(self) -> tuple[int, int] | None:
+        try:
+            st = os.stat(self.path / "data.mdb")
+        except FileNotFoundError:
+            return None
+        return st.st_dev, st.st_ino
+
+    def refresh_if_replaced(self) -> bool:
+        """Reopen when another process swapped in a rebuilt index directory (repair's
+        fallback): a stale environment would lose commits and miss new ones."""
+        self._checked = time.monotonic()
+        now = self._file_identity()
+        if now is None or now == self._identity:
+            return False
+
+        def reopen():
+            size = self.env.info()["map_size"]
+            self.env.close()
+            self._open_env(size, False)
+
+        self._exclusive(reopen)
+        return True
 
     def replace_files(self, swap: Callable[[], None]) -> None:
         """Close the environment, let ``swap`` replace its directory, and reopen it; every
@@ -227,6 +254,8 @@ class Index:
 
     def read(self, fn: Callable[[lmdb.Transaction], T]) -> T:
         """Run ``fn`` in a short read transaction (thread-safe)."""
+        if time.monotonic() - self._checked > _REFRESH_S:
+            self.refresh_if_replaced()
         for _ in range(8):
             self._enter()
             try:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from . import format as fmt
 from . import index as ix
 from .api import Problem, RepairReport
-from .errors import CorruptObject
+from .errors import CorruptObject, StoreError
 from .fileio import fsync_dir, store_error
 from .ids import hexid
 from .pack import list_pack_files, pack_name, read_trailer, scan_records
@@ -42,45 +42,56 @@ def _scan(store: PackStore) -> tuple[_Found, int]:
         name = pack_name(n)
         try:
             data = path.read_bytes()
-            header = fmt.PackHeader.unpack(data[: fmt.PACK_HEADER.size], pack=name)
-        except CorruptObject as exc:
-            found.damaged.append(Problem("corrupt-pack", str(exc), pack=name, offset=0))
-            continue
         except OSError as exc:
             raise store_error(f"cannot read pack {name}", exc) from exc
+        try:
+            meta: bool | None = fmt.PackHeader.unpack(data[: fmt.PACK_HEADER.size],
+                                                      pack=name).meta
+        except CorruptObject as exc:
+            meta = None  # its records may still be intact: scan them all the same
+            found.damaged.append(Problem("corrupt-pack", str(exc), pack=name, offset=0))
         try:
             entries = read_trailer(path, name=name)
         except CorruptObject as exc:
             entries = None  # unsealed crash leftover or damaged trailer: scan sequentially
             found.damaged.append(Problem("damaged-trailer", str(exc), pack=name,
                                          offset=exc.offset))
-        total = live = count = 0
+        except OSError as exc:
+            raise store_error(f"cannot read pack {name}", exc) from exc
+        objects = []
         for scanned in scan_records(data, name=name, entries=entries):
             rec = scanned.record
             if rec is None:
                 err = scanned.error
                 found.damaged.append(Problem("corrupt", str(err), oid=err.oid, pack=name,
                                              offset=scanned.offset))
-                continue
+            elif rec.header.rtype == fmt.RECORD_ROOTS:
+                _add_snapshot(found, rec, n, name, scanned.offset)
+            else:
+                objects.append((scanned.offset, rec))
+        if meta is None:  # header lost: only meta packs hold roots snapshots
+            meta = any(s[1] == n for s in found.snapshots)
+        total = live = count = 0
+        for offset, rec in objects:
             h = rec.header
-            if h.rtype == fmt.RECORD_ROOTS:
-                try:
-                    seq, roots = fmt.decode_snapshot(rec.payload, pack=name, offset=scanned.offset)
-                except CorruptObject as exc:
-                    found.damaged.append(Problem("corrupt", str(exc), pack=name,
-                                                 offset=scanned.offset))
-                    continue
-                found.snapshots.append((seq, n, scanned.offset, roots))
-                continue
             total += h.length
             if h.oid in found.objects:
                 continue  # a copy gc made before a crash: the first one wins
-            found.objects[h.oid] = ix.ObjectEntry(n, scanned.offset, h.length, h.kind,
-                                                  h.raw_len, header.meta, rec.refs)
+            found.objects[h.oid] = ix.ObjectEntry(n, offset, h.length, h.kind, h.raw_len,
+                                                  meta, rec.refs)
             live += h.length
             count += 1
-        found.packs[n] = ix.PackEntry(len(data), total, live, header.meta, count)
+        found.packs[n] = ix.PackEntry(len(data), total, live, meta, count)
     return found, max(files, default=-1) + 1
+
+
+def _add_snapshot(found: _Found, rec: fmt.Record, n: int, name: str, offset: int) -> None:
+    try:
+        seq, roots = fmt.decode_snapshot(rec.payload, pack=name, offset=offset)
+    except CorruptObject as exc:
+        found.damaged.append(Problem("corrupt", str(exc), pack=name, offset=offset))
+        return
+    found.snapshots.append((seq, n, offset, roots))
 
 
 def _complete(objects: dict[bytes, ix.ObjectEntry], roots: dict[str, bytes]) -> bool:
@@ -128,7 +139,12 @@ def _choose_roots(found: _Found) -> tuple[int, int, dict[str, bytes]]:
 
 
 def rebuild(store: PackStore) -> RepairReport:
-    """Called by ``PackStore.repair`` with the writer lock held."""
+    """Called by ``PackStore.repair`` with the writer lock held.
+
+    In place first: ONE write transaction empties and refills the databases, atomic and
+    seen by every process that has the store open. Only when the old index cannot take
+    that transaction (damaged pages) is a fresh one built beside it and swapped in; other
+    processes notice the swap (``Index.refresh_if_replaced``) before their next write."""
     found, next_pack = _scan(store)
     seq, snap_pack, roots = _choose_roots(found)
     old = store._index
@@ -137,34 +153,53 @@ def rebuild(store: PackStore) -> RepairReport:
         old_seq = old.read(lambda t: ix.get_u64(t, old.meta, ix.META_SEQ))
     except Exception:  # the old index may be the damaged thing we are replacing
         old_next = old_seq = 0
-    map_size = old.map_size
-    new_path = store.path / "index.new"
-    if new_path.exists():
-        shutil.rmtree(new_path)
-    new = ix.Index(new_path, map_size=map_size, create=True,
-                   options={"compression_level": store.compression_level,
-                            "pack_target_size": store.pack_target_size})
+    meta = {
+        ix.META_VERSION: ix.U64.pack(fmt.FORMAT_VERSION),
+        ix.META_NEXT_PACK: ix.U64.pack(max(next_pack, old_next)),
+        ix.META_SEQ: ix.U64.pack(max(seq, old_seq)),
+        ix.META_SNAPSHOT_PACK: ix.I64.pack(snap_pack),
+    }
 
-    def fill(txn):
+    def fill(index: ix.Index, txn, *, drop: bool) -> None:
+        if drop:
+            for db in (index.objects, index.packs, index.roots):
+                txn.drop(db, delete=False)
         for oid, entry in found.objects.items():
-            txn.put(oid, entry.encode(), db=new.objects)
+            txn.put(oid, entry.encode(), db=index.objects)
         for n, entry in found.packs.items():
-            txn.put(ix.pack_key(n), entry.encode(), db=new.packs)
+            txn.put(ix.pack_key(n), entry.encode(), db=index.packs)
         for name, oid in roots.items():
-            txn.put(name.encode("utf-8"), oid, db=new.roots)
-        txn.put(ix.META_NEXT_PACK, ix.U64.pack(max(next_pack, old_next)), db=new.meta)
-        txn.put(ix.META_SEQ, ix.U64.pack(max(seq, old_seq)), db=new.meta)
-        txn.put(ix.META_SNAPSHOT_PACK, ix.I64.pack(snap_pack), db=new.meta)
+            txn.put(name.encode("utf-8"), oid, db=index.roots)
+        for key, value in meta.items():
+            txn.put(key, value, db=index.meta)
 
     try:
-        new.write(fill)
-        new.sync()
-    finally:
-        new.close()
-    store._index.replace_files(lambda: _swap(store.path))
+        old.write(lambda txn: fill(old, txn, drop=True))
+    except StoreError:
+        _rebuild_beside(store, lambda new, txn: fill(new, txn, drop=False))
     store._readers.close()
     return RepairReport(len(found.packs), len(found.objects), len(roots),
                         tuple(found.damaged))
+
+
+def _rebuild_beside(store: PackStore, fill) -> None:
+    old = store._index
+    new_path = store.path / "index.new"
+    if new_path.exists():
+        shutil.rmtree(new_path)
+    try:
+        map_size = old.map_size
+    except Exception:  # a damaged environment may not even report its size
+        map_size = 1 << 30
+    new = ix.Index(new_path, map_size=map_size, create=True,
+                   options={"compression_level": store.compression_level,
+                            "pack_target_size": store.pack_target_size})
+    try:
+        new.write(lambda txn: fill(new, txn))
+        new.sync()
+    finally:
+        new.close()
+    old.replace_files(lambda: _swap(store.path))
 
 
 def _swap(p) -> None:

@@ -293,6 +293,7 @@ class PackStore(ObjectStore):
         self._check_open()
         self._lock.acquire(timeout)
         try:
+            self._index.refresh_if_replaced()
             w = PackWriter(self)
         except BaseException:
             self._lock.release()
@@ -337,6 +338,7 @@ class PackStore(ObjectStore):
     def _locked(self, timeout: float | None) -> Iterator[None]:
         self._lock.acquire(timeout)
         try:
+            self._index.refresh_if_replaced()
             yield
         finally:
             self._lock.release()

@@ -213,3 +213,21 @@ def test_stats_and_progress(pack_store):
     steps = []
     pack_store.gc(progress=lambda done, total: steps.append((done, total)))
     assert steps[-1] == (3, 3)
+
+
+def test_repair_recovers_the_records_of_a_pack_whose_header_is_damaged(tmp_path):
+    path = tmp_path / "s"
+    with engine.open(path) as store:
+        with store.writer() as w:
+            ids = put_chain(w, 3, 700)
+            w.set_root("r", ids[-1])
+        for pack in list_pack_files(path).values():
+            raw = bytearray(pack.read_bytes())
+            raw[0:4] = b"JUNK"
+            pack.write_bytes(bytes(raw))
+        report = store.repair()
+        assert [p.what for p in report.damaged] == ["corrupt-pack", "corrupt-pack"]
+        assert store.roots() == {"r": ids[-1]} and report.objects_indexed == 4
+        assert store.info(ids[-1]).meta and not store.info(ids[0]).meta
+        rnd = random.Random(0)  # put_chain's leaves, regenerated
+        assert [store.get(i).payload for i in ids[:3]] == [rnd.randbytes(700) for _ in ids[:3]]
