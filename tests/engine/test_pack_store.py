@@ -327,8 +327,8 @@ def test_a_transaction_of_many_packs_holds_few_descriptors(tmp_path):
     try:
         with engine.open(tmp_path / "s", pack_target_size=1024) as store:
             with store.writer() as w:
-                ids = [w.put(1, os.urandom(1000)) for _ in range(600)]
-            assert store.stats().packs == 600
+                ids = [w.put(1, os.urandom(1000)) for _ in range(300)]
+            assert store.stats().packs == 300
             assert [o.payload for o in store.get_many(ids[::50])]
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
