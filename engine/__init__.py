@@ -1,6 +1,10 @@
 """engine: a content-addressed Merkle-DAG object store (bytes in, bytes out).
 
 Knows nothing of tensors: it never imports torch, numpy or cnrstore.
+
+``engine.open(path)`` opens (or creates) the on-disk ``PackStore`` (packs + LMDB index,
+specified in docs/FORMAT.md); ``MemoryStore`` is its dict-backed twin. Both implement
+``ObjectStore`` (engine/api.py).
 """
 
 from .api import (
