@@ -220,6 +220,16 @@ def _cmd_read(path: str, seconds: str, stable: str) -> None:
     _say(f"reads {reads} vanished {vanished}")
 
 
+def _cmd_repair(path: str, times: str) -> None:
+    """Say "open", then rebuild the index from the packs ``times`` times over: the
+    worker the random-kill repair test shoots at."""
+    with engine.open(path, **_open_kw()) as store:
+        _say("open")
+        for k in range(int(times)):
+            store.repair()
+            _say(f"repaired {k}")
+
+
 def _cmd_verify_loop(path: str, seconds: str) -> None:
     """verify(deep=True) in a loop: exit 3 at the first report of damage (the store is
     healthy; only concurrent writes and gc are going on)."""
@@ -277,6 +287,7 @@ COMMANDS = {
     "hold_writer": _cmd_hold_writer,
     "watch": _cmd_watch,
     "verify_loop": _cmd_verify_loop,
+    "repair": _cmd_repair,
 }
 
 if __name__ == "__main__":

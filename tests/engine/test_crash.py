@@ -208,3 +208,31 @@ def test_writer_killed_at_random_moment(tmp_path, seed):
         assert store.verify(deep=True).ok
     # What stays on disk is what the live roots need, whatever the kill left behind.
     assert pack_bytes(path) <= live * 4 * size + 2 * SLACK
+
+
+@pytest.mark.parametrize(
+    "seed", [*range(3), *(pytest.param(s, marks=pytest.mark.slow) for s in range(3, 30))]
+)
+def test_repair_killed_at_random_moment(tmp_path, seed):
+    """Repair writes a new index beside the old one and swaps them by two renames: a
+    kill anywhere in it leaves a store that opens with every root intact."""
+    path = tmp_path / "store"
+    n = 12
+    with open_store(path) as store:
+        for i in range(n):
+            with store.writer() as w:
+                put_dag(w, i, size=2000, leaves=20)
+    proc = spawn("repair", path, 40)
+    assert proc.stdout.readline().strip() == "open"
+    time.sleep(random.Random(seed).random() * 0.6)
+    proc.send_signal(signal.SIGKILL)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == -signal.SIGKILL, f"repair finished before the kill: {err}"
+    with open_store(path) as store:
+        assert set(store.roots()) == {f"r{i}" for i in range(n)}
+        for i in range(n):
+            check_dag(store, i, size=2000, leaves=20)
+        assert store.verify(deep=True).ok
+        with store.writer() as w:  # and it takes commits again
+            put_dag(w, n, size=2000, leaves=20)
+    assert not (path / "index.new").exists() and not (path / "index.old").exists()
