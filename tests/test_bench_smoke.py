@@ -245,3 +245,51 @@ def test_plot_writes_pngs_when_matplotlib_is_installed(tmp_path):
     written = report.plot(summary, tmp_path)
     assert written == ["incr_bytes.png", "incr_put_s.png"]
     assert all((tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for name in written)
+
+
+# --- stage profiler ---------------------------------------------------------------------
+
+
+def test_stage_timers_count_exclusive_time_per_thread():
+    import threading
+    import time as _time
+
+    from benches.profile_put import StageTimers
+
+    timers = StageTimers()
+
+    def inner():
+        _time.sleep(0.05)
+
+    inner_t = timers._wrap(inner, "inner")
+
+    def outer():
+        _time.sleep(0.02)
+        inner_t()
+
+    outer_t = timers._wrap(outer, "outer")
+    threads = [threading.Thread(target=outer_t) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    seconds, calls = timers.take()
+    assert calls == {"inner": 2, "outer": 2}
+    assert 0.1 <= seconds["inner"] < 0.2
+    assert 0.04 <= seconds["outer"] < 0.09  # the nested sleep is not counted twice
+    assert timers.take() == ({}, {})
+
+
+def test_stage_timers_find_every_stage_and_undo_their_patches():
+    import cnrstore.snapshot
+    from benches.profile_put import StageTimers
+
+    before = cnrstore.snapshot.row_fingerprints
+    timers = StageTimers()
+    timers.install()
+    try:
+        assert timers.missing == [], "renamed functions are no longer timed"
+        assert cnrstore.snapshot.row_fingerprints is not before
+    finally:
+        timers.remove()
+    assert cnrstore.snapshot.row_fingerprints is before
