@@ -42,6 +42,7 @@ _LEN_MUL = 0xD6E8FEB86659FD93
 # fork/join waits for a time slice (measured 15.7 s instead of 1.8 s for 1 GiB).
 # CUDA: a chunk (32 MiB per buffer) only bounds temporary memory.
 _CPU_CHUNK_WORDS = 1 << 14
+_SERIAL_ELEMS = 32767  # torch runs an op on fewer elements than its grain size serially
 _CUDA_CHUNK_WORDS = 1 << 22
 
 
@@ -117,6 +118,10 @@ def _return_buffers(device: torch.device, bufs) -> None:
             _buffer_cache[key] = bufs
 
 
+def _row_nbytes(table: torch.Tensor) -> int:
+    return math.prod(table.shape[1:]) * table.element_size()
+
+
 def _avalanche(h: torch.Tensor) -> torch.Tensor:
     """splitmix64 finalizer on int64 (logical shifts via masks), in place."""
     low = (1 << 34) - 1
@@ -128,32 +133,25 @@ def _avalanche(h: torch.Tensor) -> torch.Tensor:
     return h
 
 
-def _as_rows_of_bytes(table: torch.Tensor) -> torch.Tensor:
-    """A [rows, nbytes] uint8 view (or copy, for non-contiguous layouts) of the table."""
-    rows = table.shape[0]
-    flat = table.reshape(rows, math.prod(table.shape[1:]))
-    if flat.dtype == torch.uint8:
-        return flat
-    if flat.shape[1] == 0:
-        return torch.empty((rows, 0), dtype=torch.uint8, device=table.device)
-    if flat.stride(1) != 1:
-        flat = flat.contiguous()
-    return flat.view(torch.uint8)
-
-
-def _as_words(chunk_bytes: torch.Tensor, words: int, pad_buf: torch.Tensor) -> torch.Tensor:
-    """View (or copy into `pad_buf`) a [n, nbytes] uint8 chunk as [n, words] int64."""
-    n, nbytes = chunk_bytes.shape
-    if nbytes == words * 8 and chunk_bytes.is_contiguous():
+def _as_words(chunk: torch.Tensor, words: int, pad_buf: torch.Tensor) -> torch.Tensor:
+    """The rows of `chunk` (any layout) as [n, words] int64: a view when the rows are
+    dense and 8-byte aligned, else a copy into `pad_buf` with zeroed padding."""
+    n = chunk.shape[0]
+    width = math.prod(chunk.shape[1:])
+    flat = chunk.reshape(n, width)  # a view for 2-D tables, whatever their strides
+    if flat.dtype == torch.bool:  # copy bytes as they are (a bool copy may normalize them)
+        flat = flat.view(torch.uint8)
+    nbytes = width * flat.element_size()
+    if nbytes == words * 8 and flat.is_contiguous():
         try:
-            return chunk_bytes.view(torch.int64)
+            return flat.view(torch.int64) if width else flat.view(n, 0)
         except RuntimeError:  # storage offset not 8-byte aligned: fall through to a copy
             pass
     padded = pad_buf[: n * words].view(n, words)
-    padded_bytes = padded.view(torch.uint8)
     if nbytes != words * 8:
-        padded_bytes[:, nbytes:].zero_()
-    padded_bytes[:, :nbytes].copy_(chunk_bytes)
+        padded[:, -1].zero_()  # the padding lies in the last word of each row
+    # Copy typed elements (not bytes): one strided element copy instead of itemsize.
+    padded.view(flat.dtype)[:, :width].copy_(flat)
     return padded
 
 
@@ -180,7 +178,7 @@ def row_fingerprints(table: torch.Tensor, *, out: torch.Tensor | None = None) ->
             f"out must be int64 [{rows}] on {device}, got {out.dtype} {list(out.shape)} "
             f"on {out.device}"
         )
-    nbytes = math.prod(table.shape[1:]) * table.element_size()
+    nbytes = _row_nbytes(table)
     words = (nbytes + 7) // 8
     if rows == 0:
         return out
@@ -199,7 +197,12 @@ def row_fingerprints(table: torch.Tensor, *, out: torch.Tensor | None = None) ->
 def _hash_words(table: torch.Tensor, words: int, out: torch.Tensor) -> None:
     device = table.device
     a, b = _keys(device, words)
-    budget = _CUDA_CHUNK_WORDS if device.type == "cuda" else _CPU_CHUNK_WORDS
+    if device.type == "cuda":
+        budget = _CUDA_CHUNK_WORDS
+    elif table.is_contiguous() and words * 8 == _row_nbytes(table):
+        budget = _CPU_CHUNK_WORDS
+    else:  # rows are copied into the padded buffer: keep that copy serial too
+        budget = min(_CPU_CHUNK_WORDS, _SERIAL_ELEMS * table.element_size() // 8)
     chunk_rows = max(1, budget // words)
     elems = min(chunk_rows, table.shape[0]) * words
     work, tmp, pad = _take_buffers(device, elems)
@@ -208,7 +211,7 @@ def _hash_words(table: torch.Tensor, words: int, out: torch.Tensor) -> None:
     try:
         for start in range(0, table.shape[0], chunk_rows):
             # Chunk before flattening: a non-contiguous table is copied a chunk at a time.
-            chunk = _as_rows_of_bytes(table[start : start + chunk_rows])
+            chunk = table[start : start + chunk_rows]
             n = chunk.shape[0]
             w = _as_words(chunk, words, pad)
             x = work[: n * words].view(n, words)
