@@ -234,7 +234,7 @@ def _report(args, run1, run2, ref, gc_line, floor, store_bytes) -> str:
     restored = next(e for e in run2 if "restored" in e)
     final = next(e for e in run2 if "final_loss" in e)
     ckpts = [e for e in run1 + run2 if "ckpt" in e]
-    done = {e["ckpt"] for e in ckpts}
+    done = {e["ckpt"] for e in run1 if "ckpt" in e}  # committed before the kill
     lost = sorted({e["step"] for e in run1 if "step" in e and e["step"] % args.every == 0}
                   - done - {restored["restored"]})
     rows = [f"cnrstore demo: {len(_config(args).table_rows)} tables, "
