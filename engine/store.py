@@ -18,6 +18,7 @@ import os
 import pathlib
 import shutil
 import threading
+import weakref
 from collections.abc import Iterable, Iterator
 
 import lmdb
@@ -114,7 +115,8 @@ class PackStore(ObjectStore):
         self.pack_target_size = pack_target_size
         self._pid = os.getpid()
         self._closed = True
-        self._writer: Writer | None = None
+        # Weak, so a writer dropped without commit/abort is collected and unlocks.
+        self._writer: weakref.ref[Writer] | None = None
         self._local = threading.local()
         try:
             self._prepare_dir(create)
@@ -298,11 +300,12 @@ class PackStore(ObjectStore):
         except BaseException:
             self._lock.release()
             raise
-        self._writer = w
+        self._writer = weakref.ref(w)
         return w
 
     def _writer_done(self, w: Writer) -> None:
-        if self._writer is w:
+        # A dead reference is this very writer being finalized (weakrefs clear first).
+        if self._writer is not None and self._writer() in (w, None):
             self._writer = None
             self._lock.release()
 
@@ -365,8 +368,9 @@ class PackStore(ObjectStore):
         if os.getpid() != self._pid:
             self._closed = True  # the parent owns the LMDB handle; do not touch it here
             return
-        if self._writer is not None:
-            self._writer.abort()
+        w = self._writer() if self._writer is not None else None
+        if w is not None:
+            w.abort()
         self._closed = True
         self._readers.close()
         self._index.close()

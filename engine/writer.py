@@ -8,6 +8,7 @@ leaves only unindexed pack files that gc or repair reclaims.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -210,6 +211,14 @@ class PackWriter(Writer):
         if seq is not None:
             txn.put(ix.META_SEQ, ix.U64.pack(seq), db=index.meta)
             txn.put(ix.META_SNAPSHOT_PACK, ix.I64.pack(snapshot_pack), db=index.meta)
+
+    def __del__(self) -> None:
+        # A writer dropped without commit or abort must not keep the store locked.
+        try:
+            if not self._done and os.getpid() == self._store._pid:
+                self.abort()
+        except Exception:
+            pass
 
     def abort(self) -> None:
         with self._lock:

@@ -3,6 +3,7 @@ on-disk behaviour: dedup, codecs, persistence, gc, verify, repair, map growth, l
 
 from __future__ import annotations
 
+import gc
 import os
 import pathlib
 import random
@@ -362,3 +363,22 @@ def test_puts_from_several_threads_share_one_writer(pack_store):
     for p in payloads:
         assert pack_store.get(object_id(1, (), p)).payload == p
     assert pack_store.verify(deep=True).ok
+
+
+def test_a_dropped_writer_releases_the_lock(pack_store):
+    w = pack_store.writer()
+    w.put(1, b"never committed")
+    del w
+    gc.collect()
+    with pack_store.writer(timeout=0.0) as w2:
+        w2.put(1, b"next")
+    assert pack_store.stats().objects == 1 and len(list_pack_files(pack_store.path)) == 1
+
+
+def test_a_writer_dropped_inside_a_cycle_releases_the_lock(pack_store):
+    w = pack_store.writer()
+    w.put(1, b"never committed")
+    w.cycle = w  # only the cyclic collector can free it: weakrefs die before __del__
+    del w
+    gc.collect()
+    pack_store.writer(timeout=0.0).abort()
