@@ -165,6 +165,7 @@ def collect(store: PackStore, *, threshold: float, progress: ProgressFn | None) 
 
     plan = _plan(store, threshold)
     out = PackSet(store.path, plan.next_pack, store.pack_target_size)
+    published = False
     try:
         moves = _copy_live(store, plan, out)
         gone = set(plan.rewrite) | set(plan.drop)
@@ -179,15 +180,14 @@ def collect(store: PackStore, *, threshold: float, progress: ProgressFn | None) 
         crashpoints.hit("gc.after_compact_write")
         if gone or out.files:
             index.write(lambda txn: _publish(txn, index, moves, gone, out, seq, snap))
+        published = True
         crashpoints.hit("gc.after_compact_commit")
     except OSError as exc:
-        out.discard()
         raise store_error("gc compaction failed", exc) from exc
-    except BaseException:
-        out.discard()
-        raise
     finally:
         out.close()
+        if not published:
+            out.discard()  # nothing points at them: the old packs stay authoritative
     if progress:
         progress(2, 3)
 
