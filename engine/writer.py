@@ -146,10 +146,14 @@ class PackWriter(Writer):
 
     def commit(self) -> CommitInfo:
         with self._lock:  # no put may land between here and the seal
-            self._check()
+            if self._done:
+                raise StoreClosed("writer already committed or aborted")
             self._done = True
         published = False
-        try:
+        try:  # from here on, any failure discards the packs and releases the lock
+            self._store._check_open()
+            if self._broken is not None:
+                raise StoreError(f"cannot commit: a put failed earlier: {self._broken}")
             if not self._new and not self._roots:
                 return CommitInfo(0, 0, self._reused)
             seq, snapshot_pack = self._append_snapshot()
