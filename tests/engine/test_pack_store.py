@@ -382,3 +382,30 @@ def test_a_writer_dropped_inside_a_cycle_releases_the_lock(pack_store):
     del w
     gc.collect()
     pack_store.writer(timeout=0.0).abort()
+
+
+def test_a_failed_append_poisons_the_writer_and_unlocks_on_commit(pack_store):
+    import resource
+    import signal
+
+    with pack_store.writer() as w:
+        w.set_root("r", w.put(1, b"before"))
+    packs_before = list_pack_files(pack_store.path)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    old = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # get EFBIG, not a signal
+    resource.setrlimit(resource.RLIMIT_FSIZE, (32 << 10, hard))
+    try:
+        w = pack_store.writer()
+        with pytest.raises(StoreError, match="cannot append"):
+            w.put(1, os.urandom(64 << 10))  # a real write error: the file size limit
+        with pytest.raises(StoreError):
+            w.put(1, b"small")  # poisoned: the pack may hold a torn record
+        with pytest.raises(StoreError, match="put failed"):
+            w.commit()
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, old)
+    pack_store.writer(timeout=0.0).abort()  # the lock was released
+    assert pack_store.stats().objects == 1  # nothing of the failed writer is visible
+    assert list_pack_files(pack_store.path) == packs_before  # and its pack is gone
+    assert pack_store.verify(deep=True).ok
