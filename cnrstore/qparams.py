@@ -54,12 +54,14 @@ def _fp16_round_up(v: torch.Tensor) -> torch.Tensor:
 _ROUND_MAGIC = 12582912.0
 
 
-def round_codes_(y: torch.Tensor, levels: int) -> torch.Tensor:
-    """In place: y <- clamp(round_half_even(y), 0, levels) (= round of the clamped y)."""
-    y.clamp_(0, levels)
-    y += _ROUND_MAGIC
-    y -= _ROUND_MAGIC
-    return y
+def round_codes_(y: torch.Tensor, levels: int, *, out: torch.Tensor | None = None):
+    """clamp(round_half_even(y), 0, levels) (= the rounding of the clamped y), into `out`
+    (default: in place)."""
+    out = y if out is None else out
+    torch.clamp(y, 0, levels, out=out)
+    out += _ROUND_MAGIC
+    out -= _ROUND_MAGIC
+    return out
 
 
 def quantize_codes(x: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int):

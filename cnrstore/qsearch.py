@@ -76,8 +76,7 @@ def row_sq_errors(x, lo, hi, bits: int, dtype: torch.dtype) -> torch.Tensor:
 def _residual_norm(y: torch.Tensor, levels: int, q: torch.Tensor) -> torch.Tensor:
     """Per-row L2 norm of (clamp(round(y), 0, levels) - y): the fake-quantization error
     of rows already scaled to code units."""
-    q.copy_(y)
-    round_codes_(q, levels)
+    round_codes_(y, levels, out=q)
     q -= y
     return torch.linalg.vector_norm(q, dim=1)
 
