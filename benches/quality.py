@@ -74,7 +74,7 @@ def failure_points(n: int, *, steps: int, every: int) -> list[int]:
 
 
 def run_case(config: DLRMConfig, *, steps: int, every: int, failures: list[int],
-             scheme: str, workdir: Path, n_eval: int = 32,
+             scheme: str, workdir: Path, n_eval: int = 32, device: str = "cpu",
              keep_tables: bool = False) -> tuple[Outcome, dict[str, torch.Tensor] | None]:
     """Train to ``steps``, failing and restoring at each of ``failures``; evaluate."""
     quant = resolve_quant(scheme, config, expected_restores=max(1, len(failures)))
@@ -83,7 +83,7 @@ def run_case(config: DLRMConfig, *, steps: int, every: int, failures: list[int],
     t0 = time.perf_counter()
     with deterministic():
         store = cnrstore.open(workdir) if failures else None
-        trainer = Trainer(config, store=store, every=every, quant=quant,
+        trainer = Trainer(config, store=store, every=every, quant=quant, device=device,
                           on_checkpoint=lambda info, _stall: written.append(info.bytes_written))
         if store is not None:
             trainer.checkpoint()
@@ -94,7 +94,7 @@ def run_case(config: DLRMConfig, *, steps: int, every: int, failures: list[int],
             store.close()
             del trainer
             store = cnrstore.open(workdir)
-            trainer = Trainer(config, store=store, every=every, quant=quant,
+            trainer = Trainer(config, store=store, every=every, quant=quant, device=device,
                               on_checkpoint=lambda info, _s: written.append(info.bytes_written))
             trainer.restore_latest()
         trainer.run(steps)
@@ -102,7 +102,8 @@ def run_case(config: DLRMConfig, *, steps: int, every: int, failures: list[int],
             trainer.wait()
             store.close()
         loss, auc = evaluate(trainer.model, trainer.data.eval_batches(n_eval))
-        tables = {k: v.clone() for k, v in trainer.tables().items()} if keep_tables else None
+        tables = ({k: v.cpu().clone() for k, v in trainer.tables().items()}
+                  if keep_tables else None)
     incremental = written[1:]  # the first checkpoint (step 0) is a full one
     outcome = Outcome(scheme, resolved, len(failures), loss, auc,
                       sum(incremental) / max(1, len(incremental)), time.perf_counter() - t0)
@@ -110,14 +111,15 @@ def run_case(config: DLRMConfig, *, steps: int, every: int, failures: list[int],
 
 
 def experiment(config: DLRMConfig, *, steps: int, every: int, restores=RESTORES,
-               schemes=SCHEMES, n_eval: int = 32, log=None) -> tuple[Outcome, list[Outcome]]:
+               schemes=SCHEMES, n_eval: int = 32, device: str = "cpu",
+               log=None) -> tuple[Outcome, list[Outcome]]:
     """The uninterrupted run and one run per (restores, scheme).
 
     "auto" resolves to one of the other schemes; when that scheme is also measured, its
     run is reused (the two runs would be identical)."""
     with tempfile.TemporaryDirectory(prefix="cnrstore-quality-") as tmp:
         base, _ = run_case(config, steps=steps, every=every, failures=[], scheme="exact",
-                           workdir=Path(tmp) / "base", n_eval=n_eval)
+                           workdir=Path(tmp) / "base", n_eval=n_eval, device=device)
         if log:
             log(f"uninterrupted: loss {base.loss:.6f} auc {base.auc:.6f} ({base.seconds:.1f}s)")
         out: list[Outcome] = []
@@ -132,7 +134,7 @@ def experiment(config: DLRMConfig, *, steps: int, every: int, restores=RESTORES,
                 else:
                     o, _ = run_case(config, steps=steps, every=every, failures=points,
                                     scheme=scheme, workdir=Path(tmp) / f"{scheme}-{n}",
-                                    n_eval=n_eval)
+                                    n_eval=n_eval, device=device)
                     done[resolved] = o
                 out.append(o)
                 if log:
@@ -188,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--restores", type=int, nargs="+", default=list(RESTORES))
     parser.add_argument("--schemes", nargs="+", default=list(SCHEMES), choices=SCHEMES)
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     parser.add_argument("--json", metavar="PATH", help="write the outcomes as JSON")
     parser.add_argument("--report", nargs="+", metavar="JSON",
                         help="run nothing: print the table averaged over these JSON outputs")
@@ -202,11 +205,11 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     base, outcomes = experiment(config, steps=args.steps, every=args.every,
                                 restores=args.restores, schemes=args.schemes,
-                                log=lambda s: print(s, flush=True))
+                                device=args.device, log=lambda s: print(s, flush=True))
     params = {"steps": args.steps, "every": args.every, "scale": args.scale,
               "seed": args.seed, "table_rows": config.table_rows, "dim": config.dim,
-              "batch": config.batch_size, "eval_samples": 32 * config.batch_size,
-              "wall_s": round(time.perf_counter() - t0)}
+              "batch": config.batch_size, "device": args.device,
+              "eval_samples": 32 * config.batch_size, "wall_s": round(time.perf_counter() - t0)}
     print(markdown([(base, outcomes)], params))
     if args.json:
         Path(args.json).write_text(json.dumps(

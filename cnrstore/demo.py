@@ -54,6 +54,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fail-at", type=int, metavar="STEP",
                         help="step at which the trainer is SIGKILLed (default: ~60%% through)")
     parser.add_argument("--seed", type=int, default=0, help="seed of data and model")
+    parser.add_argument("--device", default="cpu",
+                        help="where the model trains: cpu (default) or cuda")
     parser.add_argument("--quiet", action="store_true", help="print only the final table")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
 
@@ -73,6 +75,10 @@ def _check(args: argparse.Namespace) -> None:
         raise _Failed("--every must be >= 1")
     if not args.scale > 0:
         raise _Failed("--scale must be > 0")
+    if args.device not in ("cpu", "cuda") and not args.device.startswith("cuda:"):
+        raise _Failed(f"--device must be cpu or cuda[:N]; got {args.device!r}")
+    if args.device != "cpu" and not torch.cuda.is_available():
+        raise _Failed(f"--device {args.device}: CUDA is not available")
     if args.fail_at is None:
         # Mid-interval, so the kill loses work that the resumed run must redo.
         args.fail_at = max(1, int(args.steps * 0.6) // args.every * args.every + args.every // 2)
@@ -136,7 +142,7 @@ def _worker(args: argparse.Namespace) -> int:
     config = _config(args)
     with deterministic(), cnrstore.open(args.store) as store:
         trainer = Trainer(
-            config, store=store, every=args.every,
+            config, store=store, every=args.every, device=args.device,
             quant=resolve_quant(args.scheme, config, expected_restores=1),
             on_checkpoint=lambda info, stall: _emit(
                 ckpt=info.step, bytes=info.bytes_written, stall=stall,
@@ -186,7 +192,7 @@ def _spawn(args: argparse.Namespace, *, kill_at: int | None, events: list[dict],
            bar: _Bar) -> int:
     cmd = [sys.executable, "-m", "cnrstore.demo", "--worker", "--store", args.store,
            "--steps", str(args.steps), "--scale", str(args.scale), "--every", str(args.every),
-           "--scheme", args.scheme, "--seed", str(args.seed),
+           "--scheme", args.scheme, "--seed", str(args.seed), "--device", args.device,
            "--fail-at", str(kill_at if kill_at is not None else args.steps + 1)]
     env = dict(os.environ)
     root = str(Path(__file__).resolve().parents[1])
@@ -209,7 +215,8 @@ def _reference(args: argparse.Namespace, bar: _Bar) -> tuple[float, float, int, 
     """The uninterrupted run: (eval loss, AUC, torch.save bytes, torch.save seconds)."""
     config = _config(args)
     with deterministic():
-        trainer = Trainer(config, store=None, every=args.every, quant="exact")
+        trainer = Trainer(config, store=None, every=args.every, quant="exact",
+                          device=args.device)
         trainer.run(args.steps, on_step=lambda s, loss: bar.update(s, f"loss {loss:.4f}"))
         bar.close()
         loss, auc = evaluate(trainer.model, trainer.data.eval_batches(EVAL_BATCHES))
@@ -217,7 +224,7 @@ def _reference(args: argparse.Namespace, bar: _Bar) -> tuple[float, float, int, 
             path = Path(tmp) / "full.pt"
             t0 = time.perf_counter()
             with open(path, "wb") as f:
-                torch.save(trainer.tables(), f)
+                torch.save(trainer.tables(), f)  # from the device, as a user's save would
                 f.flush()
                 os.fsync(f.fileno())
             seconds = time.perf_counter() - t0

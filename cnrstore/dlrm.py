@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import os
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -93,6 +94,11 @@ class Batch:
     ids: tuple[torch.Tensor, ...]  # per table, [B, bag_size] int64
     labels: torch.Tensor           # [B] float32 in {0, 1}
     teacher_logits: torch.Tensor   # [B] float32: the truth the labels were drawn from
+
+    def to(self, device: str | torch.device) -> Batch:
+        """The batch on ``device`` (data is drawn on the CPU so every device sees the same)."""
+        return Batch(self.dense.to(device), tuple(i.to(device) for i in self.ids),
+                     self.labels.to(device), self.teacher_logits.to(device))
 
 
 def _seed(*parts: object) -> int:
@@ -209,7 +215,7 @@ class RowWiseAdagrad:
     def __init__(self, model: DLRM, *, lr: float, dense_lr: float, eps: float = 1e-8) -> None:
         self.model = model
         self.lr, self.dense_lr, self.eps = lr, dense_lr, eps
-        self.emb_acc = [torch.zeros(bag.weight.shape[0]) for bag in model.embs]
+        self.emb_acc = [bag.weight.new_zeros(bag.weight.shape[0]) for bag in model.embs]
         self.dense_acc = {name: torch.zeros_like(p) for name, p in _dense_params(model)}
 
     @torch.no_grad()
@@ -310,6 +316,8 @@ def auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
 @torch.no_grad()
 def evaluate(model: DLRM, batches: list[Batch]) -> tuple[float, float]:
     """(mean log loss, AUC) of ``model`` on ``batches``."""
+    device = next(model.parameters()).device
+    batches = [b.to(device) for b in batches]
     logits = torch.cat([model(b.dense, b.ids) for b in batches])
     labels = torch.cat([b.labels for b in batches])
     return float(F.binary_cross_entropy_with_logits(logits, labels)), auc(logits, labels)
@@ -330,6 +338,9 @@ def deterministic(*, threads: int = 1) -> Iterator[None]:
     thread count and deterministic kernels give on the CPU (and CUDA, with cuBLAS's
     workspace setting made by the caller).
     """
+    # cuBLAS is deterministic only with a fixed workspace, which must be set before its
+    # first use in the process; setdefault keeps a caller's own choice.
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     old_threads = torch.get_num_threads()
     old_det = torch.are_deterministic_algorithms_enabled()
     torch.set_num_threads(threads)
@@ -350,14 +361,17 @@ class Trainer:
     committed (in step order), from the thread that calls ``run`` or ``wait``.
     """
 
-    def __init__(self, config: DLRMConfig, *, store=None, every: int = 25,
+    def __init__(self, config: DLRMConfig, *, store=None, every: int = 25, device: str = "cpu",
                  quant: str | Mapping[str, str] = "exact",
                  on_checkpoint: Callable[[object, float], None] | None = None) -> None:
         if every < 1:
             raise ValueError(f"every must be >= 1; got {every}")
         self.config, self.store, self.every, self.quant = config, store, every, quant
         self.data = SyntheticCTR(config)
-        self.model = DLRM(config)
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device 'cuda' asked for, but CUDA is not available")
+        self.model = DLRM(config).to(self.device)  # same init on every device (CPU RNG)
         self.opt = RowWiseAdagrad(self.model, lr=config.lr, dense_lr=config.dense_lr)
         self.step = 0
         self.on_checkpoint = on_checkpoint
@@ -379,7 +393,8 @@ class Trainer:
         steps = self.store.steps()
         if not steps:
             raise ValueError("the store has no step to restore")
-        load_state_tables(self.model, self.opt, self.store.get_tables(steps[-1]))
+        load_state_tables(self.model, self.opt,
+                          self.store.get_tables(steps[-1], device=str(self.device)))
         self.step = steps[-1]
         return self.step
 
@@ -388,7 +403,8 @@ class Trainer:
         """Train up to step ``until``, checkpointing every ``every`` steps (and at
         ``until`` when ``checkpoint_last``) if the trainer has a store."""
         while self.step < until:
-            loss = train_step(self.model, self.opt, self.data.batch(self.step))
+            batch = self.data.batch(self.step).to(self.device)
+            loss = train_step(self.model, self.opt, batch)
             self.step += 1
             due = self.step % self.every == 0 or (checkpoint_last and self.step == until)
             if self.store is not None and due:

@@ -13,6 +13,7 @@ from cnrstore.dlrm import (
     DLRMConfig,
     RowWiseAdagrad,
     SyntheticCTR,
+    Trainer,
     auc,
     deterministic,
     evaluate,
@@ -168,3 +169,25 @@ def test_auc_edge_cases():
     assert auc(torch.tensor([0.5, 0.5]), torch.tensor([0, 1])) == 0.5
     with pytest.raises(ValueError, match="positive"):
         auc(torch.tensor([0.1, 0.2]), torch.tensor([1, 1]))
+
+
+def test_trainer_refuses_cuda_without_it():
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    with pytest.raises(ValueError, match="CUDA"):
+        Trainer(TINY, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_training_on_cuda_is_reproducible_and_learns():
+    runs = []
+    for _ in range(2):
+        with deterministic():
+            trainer = Trainer(TINY, device="cuda")
+            trainer.run(200)
+            runs.append({k: v.cpu() for k, v in trainer.tables().items()})
+            loss, _ = evaluate(trainer.model, trainer.data.eval_batches(4))
+    for name in runs[0]:
+        assert torch.equal(runs[0][name], runs[1][name]), name
+    assert loss < 0.65

@@ -22,10 +22,10 @@ _spec.loader.exec_module(quality)
 TINY = DLRMConfig(table_rows=(400, 200, 50), dim=8, batch_size=128, seed=5)
 
 
-def _case(tmp_path, scheme, failures, *, steps=60, every=10, config=TINY):
+def _case(tmp_path, scheme, failures, *, steps=60, every=10, config=TINY, device="cpu"):
     return quality.run_case(config, steps=steps, every=every, failures=failures,
                             scheme=scheme, workdir=tmp_path / f"{scheme}-{len(failures)}",
-                            n_eval=4, keep_tables=True)
+                            n_eval=4, keep_tables=True, device=device)
 
 
 def test_exact_restores_reproduce_the_uninterrupted_run_bit_for_bit(tmp_path):
@@ -79,3 +79,14 @@ def test_every_scheme_after_five_restores(tmp_path):
         assert abs(by[scheme].loss_rel(base)) < 0.01, scheme
     for o in outcomes:
         assert abs(o.loss_rel(base)) < 0.1, o
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_exact_restores_are_bit_identical_on_cuda(tmp_path):
+    base, base_tables = _case(tmp_path, "exact", [], device="cuda")
+    run, tables = _case(tmp_path, "exact", quality.failure_points(2, steps=60, every=10),
+                        device="cuda")
+    for name in tables:
+        assert torch.equal(tables[name], base_tables[name]), name
+    assert (run.loss, run.auc) == (base.loss, base.auc)
