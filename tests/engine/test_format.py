@@ -214,3 +214,14 @@ def test_golden_v1_packs_still_open(tmp_path):
         assert store.verify(deep=True).ok
         assert store.stats().objects == 6  # step-1's node and empty block: gc fodder
         assert store.gc().objects_freed == 2
+
+
+def test_atomic_write_replaces_whole_files_and_leaves_no_temp(tmp_path):
+    from engine.fileio import allocated_bytes, atomic_write
+
+    target = tmp_path / "small.bin"
+    atomic_write(target, b"first version")
+    atomic_write(target, b"second")
+    assert target.read_bytes() == b"second"
+    assert [p.name for p in tmp_path.iterdir()] == ["small.bin"]
+    assert allocated_bytes(target) > 0 and allocated_bytes(tmp_path / "gone") == 0
