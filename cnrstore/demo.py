@@ -251,10 +251,11 @@ def _report(args, run1, run2, ref, gc_line, floor, store_bytes) -> str:
             f"{'step':>6} {'emb rows chg':>13} {'written':>12} {'torch.save':>12} "
             f"{'ratio':>7} {'stall ms':>9}"]
     for e in ckpts:
+        by = "resumed" if any(e is r for r in run2) else ""
         rows.append(f"{e['ckpt']:>6} {e['rows']:>13,} {_mb(e['bytes']):>12} "
                     f"{_mb(save_bytes):>12} {save_bytes / max(1, e['bytes']):>6.1f}x "
-                    f"{e['stall'] * 1e3:>9.1f}")
-    incr = [e for e in ckpts if e["ckpt"] not in (0, restored["restored"])]
+                    f"{e['stall'] * 1e3:>9.1f}  {by}".rstrip())
+    incr = [e for e in ckpts if e["ckpt"] != 0]  # step 0 is the one full put
     if incr:
         mean_bytes = sum(e["bytes"] for e in incr) / len(incr)
         mean_stall = sum(e["stall"] for e in incr) / len(incr)
@@ -282,7 +283,11 @@ def _report(args, run1, run2, ref, gc_line, floor, store_bytes) -> str:
 
 
 def main(argv: list[str] | argparse.Namespace | None = None) -> int:
-    """Run the demo; ``argv`` is a list of arguments or an already parsed namespace."""
+    """Run the demo; returns the exit code (0 ok, 1 the run failed, 2 bad options).
+
+    ``argv`` is a list of arguments, or the namespace the ``cnrstore demo`` CLI parsed
+    with ``add_arguments`` (its ``--no-progress`` is honoured too).
+    """
     if isinstance(argv, argparse.Namespace):
         args = argv
     else:

@@ -66,3 +66,11 @@ def test_resolve_quant_quantizes_only_embedding_tables():
         "emb0": "int4", "emb1": "int4"}
     auto = demo.resolve_quant("auto", config, expected_restores=1)
     assert auto == "exact" or set(auto) == {"emb0", "emb1"}
+
+
+def test_the_cli_runs_the_demo_with_its_options(capsys):
+    from cnrstore import cli
+
+    # Parsed by the CLI, checked by the demo: a bad option is a usage error, nothing runs.
+    assert cli.main(["demo", "--steps", "10", "--fail-at", "10"]) == 2
+    assert "--fail-at must be in 1..9" in capsys.readouterr().err
