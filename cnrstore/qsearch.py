@@ -6,9 +6,9 @@ PyTorch's `choose_qparams_optimized` (aten/src/ATen/native/quantized/QTensor.cpp
 all rows at once as tensor ops so it stays on the rows' device:
 
     step = (max - min) / N_BINS; walk from [min, max], each time moving the end whose move
-    gives the lower error, until less than (1 - MAX_CLIP_RATIO) of the range is left; the
-    answer is the best local optimum met (min/max itself counts), or the end of the walk
-    if that is better still (an addition to the reference).
+    gives the lower error, for N_BINS * MAX_CLIP_RATIO steps (so at most that fraction of
+    the range is clipped); the answer is the best local optimum met (min/max itself
+    counts), or the end of the walk if that is better still (an addition to the reference).
 
 Then the winner and plain min/max are both encoded exactly as the encoder will (fp16
 parameters, codes, output dtype) and the winner is kept only if its float64 L2 error is
@@ -26,6 +26,7 @@ __all__ = ["SEARCHES", "N_BINS", "MAX_CLIP_RATIO", "choose_ranges", "row_sq_erro
 SEARCHES = ("greedy", "minmax")
 N_BINS = 200
 MAX_CLIP_RATIO = 0.16
+_STEPS = round(N_BINS * MAX_CLIP_RATIO)
 # The adaptive range must beat min/max by this relative margin, so that a caller summing
 # the same errors in another order still sees it as no worse.
 _WIN_MARGIN = 1e-9
@@ -96,34 +97,35 @@ def _greedy(x, lo, hi, bits: int):
     y = torch.empty_like(x)
     q = torch.empty_like(x)
     step = (hi - lo) / N_BINS
-    thr = int(N_BINS * (1.0 - MAX_CLIP_RATIO)) * step
-    # Rows of `cur` and `best`: lo, hi, loss; one torch.where updates all three.
-    cur = torch.stack([lo, hi, _loss(x, lo, hi, levels, y, q)])
-    best = cur.clone()
+    loss = _loss(x, lo, hi, levels, y, q)
+    best_lo, best_hi, best_loss = lo, hi, loss
     tiny = torch.finfo(torch.float32).tiny
-    # In exact arithmetic the walk takes N_BINS * MAX_CLIP_RATIO steps; float rounding of
-    # the loop test can add one, and rows finish independently (the `active` mask). A
-    # fixed trip count keeps the loop free of device-to-host syncs.
-    for _ in range(int(N_BINS * MAX_CLIP_RATIO) + 2):
-        cur_lo, cur_hi, cur_loss = cur[0], cur[1], cur[2]
-        active = cur_lo + thr < cur_hi
+    # The reference walks while more than (1 - MAX_CLIP_RATIO) of the range is left, i.e.
+    # N_BINS * MAX_CLIP_RATIO steps in exact arithmetic; a fixed count gives every row the
+    # same walk (float rounding cannot add or drop a step) and needs no device syncs.
+    for _ in range(_STEPS):
+        up = lo + step
+        down = hi - step
         # Both moves leave the same scale; they differ only by an offset of one step,
-        # which in code units is the per-row constant `shift`: y_up = y_down - shift.
-        scale = (cur_hi - cur_lo - step) / levels
+        # which in code units is the per-row constant step / scale: y_up = y_down - that.
+        scale = (down - lo) / levels
         inv = scale.clamp_min(tiny).reciprocal_()  # a constant row has y = 0 anyway
-        torch.sub(x, cur_lo[:, None], out=y)
+        torch.sub(x, lo[:, None], out=y)
         y *= inv[:, None]
         loss_down = _residual_norm(y, levels, q) * scale
         y -= (step * inv)[:, None]
         loss_up = _residual_norm(y, levels, q) * scale
+        better = torch.minimum(loss_up, loss_down)
         # A local optimum better than any met so far (min/max is the first candidate).
-        local = active & (cur_loss < torch.minimum(torch.minimum(loss_up, loss_down), best[2]))
-        best = torch.where(local, cur, best)
+        local = loss < torch.minimum(better, best_loss)
+        best_lo = torch.where(local, lo, best_lo)
+        best_hi = torch.where(local, hi, best_hi)
+        best_loss = torch.where(local, loss, best_loss)
         move_up = loss_up < loss_down
-        cur_lo += step * (active & move_up)
-        cur_hi -= step * (active & ~move_up)
-        cur[2] = torch.where(active, torch.minimum(loss_up, loss_down), cur_loss)
+        lo = torch.where(move_up, up, lo)
+        hi = torch.where(move_up, hi, down)
+        loss = better
     # Unlike the reference, the end of the walk is a candidate too: at 2-3 bits the loss
     # often falls all the way to the clipping limit, which no local optimum records.
-    best = torch.where(cur[2] < best[2], cur, best)
-    return best[0].clone(), best[1].clone()
+    end = loss < best_loss
+    return torch.where(end, lo, best_lo), torch.where(end, hi, best_hi)
