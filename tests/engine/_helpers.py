@@ -198,6 +198,7 @@ def _cmd_read(path: str, seconds: str, stable: str) -> None:
     reads = vanished = 0
     with engine.open(path, **_open_kw()) as store:
         stable_top = store.root(f"r{stable}")
+        _say("open")
         while time.monotonic() < deadline:
             for name, top in list(store.roots().items()):
                 stack = [top]
@@ -247,6 +248,7 @@ def _cmd_verify_loop(path: str, seconds: str) -> None:
 
 def _cmd_try_writer(path: str, timeout: str) -> None:
     with engine.open(path, **_open_kw()) as store:
+        _say("trying")
         t0 = time.monotonic()
         try:
             w = store.writer(timeout=float(timeout))
