@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 
 import pytest
 from _helpers import (
     HAS_PACKSTORE,
     check_dag,
+    dag,
     make_payload,
     open_store,
     put_dag,
@@ -58,6 +60,51 @@ def test_reader_during_writes_and_gc(tmp_path):
     assert int(gcs[0].split()[3]) > 0, "the first gc rewrote no pack: r0's objects never moved"
     with open_store(path) as store:
         check_dag(store, 0, size=16 * 1024)
+        assert store.verify(deep=True).ok
+
+
+def test_reader_threads_during_writes_and_gc_in_one_process(tmp_path):
+    """Reads are thread-safe on one handle: threads read while another thread commits,
+    drops roots and runs gc that moves the objects they read."""
+    path = tmp_path / "store"
+    errors: list[BaseException] = []
+    reads = [0]
+    stop = threading.Event()
+    with open_store(path) as store:
+        with store.writer() as w:
+            put_dag(w, 0, size=8 * 1024)
+            put_dag(w, 500, size=8 * 1024)  # shares r0's packs: gc will move r0
+        with store.writer() as w:
+            w.delete_root("r500")
+        _, want = dag(0, size=8 * 1024)
+
+        def read_loop() -> None:
+            try:
+                while not stop.is_set():
+                    for oid, obj in want.items():
+                        assert store.get(oid) == obj
+                        reads[0] += 1
+            except BaseException as exc:  # reported by the main thread
+                errors.append(exc)
+
+        threads = [threading.Thread(target=read_loop) for _ in range(3)]
+        for t in threads:
+            t.start()
+        try:
+            for i in range(1, 13):
+                with store.writer() as w:
+                    put_dag(w, i, size=8 * 1024)
+                    if i >= 3:
+                        w.delete_root(f"r{i - 2}")
+                if i % 3 == 0:
+                    store.gc(threshold=0.0)
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(timeout=30)
+        assert not errors, errors[0]
+        assert reads[0] > 0
+        check_dag(store, 0, size=8 * 1024)
         assert store.verify(deep=True).ok
 
 
