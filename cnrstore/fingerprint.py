@@ -167,7 +167,7 @@ def row_fingerprints(table: torch.Tensor, *, out: torch.Tensor | None = None) ->
         raise TypeError(f"row_fingerprints expects a torch.Tensor, got {type(table).__name__}")
     if table.ndim < 1:
         raise ValueError("row_fingerprints needs a tensor with ndim >= 1 (rows are dim 0)")
-    if table.is_complex() or table.is_quantized or table.layout != torch.strided:
+    if table.is_quantized or table.layout != torch.strided:
         raise ValueError(f"row_fingerprints cannot hash a {table.dtype} {table.layout} tensor")
     rows = table.shape[0]
     device = table.device

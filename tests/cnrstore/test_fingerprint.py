@@ -133,6 +133,17 @@ def test_chunking_and_buffer_reuse(monkeypatch):
     assert torch.equal(row_fingerprints(table), whole)  # reused buffers, same answer
 
 
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128])
+def test_complex_tables_hash_their_bytes(dtype):
+    base = torch.randn(30, 14, dtype=dtype)
+    table = base[:, ::2]
+    fp = row_fingerprints(table)
+    assert torch.equal(fp, row_fingerprints(table.contiguous()))
+    real = torch.view_as_real(table.contiguous()).reshape(30, -1)  # same bytes
+    assert torch.equal(fp, row_fingerprints(real))
+    assert len(set(fp.tolist())) == 30
+
+
 def test_non_contiguous_and_misaligned_views():
     base = torch.randn(40, 16)
     table = base[:, ::2]  # strided columns
