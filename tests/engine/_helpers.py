@@ -221,14 +221,17 @@ def _cmd_read(path: str, seconds: str, stable: str) -> None:
     _say(f"reads {reads} vanished {vanished}")
 
 
-def _cmd_repair(path: str, times: str) -> None:
-    """Say "open", then rebuild the index from the packs ``times`` times over: the
-    worker the random-kill repair test shoots at."""
+def _cmd_repair(path: str, seconds: str) -> None:
+    """Say "open", then rebuild the index from the packs over and over for ``seconds``:
+    the worker the random-kill repair test shoots at."""
+    deadline = time.monotonic() + float(seconds)
     with engine.open(path, **_open_kw()) as store:
         _say("open")
-        for k in range(int(times)):
+        k = 0
+        while time.monotonic() < deadline:
             store.repair()
             _say(f"repaired {k}")
+            k += 1
 
 
 def _cmd_verify_loop(path: str, seconds: str) -> None:

@@ -222,12 +222,12 @@ def test_repair_killed_at_random_moment(tmp_path, seed):
         for i in range(n):
             with store.writer() as w:
                 put_dag(w, i, size=2000, leaves=20)
-    proc = spawn("repair", path, 40)
+    proc = spawn("repair", path, 30)
     assert proc.stdout.readline().strip() == "open"
     time.sleep(random.Random(seed).random() * 0.6)
     proc.send_signal(signal.SIGKILL)
     out, err = proc.communicate(timeout=30)
-    assert proc.returncode == -signal.SIGKILL, f"repair finished before the kill: {err}"
+    assert proc.returncode == -signal.SIGKILL, err
     with open_store(path) as store:
         assert set(store.roots()) == {f"r{i}" for i in range(n)}
         for i in range(n):
