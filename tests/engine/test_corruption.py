@@ -24,8 +24,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine.errors import CorruptObject, ObjectNotFound, StoreError
-from engine.format import PACK_HEADER
-from engine.ids import hexid
+from engine.format import PACK_HEADER, RECORD_HEADER
+from engine.ids import ID_SIZE, hexid
 
 pytestmark = pytest.mark.skipif(not HAS_PACKSTORE, reason="pack store not landed")
 
@@ -106,6 +106,37 @@ def _truncate_in_victim(store_path):
     with open(pack, "r+b") as f:
         f.truncate(at + 100)  # cut inside the victim's payload: it and all after are gone
     return oid, pack
+
+
+def test_swapped_valid_records_are_caught_by_the_id_check(store_path):
+    # Two intact records of equal length trade places (what a stale index pointing into a
+    # rewritten pack would see): checksums pass, so only the id check stands between a
+    # get and the wrong bytes.
+    _, objs = dag(1, size=SIZE)
+    a, b = list(objs)[1:3]
+    with open_store(store_path) as store:
+        length = store.info(a).stored_len
+        assert store.info(b).stored_len == length
+    id_at = RECORD_HEADER.size - ID_SIZE  # the id closes the record header
+    pack, at_a = find_in_packs(store_path, a)
+    pack_b, at_b = find_in_packs(store_path, b)
+    assert pack == pack_b
+    start_a, start_b = at_a - id_at, at_b - id_at
+    raw = bytearray(pack.read_bytes())
+    rec_a, rec_b = raw[start_a : start_a + length], raw[start_b : start_b + length]
+    raw[start_a : start_a + length], raw[start_b : start_b + length] = rec_b, rec_a
+    pack.write_bytes(bytes(raw))
+    with open_store(store_path) as store:
+        for oid in (a, b):
+            with pytest.raises(CorruptObject) as info:
+                store.get(oid)
+            _names_the_damage(info.value, oid, pack)
+        report = store.verify(deep=True)
+        assert {p.oid for p in report.problems} == {a, b}
+        store.repair()  # the records are intact: repair re-indexes them where they are
+        for oid in (a, b):
+            assert store.get(oid) == objs[oid]
+        assert store.verify(deep=True).ok
 
 
 def test_truncated_pack(store_path):
