@@ -8,6 +8,7 @@ The pack store runs the same machine on real files and real LMDB in a temporary 
 
 from __future__ import annotations
 
+import gc as gc_module
 import shutil
 import tempfile
 
@@ -149,6 +150,18 @@ class StoreMachine(RuleBasedStateMachine):
         self.reachable_objects_read_back()
         self.store.gc(threshold=0.0)
         self.objects = {oid: obj for oid, obj in self.objects.items() if oid in live}
+
+    @precondition(lambda self: self.real)
+    @rule(payload=payloads)
+    def abandoned_writer(self, payload: bytes) -> None:
+        # A writer dropped without commit or abort (an exception path that lost it) must
+        # not leave the store locked nor its puts visible.
+        w = self.store.writer()
+        oid = w.put(9, payload)
+        self.seen.append(oid)
+        del w
+        gc_module.collect()
+        self.store.writer(timeout=5).abort()
 
     @rule()
     def writer_is_exclusive(self) -> None:
