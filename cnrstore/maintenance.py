@@ -4,7 +4,6 @@ its writer thread, after every put queued before them."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -22,7 +21,6 @@ from .errors import (
     StepNotFound,
     TableNotFound,
 )
-from .fingerprint import row_fingerprints
 from .manifest import list_steps, load_manifest, load_step, root_name
 from .restore import read_table
 from .tablestate import TableState
@@ -111,24 +109,23 @@ def get_tables(store, step, *, names, rows, device) -> dict:
         with store._lock:
             seed = whole and name not in store._states and not store._closed
         lossy = tm.node.scheme != "exact"
-        tensor, codes = read_table(
-            store._objects, tm, store._pool, rows=rows.get(name), keep_codes=seed and lossy
+        tensor, codes, fps = read_table(
+            store._objects, tm, store._pool, rows=rows.get(name),
+            keep_codes=seed and lossy, fingerprints=seed and not lossy,
         )
         if seed:
-            _seed(store, name, tm, tensor, codes, (root_name(step), manifest.oid))
+            _seed(store, name, tm, fps, codes, (root_name(step), manifest.oid))
         out[name] = tensor.to(device)
     return out
 
 
-def _seed(store, name, tm, tensor, codes, anchor) -> None:
+def _seed(store, name, tm, fps, codes, anchor) -> None:
     """Seed the diff base of a table this handle has no base of (DESIGN.md: a restarted
     job's next put is incremental again; a table the handle put keeps its base)."""
     if codes is not None:
         state = TableState.from_manifest(tm, seed_codes=torch.from_numpy(codes), anchor=anchor)
     else:
-        flat = tensor.reshape(tensor.shape[0], math.prod(tensor.shape[1:]))
-        fp = row_fingerprints(flat)
-        state = TableState.from_manifest(tm, fingerprints=fp, anchor=anchor)
+        state = TableState.from_manifest(tm, fingerprints=fps, anchor=anchor)
     with store._lock:
         store._states.setdefault(name, state)
 

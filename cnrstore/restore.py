@@ -16,6 +16,7 @@ from engine import ObjectStore
 
 from .blocks import resolve
 from .errors import InvalidInput, ManifestError
+from .fingerprint import row_fingerprints
 from .manifest import TableManifest
 from .quantize import decode_rows
 from .tablestate import parse_dtype
@@ -74,15 +75,20 @@ def read_table(
     *,
     rows: slice | None = None,
     keep_codes: bool = False,
-) -> tuple[torch.Tensor, np.ndarray | None]:
+    fingerprints: bool = False,
+) -> tuple[torch.Tensor, np.ndarray | None, torch.Tensor | None]:
     """Decode a stored table (or the rows ``rows`` of it) on the CPU. With ``keep_codes`` also
-    return the encoded rows of the range read (for seeding a lossy diff base)."""
+    return the encoded rows of the range read (for seeding a lossy diff base); with
+    ``fingerprints`` the row fingerprints of the decoded rows (for seeding an exact one),
+    computed per block in the decode threads while the block is still in cache: a separate
+    pass over a restored table cost as much again as decoding it."""
     node = tm.node
     dtype = parse_dtype(node.dtype)
     width = node.width
     lo, hi, pick = row_range(rows, node.rows)
     out = torch.empty((hi - lo, width), dtype=dtype)
     codes_out = np.empty((hi - lo, node.row_nbytes), dtype=np.uint8) if keep_codes else None
+    fps = torch.empty(hi - lo, dtype=torch.int64) if fingerprints else None
     first = lo // node.block_rows
     last = -(-hi // node.block_rows) if hi > lo else first
 
@@ -93,10 +99,12 @@ def read_table(
         part = codes[a - start:b - start]
         if width and b > a:  # zero-width rows decode to nothing (and some codecs refuse)
             out[a - lo:b - lo] = decode_rows(torch.from_numpy(part), node.scheme, dtype, width)
+        if fps is not None and b > a:
+            row_fingerprints(out[a - lo:b - lo], out=fps[a - lo:b - lo])
         if codes_out is not None:
             codes_out[a - lo:b - lo] = part
 
     list(pool.map(one, range(first, last)))
     if pick is not None:
         out = out[torch.from_numpy(pick)]
-    return out.reshape((out.shape[0], *node.shape[1:])), codes_out
+    return out.reshape((out.shape[0], *node.shape[1:])), codes_out, fps
