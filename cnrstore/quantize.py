@@ -287,13 +287,13 @@ def max_abs_error(scheme: str, rows: torch.Tensor) -> torch.Tensor:
 
 # "auto" policy (docs/QUANTIZATION.md, "The auto policy"): quantization error compounds
 # with every restore (each restore resumes training from the dequantized tables), so the
-# fewer restores a job expects, the fewer bits its checkpoints can afford. Each bound keeps
-# the accumulated error, ~sqrt(restores) / (2^bits - 1) of the row range, within that of
-# one int2 restore (1/3); provisional until the accuracy benchmark calibrates them.
-AUTO_INT2_MAX_RESTORES = 1.0
-AUTO_INT3_MAX_RESTORES = 5.0  # (7 / 3)^2
-AUTO_INT4_MAX_RESTORES = 25.0  # (15 / 3)^2
-# Beyond AUTO_INT4_MAX_RESTORES: int8.
+# fewer restores a job expects, the fewer bits its checkpoints can afford. Calibrated by
+# benches/quality.py (docs/QUALITY.md): against Check-N-Run's 0.01% budget int4 was
+# indistinguishable from exact up to 5 restores and failed at 20; int8 held at 5; int2 and
+# int3 failed from 1 and 5 restores, so the policy never picks them.
+AUTO_INT4_MAX_RESTORES = 5.0
+AUTO_INT8_MAX_RESTORES = 10.0
+# Beyond AUTO_INT8_MAX_RESTORES: fp16 (at noise level after 20 restores in the same runs).
 
 
 def auto_scheme(expected_restores: float) -> str:
@@ -302,10 +302,8 @@ def auto_scheme(expected_restores: float) -> str:
         raise TypeError(f"expected_restores must be a number, got {expected_restores!r}")
     if not expected_restores >= 0 or expected_restores == float("inf"):
         raise ValueError(f"expected_restores must be finite and >= 0, got {expected_restores}")
-    if expected_restores <= AUTO_INT2_MAX_RESTORES:
-        return "int2"
-    if expected_restores <= AUTO_INT3_MAX_RESTORES:
-        return "int3"
     if expected_restores <= AUTO_INT4_MAX_RESTORES:
         return "int4"
-    return "int8"
+    if expected_restores <= AUTO_INT8_MAX_RESTORES:
+        return "int8"
+    return "fp16"

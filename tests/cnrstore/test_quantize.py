@@ -279,15 +279,13 @@ def test_fp16_qparams_cover_the_range():
 
 
 def test_auto_scheme_monotone_in_restores():
-    order = {"int2": 2, "int3": 3, "int4": 4, "int8": 8}
-    picks = [auto_scheme(r) for r in (0, 0.5, 1, 2, 3, 5, 20, 25, 26, 1000)]
+    order = {"int4": 4, "int8": 8, "fp16": 16}
+    picks = [auto_scheme(r) for r in (0, 0.5, 1, 2, 3, 5, 6, 10, 11, 20, 1000)]
     assert all(p in order for p in picks)
     bits = [order[p] for p in picks]
     assert bits == sorted(bits) and bits[0] < bits[-1]
-    # The documented thresholds: accumulated error sqrt(k) / levels within one int2 restore.
-    for k in (0.5, 1, 2, 5, 6, 25, 26, 5000):
-        levels = (1 << order[auto_scheme(k)]) - 1
-        assert math.sqrt(k) / levels <= 1 / 3 or levels == 255
+    # The calibrated thresholds (docs/QUALITY.md): int4 up to 5 restores, int8 up to 10.
+    assert [auto_scheme(k) for k in (5, 5.5, 10, 10.5)] == ["int4", "int8", "int8", "fp16"]
     for bad in (-1, math.nan, math.inf):
         with pytest.raises(ValueError):
             auto_scheme(bad)
