@@ -118,6 +118,34 @@ def test_torn_leftover_pack_and_lost_index(tmp_path, cut):
             assert dag_absent(store, 3, size=BIG)
 
 
+@pytest.mark.parametrize("point", ["writer.after_pack_write", "writer.after_pack_fsync"])
+def test_commits_right_after_a_crash_do_not_trip_on_leftovers(tmp_path, point):
+    # The dead writer's pack files are on disk but unindexed; the next writers must not
+    # reuse or append to them, and a later repair must not mistake them for commits.
+    path = tmp_path / "store"
+    baseline = _seed_store(path)
+    rc, _, err = run("write", path, 3, 1, BIG, env={"CNRSTORE_CRASH_AT": point})
+    assert rc == -signal.SIGKILL, err
+    existing = {p: p.read_bytes() for p in pack_files(path)}
+    rc, lines, err = run("write", path, 4, 3, SMALL)
+    assert rc == 0, err
+    assert committed(lines) == [4, 5, 6]
+    for p, data in existing.items():  # nothing was appended to or rewrote a pack
+        assert p.read_bytes() == data
+    _check_survivor(path, [0, 1, 2, 4, 5, 6], [3], sizes={3: BIG})
+    with open_store(path) as store:
+        # The dead commit's roots snapshot is on disk too; repair must still pick the
+        # newest committed one.
+        rep = store.repair()
+        assert rep.roots_restored == 6
+        assert set(store.roots()) == {f"r{i}" for i in (0, 1, 2, 4, 5, 6)}
+        store.gc(threshold=0.0)
+        assert dag_absent(store, 3, size=BIG)
+        for i in (0, 1, 2, 4, 5, 6):
+            check_dag(store, i)
+    assert pack_bytes(path) <= baseline * 2 + SLACK
+
+
 def test_writer_killed_on_second_commit(tmp_path):
     path = tmp_path / "store"
     _seed_store(path)
