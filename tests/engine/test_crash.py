@@ -8,6 +8,7 @@ dead writer left behind (allocated pack bytes drop to what the live roots need).
 
 from __future__ import annotations
 
+import pathlib
 import random
 import shutil
 import signal
@@ -27,6 +28,7 @@ from _helpers import (
     spawn,
 )
 
+import engine
 from engine.crashpoints import POINTS
 
 pytestmark = pytest.mark.skipif(not HAS_PACKSTORE, reason="pack store not landed")
@@ -58,6 +60,16 @@ def _check_survivor(path, kept: list[int], gone: list[int], *, sizes: dict[int, 
 
 WRITER_POINTS = [p for p in POINTS if p.startswith("writer.")]
 GC_POINTS = [p for p in POINTS if p.startswith("gc.")]
+
+
+def test_every_crash_point_is_covered_and_reached():
+    # A new point must get its own kill test here; a point the engine never calls would
+    # make its test pass vacuously (the worker would finish instead of dying).
+    assert set(POINTS) == set(WRITER_POINTS) | set(GC_POINTS)
+    engine_dir = pathlib.Path(engine.__file__).parent
+    sources = "".join(p.read_text() for p in engine_dir.glob("*.py"))
+    for point in POINTS:
+        assert f'crashpoints.hit("{point}")' in sources, f"{point} is never hit"
 
 
 @pytest.mark.parametrize("point", WRITER_POINTS)
