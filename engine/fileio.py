@@ -57,6 +57,21 @@ def write_all(fd: int, data: bytes | memoryview) -> None:
         view = view[n:]
 
 
+def writev_all(fd: int, parts) -> int:
+    """Write ``parts`` back to back with as few syscalls as the kernel allows; return the
+    bytes written. Saves joining large payloads into one buffer first."""
+    views = [memoryview(p).cast("B") for p in parts if len(p)]
+    total = sum(len(v) for v in views)
+    while views:
+        n = os.writev(fd, views)
+        while views and n >= len(views[0]):
+            n -= len(views[0])
+            views.pop(0)
+        if views and n:
+            views[0] = views[0][n:]
+    return total
+
+
 def pread_exact(fd: int, length: int, offset: int) -> bytes:
     """Read exactly ``length`` bytes or fewer only at end of file (caller checks)."""
     chunks = []

@@ -35,6 +35,12 @@ CODEC_RAW = 0
 CODEC_ZSTD = 1
 # Store raw unless zstd saves at least this fraction (FORMAT.md "Records").
 MIN_SAVING = 0.03
+# Payloads this large are first probed with a sample of SAMPLE_SLICES evenly spaced slices:
+# a sample that zstd cannot shrink by MIN_SAVING means the payload is stored raw without
+# compressing all of it, which on incompressible data cost more than writing it.
+SAMPLE_MIN = 64 << 10
+SAMPLE_SLICES = 16
+SAMPLE_SLICE = 1 << 10
 # zstd expands at most ~32768x (RLE blocks); a larger claimed raw_len cannot be genuine,
 # so it is refused before any allocation (FORMAT.md "Records", decoding rules).
 MAX_ZSTD_RATIO = 1 << 16
@@ -134,8 +140,22 @@ def encode_record(
     cctx: zstandard.ZstdCompressor | None,
 ) -> bytes:
     """Encode one record; ``cctx=None`` stores the payload raw."""
+    return b"".join(encode_record_parts(rtype, kind, refs, payload, oid, cctx=cctx))
+
+
+def encode_record_parts(
+    rtype: int,
+    kind: int,
+    refs: tuple[bytes, ...],
+    payload: bytes,
+    oid: bytes,
+    *,
+    cctx: zstandard.ZstdCompressor | None,
+) -> tuple[bytes, bytes | memoryview, bytes]:
+    """The record as (header + refs, stored payload, checksum), to be written back to back
+    (``os.writev``) without joining copies of the payload."""
     codec, stored = CODEC_RAW, payload
-    if cctx is not None and payload:
+    if cctx is not None and payload and _worth_compressing(cctx, payload):
         packed = cctx.compress(payload)
         if len(packed) <= len(payload) * (1.0 - MIN_SAVING):
             codec, stored = CODEC_ZSTD, packed
@@ -143,8 +163,20 @@ def encode_record(
         RECORD_MAGIC, FORMAT_VERSION, rtype, kind, codec, len(refs), len(stored),
         len(payload), oid,
     )
-    body = b"".join((head, *refs, stored))
-    return body + CHECKSUM.pack(xxhash.xxh3_64_intdigest(body))
+    head = b"".join((head, *refs))
+    h = xxhash.xxh3_64(head)
+    h.update(stored)
+    return head, stored, CHECKSUM.pack(h.intdigest())
+
+
+def _worth_compressing(cctx: zstandard.ZstdCompressor, payload: bytes) -> bool:
+    n = len(payload)
+    if n < SAMPLE_MIN:
+        return True
+    view = memoryview(payload)
+    step = n // SAMPLE_SLICES
+    sample = b"".join(view[i * step : i * step + SAMPLE_SLICE] for i in range(SAMPLE_SLICES))
+    return len(cctx.compress(sample)) <= len(sample) * (1.0 - MIN_SAVING)
 
 
 def check_record(

@@ -12,14 +12,14 @@ import os
 import pathlib
 import re
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import zstandard
 
 from . import format as fmt
 from .errors import CorruptObject
-from .fileio import fsync_dir, makedirs_durable, pread_exact, write_all
+from .fileio import fsync_dir, makedirs_durable, pread_exact, write_all, writev_all
 
 _PACK_NAME = re.compile(r"^([0-9]{8})\.pack$")
 
@@ -49,6 +49,12 @@ def list_pack_files(root: pathlib.Path) -> dict[int, pathlib.Path]:
     return found
 
 
+def record_length(record: bytes | Sequence[bytes | memoryview]) -> int:
+    if isinstance(record, (bytes, bytearray, memoryview)):
+        return len(record)
+    return sum(len(part) for part in record)
+
+
 class PackFile:
     """One pack being written: header, appended records, then a trailer at seal()."""
 
@@ -69,12 +75,18 @@ class PackFile:
         write_all(self._fd, data)
         self.size += len(data)
 
-    def append(self, record: bytes, rtype: int, oid: bytes) -> int:
+    def append(self, record: bytes | Sequence[bytes | memoryview], rtype: int, oid: bytes) -> int:
+        """Append a record, given whole or as parts written back to back."""
         offset = self.size
-        self._write(record)
-        self.entries.append(fmt.TrailerEntry(offset, len(record), rtype, oid))
+        if isinstance(record, (bytes, bytearray, memoryview)):
+            self._write(record)
+            length = len(record)
+        else:
+            length = writev_all(self._fd, record)
+            self.size += length
+        self.entries.append(fmt.TrailerEntry(offset, length, rtype, oid))
         if rtype == fmt.RECORD_OBJECT:
-            self.live += len(record)
+            self.live += length
         return offset
 
     @property
@@ -127,10 +139,13 @@ class PackSet:
             self.files.append(pf)
             return pf
 
-    def append(self, record: bytes, rtype: int, oid: bytes, *, meta: bool) -> tuple[int, int]:
-        """Append a record; return (pack number, offset)."""
+    def append(
+        self, record: bytes | Sequence[bytes | memoryview], rtype: int, oid: bytes, *, meta: bool
+    ) -> tuple[int, int]:
+        """Append a record (whole or as parts); return (pack number, offset)."""
         pf = self._open.get(meta)
-        if pf is not None and pf.entries and pf.size + len(record) > self._target:
+        length = record_length(record)
+        if pf is not None and pf.entries and pf.size + length > self._target:
             # Finish a full pack now, so a huge transaction never holds many descriptors.
             pf.seal()
             pf.sync()

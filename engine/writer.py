@@ -18,6 +18,7 @@ import zstandard
 from . import crashpoints
 from . import format as fmt
 from . import index as ix
+from . import pack as pk
 from .api import CommitInfo, Writer
 from .errors import ObjectNotFound, StoreClosed, StoreError
 from .fileio import store_error
@@ -94,8 +95,9 @@ class PackWriter(Writer):
                 self._reused += 1
             return oid
         # Compress outside the lock, so puts from several threads compress in parallel.
-        record = fmt.encode_record(fmt.RECORD_OBJECT, kind, refs, payload, oid,
-                                   cctx=self._compressor())
+        record = fmt.encode_record_parts(fmt.RECORD_OBJECT, kind, refs, payload, oid,
+                                         cctx=self._compressor())
+        length = pk.record_length(record)
         with self._lock:
             self._check()
             if oid in self._new:  # another thread put it meanwhile
@@ -107,9 +109,9 @@ class PackWriter(Writer):
             except OSError as exc:
                 self._broken = exc
                 raise store_error("cannot append to pack", exc) from exc
-            self._new[oid] = ix.ObjectEntry(pack, offset, len(record), kind, len(payload),
+            self._new[oid] = ix.ObjectEntry(pack, offset, length, kind, len(payload),
                                             bool(meta), refs)
-            self._bytes += len(record)
+            self._bytes += length
         return oid
 
     def _absent(self, oids: tuple[bytes, ...]) -> set[bytes]:

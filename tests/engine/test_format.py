@@ -225,3 +225,16 @@ def test_atomic_write_replaces_whole_files_and_leaves_no_temp(tmp_path):
     assert target.read_bytes() == b"second"
     assert [p.name for p in tmp_path.iterdir()] == ["small.bin"]
     assert allocated_bytes(target) > 0 and allocated_bytes(tmp_path / "gone") == 0
+
+
+def test_large_incompressible_payload_is_stored_raw_and_compressible_one_zstd():
+    cctx = zstandard.ZstdCompressor(level=1)
+    noise = os.urandom(1 << 20)
+    planes = os.urandom(3 << 18) + bytes(1 << 18)  # three noisy planes, one constant
+    for payload, codec in ((noise, fmt.CODEC_RAW), (planes, fmt.CODEC_ZSTD)):
+        oid = object_id(4, (), payload)
+        parts = fmt.encode_record_parts(fmt.RECORD_OBJECT, 4, (), payload, oid, cctx=cctx)
+        record = b"".join(parts)
+        assert record == fmt.encode_record(fmt.RECORD_OBJECT, 4, (), payload, oid, cctx=cctx)
+        assert fmt.RecordHeader.unpack(record, 0).codec == codec
+        assert fmt.decode_record(record).payload == payload
