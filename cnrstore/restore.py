@@ -41,10 +41,12 @@ def row_range(sel: slice | None, rows: int) -> tuple[int, int, np.ndarray | None
     return lo, hi, idx - lo
 
 
-def _block_codes(objects: ObjectStore, tm: TableManifest, i: int) -> np.ndarray:
+def _block_codes(
+    objects: ObjectStore, tm: TableManifest, i: int, out: np.ndarray | None = None
+) -> np.ndarray:
     node = tm.node
     oid = tm.block_ids[i]
-    codes = resolve(objects.get, oid)
+    codes = resolve(objects.get, oid, out=out)
     start, stop = node.block_range(i)
     if codes.shape != (stop - start, node.row_nbytes):
         raise ManifestError(
@@ -92,13 +94,23 @@ def read_table(
     first = lo // node.block_rows
     last = -(-hi // node.block_rows) if hi > lo else first
 
+    # Exact rows are their own codes: whole blocks decode straight into the returned table.
+    direct = node.scheme == "exact" and width > 0
+
     def one(i: int) -> None:
         start, stop = node.block_range(i)
-        codes = _block_codes(objects, tm, i)
         a, b = max(start, lo), min(stop, hi)
-        part = codes[a - start:b - start]
-        if width and b > a:  # zero-width rows decode to nothing (and some codecs refuse)
-            out[a - lo:b - lo] = decode_rows(torch.from_numpy(part), node.scheme, dtype, width)
+        if direct and (a, b) == (start, stop):
+            dest = out[a - lo:b - lo].view(torch.uint8).numpy()
+            codes = _block_codes(objects, tm, i, out=dest)
+            part = codes
+        else:
+            codes = _block_codes(objects, tm, i)
+            part = codes[a - start:b - start]
+            if width and b > a:  # zero-width rows decode to nothing (and some codecs refuse)
+                out[a - lo:b - lo] = decode_rows(
+                    torch.from_numpy(part), node.scheme, dtype, width
+                )
         if fps is not None and b > a:
             row_fingerprints(out[a - lo:b - lo], out=fps[a - lo:b - lo])
         if codes_out is not None:
