@@ -200,7 +200,7 @@ def _cpu_word_view(table: torch.Tensor, words: int) -> np.ndarray | None:
     8-byte aligned; else None."""
     if table.device.type != "cpu" or words * 8 != _row_nbytes(table):
         return None
-    flat = table.reshape(table.shape[0], -1)
+    flat = table.reshape(table.shape[0], math.prod(table.shape[1:]))
     if not flat.is_contiguous():
         return None
     if flat.dtype == torch.bool:

@@ -14,6 +14,8 @@ layout of each scheme is specified in docs/QUANTIZATION.md ("Row encoding").
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from cnrstore.bitpack import pack_codes, packed_nbytes, unpack_codes
@@ -112,7 +114,7 @@ def encode_rows(rows: torch.Tensor, scheme: str, *, search: str | None = None) -
     if scheme == "exact":
         if width == 0:
             return torch.empty((n, 0), dtype=torch.uint8, device=rows.device)
-        return rows.contiguous().view(torch.uint8).reshape(n, -1)
+        return rows.contiguous().view(torch.uint8).reshape(n, width * rows.element_size())
     if scheme in _CASTS:
         bad = first_nonfinite_row(rows)
         if bad is not None:
@@ -225,7 +227,7 @@ def first_nonfinite_row(rows: torch.Tensor) -> int | None:
         raise ValueError("first_nonfinite_row needs a tensor with ndim >= 1")
     if not rows.is_floating_point() or rows.numel() == 0:
         return None
-    flat = rows.reshape(rows.shape[0], -1)
+    flat = rows.reshape(rows.shape[0], math.prod(rows.shape[1:]))
     acc = torch.float64 if flat.dtype == torch.float64 else torch.float32
     step = max(1, _SCAN_ELEMS // max(1, flat.shape[1]))
     for start in range(0, flat.shape[0], step):
