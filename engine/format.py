@@ -130,17 +130,9 @@ class Record:
     payload: bytes  # uncompressed
 
 
-def encode_record(
-    rtype: int,
-    kind: int,
-    refs: tuple[bytes, ...],
-    payload: bytes,
-    oid: bytes,
-    *,
-    cctx: zstandard.ZstdCompressor | None,
-) -> bytes:
-    """Encode one record; ``cctx=None`` stores the payload raw."""
-    return b"".join(encode_record_parts(rtype, kind, refs, payload, oid, cctx=cctx))
+def encode_record(*args, **kwargs) -> bytes:
+    """One record as bytes: ``encode_record_parts`` joined (same arguments)."""
+    return b"".join(encode_record_parts(*args, **kwargs))
 
 
 def encode_record_parts(
@@ -152,7 +144,8 @@ def encode_record_parts(
     *,
     cctx: zstandard.ZstdCompressor | None,
 ) -> tuple[bytes, bytes | memoryview, bytes]:
-    """The record as (header + refs, stored payload, checksum), to be written back to back
+    """Encode one record (``cctx=None`` stores the payload raw) as (header + refs, stored
+    payload, checksum), to be written back to back
     (``os.writev``) without joining copies of the payload."""
     codec, stored = CODEC_RAW, payload
     if cctx is not None and payload and _worth_compressing(cctx, payload):
