@@ -19,7 +19,7 @@ import torch
 from .blocks import patch_nbytes
 from .errors import NonFiniteValues
 from .fingerprint import row_fingerprints
-from .quantize import encode_rows, first_nonfinite_row, row_nbytes
+from .quantize import decode_rows, encode_rows, first_nonfinite_row, row_nbytes
 from .tablestate import BlockSlot, TableState
 
 __all__ = ["BlockWrite", "TablePlan", "HostBuffers", "plan_table", "FULL", "PATCH"]
@@ -115,7 +115,24 @@ def _changed_old_rows(
             mask = (codes != seed).any(dim=1)
         else:
             mask = torch.zeros(common, dtype=torch.bool, device=fp.device)
+        if scheme != "exact":
+            _keep_restored_rows(mask, x, fp, seed, scheme)
     return torch.nonzero(mask).flatten().cpu().numpy()
+
+
+def _keep_restored_rows(
+    mask: torch.Tensor, x: torch.Tensor, fp: torch.Tensor, seed: torch.Tensor, scheme: str
+) -> None:
+    """Clear ``mask`` for rows that still hold exactly what their seed codes decode to: a
+    job resumed from restored values has not changed them, even where re-encoding those
+    values gives other codes (fp16/bf16 tables under intN), and rewriting them would both
+    cost bytes and re-quantize values already quantized."""
+    cand = torch.nonzero(mask).flatten()
+    if not len(cand) or not x.shape[1]:
+        return
+    decoded = decode_rows(seed[cand.to(seed.device)], scheme, x.dtype, x.shape[1])
+    same = row_fingerprints(decoded.to(fp.device)) == fp[cand.to(fp.device)]
+    mask[cand[same.to(cand.device)]] = False
 
 
 def plan_table(
