@@ -50,7 +50,6 @@ STAGES = (
     ("cnrstore.snapshot", "plan_table", "plan blocks (other)"),
     ("cnrstore.writer", "encode_full", "block payload (full)"),
     ("cnrstore.writer", "encode_patch", "block payload (patch)"),
-    ("cnrstore.writer", "object_id", "hash: id pre-check in cnrstore.writer._put"),
     ("cnrstore.store", "write_step", "manifest + writer glue (other)"),
     ("engine.writer", "object_id", "hash: object id (engine put)"),
     ("engine.writer", "PackWriter.has", "dedup lookups (has)"),

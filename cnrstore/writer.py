@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from engine import ObjectStore, object_id
+from engine import ObjectStore
 
 from .blocks import encode_full, encode_patch, plane_width
 from .errors import WriteFailed
@@ -59,21 +59,14 @@ class _MissingBase(Exception):
     pass
 
 
-def _put(w, counter: list[int], kind: int, payload: bytes, refs=(), *, meta=False) -> bytes:
-    oid = object_id(kind, refs, payload)
-    if not w.has(oid):
-        counter[0] += len(payload)
-    return w.put(kind, payload, refs, meta=meta)
-
-
-def _write_table(w, plan: TablePlan, counter: list[int]) -> bytes:
+def _write_table(w, plan: TablePlan) -> bytes:
     state = plan.state
     elem = plane_width(state.scheme, state.dtype.itemsize, state.row_nbytes)
     for bw in plan.writes:
         slot = state.slots[bw.index]
         codes = plan.codes[bw.start:bw.stop]
         if bw.kind == FULL:
-            slot.oid = _put(w, counter, KIND_BLOCK_FULL, encode_full(codes, elem=elem))
+            slot.oid = w.put(KIND_BLOCK_FULL, encode_full(codes, elem=elem))
         else:
             base = plan.base_slots[bw.index]
             if base.oid is None or not w.has(base.oid):
@@ -81,9 +74,8 @@ def _write_table(w, plan: TablePlan, counter: list[int]) -> bytes:
                     f"table {plan.name!r} block {bw.index}: base block is missing "
                     "(an earlier put failed or gc dropped it)"
                 )
-            slot.oid = _put(
-                w, counter, KIND_BLOCK_PATCH, encode_patch(slot.nrows, bw.rows, codes, elem=elem),
-                (base.oid,),
+            slot.oid = w.put(
+                KIND_BLOCK_PATCH, encode_patch(slot.nrows, bw.rows, codes, elem=elem), (base.oid,)
             )
     # Reused blocks need no lookup here: putting a new segment makes the engine check that
     # every block it refers to exists, and an existing segment implies its blocks exist.
@@ -102,7 +94,7 @@ def _write_table(w, plan: TablePlan, counter: list[int]) -> bytes:
             continue
         node = SegmentNode(ids, tuple(s.depth for s in part), tuple(s.chain_bytes for s in part))
         payload, refs = node.encode()
-        sid = _put(w, counter, KIND_SEGMENT, payload, refs, meta=True)
+        sid = w.put(KIND_SEGMENT, payload, refs, meta=True)
         seg_ids.append(sid)
     state.segments = [(tuple(s.oid for s in state.slots[j:j + fan]), sid)
                       for j, sid in zip(range(0, len(state.slots), fan), seg_ids)]
@@ -117,7 +109,7 @@ def _write_table(w, plan: TablePlan, counter: list[int]) -> bytes:
         segment_ids=tuple(seg_ids),
     )
     payload, refs = tnode.encode()
-    return _put(w, counter, KIND_TABLE, payload, refs, meta=True)
+    return w.put(KIND_TABLE, payload, refs, meta=True)
 
 
 def write_step(
@@ -131,10 +123,9 @@ def write_step(
 ) -> StepInfo:
     """Write one step in one engine transaction; return its StepInfo."""
     t0 = time.perf_counter()
-    counter = [0]
     w = objects.writer(timeout=lock_timeout)
     try:
-        table_ids = [_write_table(w, plan, counter) for plan in plans]
+        table_ids = [_write_table(w, plan) for plan in plans]
         node = StepNode(
             step=step,
             time=time.time(),
@@ -142,11 +133,12 @@ def write_step(
             table_ids=tuple(table_ids),
             metadata=metadata,
             logical_bytes=sum(p.logical_bytes for p in plans),
-            bytes_new=counter[0],
+            bytes_new=w.payload_bytes_new,
             rows_changed={p.name: p.rows_changed for p in plans},
         )
         payload, refs = node.encode()
-        root = _put(w, counter, KIND_STEP, payload, refs, meta=True)
+        root = w.put(KIND_STEP, payload, refs, meta=True)
+        bytes_new = w.payload_bytes_new
         w.set_root(root_name(step), root)
         commit = w.commit()
         for plan in plans:
@@ -166,7 +158,7 @@ def write_step(
         rows_written={p.name: len(p.codes) for p in plans},
         objects_new=commit.objects_new,
         objects_reused=commit.objects_reused,
-        bytes_new=counter[0],
+        bytes_new=bytes_new,
         stall_seconds=stall_seconds,
         write_seconds=time.perf_counter() - t0,
     )

@@ -106,6 +106,12 @@ class Writer(abc.ABC):
     def has(self, oid: bytes) -> bool:
         """True if the object is committed or was put in this writer."""
 
+    @property
+    @abc.abstractmethod
+    def payload_bytes_new(self) -> int:
+        """Uncompressed payload bytes of the objects this writer added so far (puts of
+        existing ids count nothing): what a caller would otherwise hash twice to learn."""
+
     @abc.abstractmethod
     def set_root(self, name: str, oid: bytes) -> None:
         """Point root ``name`` at an existing object (visible at commit)."""

@@ -157,6 +157,7 @@ class _MemoryWriter(Writer):
         self._new: dict[bytes, tuple[Object, bool]] = {}
         self._roots: dict[str, bytes | None] = {}
         self._reused = 0
+        self._payload_new = 0
         self._done = False
 
     def _check(self) -> None:
@@ -185,7 +186,12 @@ class _MemoryWriter(Writer):
             self._reused += 1
         else:
             self._new[oid] = (Object(kind, refs, payload), meta)
+            self._payload_new += len(payload)
         return oid
+
+    @property
+    def payload_bytes_new(self) -> int:
+        return self._payload_new
 
     def set_root(self, name: str, oid: bytes) -> None:
         self._check()

@@ -55,6 +55,7 @@ class PackWriter(Writer):
         self._roots: dict[str, bytes | None] = {}
         self._reused = 0
         self._bytes = 0
+        self._payload_new = 0
         self._done = False
         self._broken: BaseException | None = None
 
@@ -112,7 +113,12 @@ class PackWriter(Writer):
             self._new[oid] = ix.ObjectEntry(pack, offset, length, kind, len(payload),
                                             bool(meta), refs)
             self._bytes += length
+            self._payload_new += len(payload)
         return oid
+
+    @property
+    def payload_bytes_new(self) -> int:
+        return self._payload_new
 
     def _absent(self, oids: tuple[bytes, ...]) -> set[bytes]:
         """Those of ``oids`` neither put in this writer nor indexed (one read txn)."""
