@@ -4,6 +4,7 @@
     ├── InvalidInput (ValueError)        bad arguments; raised before anything is written
     │   ├── InvalidType (TypeError)      a value of the wrong type (e.g. not a tensor)
     │   ├── StepExists                   put of a step the store already holds
+    │   ├── StepOrderError               put of a step below the highest (roll back first)
     │   ├── UnknownScheme                a quant scheme cnrstore does not know
     │   └── NonFiniteValues              NaN/Inf under a lossy scheme (.table, .row)
     ├── StepNotFound (KeyError)          a step the store does not hold
@@ -24,6 +25,7 @@ __all__ = [
     "InvalidInput",
     "InvalidType",
     "StepExists",
+    "StepOrderError",
     "UnknownScheme",
     "NonFiniteValues",
     "StepNotFound",
@@ -52,6 +54,19 @@ class StepExists(InvalidInput):
     def __init__(self, step: int):
         super().__init__(f"step {step} already exists; delete it first to replace it")
         self.step = step
+
+
+class StepOrderError(InvalidInput):
+    """A put of a step lower than the highest step the store holds: "latest" is the
+    highest step, so the new step would be hidden. Roll back to an older step first."""
+
+    def __init__(self, step: int, highest: int):
+        super().__init__(
+            f"step {step} is lower than the store's highest step {highest}; to resume from "
+            f"an older step, call rollback(<that step>) first (it deletes the steps after it)"
+        )
+        self.step = step
+        self.highest = highest
 
 
 class UnknownScheme(InvalidInput):

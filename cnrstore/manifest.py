@@ -96,6 +96,9 @@ class StepNode:
     logical_bytes: int = 0          # sum of the put tables' sizes in bytes
     bytes_new: int = 0              # uncompressed payload bytes of objects new in this step
     rows_changed: dict = field(default_factory=dict)
+    # Structure of a put_state step (cnrstore/state.py); None for put_tables. Optional key:
+    # step nodes without it encode exactly as before, so their ids do not change.
+    state: dict | None = None
 
     def encode(self) -> tuple[bytes, tuple[bytes, ...]]:
         doc = {
@@ -110,6 +113,8 @@ class StepNode:
                 "rows_changed": dict(self.rows_changed),
             },
         }
+        if self.state is not None:
+            doc["state"] = self.state
         return _pack(doc), tuple(self.table_ids)
 
     @classmethod
@@ -129,6 +134,7 @@ class StepNode:
                 logical_bytes=int(info["logical_bytes"]),
                 bytes_new=int(info["bytes_new"]),
                 rows_changed=dict(info["rows_changed"]),
+                state=doc.get("state"),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ManifestError(f"malformed step node: {exc}", oid=oid) from exc

@@ -21,7 +21,7 @@ from .manifest import TableManifest
 from .quantize import decode_rows
 from .tablestate import parse_dtype
 
-__all__ = ["row_range", "read_table", "read_codes"]
+__all__ = ["row_range", "read_table", "read_codes", "read_into"]
 
 
 def row_range(sel: slice | None, rows: int) -> tuple[int, int, np.ndarray | None]:
@@ -120,3 +120,51 @@ def read_table(
     if pick is not None:
         out = out[torch.from_numpy(pick)]
     return out.reshape((out.shape[0], *node.shape[1:])), codes_out, fps
+
+
+def read_into(
+    objects: ObjectStore,
+    tm: TableManifest,
+    pool: Executor,
+    dest: torch.Tensor,
+    *,
+    fingerprints: bool = False,
+    keep_codes: bool = False,
+) -> tuple[np.ndarray | None, torch.Tensor | None]:
+    """Decode a whole stored table into ``dest`` (its shape and dtype, any device), block by
+    block: no table-sized buffer is allocated. A contiguous CPU ``dest`` of an exact table
+    receives the decoded bytes directly; otherwise each block is decoded into a block-sized
+    buffer and copied (to the device for CUDA). Returns (codes, fingerprints) like
+    ``read_table`` for seeding a diff base; the codes are table-sized, so a caller asks for
+    them only for lossy tables (they are smaller than the table)."""
+    node = tm.node
+    dtype = parse_dtype(node.dtype)
+    width = node.width
+    rows2d = dest.view(node.rows, width) if dest.is_contiguous() else None
+    direct = (node.scheme == "exact" and width > 0 and rows2d is not None
+              and dest.device.type == "cpu")
+    codes_out = np.empty((node.rows, node.row_nbytes), dtype=np.uint8) if keep_codes else None
+    fps = torch.empty(node.rows, dtype=torch.int64) if fingerprints else None
+
+    def one(i: int) -> None:
+        start, stop = node.block_range(i)
+        if direct:
+            part = rows2d[start:stop]
+            codes = _block_codes(objects, tm, i, out=part.view(torch.uint8).numpy())
+        else:
+            codes = _block_codes(objects, tm, i)
+            if width and stop > start:
+                part = decode_rows(torch.from_numpy(codes), node.scheme, dtype, width)
+            else:
+                part = torch.empty((stop - start, width), dtype=dtype)
+            if rows2d is not None:
+                rows2d[start:stop].copy_(part)
+            else:
+                dest[start:stop].copy_(part.view((stop - start, *node.shape[1:])))
+        if fps is not None and stop > start:
+            row_fingerprints(part, out=fps[start:stop])
+        if codes_out is not None:
+            codes_out[start:stop] = codes
+
+    list(pool.map(one, range(node.nblocks)))
+    return codes_out, fps

@@ -14,23 +14,25 @@ import time
 import weakref
 from collections.abc import Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 
 import torch
 
 import engine
 from engine import ObjectStore
 
-from . import maintenance
+from . import lineage, maintenance, statestore
 from .errors import (
     CheckpointError,
     InvalidInput,
     InvalidType,
     StepExists,
     StepNotFound,
+    StepOrderError,
     WriteFailed,
 )
 from .manifest import list_steps, load_manifest, root_name
+from .options import Options as _Options
+from .options import positive as _positive
 from .restore import read_codes
 from .snapshot import HostBuffers, plan_table
 from .tablestate import TableState
@@ -51,24 +53,6 @@ def _close_open_stores() -> None:
             store.close()
         except Exception:  # exiting anyway; one broken store must not stop the others
             pass
-
-
-@dataclass(frozen=True)
-class _Options:
-    block_rows: int
-    fanout: int
-    max_chain: int
-    max_inflight: int
-    decode_threads: int
-    expected_restores: int
-    seed_from_store: bool
-    lock_timeout: float | None
-
-
-def _positive(name: str, value, *, lo: int = 1) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < lo:
-        raise InvalidInput(f"{name} must be an int >= {lo}, got {value!r}")
-    return value
 
 
 class CheckpointStore:
@@ -188,8 +172,13 @@ class CheckpointStore:
         fingerprinted, encoded and copied to host memory (the caller may then modify them).
         ``touched`` optionally gives, per table, the row ids changed since this handle's
         last put of it (rows outside it are assumed unchanged). A failed write raises
-        WriteFailed (on the Future when non-blocking).
+        WriteFailed (on the Future when non-blocking). ``quant`` keys may be fnmatch
+        patterns (cnrstore/quantspec.py); a step below the highest is StepOrderError.
         """
+        return self._put(step, tables, quant=quant, metadata=metadata, blocking=blocking,
+                         touched=touched)
+
+    def _put(self, step, tables, *, quant, metadata, blocking, touched, state=None):
         self._check_open()
         check_step(step)
         check_tables(tables)
@@ -203,6 +192,7 @@ class CheckpointStore:
                 self._failed = False
             if step in self._pending or self._objects.root(root_name(step)) is not None:
                 raise StepExists(step)
+            lineage.check_order(self, step)
             t0 = time.perf_counter()
             plans = []
             try:
@@ -241,14 +231,14 @@ class CheckpointStore:
             for p in plans:
                 self._states[p.name] = p.state
             fut = self._writer.submit(
-                lambda: self._write(step, plans, meta_doc, stall),
+                lambda: self._write(step, plans, meta_doc, stall, state),
                 cleanup=lambda: [p.release() for p in plans if p.release],
             )
             self._pending[step] = fut
             fut.add_done_callback(lambda f, s=step: self._pending.pop(s, None))
         return fut.result() if blocking else fut
 
-    def _write(self, step: int, plans, metadata: dict, stall: float) -> StepInfo:
+    def _write(self, step: int, plans, metadata: dict, stall: float, state=None) -> StepInfo:
         try:
             return write_step(
                 self._objects,
@@ -257,10 +247,12 @@ class CheckpointStore:
                 metadata=metadata,
                 stall_seconds=stall,
                 lock_timeout=self._opt.lock_timeout,
+                state=state,
+                check=lineage.commit_check(self._objects, step),
             )
         except BaseException as exc:
             self._failed = True
-            if isinstance(exc, WriteFailed):
+            if isinstance(exc, (WriteFailed, StepOrderError)):
                 raise
             raise WriteFailed(step, f"{type(exc).__name__}: {exc}") from exc
 
@@ -301,11 +293,36 @@ class CheckpointStore:
         names: Iterable[str] | None = None,
         rows: Mapping[str, slice] | None = None,
         device="cpu",
+        out: Mapping | None = None,
     ) -> dict:
         """Tables of ``step`` (None: the highest step) as name -> tensor on ``device``, with
         the dtype and shape they were put with. ``names`` picks tables; ``rows`` maps a
-        table name to a slice of its rows (only the blocks it overlaps are read)."""
+        table name to a slice of its rows. ``out`` (name -> tensor) decodes into existing
+        tensors in place, all shapes and dtypes checked before anything is written."""
+        if out is not None:
+            return statestore.get_into(self, step, out, names=names, rows=rows)
         return maintenance.get_tables(self, step, names=names, rows=rows, device=device)
+
+    def put_state(self, step: int, state, *, quant=None, metadata=None, blocking=True,
+                  touched=None):
+        """Store a nesting of dicts/lists/tuples as ``step`` (tensor leaves: tables named by
+        their "/"-joined path; Python leaves: in the step node). Like put_tables."""
+        return statestore.put_state(self, step, state, quant=quant, metadata=metadata,
+                                    blocking=blocking, touched=touched)
+
+    def get_state(self, step: int | None = None, *, device="cpu"):
+        """The nesting put with ``step`` (None: the highest), with fresh tensors."""
+        return statestore.get_state(self, step, device=device)
+
+    def load_state(self, step: int | None, state, *, strict: bool = True):
+        """Restore ``step`` into the tensors of ``state`` in place; return it with its Python
+        leaves as stored. ``strict=False`` skips entries the step lacks."""
+        return statestore.load_state(self, step, state, strict=strict)
+
+    def rollback(self, step: int) -> list[int]:
+        """Delete every step after ``step`` in one commit; ``step`` becomes the diff base.
+        Returns the deleted steps (gc reclaims their bytes later)."""
+        return lineage.rollback(self, step)
 
     def metadata(self, step: int | None = None) -> dict:
         """The ``metadata`` mapping put with ``step`` (None: the highest step)."""

@@ -10,8 +10,8 @@ from collections.abc import Mapping
 import msgpack
 import torch
 
-from .errors import InvalidInput, InvalidType, UnknownScheme
-from .quantize import SCHEMES, auto_scheme, check_scheme
+from .errors import InvalidInput, InvalidType
+from .quantspec import resolve_quant  # noqa: F401 - re-exported: patterns live there
 
 __all__ = ["check_step", "check_tables", "resolve_quant", "pack_metadata", "check_touched"]
 
@@ -38,40 +38,6 @@ def check_tables(tables) -> None:
             raise InvalidInput(f"table {name!r} has ndim 0; a table needs rows (ndim >= 1)")
         if value.is_sparse or value.is_quantized or value.is_complex():
             raise InvalidInput(f"table {name!r}: sparse, quantized or complex tensors unsupported")
-
-
-def resolve_quant(quant, tables: Mapping, *, expected_restores: int) -> dict[str, str]:
-    """Scheme per table from ``quant``: a scheme name, "auto", or a mapping (unnamed tables
-    get the "*" entry, else "exact"; naming a table not in the put is an error)."""
-    if isinstance(quant, str):
-        spec = {"*": quant}
-    elif isinstance(quant, Mapping):
-        spec = dict(quant)
-        for key in spec:
-            if not isinstance(key, str):
-                raise InvalidType(f"quant keys must be table names, got {key!r}")
-        unknown = sorted(k for k in spec if k != "*" and k not in tables)
-        if unknown:
-            raise InvalidInput(f"quant names tables that are not in this put: {unknown}")
-    else:
-        raise InvalidType(f"quant must be a scheme name or a mapping, got {type(quant).__name__}")
-    out = {}
-    for name, table in tables.items():
-        scheme = spec.get(name, spec.get("*", "exact"))
-        if scheme == "auto":
-            lossy_ok = table.dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64)
-            scheme = auto_scheme(expected_restores) if lossy_ok else "exact"
-        if not isinstance(scheme, str) or scheme not in SCHEMES:
-            raise UnknownScheme(
-                f"unknown quant scheme {scheme!r} for table {name!r}; known: "
-                f"{', '.join(SCHEMES)} or 'auto'"
-            )
-        try:
-            check_scheme(scheme, table.dtype, table=name)
-        except ValueError as exc:
-            raise UnknownScheme(str(exc)) from exc
-        out[name] = scheme
-    return out
 
 
 def pack_metadata(metadata) -> dict:

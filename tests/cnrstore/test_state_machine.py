@@ -71,6 +71,12 @@ class CheckpointMachine(RuleBasedStateMachine):
             except cnrstore.StepExists:
                 return
             raise AssertionError(f"put of existing step {step} was accepted")
+        if self.model and step < max(self.model):
+            try:
+                self.store.put_tables(step, tables, quant=quant, blocking=blocking)
+            except cnrstore.StepOrderError:
+                return
+            raise AssertionError(f"put of step {step} below {max(self.model)} was accepted")
         result = self.store.put_tables(step, tables, quant=quant, blocking=blocking)
         self.model[step] = {n: _expected(n, t) for n, t in tables.items()}
         if blocking:
@@ -102,6 +108,30 @@ class CheckpointMachine(RuleBasedStateMachine):
         got = self.store.get_tables()
         want = self.model[max(self.model)]
         assert sorted(got) == sorted(want)
+
+    @rule(step=st.integers(0, 7))
+    def rollback(self, step):
+        if step not in self.model:
+            try:
+                self.store.rollback(step)
+            except cnrstore.StepNotFound:
+                return
+            raise AssertionError(f"rollback to missing step {step} succeeded")
+        later = sorted(s for s in self.model if s > step)
+        assert self.store.rollback(step) == later
+        self.model = {s: v for s, v in self.model.items() if s <= step}
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data())
+    def get_into(self, data):
+        step = data.draw(st.sampled_from(sorted(self.model)))
+        want = self.model[step]
+        out = {n: torch.empty_like(t) for n, t in want.items()}
+        ptrs = {n: t.data_ptr() for n, t in out.items()}
+        got = self.store.get_tables(step, out=out)
+        for n, t in want.items():
+            assert got[n] is out[n] and got[n].data_ptr() == ptrs[n]
+            assert_identical(got[n], t)
 
     @rule(step=st.integers(0, 7))
     def delete(self, step):
