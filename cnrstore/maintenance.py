@@ -78,13 +78,32 @@ def _resolve_step(store, step) -> int:
     return step
 
 
+def latest(store, step, fn):
+    """``fn(step)``; with ``step`` None, ``fn(highest step)``, resolved again when another
+    handle or process deleted that step (rollback, gc) between resolving and reading it."""
+    if step is not None:
+        return fn(step)
+    for attempt in range(16):
+        resolved = _resolve_step(store, None)
+        try:
+            return fn(resolved)
+        except StepNotFound as exc:
+            if exc.step != resolved or attempt == 15:
+                raise
+
+
 def metadata(store, step) -> dict:
     store._check_open()
+    if step is None:
+        return latest(store, None, lambda s: metadata(store, s))
     return dict(load_step(store._objects, _resolve_step(store, step))[1].metadata)
 
 
 def get_tables(store, step, *, names, rows, device) -> dict:
     store._check_open()
+    if step is None:
+        return latest(store, None, lambda s: get_tables(store, s, names=names, rows=rows,
+                                                           device=device))
     if names is not None:
         if isinstance(names, str) or not isinstance(names, Iterable):
             raise InvalidType("names must be an iterable of table names (not a str)")

@@ -10,9 +10,11 @@ Rules, in order:
   key matches is stored exactly.
 - Tensors with fewer than 2 dimensions (biases, counters, 0-dim steps, RNG states) are
   always stored exactly: a lossy scheme saves nothing there and they are the values a
-  training job least tolerates errors in.
+  training job least tolerates errors in. A wildcard pattern also skips integer tensors;
+  a lossy scheme named for an integer table (by its name, or by ``quant="int8"``) is
+  refused, as before patterns.
 - Typo safety: a key that matches no table of the put, or a lossy key that matches only
-  tensors of ndim < 2, is an error (UnknownScheme/InvalidInput) before anything is written.
+  tensors it cannot quantize, is an error (InvalidInput) before anything is written.
 """
 
 from __future__ import annotations
@@ -79,11 +81,14 @@ def resolve_quant(quant, tables: Mapping, *, expected_restores: int) -> dict[str
                 f"{', '.join(SCHEMES)} or 'auto'"
             )
         small = table.ndim < 2
+        eligible = not small and table.dtype in _LOSSY_OK
         if key is not None:
-            effective[key] = effective.get(key, False) or not small or scheme in ("exact", "auto")
+            effective[key] = effective.get(key, False) or eligible or scheme in ("exact", "auto")
         if scheme == "auto":
             scheme = auto_scheme(expected_restores) if table.dtype in _LOSSY_OK else "exact"
-        try:  # a lossy scheme on an integer table is refused whatever its ndim (DESIGN.md)
+        if key is not None and explicit and is_pattern(key) and not eligible:
+            scheme = "exact"  # a wildcard skips int tensors (e.g. BatchNorm's counters)
+        try:  # a lossy scheme named for an integer table is refused (DESIGN.md)
             check_scheme(scheme, table.dtype, table=name)
         except ValueError as exc:
             raise UnknownScheme(str(exc)) from exc
@@ -94,7 +99,7 @@ def resolve_quant(quant, tables: Mapping, *, expected_restores: int) -> dict[str
         useless = sorted(k for k, ok in effective.items() if not ok)
         if useless:
             raise InvalidInput(
-                f"quant keys {useless} match only tensors with fewer than 2 dimensions, "
-                "which are always stored exactly"
+                f"quant keys {useless} match only tensors with fewer than 2 dimensions "
+                "or of integer dtype, which are always stored exactly"
             )
     return out

@@ -44,6 +44,8 @@ def _stored(store, step) -> tuple[int, object, dict[str, tuple[int, ...]]]:
 
 def get_state(store, step, *, device):
     store._check_open()
+    if step is None:
+        return maintenance.latest(store, None, lambda s: get_state(store, s, device=device))
     step, node, shapes = _stored(store, step)
     tables = maintenance.get_tables(store, step, names=None, rows=None, device=device)
     if node.state is None:  # a put_tables step: its tables are its state
@@ -53,6 +55,9 @@ def get_state(store, step, *, device):
 
 def load_state(store, step, state, *, strict: bool):
     store._check_open()
+    if step is None:
+        return maintenance.latest(store, None,
+                                  lambda s: load_state(store, s, state, strict=strict))
     flat = flatten(state)
     step, node, shapes = _stored(store, step)
     present = set(node.tables)
@@ -88,6 +93,8 @@ def get_into(store, step, out: Mapping, *, names=None, rows=None) -> dict:
     store._check_open()
     if names is not None or rows is not None:
         raise InvalidInput("get_tables: out= names the tables; not with names= or rows=")
+    if step is None:
+        return maintenance.latest(store, None, lambda s: get_into(store, s, out))
     if not isinstance(out, Mapping):
         raise InvalidType("out must be a mapping table name -> tensor")
     for name, t in out.items():

@@ -41,7 +41,10 @@ BAD_PUTS = [
     (1, None, {"quant": {"f": "int8"}}, None, []),  # valid: control case
     (1, None, {"quant": {"F": "int8"}}, ValueError, ["'F'"]),
     (1, None, {"quant": {"*": "int8", "i": "exact"}}, None, []),  # valid: "*" for the rest
-    (1, None, {"quant": {"*": "int8"}}, cnrstore.UnknownScheme, ["i"]),
+    # A wildcard skips int tables (issue 10); one that matches only them is a typo.
+    (1, None, {"quant": {"*": "int8"}}, None, []),
+    (1, None, {"quant": {"i*": "int8"}}, cnrstore.InvalidInput, ["'i*'"]),
+    (1, None, {"quant": {"x*": "int8"}}, cnrstore.InvalidInput, ["'x*'"]),
     (1, None, {"quant": "int8"}, cnrstore.UnknownScheme, ["i"]),  # lossy on an int table
     (1, None, {"quant": {"i": "fp16"}}, ValueError, ["i"]),
     (1, None, {"metadata": {"x": object()}}, ValueError, ["metadata"]),
