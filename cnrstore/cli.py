@@ -101,6 +101,10 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
                    help="also keep step S (repeatable)")
     p.add_argument("--dry-run", action="store_true",
                    help="only say what would be dropped and freed")
+    p = add("rm", "delete steps (all or none, in one commit); gc reclaims their bytes")
+    p.add_argument("steps", type=_step, nargs="+", metavar="STEP")
+    p = add("rollback", "delete every step after STEP (one commit), to resume from STEP")
+    p.add_argument("step", type=_step, metavar="STEP")
     add("du", "logical vs stored bytes, dedup and compression, per table")
     p = add("export", "write one step's tables to a .safetensors file")
     p.add_argument("step", type=_step, metavar="STEP")
@@ -202,6 +206,16 @@ def _run(args: argparse.Namespace) -> int:
             else:
                 result = inspect.collect(store, keep_last=args.keep_last, keep=args.keep)
                 _emit(args, result, fmt.gc_text(result))
+        elif cmd in ("rm", "rollback"):
+            from . import lineage
+
+            if cmd == "rm":
+                deleted = lineage.delete_steps(store, args.steps)
+            else:
+                deleted = store.rollback(args.step)
+            steps = ", ".join(map(str, deleted)) or "none"
+            _emit(args, {"deleted": deleted, "steps": store.steps()},
+                  f"deleted steps: {steps}\n(`cnrstore gc {args.store}` reclaims their bytes)")
         elif cmd == "export":
             with _progress(args, "export") as bar:
                 result = transfer.export_step(store, args.step, args.path, names=args.names,

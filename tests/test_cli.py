@@ -249,3 +249,21 @@ def test_sizes_and_ranges_read_well():
     assert fmt.size(3 * 1024 ** 3) == "3.00 GiB" and fmt.size(200 * 1024 ** 2) == "200 MiB"
     assert fmt.ranges_text([(0, 3), (7, 8)], limit=10) == "0-2, 7"
     assert fmt.ranges_text([(0, 100), (200, 300)], limit=10) == "0-99, ... (200 rows in all)"
+
+
+def test_rm_and_rollback(store, capsys):
+    assert main(["rm", str(store), "20", "99"]) == 2  # all or none: 99 does not exist
+    assert "step 99 not found" in capsys.readouterr().err
+    with cnrstore.open(store) as s:
+        assert s.steps() == [10, 20, 30]
+    assert main(["rm", str(store), "20", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"deleted": [20], "steps": [10, 30]}
+    assert main(["rollback", str(store), "20"]) == 2
+    assert main(["rollback", str(store), "10"]) == 0
+    out = capsys.readouterr().out
+    assert "deleted steps: 30" in out and "cnrstore gc" in out
+    with cnrstore.open(store) as s:
+        assert s.steps() == [10]
+        assert s.verify().ok
+    assert main(["rollback", str(store), "10", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"deleted": [], "steps": [10]}
