@@ -20,6 +20,8 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
+from fnmatch import fnmatchcase
 from pathlib import Path
 
 import torch
@@ -37,6 +39,7 @@ __all__ = ["add_arguments", "disk_bytes", "main", "resolve_quant"]
 
 SCHEMES = ("exact", "fp16", "bf16", "int8", "int4", "int3", "int2", "auto")
 EVAL_BATCHES = 16
+EMBEDDINGS = "model/embs.*.weight"   # the embedding tables among the state's tables
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -54,6 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fail-at", type=int, metavar="STEP",
                         help="step at which the trainer is SIGKILLed (default: ~60%% through)")
     parser.add_argument("--seed", type=int, default=0, help="seed of data and model")
+    parser.add_argument("--optimizer", choices=("adagrad", "rowwise"), default="adagrad",
+                        help="torch.optim.Adagrad (default) or row-wise Adagrad")
     parser.add_argument("--device", default="cpu",
                         help="where the model trains: cpu (default) or cuda")
     parser.add_argument("--quiet", action="store_true", help="print only the final table")
@@ -90,9 +95,9 @@ def resolve_quant(scheme: str, config: DLRMConfig, *,
                   expected_restores: int) -> str | dict[str, str]:
     """The ``quant=`` of a put: ``scheme`` for the embedding tables, exact for the rest.
 
-    The row accumulators and the dense part are 1/dim of the bytes and steer every later
-    update, so quantizing them saves little and costs accuracy. "auto" asks the store's
-    policy for a scheme given how many restores the job expects.
+    The optimizer state and the dense part steer every later update, so quantizing them
+    costs accuracy; a pattern picks the embedding weights (``model/embs.<k>.weight``).
+    "auto" asks the store's policy for a scheme given how many restores the job expects.
     """
     if scheme == "auto":
         try:
@@ -102,7 +107,7 @@ def resolve_quant(scheme: str, config: DLRMConfig, *,
         scheme = auto_scheme(expected_restores)
     if scheme == "exact":
         return "exact"
-    return {f"emb{k}": scheme for k in range(len(config.table_rows))}
+    return {EMBEDDINGS: scheme}
 
 
 def disk_bytes(path: str | os.PathLike) -> int:
@@ -118,7 +123,7 @@ def disk_bytes(path: str | os.PathLike) -> int:
 
 
 def _config(args: argparse.Namespace) -> DLRMConfig:
-    return DLRMConfig(seed=args.seed).scaled(args.scale)
+    return DLRMConfig(seed=args.seed, optimizer=args.optimizer).scaled(args.scale)
 
 
 # -- the trainer process ---------------------------------------------------------------
@@ -130,10 +135,9 @@ def _emit(**event: object) -> None:
 
 
 def _embedding_rows(rows_changed: dict[str, int]) -> int:
-    # Rows of the embedding tables only: their accumulators change with them, and the
+    # Rows of the embedding tables only: their optimizer state changes with them, and the
     # dense tables' "rows" are matrix rows, which would muddle the count.
-    return sum(n for name, n in rows_changed.items()
-               if name.startswith("emb") and "." not in name)
+    return sum(n for name, n in rows_changed.items() if fnmatchcase(name, EMBEDDINGS))
 
 
 def _worker(args: argparse.Namespace) -> int:
@@ -193,6 +197,7 @@ def _spawn(args: argparse.Namespace, *, kill_at: int | None, events: list[dict],
     cmd = [sys.executable, "-m", "cnrstore.demo", "--worker", "--store", args.store,
            "--steps", str(args.steps), "--scale", str(args.scale), "--every", str(args.every),
            "--scheme", args.scheme, "--seed", str(args.seed), "--device", args.device,
+           "--optimizer", args.optimizer,
            "--fail-at", str(kill_at if kill_at is not None else args.steps + 1)]
     env = dict(os.environ)
     root = str(Path(__file__).resolve().parents[1])
@@ -224,7 +229,7 @@ def _reference(args: argparse.Namespace, bar: _Bar) -> tuple[float, float, int, 
             path = Path(tmp) / "full.pt"
             t0 = time.perf_counter()
             with open(path, "wb") as f:
-                torch.save(trainer.tables(), f)  # from the device, as a user's save would
+                torch.save(trainer.state(), f)  # from the device, as a user's save would
                 f.flush()
                 os.fsync(f.fileno())
             seconds = time.perf_counter() - t0
@@ -295,6 +300,9 @@ def main(argv: list[str] | argparse.Namespace | None = None) -> int:
         add_arguments(parser)
         args = parser.parse_args(argv)
     tmp = None
+    # torch.optim.Adagrad's sparse update warns once per process that torch's (default)
+    # sparse invariant checks are off; the demo's output should show the demo.
+    warnings.filterwarnings("ignore", message="Sparse invariant checks are implicitly")
     try:
         _check(args)
         if args.worker:

@@ -1,4 +1,4 @@
-"""A small DLRM, a synthetic click-through task with a planted truth, and row-wise Adagrad.
+"""A small DLRM, a synthetic click-through task with a planted truth, and its optimizer.
 
 This is the workload the demo and the quality experiment checkpoint. It is shaped like the
 real thing where that matters to a checkpoint store:
@@ -6,14 +6,17 @@ real thing where that matters to a checkpoint store:
 - several EmbeddingBag tables of different sizes, read through ids drawn from a Zipf law
   and scattered by a fixed permutation, so the few hot rows that change between two
   checkpoints are spread over every block of a table (no locality to exploit for free);
-- row-wise Adagrad (FBGEMM's default for embeddings): one accumulator per row, stored as
-  an extra table ``"emb0.adagrad"`` of shape [rows];
+- a real ``torch.optim.Adagrad`` (sparse gradients for the embeddings, a dense-layer group
+  with its own learning rate), or ``optimizer="rowwise"``: row-wise Adagrad (FBGEMM's
+  default for embeddings), one accumulator per row;
 - a bottom MLP for dense features and a top MLP over pairwise dot products.
 
 Labels come from a hidden teacher with its own random embeddings, so a loss has a floor
 (the teacher's own loss) and "the model learned" is measurable. Batch ``i`` is a pure
 function of (seed, i): a job restored at step ``s`` sees exactly the batches an
-uninterrupted job sees, which is what makes bit-exact resumption testable.
+uninterrupted job sees, which is what makes bit-exact resumption testable. The Trainer
+checkpoints ``{"model": ..., "optim": ..., "step": ...}`` with ``put_state`` and restores it
+in place with ``load_state``.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .metrics import auc, evaluate, teacher_floor  # noqa: F401 - part of this module's API
+
 __all__ = [
     "Batch",
     "DLRM",
@@ -39,15 +44,13 @@ __all__ = [
     "Trainer",
     "auc",
     "deterministic",
-    "embedding_names",
     "evaluate",
-    "load_state_tables",
-    "state_tables",
+    "make_optimizer",
     "teacher_floor",
     "train_step",
 ]
 
-ADAGRAD_SUFFIX = ".adagrad"
+OPTIMIZERS = ("adagrad", "rowwise")
 
 
 @dataclass(frozen=True)
@@ -68,6 +71,7 @@ class DLRMConfig:
     teacher_logit_std: float = 2.0
     interaction: float = 0.5
     seed: int = 0
+    optimizer: str = "adagrad"      # torch.optim.Adagrad, or "rowwise" (RowWiseAdagrad)
 
     def __post_init__(self) -> None:
         if not self.table_rows or any(r < 2 for r in self.table_rows):
@@ -79,6 +83,8 @@ class DLRMConfig:
             raise ValueError("MLP widths must be >= 1")
         if self.zipf <= 0 or self.lr <= 0 or self.dense_lr <= 0:
             raise ValueError("zipf, lr and dense_lr must be > 0")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {OPTIMIZERS}; got {self.optimizer!r}")
 
     def scaled(self, scale: float) -> DLRMConfig:
         """The same config with every table's rows multiplied by ``scale`` (at least 16)."""
@@ -208,8 +214,8 @@ class DLRM(nn.Module):
 class RowWiseAdagrad:
     """Adagrad with one accumulator per embedding row, and per element for dense params.
 
-    Written out rather than taken from torch.optim so that all of its state is plain
-    tensors of ndim >= 1 (checkpointable as tables) and the update order is fixed.
+    Not in torch.optim: one accumulator per row is an 1/dim of Adagrad's state. Its
+    ``state_dict()`` holds its own tensors, so ``load_state`` restores into them in place.
     """
 
     def __init__(self, model: DLRM, *, lr: float, dense_lr: float, eps: float = 1e-8) -> None:
@@ -240,6 +246,29 @@ class RowWiseAdagrad:
         for p in self.model.parameters():
             p.grad = None
 
+    def state_dict(self) -> dict:
+        return {"emb_acc": list(self.emb_acc), "dense_acc": dict(self.dense_acc),
+                "lr": self.lr, "dense_lr": self.dense_lr, "eps": self.eps}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: Mapping) -> None:
+        for dst, src in zip(self.emb_acc + list(self.dense_acc.values()),
+                            list(state["emb_acc"]) + list(state["dense_acc"].values())):
+            if dst is not src:
+                dst.copy_(src)
+        self.lr, self.dense_lr, self.eps = state["lr"], state["dense_lr"], state["eps"]
+
+
+def make_optimizer(model: DLRM, config: DLRMConfig):
+    """The optimizer ``config.optimizer`` names, with ``lr`` for the embedding tables and
+    ``dense_lr`` for the MLPs."""
+    if config.optimizer == "rowwise":
+        return RowWiseAdagrad(model, lr=config.lr, dense_lr=config.dense_lr)
+    return torch.optim.Adagrad([
+        {"params": [bag.weight for bag in model.embs], "lr": config.lr},
+        {"params": [p for _, p in _dense_params(model)], "lr": config.dense_lr},
+    ], lr=config.lr)
+
 
 def _dense_params(model: DLRM) -> Iterator[tuple[str, nn.Parameter]]:
     for name, p in model.named_parameters():
@@ -247,87 +276,13 @@ def _dense_params(model: DLRM) -> Iterator[tuple[str, nn.Parameter]]:
             yield name, p
 
 
-def train_step(model: DLRM, opt: RowWiseAdagrad, batch: Batch) -> float:
+def train_step(model: DLRM, opt, batch: Batch) -> float:
     """One SGD step on ``batch``; returns its training loss."""
     loss = F.binary_cross_entropy_with_logits(model(batch.dense, batch.ids), batch.labels)
     opt.zero_grad()
     loss.backward()
     opt.step()
     return float(loss.detach())
-
-
-def state_tables(model: DLRM, opt: RowWiseAdagrad) -> dict[str, torch.Tensor]:
-    """The whole training state as checkpoint tables (views: no copy is made).
-
-    ``emb{i}`` are the embedding tables and ``emb{i}.adagrad`` their row accumulators;
-    dense parameters keep their module names, their accumulators add ``.adagrad``.
-    """
-    tables = {}
-    for k, (bag, acc) in enumerate(zip(model.embs, opt.emb_acc)):
-        tables[f"emb{k}"] = bag.weight.detach()
-        tables[f"emb{k}{ADAGRAD_SUFFIX}"] = acc
-    for name, p in _dense_params(model):
-        tables[name] = p.detach()
-        tables[name + ADAGRAD_SUFFIX] = opt.dense_acc[name]
-    return tables
-
-
-def embedding_names(model: DLRM) -> list[str]:
-    """Names of the embedding weight tables (the ones worth quantizing)."""
-    return [f"emb{k}" for k in range(len(model.embs))]
-
-
-@torch.no_grad()
-def load_state_tables(model: DLRM, opt: RowWiseAdagrad, tables: dict[str, torch.Tensor]) -> None:
-    """Copy restored tables into ``model`` and ``opt``; every name must match exactly."""
-    targets = state_tables(model, opt)
-    missing = sorted(set(targets) - set(tables))
-    extra = sorted(set(tables) - set(targets))
-    if missing or extra:
-        raise ValueError(f"checkpoint does not fit the model: missing {missing}, extra {extra}")
-    for name, target in targets.items():
-        src = tables[name]
-        if src.shape != target.shape or src.dtype != target.dtype:
-            raise ValueError(
-                f"table {name!r}: checkpoint has {tuple(src.shape)} {src.dtype}, "
-                f"model has {tuple(target.shape)} {target.dtype}"
-            )
-    for name, target in targets.items():
-        target.copy_(tables[name])
-
-
-def auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
-    """Area under the ROC curve, rank-based (Mann-Whitney U), ties given their mean rank."""
-    s = scores.detach().double().cpu().numpy().ravel()
-    y = labels.detach().cpu().numpy().ravel().astype(bool)
-    if s.shape != y.shape:
-        raise ValueError(f"scores and labels differ in size: {s.shape} vs {y.shape}")
-    n_pos = int(y.sum())
-    n_neg = len(y) - n_pos
-    if n_pos == 0 or n_neg == 0:
-        raise ValueError("AUC needs at least one positive and one negative label")
-    _, inverse, counts = np.unique(s, return_inverse=True, return_counts=True)
-    first_rank = np.cumsum(counts) - counts + 1          # 1-based rank of each tie group
-    mean_rank = first_rank + (counts - 1) / 2.0
-    rank_sum = mean_rank[inverse][y].sum()
-    return float((rank_sum - n_pos * (n_pos + 1) / 2.0) / (n_pos * n_neg))
-
-
-@torch.no_grad()
-def evaluate(model: DLRM, batches: list[Batch]) -> tuple[float, float]:
-    """(mean log loss, AUC) of ``model`` on ``batches``."""
-    device = next(model.parameters()).device
-    batches = [b.to(device) for b in batches]
-    logits = torch.cat([model(b.dense, b.ids) for b in batches])
-    labels = torch.cat([b.labels for b in batches])
-    return float(F.binary_cross_entropy_with_logits(logits, labels)), auc(logits, labels)
-
-
-def teacher_floor(batches: list[Batch]) -> float:
-    """The teacher's own log loss on ``batches``: what a perfect student would reach."""
-    logits = torch.cat([b.teacher_logits for b in batches])
-    labels = torch.cat([b.labels for b in batches])
-    return float(F.binary_cross_entropy_with_logits(logits, labels))
 
 
 @contextlib.contextmanager
@@ -372,30 +327,37 @@ class Trainer:
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device 'cuda' asked for, but CUDA is not available")
         self.model = DLRM(config).to(self.device)  # same init on every device (CPU RNG)
-        self.opt = RowWiseAdagrad(self.model, lr=config.lr, dense_lr=config.dense_lr)
+        self.opt = make_optimizer(self.model, config)
         self.step = 0
         self.on_checkpoint = on_checkpoint
         self._pending: list[tuple[object, float]] = []
 
+    def state(self) -> dict:
+        """The whole training state; its tensors are the live ones (no copies)."""
+        return {"model": self.model.state_dict(), "optim": self.opt.state_dict(),
+                "step": self.step}
+
     def tables(self) -> dict[str, torch.Tensor]:
-        return state_tables(self.model, self.opt)
+        """The state's tensors by checkpoint table name (``model/embs.0.weight``, ...)."""
+        from .state import flatten
+
+        return flatten(self.state()).tables
 
     def checkpoint(self) -> None:
         """Put the current state as step ``self.step``; returns once the store has it copied."""
         t0 = time.perf_counter()
-        future = self.store.put_tables(self.step, self.tables(), quant=self.quant,
-                                       metadata={"seed": self.config.seed}, blocking=False)
+        future = self.store.put_state(self.step, self.state(), quant=self.quant,
+                                      metadata={"seed": self.config.seed}, blocking=False)
         self._pending.append((future, time.perf_counter() - t0))
         self._collect(wait=False)
 
     def restore_latest(self) -> int:
-        """Load the newest step of the store into the model; returns that step."""
-        steps = self.store.steps()
-        if not steps:
+        """Load the newest step into the model and optimizer in place; returns that step."""
+        if not self.store.steps():
             raise ValueError("the store has no step to restore")
-        load_state_tables(self.model, self.opt,
-                          self.store.get_tables(steps[-1], device=str(self.device)))
-        self.step = steps[-1]
+        restored = self.store.load_state(None, self.state())
+        self.opt.load_state_dict(restored["optim"])  # its Python values (lr, eps, ...)
+        self.step = restored["step"]
         return self.step
 
     def run(self, until: int, *, checkpoint_last: bool = False,

@@ -42,7 +42,12 @@ def test_demo_kills_resumes_and_matches_the_uninterrupted_run(tmp_path):
     assert "-> [20, 30]" in text
     with cnrstore.open(store) as s:
         assert s.steps() == [20, 30]
-        assert set(s.get_tables(30)) >= {"emb0", "emb0.adagrad", "top.0.weight"}
+        # put_state: model and torch.optim.Adagrad state by path, Python values back.
+        assert set(s.get_tables(30)) >= {"model/embs.0.weight", "optim/state/0/sum",
+                                         "optim/state/0/step", "model/top.0.weight"}
+        state = s.get_state(30)
+        assert state["step"] == 30
+        assert state["optim"]["param_groups"][0]["params"] == [0, 1, 2, 3, 4]
 
 
 def test_demo_refuses_bad_options_before_doing_anything(tmp_path, capsys):
@@ -63,9 +68,9 @@ def test_resolve_quant_quantizes_only_embedding_tables():
     config = demo.DLRMConfig(table_rows=(10, 20))
     assert demo.resolve_quant("exact", config, expected_restores=1) == "exact"
     assert demo.resolve_quant("int4", config, expected_restores=1) == {
-        "emb0": "int4", "emb1": "int4"}
+        "model/embs.*.weight": "int4"}
     auto = demo.resolve_quant("auto", config, expected_restores=1)
-    assert auto == "exact" or set(auto) == {"emb0", "emb1"}
+    assert auto == "exact" or set(auto) == {"model/embs.*.weight"}
 
 
 def test_the_cli_runs_the_demo_with_its_options(capsys):

@@ -1,6 +1,9 @@
-"""The demo's workload: it learns, it is deterministic, and its state round-trips as tables."""
+"""The demo's workload: it learns, it is deterministic, and its training state (model and a
+torch.optim or row-wise optimizer) round-trips through put_state / load_state."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import pytest
@@ -8,6 +11,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import cnrstore
+import engine
 from cnrstore.dlrm import (
     DLRM,
     DLRMConfig,
@@ -17,26 +22,32 @@ from cnrstore.dlrm import (
     auc,
     deterministic,
     evaluate,
-    load_state_tables,
-    state_tables,
+    make_optimizer,
     teacher_floor,
     train_step,
 )
+from cnrstore.state import flatten
 
 TINY = DLRMConfig(table_rows=(400, 200, 50), dim=8, batch_size=128, seed=3)
+OPTIMIZERS = ["adagrad", "rowwise"]
 
 
-def _fresh(config: DLRMConfig = TINY) -> tuple[DLRM, RowWiseAdagrad]:
+def _fresh(config: DLRMConfig = TINY):
     model = DLRM(config)
-    return model, RowWiseAdagrad(model, lr=config.lr, dense_lr=config.dense_lr)
+    return model, make_optimizer(model, config)
 
 
-def test_loss_falls_toward_the_teacher_floor():
+def _tables(model, opt) -> dict[str, torch.Tensor]:
+    return flatten({"model": model.state_dict(), "optim": opt.state_dict()}).tables
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_loss_falls_toward_the_teacher_floor(optimizer):
     data = SyntheticCTR(TINY)
     held_out = data.eval_batches(8)
     floor = teacher_floor(held_out)
     with deterministic():
-        model, opt = _fresh()
+        model, opt = _fresh(dataclasses.replace(TINY, optimizer=optimizer))
         start_loss, start_auc = evaluate(model, held_out)
         for step in range(400):
             train_step(model, opt, data.batch(step))
@@ -72,45 +83,62 @@ def test_ids_are_skewed_and_hot_rows_are_scattered():
     assert ids.min() >= 0 and ids.max() < 10_000
 
 
-def test_training_is_bit_reproducible():
-    data = SyntheticCTR(TINY)
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_training_is_bit_reproducible(optimizer):
+    config = dataclasses.replace(TINY, optimizer=optimizer)
+    data = SyntheticCTR(config)
     runs = []
     for _ in range(2):
         with deterministic():
-            model, opt = _fresh()
+            model, opt = _fresh(config)
             for step in range(30):
                 train_step(model, opt, data.batch(step))
-        runs.append(state_tables(model, opt))
+        runs.append(_tables(model, opt))
     assert runs[0].keys() == runs[1].keys()
     for name in runs[0]:
         assert torch.equal(runs[0][name], runs[1][name]), name
 
 
-def test_state_tables_cover_the_whole_training_state():
-    data = SyntheticCTR(TINY)
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_a_restored_trainer_continues_bit_identically(optimizer):
+    config = dataclasses.replace(TINY, optimizer=optimizer)
+    store = cnrstore.CheckpointStore(engine.MemoryStore(), block_rows=64)
     with deterministic():
-        model, opt = _fresh()
-        for step in range(20):
-            train_step(model, opt, data.batch(step))
-        saved = {k: v.clone() for k, v in state_tables(model, opt).items()}
-        for step in range(20, 30):
-            train_step(model, opt, data.batch(step))
-        expected = {k: v.clone() for k, v in state_tables(model, opt).items()}
-        # A fresh model + optimizer loaded from step 20 continues to the same state.
-        model2, opt2 = _fresh(DLRMConfig(**{**TINY.__dict__, "seed": 99}))
-        load_state_tables(model2, opt2, saved)
-        for step in range(20, 30):
-            train_step(model2, opt2, data.batch(step))
-        got = state_tables(model2, opt2)
-    assert saved["emb0.adagrad"].shape == (400,)
-    assert all(t.ndim >= 1 for t in saved.values())
+        trainer = Trainer(config, store=store, every=20)
+        trainer.run(30)
+        trainer.wait()
+        expected = {k: v.clone() for k, v in trainer.tables().items()}
+        resumed = Trainer(config, store=store, every=20)
+        ptr = resumed.model.embs[0].weight.data_ptr()
+        assert resumed.restore_latest() == 20
+        assert resumed.model.embs[0].weight.data_ptr() == ptr  # restored in place
+        resumed.run(30)
+        got = resumed.tables()
+    if optimizer == "adagrad":
+        assert isinstance(resumed.opt, torch.optim.Adagrad)
+        assert got["optim/state/0/sum"].shape == (400, 8)
+    assert got.keys() == expected.keys()
     for name in expected:
         assert torch.equal(expected[name], got[name]), name
 
 
+def test_restoring_a_mismatched_checkpoint_writes_nothing():
+    store = cnrstore.CheckpointStore(engine.MemoryStore())
+    trainer = Trainer(TINY, store=store)
+    trainer.checkpoint()
+    trainer.wait()
+    other = Trainer(dataclasses.replace(TINY, table_rows=(400, 200, 60)), store=store)
+    before = {k: v.clone() for k, v in other.tables().items()}
+    with pytest.raises(cnrstore.InvalidInput, match="embs.2"):
+        other.restore_latest()
+    for name, t in other.tables().items():
+        assert torch.equal(t, before[name]), name
+
+
 def test_row_wise_adagrad_touches_only_looked_up_rows():
     data = SyntheticCTR(TINY)
-    model, opt = _fresh()
+    model = DLRM(TINY)
+    opt = RowWiseAdagrad(model, lr=TINY.lr, dense_lr=TINY.dense_lr)
     before = model.embs[0].weight.detach().clone()
     batch = data.batch(0)
     train_step(model, opt, batch)
@@ -121,19 +149,6 @@ def test_row_wise_adagrad_touches_only_looked_up_rows():
     assert set(acc.nonzero().ravel().tolist()) == set(batch.ids[0].ravel().unique().tolist())
 
 
-def test_load_state_tables_refuses_a_mismatched_checkpoint():
-    model, opt = _fresh()
-    tables = {k: v.clone() for k, v in state_tables(model, opt).items()}
-    with pytest.raises(ValueError, match="missing"):
-        load_state_tables(model, opt, {k: v for k, v in tables.items() if k != "emb1"})
-    with pytest.raises(ValueError, match="emb0"):
-        load_state_tables(model, opt, {**tables, "emb0": torch.zeros(3, 8)})
-    with torch.no_grad():
-        model.embs[0].weight.zero_()
-    load_state_tables(model, opt, tables)
-    assert torch.equal(model.embs[0].weight.detach(), tables["emb0"])
-
-
 def test_config_validation():
     with pytest.raises(ValueError):
         DLRMConfig(table_rows=())
@@ -141,6 +156,8 @@ def test_config_validation():
         DLRMConfig(dim=0)
     with pytest.raises(ValueError):
         TINY.scaled(0)
+    with pytest.raises(ValueError, match="optimizer"):
+        DLRMConfig(optimizer="sgd")
     assert TINY.scaled(2).table_rows == (800, 400, 100)
 
 
