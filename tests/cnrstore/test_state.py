@@ -226,3 +226,25 @@ def test_get_state_of_a_put_tables_step_is_its_tables():
     assert_identical(target["a"], t["a"])
     with pytest.raises(cnrstore.InvalidInput, match="put_tables"):
         s.load_state(1, {"a": torch.zeros(5, 2), "epoch": 1})
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_get_tables_out_and_load_state_on_cuda():
+    s = make_store("memory", None, block_rows=32)
+    g = torch.Generator().manual_seed(2)
+    t = {"a": torch.randn(100, 8, generator=g), "q": torch.randn(70, 5, generator=g)}
+    s.put_tables(1, t, quant={"q": "int8"})
+    want = s.get_tables(1)
+    out = {n: torch.zeros(x.shape, device="cuda") for n, x in t.items()}
+    ptrs = {n: x.data_ptr() for n, x in out.items()}
+    s.get_tables(1, out=out)
+    for n in t:
+        assert out[n].device.type == "cuda" and out[n].data_ptr() == ptrs[n]
+        assert_identical(out[n].cpu(), want[n])
+    out["a"][5] += 1  # the restore seeded the diff base: the next put is incremental
+    assert s.put_tables(2, out, quant={"q": "int8"}).rows_changed == {"a": 1, "q": 0}
+    model = nn_state = {"w": torch.zeros(100, 8, device="cuda"), "n": 0}
+    s.put_state(3, {"w": t["a"], "n": 4})
+    assert s.load_state(3, nn_state)["n"] == 4
+    assert_identical(model["w"].cpu(), t["a"])
