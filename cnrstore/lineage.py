@@ -66,7 +66,8 @@ def rollback(store, step: int) -> list[int]:
     with store._lock:
         store._wait_step(step)
         deleted = store._writer.run(job)  # after every put queued before it
-        _forget_bases(store)
+        if deleted:  # nothing deleted: the bases describe ``step`` or an older one
+            _forget_bases(store)
     return deleted
 
 

@@ -76,6 +76,19 @@ def test_random_nestings_round_trip(state):
     s.put_state(1, state)
     _same(s.get_state(1), state)
     _same(s.get_state(), state)
+    # load_state into a blank copy: tensors filled in place, Python leaves as stored.
+    blank = _blank(state)
+    _same(s.load_state(1, blank), state)
+
+
+def _blank(x):
+    if isinstance(x, torch.Tensor):
+        return torch.zeros_like(x)
+    if isinstance(x, dict):
+        return {k: _blank(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(_blank(v) for v in x)
+    return None
 
 
 def test_state_tables_are_named_by_path_and_small_tensors_stay_exact(tmp_path):
