@@ -4,6 +4,8 @@
     with cnrstore.open("ckpt/") as store:
         info = store.put_tables(100, {"user": t_user}, quant="int8")
         tables = store.get_tables()        # the latest step
+        store.put_state(101, {"model": model.state_dict(), "optim": opt.state_dict()})
+        store.load_state(101, {"model": model.state_dict()})   # in place
 
 The user guide is docs/GUIDE.md (API, quantization schemes and their error bounds,
 retention and gc, async puts, partial restores); docs/MANIFEST.md and docs/FORMAT.md say

@@ -53,6 +53,7 @@ class StepInfo:
     rows_written: dict[str, int] = field(default_factory=dict)   # incl. rest of full blocks
     stall_seconds: float = 0.0      # time put_tables held the caller (fingerprint+encode+copy)
     write_seconds: float = 0.0      # time the writer spent encoding blocks and committing
+    tables: dict[str, str] = field(default_factory=dict)   # name -> hex id of its table node
 
 
 class _MissingBase(Exception):
@@ -168,6 +169,7 @@ def write_step(
         bytes_new=bytes_new,
         stall_seconds=stall_seconds,
         write_seconds=time.perf_counter() - t0,
+        tables={p.name: tid.hex() for p, tid in zip(plans, table_ids)},
     )
 
 
