@@ -16,7 +16,6 @@ import torch
 from ckpt_util import assert_identical, make_store
 
 import cnrstore
-from cnrstore.manifest import KIND_STEP, StepNode, load_step, root_name
 
 
 def _table(step: int, rows: int = 2000) -> dict[str, torch.Tensor]:
@@ -43,19 +42,37 @@ def test_put_below_the_highest_step_is_refused_up_front(tmp_path):
     assert s.steps() == [5, 9]
 
 
-def test_put_below_a_step_committed_meanwhile_is_refused_at_commit(tmp_path):
-    s = make_store("pack", tmp_path / "s", lock_timeout=None)
-    s.put_tables(1, _table(1))
-    held = s.objects.writer()  # another writer holds the store; it commits step 10
-    fut = s.put_tables(5, _table(5), blocking=False)  # passes the up-front check
-    _, node = load_step(s.objects, 1)
+HOLDER = r"""
+import sys, time, engine
+from cnrstore.manifest import KIND_STEP, StepNode, load_step, root_name
+with engine.open(sys.argv[1]) as objects:
+    w = objects.writer()             # holds the store's writer lock
+    print("locked", flush=True)
+    sys.stdin.readline()
+    _, node = load_step(objects, 1)  # commits step 10 (step 1's tables)
     payload, refs = StepNode(10, time.time(), node.tables, node.table_ids).encode()
-    held.set_root(root_name(10), held.put(KIND_STEP, payload, refs, meta=True))
-    held.commit()
-    with pytest.raises(cnrstore.StepOrderError):
-        fut.result(timeout=60)
-    assert s.steps() == [1, 10]
-    assert s.verify().ok
+    w.set_root(root_name(10), w.put(KIND_STEP, payload, refs, meta=True))
+    w.commit()
+    print("committed", flush=True)
+"""
+
+
+def test_put_below_a_step_another_process_committed_meanwhile_is_refused_at_commit(tmp_path):
+    path = tmp_path / "s"
+    _fill(path, [1])
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(path)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "locked"
+    with cnrstore.open(path, lock_timeout=None) as s:
+        fut = s.put_tables(5, _table(5), blocking=False)  # passes the up-front check
+        holder.stdin.write("\n")
+        holder.stdin.flush()
+        assert holder.stdout.readline().strip() == "committed"
+        with pytest.raises(cnrstore.StepOrderError):
+            fut.result(timeout=60)
+        assert s.steps() == [1, 10]
+        assert s.verify().ok
+    assert holder.wait(timeout=60) == 0
 
 
 def test_rollback_deletes_later_steps_and_makes_the_step_the_diff_base(tmp_path):
