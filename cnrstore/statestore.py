@@ -26,7 +26,13 @@ __all__ = ["put_state", "get_state", "load_state", "get_into"]
 
 def put_state(store, step, state, *, quant, metadata, blocking, touched):
     flat = flatten(state)
-    return store._put(step, flat.tables, quant="exact" if quant is None else quant,
+    if quant is None:
+        quant = "exact"
+    elif isinstance(quant, str) and quant != "exact":
+        # A state mixes float weights with int tensors (RNG state, BatchNorm counters):
+        # one scheme for "everything" means every float tensor of ndim >= 2.
+        quant = {"*": quant}
+    return store._put(step, flat.tables, quant=quant,
                       metadata=metadata, blocking=blocking, touched=touched, state=flat.doc)
 
 

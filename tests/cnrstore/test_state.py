@@ -105,7 +105,12 @@ def test_state_tables_are_named_by_path_and_small_tensors_stay_exact(tmp_path):
     schemes = {n: tm.node.scheme for n, tm in manifest.tables.items()}
     assert schemes == {"model/emb.weight": "int8", "model/bias": "exact", "rng": "exact",
                        "optim/state/0/step": "exact", "optim/state/0/sum": "fp16"}
-    got = s.get_state()
+    # One scheme for a whole state quantizes the float tensors of ndim >= 2 only.
+    s.put_state(2, state, quant="int8")
+    schemes = {n: tm.node.scheme for n, tm in load_manifest(s.objects, 2).tables.items()}
+    assert schemes["model/emb.weight"] == schemes["optim/state/0/sum"] == "int8"
+    assert schemes["rng"] == schemes["model/bias"] == "exact"
+    got = s.get_state(1)
     assert got["optim"]["state"][0]["step"].shape == ()
     assert_identical(got["rng"], state["rng"])
     assert got["epoch"] == 3 and got["optim"]["param_groups"] == [{"lr": 0.1, "params": [0]}]
