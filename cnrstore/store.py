@@ -35,6 +35,7 @@ from .options import Options as _Options
 from .options import positive as _positive
 from .restore import read_codes
 from .snapshot import HostBuffers, plan_table
+from .stateapi import StateMethods
 from .tablestate import TableState
 from .validate import check_step, check_tables, check_touched, pack_metadata, resolve_quant
 from .writer import BackgroundWriter, StepInfo, write_step
@@ -55,7 +56,7 @@ def _close_open_stores() -> None:
             pass
 
 
-class CheckpointStore:
+class CheckpointStore(StateMethods):
     """Checkpoints of embedding tables over an engine object store.
 
     Use ``cnrstore.open(path)`` for a store on disk; construct directly over any
@@ -302,27 +303,6 @@ class CheckpointStore:
         if out is not None:
             return statestore.get_into(self, step, out, names=names, rows=rows)
         return maintenance.get_tables(self, step, names=names, rows=rows, device=device)
-
-    def put_state(self, step: int, state, *, quant=None, metadata=None, blocking=True,
-                  touched=None):
-        """Store a nesting of dicts/lists/tuples as ``step`` (tensor leaves: tables named by
-        their "/"-joined path; Python leaves: in the step node). Like put_tables."""
-        return statestore.put_state(self, step, state, quant=quant, metadata=metadata,
-                                    blocking=blocking, touched=touched)
-
-    def get_state(self, step: int | None = None, *, device="cpu"):
-        """The nesting put with ``step`` (None: the highest), with fresh tensors."""
-        return statestore.get_state(self, step, device=device)
-
-    def load_state(self, step: int | None, state, *, strict: bool = True):
-        """Restore ``step`` into the tensors of ``state`` in place; return it with its Python
-        leaves as stored. ``strict=False`` skips entries the step lacks."""
-        return statestore.load_state(self, step, state, strict=strict)
-
-    def rollback(self, step: int) -> list[int]:
-        """Delete every step after ``step`` in one commit; ``step`` becomes the diff base.
-        Returns the deleted steps (gc reclaims their bytes later)."""
-        return lineage.rollback(self, step)
 
     def metadata(self, step: int | None = None) -> dict:
         """The ``metadata`` mapping put with ``step`` (None: the highest step)."""

@@ -19,6 +19,7 @@ ORDER = [
     {"writer"},
     {"maintenance"},
     {"lineage", "statestore"},
+    {"stateapi"},
     {"store"},
 ]
 RANK = {name: i for i, layer in enumerate(ORDER) for name in layer}
