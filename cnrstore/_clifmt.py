@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterable, Sequence
 
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
+STATE_SHOWN = 12  # Python values of a put_state step shown by `show` (all with --json)
 
 
 def size(n: int | float | None) -> str:
@@ -136,6 +137,11 @@ def step_text(d) -> str:
     head = [f"step {d.step}  {when(d.time)} UTC  root {d.root}"]
     if d.metadata:
         head.append("metadata: " + ", ".join(f"{k}={v!r}" for k, v in d.metadata.items()))
+    values = getattr(d, "state", None)
+    if values:  # a put_state step: its Python values (the first few; --json has them all)
+        shown = [f"{k}={v!r}" for k, v in list(values.items())[:STATE_SHOWN]]
+        more = len(values) - STATE_SHOWN
+        head.append("state: " + ", ".join(shown) + (f", ... (+{more})" if more > 0 else ""))
     rows = [(t.name, "x".join(map(str, t.shape)), t.dtype, t.scheme, t.blocks,
              f"{t.full_blocks}/{t.patched_blocks}", f"{t.max_depth}/{t.mean_depth:.1f}",
              "-" if t.rows_changed is None else t.rows_changed, size(t.logical_bytes),

@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import engine
 from engine import ObjectStore
@@ -27,6 +27,7 @@ from engine.api import ProgressFn
 from . import manifest as mf
 from .errors import StepNotFound
 from .manifest import TableNode, load_step, load_table_manifest, root_name
+from .state import python_values
 
 __all__ = [
     "StepSummary",
@@ -84,6 +85,7 @@ class StepDetail:
     root: str
     metadata: dict
     tables: tuple[TableDetail, ...]
+    state: dict = field(default_factory=dict)   # Python values of a put_state step, by path
 
 
 @dataclass(frozen=True)
@@ -248,7 +250,9 @@ def show_step(store, step: int) -> StepDetail:
                 logical_bytes=table_logical_bytes(t),
                 stored_bytes=sizes.stored(sizes.reach(toid)),
             ))
-        return StepDetail(step, node.time, oid.hex(), dict(node.metadata), tuple(tables))
+        values = python_values(node.state) if node.state is not None else {}
+        return StepDetail(step, node.time, oid.hex(), dict(node.metadata), tuple(tables),
+                          values)
 
 
 def _ratio(a: int, b: int) -> float | None:

@@ -267,3 +267,16 @@ def test_rm_and_rollback(store, capsys):
         assert s.verify().ok
     assert main(["rollback", str(store), "10", "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == {"deleted": [], "steps": [10]}
+
+
+def test_show_lists_the_python_values_of_a_put_state_step(tmp_path, capsys):
+    path = tmp_path / "s"
+    with cnrstore.open(path) as s:
+        s.put_state(1, {"model": {"w": torch.zeros(4, 2)}, "epoch": 3,
+                        "optim": {"param_groups": [{"lr": 0.1, "betas": (0.9, 0.99)}]}})
+    assert main(["show", str(path), "1"]) == 0
+    out = capsys.readouterr().out
+    assert "state: epoch=3, optim/param_groups/0/lr=0.1" in out and "model/w" in out
+    assert main(["show", str(path), "1", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["state"]["optim/param_groups/0/betas/1"] == 0.99
