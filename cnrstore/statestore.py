@@ -10,6 +10,7 @@ byte is written.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 import torch
@@ -56,7 +57,15 @@ def get_state(store, step, *, device):
     tables = maintenance.get_tables(store, step, names=None, rows=None, device=device)
     if node.state is None:  # a put_tables step: its tables are its state
         return tables
-    return unflatten(node.state, lambda name, shape: tables[name].reshape(shape))
+
+    def leaf(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        t = tables[name]
+        if t.numel() != math.prod(shape):
+            raise ManifestError(f"step {step}: table {name!r} holds {tuple(t.shape)}, its "
+                                f"state leaf says {shape}")
+        return t.reshape(shape)
+
+    return unflatten(node.state, leaf)
 
 
 def load_state(store, step, state, *, strict: bool):

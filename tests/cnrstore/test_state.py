@@ -110,6 +110,10 @@ def test_state_tables_are_named_by_path_and_small_tensors_stay_exact(tmp_path):
     schemes = {n: tm.node.scheme for n, tm in load_manifest(s.objects, 2).tables.items()}
     assert schemes["model/emb.weight"] == schemes["optim/state/0/sum"] == "int8"
     assert schemes["rng"] == schemes["model/bias"] == "exact"
+    # touched= takes the same names.
+    state["model"]["emb.weight"][3] += 1.0
+    info = s.put_state(3, state, quant="int8", touched={"model/emb.weight": [3]})
+    assert info.rows_changed["model/emb.weight"] == 1
     got = s.get_state(1)
     assert got["optim"]["state"][0]["step"].shape == ()
     assert_identical(got["rng"], state["rng"])
@@ -268,3 +272,26 @@ def test_get_tables_out_and_load_state_on_cuda():
     s.put_state(3, {"w": t["a"], "n": 4})
     assert s.load_state(3, nn_state)["n"] == 4
     assert_identical(model["w"].cpu(), t["a"])
+
+
+def test_a_crafted_state_structure_is_a_manifest_error():
+    import time
+
+    from cnrstore.manifest import KIND_STEP, StepNode, load_step, root_name
+
+    s = make_store("memory", None)
+    s.put_state(1, {"w": torch.zeros(4, 2)})
+    _, node = load_step(s.objects, 1)
+    bad_docs = [{"d": [["w", {"T": "w", "shape": [3, 3]}]]},   # shape does not fit
+                {"d": [["w", {"T": "zz", "shape": [4, 2]}]]},  # names another table
+                {"d": [["w", {"q": 1}]]},                      # unknown node
+                {"d": [[1.5, {"p": 1}]]}]                      # bad key type
+    for step, doc in enumerate(bad_docs, start=2):
+        payload, refs = StepNode(step, time.time(), node.tables, node.table_ids,
+                                 state=doc).encode()
+        with s.objects.writer() as w:
+            w.set_root(root_name(step), w.put(KIND_STEP, payload, refs, meta=True))
+        with pytest.raises(cnrstore.ManifestError):
+            s.get_state(step)
+        with pytest.raises(cnrstore.CheckpointError):
+            s.load_state(step, {"w": torch.zeros(4, 2)})
