@@ -77,10 +77,8 @@ def load_state(store, step, state, *, strict: bool):
     step, node, shapes = _stored(store, step)
     present = set(node.tables)
     missing = [n for n in flat.tables if n not in present]
-    if missing and strict:
-        raise TableNotFound(missing[0], step) if len(missing) == 1 else InvalidInput(
-            f"step {step} holds no tables {missing[:10]}" + ("..." if len(missing) > 10 else "")
-            + " (strict=False skips them)")
+    if missing and strict:  # the first one; strict=False skips them all
+        raise TableNotFound(missing[0], step)
     for name in flat.tables:
         if name in shapes and shapes[name] != flat.shapes[name]:
             raise InvalidInput(f"state entry {name!r} has shape {flat.shapes[name]}, step "
