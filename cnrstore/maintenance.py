@@ -23,6 +23,7 @@ from .errors import (
 )
 from .manifest import list_steps, load_manifest, load_step, root_name
 from .restore import read_table
+from .retention import check_retention, kept_steps
 from .tablestate import TableState
 from .validate import check_step
 
@@ -147,22 +148,13 @@ def delete_step(store, step: int) -> None:
 
 def gc(store, keep_last, keep, *, threshold) -> GCReport:
     store._check_open()
-    if keep_last is not None:
-        if not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 0:
-            raise InvalidInput(f"keep_last must be None or an int >= 0, got {keep_last!r}")
-    if isinstance(keep, (str, bytes)) or not isinstance(keep, Iterable):
-        raise InvalidType("keep must be an iterable of steps")
-    keep = {check_step(s) for s in keep}
+    keep_last, keep = check_retention(keep_last, keep)
     if not isinstance(threshold, (int, float)) or not 0.0 <= threshold <= 1.0:
         raise InvalidInput(f"threshold must be in [0, 1], got {threshold!r}")
 
     def job() -> GCReport:
         steps = list_steps(store._objects)
-        if keep_last is None and not keep:
-            kept = set(steps)
-        else:
-            newest = steps[max(0, len(steps) - keep_last):] if keep_last else []
-            kept = set(newest) | (keep & set(steps))
+        kept = set(kept_steps(steps, keep_last=keep_last, keep=keep))
         dropped = [s for s in steps if s not in kept]
         if dropped:
             with store._objects.writer(timeout=store._opt.lock_timeout) as w:
