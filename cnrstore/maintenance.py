@@ -22,10 +22,10 @@ from .errors import (
     TableNotFound,
 )
 from .manifest import list_steps, load_manifest, load_step, root_name
-from .restore import read_table
+from .restore import check_slice, read_table
 from .retention import check_retention, kept_steps
 from .tablestate import TableState
-from .validate import check_step
+from .validate import check_device, check_step
 
 __all__ = ["GCReport", "VerifyReport", "StoreStats"]
 
@@ -93,17 +93,13 @@ def get_tables(store, step, *, names, rows, device) -> dict:
     if rows is not None and not isinstance(rows, Mapping):
         raise InvalidType("rows must be a mapping table name -> slice")
     rows = dict(rows or {})
-    try:
-        device = torch.device(device)
-    except (TypeError, RuntimeError) as exc:
-        raise InvalidInput(f"bad device {device!r}: {exc}") from exc
+    device = check_device(device)
     step = _resolve_step(store, step)
     manifest = load_manifest(store._objects, step, names=names)
     for name, sel in rows.items():
         if name not in manifest.tables:
             raise TableNotFound(name, step)
-        if not isinstance(sel, slice):
-            raise InvalidType(f"rows[{name!r}] must be a slice, got {type(sel).__name__}")
+        check_slice(sel, manifest.tables[name].node.rows, name=name)
     out = {}
     for name, tm in manifest.tables.items():
         whole = rows.get(name) is None

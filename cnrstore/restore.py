@@ -15,13 +15,13 @@ import torch
 from engine import ObjectStore
 
 from .blocks import resolve
-from .errors import InvalidInput, ManifestError
+from .errors import InvalidInput, InvalidType, ManifestError
 from .fingerprint import row_fingerprints
 from .manifest import TableManifest
 from .quantize import decode_rows
 from .tablestate import parse_dtype
 
-__all__ = ["row_range", "read_table", "read_codes"]
+__all__ = ["check_slice", "row_range", "read_table", "read_codes"]
 
 
 def row_range(sel: slice | None, rows: int) -> tuple[int, int, np.ndarray | None]:
@@ -29,9 +29,7 @@ def row_range(sel: slice | None, rows: int) -> tuple[int, int, np.ndarray | None
     (None when the slice is contiguous)."""
     if sel is None:
         return 0, rows, None
-    if not isinstance(sel, slice):
-        raise InvalidInput(f"rows= takes a slice per table, got {type(sel).__name__}")
-    start, stop, step = sel.indices(rows)
+    start, stop, step = check_slice(sel, rows)
     if step == 1:
         return start, max(start, stop), None
     idx = np.arange(start, stop, step, dtype=np.int64)
@@ -39,6 +37,20 @@ def row_range(sel: slice | None, rows: int) -> tuple[int, int, np.ndarray | None
         return 0, 0, idx
     lo, hi = int(idx.min()), int(idx.max()) + 1
     return lo, hi, idx - lo
+
+
+def check_slice(sel, rows: int, *, name: str = "") -> tuple[int, int, int]:
+    """``sel.indices(rows)`` of a slice of ints with a non-zero step, else InvalidInput
+    (``slice.indices`` raises ValueError or TypeError of its own)."""
+    what = f"rows[{name!r}]" if name else "rows="
+    if not isinstance(sel, slice):
+        raise InvalidType(f"{what} must be a slice, got {type(sel).__name__}")
+    for part in (sel.start, sel.stop, sel.step):
+        if part is not None and (not isinstance(part, int) or isinstance(part, bool)):
+            raise InvalidType(f"{what}: slice bounds must be ints or None, got {sel!r}")
+    if sel.step == 0:
+        raise InvalidInput(f"{what}: slice step cannot be zero")
+    return sel.indices(rows)
 
 
 def _block_codes(
