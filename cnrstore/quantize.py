@@ -29,6 +29,7 @@ __all__ = [
     "check_scheme",
     "scheme_bits",
     "row_nbytes",
+    "row_nbytes_options",
     "encode_rows",
     "decode_rows",
     "first_nonfinite_row",
@@ -85,6 +86,11 @@ def row_nbytes(scheme: str, dtype: torch.dtype, width: int) -> int:
     if scheme in _CASTS:
         return 2 * width
     return HEADER_NBYTES + packed_nbytes(width, _BITS[scheme])
+
+
+def row_nbytes_options(scheme: str, dtype: torch.dtype, width: int) -> tuple[int, ...]:
+    """The row sizes a stored table of this scheme, dtype and width may have."""
+    return (row_nbytes(scheme, dtype, width),)
 
 
 def _itemsize(dtype: torch.dtype) -> int:

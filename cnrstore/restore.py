@@ -15,7 +15,7 @@ import torch
 from engine import ObjectStore
 
 from .blocks import resolve
-from .errors import InvalidInput, InvalidType, ManifestError
+from .errors import CheckpointError, InvalidInput, InvalidType, ManifestError
 from .fingerprint import row_fingerprints
 from .manifest import TableManifest
 from .quantize import decode_rows
@@ -100,8 +100,14 @@ def read_table(
     dtype = parse_dtype(node.dtype)
     width = node.width
     lo, hi, pick = row_range(rows, node.rows)
-    out = torch.empty((hi - lo, width), dtype=dtype)
-    codes_out = np.empty((hi - lo, node.row_nbytes), dtype=np.uint8) if keep_codes else None
+    try:
+        out = torch.empty((hi - lo, width), dtype=dtype)
+        codes_out = np.empty((hi - lo, node.row_nbytes), dtype=np.uint8) if keep_codes else None
+    except (RuntimeError, MemoryError) as exc:
+        raise CheckpointError(
+            f"table {node.name!r}: cannot allocate {hi - lo} rows of {width} {node.dtype} "
+            f"to restore into: {exc}"
+        ) from None
     fps = torch.empty(hi - lo, dtype=torch.int64) if fingerprints else None
     first = lo // node.block_rows
     last = -(-hi // node.block_rows) if hi > lo else first

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .manifest import TableManifest
+from .manifest import TableManifest, dtype_name, parse_dtype
 
 __all__ = ["BlockSlot", "TableState", "dtype_name", "parse_dtype"]
 
@@ -39,15 +39,6 @@ class BlockSlot:
         return f"BlockSlot({oid}, nrows={self.nrows}, depth={self.depth})"
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def parse_dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown dtype {name!r}")
-    return dtype
 
 
 @dataclass

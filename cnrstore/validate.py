@@ -11,6 +11,7 @@ import msgpack
 import torch
 
 from .errors import InvalidInput, InvalidType, UnknownScheme
+from .manifest import DTYPES, dtype_name
 from .quantize import SCHEMES, auto_scheme, check_scheme
 
 __all__ = [
@@ -55,6 +56,8 @@ def check_tables(tables) -> None:
             raise InvalidType(f"table {name!r} must be a torch.Tensor, got {type(value).__name__}")
         if value.ndim < 1:
             raise InvalidInput(f"table {name!r} has ndim 0; a table needs rows (ndim >= 1)")
+        if dtype_name(value.dtype) not in DTYPES:
+            raise InvalidInput(f"table {name!r}: dtype {value.dtype} cannot be stored")
         if value.is_meta:
             raise InvalidInput(f"table {name!r} is a meta tensor: it holds no data to store")
         if value.is_sparse or value.is_quantized or value.is_complex():

@@ -13,7 +13,7 @@ ORDER = [
     {"errors", "bitpack", "qparams", "qsearch", "fingerprint", "quantize"},
     {"blocks"},
     {"manifest"},
-    {"tablestate", "validate"},
+    {"tablestate", "validate", "retention"},
     {"snapshot", "restore"},
     {"writer"},
     {"maintenance"},
