@@ -332,7 +332,7 @@ def diff_steps(store, a: int, b: int, *, rows: bool = True):
 
 # Integrity checks live in cnrstore.check (which builds on this module); these wrappers
 # give the CLI and users one entry point without a circular import.
-def verify(store, *, deep: bool = False, steps: Iterable[int] | None = None,
+def verify(store, *, deep: bool = True, steps: Iterable[int] | None = None,
            progress: ProgressFn | None = None):
     """cnrstore.check.verify: engine and manifest checks; returns a VerifyResult."""
     from .check import verify as _verify
