@@ -48,5 +48,5 @@ def kept_steps(have: Iterable[int], *, keep_last: int | None, keep: Iterable[int
         )
     if keep_last is None and not keep:
         return have
-    newest = set(have[len(have) - keep_last:]) if keep_last else set()
+    newest = set(have[-keep_last:]) if keep_last else set()
     return sorted(newest | keep)

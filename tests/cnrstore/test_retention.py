@@ -65,6 +65,7 @@ def test_one_rule_function():
     assert kept_steps([1, 2, 3], keep_last=None) == [1, 2, 3]
     assert kept_steps([1, 2, 3], keep_last=2) == [2, 3]
     assert kept_steps([1, 2, 3], keep_last=5, keep=[1]) == [1, 2, 3]
+    assert kept_steps([1, 2], keep_last=3) == [1, 2]
     assert kept_steps([1, 2, 3], keep_last=None, keep=[2]) == [2]
     assert ci.kept_steps is kept_steps
     for bad in ({"keep_last": 0}, {"keep_last": 1, "keep": [4]}):
