@@ -12,7 +12,7 @@ from concurrent.futures import Executor
 import numpy as np
 import torch
 
-from engine import ObjectStore
+from engine import ObjectStore, StoreError
 
 from .blocks import resolve
 from .errors import CheckpointError, InvalidInput, InvalidType, ManifestError
@@ -69,14 +69,24 @@ def _block_codes(
     return codes
 
 
-def read_codes(objects: ObjectStore, tm: TableManifest, pool: Executor) -> np.ndarray:
-    """All encoded rows ``uint8[rows, row_nbytes]`` of a stored table (seeding a diff base)."""
+def read_codes(
+    objects: ObjectStore, tm: TableManifest, pool: Executor, *, damaged: set | None = None
+) -> np.ndarray:
+    """All encoded rows ``uint8[rows, row_nbytes]`` of a stored table (seeding a diff base).
+    With ``damaged`` (a set), blocks that cannot be read or decoded are added to it by
+    index, their rows left zero, instead of failing the whole read."""
     node = tm.node
     out = np.empty((node.rows, node.row_nbytes), dtype=np.uint8)
 
     def one(i: int) -> None:
         start, stop = node.block_range(i)
-        out[start:stop] = _block_codes(objects, tm, i)
+        try:
+            out[start:stop] = _block_codes(objects, tm, i)
+        except (StoreError, CheckpointError):
+            if damaged is None:
+                raise
+            out[start:stop] = 0
+            damaged.add(i)
 
     list(pool.map(one, range(node.nblocks)))
     return out

@@ -50,6 +50,10 @@ class TablePlan:
     logical_bytes: int
     base_slots: list | None = None  # the diff base's slots (patch bases), when compatible
     release: object = None      # callable returning the host buffer to its pool
+    # Blocks whose stored base could not be read (written full, never deduplicated onto
+    # the damaged record), and how many blocks the writer wrote full for want of a base.
+    damaged_blocks: frozenset[int] = frozenset()
+    rewritten_blocks: int = 0
 
 
 class HostBuffers:
@@ -234,7 +238,10 @@ def plan_table(
     logical = table.numel() * table.element_size()
     base_slots = base.slots if compatible else None
     nchanged = len(changed) + rows - common if compatible else rows
-    return TablePlan(name, state, writes, codes, nchanged, logical, base_slots, release)
+    plan = TablePlan(name, state, writes, codes, nchanged, logical, base_slots, release)
+    if compatible and base.damaged_blocks:
+        plan.damaged_blocks = frozenset(i for i in base.damaged_blocks if i < nblocks)
+    return plan
 
 
 def _gather_encode(

@@ -16,8 +16,6 @@ from collections.abc import Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-import torch
-
 import engine
 from engine import ObjectStore
 
@@ -30,8 +28,8 @@ from .errors import (
     StepNotFound,
     WriteFailed,
 )
-from .manifest import list_steps, load_manifest, root_name
-from .restore import read_codes
+from .manifest import list_steps, root_name
+from .seed import seed_state
 from .snapshot import HostBuffers, plan_table
 from .tablestate import TableState
 from .validate import check_step, check_tables, check_touched, pack_metadata, resolve_quant
@@ -268,23 +266,10 @@ class CheckpointStore:
         """Diff base for a table's first put in this handle, from the newest stored step that
         holds it with the same geometry and encoding (docs/MANIFEST.md, "Write rules")."""
         self._writer.drain()
-        steps = list_steps(self._objects)
-        if not steps:
-            return None
-        try:
-            manifest = load_manifest(self._objects, steps[-1], names=[name])
-        except KeyError:
-            return None
-        tm = manifest.tables[name]
-        state = TableState.from_manifest(tm, anchor=(root_name(steps[-1]), manifest.oid))
-        shape = tuple(table.shape)
-        if not state.compatible(
-            shape, table.dtype, scheme, self._opt.block_rows, self._opt.fanout
-        ) or (len(shape) == 1) != (len(tm.node.shape) == 1):
-            return None
-        codes = read_codes(self._objects, tm, self._pool)
-        state.seed_codes = torch.from_numpy(codes)
-        return state
+        return seed_state(
+            self._objects, name, table, scheme,
+            block_rows=self._opt.block_rows, fanout=self._opt.fanout, pool=self._pool,
+        )
 
     # -- get -----------------------------------------------------------------------------
     def _wait_step(self, step: int) -> None:

@@ -61,6 +61,9 @@ class TableState:
     # (root name, step node id) of a committed step that reaches every slot: while that
     # root is unchanged, gc cannot have dropped a slot's block. None while pending.
     anchor: tuple[str, bytes] | None = None
+    # Blocks of a base seeded from the store that could not be read (damaged): written in
+    # full by the next put, never as a reuse of the damaged record (issue 8).
+    damaged_blocks: frozenset[int] = frozenset()
 
     @property
     def rows(self) -> int:

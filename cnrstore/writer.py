@@ -16,7 +16,9 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from engine import ObjectStore
+import numpy as np
+
+from engine import ObjectStore, StoreError, object_id
 
 from .blocks import encode_full, encode_patch, plane_width
 from .errors import WriteFailed
@@ -53,20 +55,58 @@ class StepInfo:
     rows_written: dict[str, int] = field(default_factory=dict)   # incl. rest of full blocks
     stall_seconds: float = 0.0      # time put_tables held the caller (fingerprint+encode+copy)
     write_seconds: float = 0.0      # time the writer spent encoding blocks and committing
+    # Blocks written in full because their diff base could not be read (damaged) or was
+    # gone under the writer lock (gc by another process): never a failed put (issue 8).
+    rewritten_blocks: int = 0
 
 
 class _MissingBase(Exception):
     pass
 
 
-def _write_table(w, plan: TablePlan) -> bytes:
+def _readable(get, oid: bytes) -> bool:
+    try:
+        get(oid)
+    except StoreError:
+        return False
+    return True
+
+
+def _write_full(w, get, plan: TablePlan, slot, codes, elem: int, index: int) -> None:
+    """A full block; for a block whose stored base was damaged, never one that dedups onto
+    a damaged record of the same content (same content, same id): that one is written as
+    a patch replacing every row of a filler block, which has another id."""
+    payload = encode_full(codes, elem=elem)
+    if index not in plan.damaged_blocks:
+        slot.oid = w.put(KIND_BLOCK_FULL, payload)
+        return
+    plan.rewritten_blocks += 1
+    oid = object_id(KIND_BLOCK_FULL, (), payload)
+    if not w.has(oid) or _readable(get, oid):
+        slot.oid = w.put(KIND_BLOCK_FULL, payload)
+        return
+    for fill in range(4):
+        filler = np.full(codes.shape, fill, dtype=np.uint8)
+        if np.array_equal(filler, codes):
+            continue
+        fpayload = encode_full(filler, elem=elem)
+        fid = object_id(KIND_BLOCK_FULL, (), fpayload)
+        if not w.has(fid) or _readable(get, fid):
+            break
+    base = w.put(KIND_BLOCK_FULL, fpayload)
+    patch = encode_patch(slot.nrows, np.arange(slot.nrows), codes, elem=elem)
+    slot.oid = w.put(KIND_BLOCK_PATCH, patch, (base,))
+    slot.depth, slot.chain_bytes = 1, len(patch)
+
+
+def _write_table(w, plan: TablePlan, get) -> bytes:
     state = plan.state
     elem = plane_width(state.scheme, state.dtype.itemsize, state.row_nbytes)
     for bw in plan.writes:
         slot = state.slots[bw.index]
         codes = plan.codes[bw.start:bw.stop]
         if bw.kind == FULL:
-            slot.oid = w.put(KIND_BLOCK_FULL, encode_full(codes, elem=elem))
+            _write_full(w, get, plan, slot, codes, elem, bw.index)
         else:
             base = plan.base_slots[bw.index]
             if base.oid is None or not w.has(base.oid):
@@ -125,7 +165,7 @@ def write_step(
     t0 = time.perf_counter()
     w = objects.writer(timeout=lock_timeout)
     try:
-        table_ids = [_write_table(w, plan) for plan in plans]
+        table_ids = [_write_table(w, plan, objects.get) for plan in plans]
         node = StepNode(
             step=step,
             time=time.time(),
@@ -156,6 +196,7 @@ def write_step(
         logical_bytes=node.logical_bytes,
         rows_changed=dict(node.rows_changed),
         rows_written={p.name: len(p.codes) for p in plans},
+        rewritten_blocks=sum(p.rewritten_blocks for p in plans),
         objects_new=commit.objects_new,
         objects_reused=commit.objects_reused,
         bytes_new=bytes_new,

@@ -15,7 +15,7 @@ ORDER = [
     {"manifest"},
     {"tablestate", "validate", "retention"},
     {"snapshot", "restore"},
-    {"writer"},
+    {"writer", "seed"},
     {"maintenance"},
     {"store"},
 ]
