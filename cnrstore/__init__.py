@@ -21,6 +21,7 @@ from .errors import (
     StepNotFound,
     TableNotFound,
     UnknownScheme,
+    ValueOutOfRange,
     WriteFailed,
 )
 from .maintenance import GCReport, StoreStats, VerifyReport
@@ -37,6 +38,7 @@ __all__ = [
     "InvalidType",
     "ManifestError",
     "NonFiniteValues",
+    "ValueOutOfRange",
     "StepExists",
     "StepInfo",
     "StepNotFound",
