@@ -62,6 +62,10 @@ class TablePlan:
     # the damaged record), and how many blocks the writer wrote full for want of a base.
     damaged_blocks: frozenset[int] = frozenset()
     rewritten_blocks: int = 0
+    # Codes of every row, kept when the diff base may vanish before the write (its anchor
+    # step is not the newest, so another process's gc may drop it): blocks whose base or
+    # reused id is gone under the writer lock are then written full from these.
+    full_codes: np.ndarray | None = None
 
 
 class HostBuffers:
@@ -161,6 +165,7 @@ def _encode(name: str, rows: torch.Tensor, scheme: str, wide: bool, idx) -> torc
 def plan_table(name: str, table: torch.Tensor, *, scheme: str, base: TableState | None,
                **kwargs) -> TablePlan:
     """Plan the put of one table against its diff base (None: all blocks full).
+    ``keep_full``: also keep every row's codes (TablePlan.full_codes).
 
     intN tables are encoded with fp16 scale/offset until a row needs fp32 ones (values
     beyond +-65504, docs/QUANTIZATION.md "Wide rows"); then the whole table is re-encoded
@@ -188,6 +193,7 @@ def _plan_table(
     max_chain: int,
     touched: torch.Tensor | None = None,
     buffers: HostBuffers | None = None,
+    keep_full: bool = False,
 ) -> TablePlan:
     x = _as_rows(table)
     rows, width = x.shape
@@ -277,6 +283,11 @@ def _plan_table(
     base_slots = base.slots if compatible else None
     nchanged = len(changed) + rows - common if compatible else rows
     plan = TablePlan(name, state, writes, codes, nchanged, logical, base_slots, release)
+    if keep_full and compatible and rows:
+        if idx is None:
+            plan.full_codes = codes
+        else:
+            plan.full_codes, _ = _gather_encode(name, x, None, scheme, rnb, None, wide)
     if compatible and base.damaged_blocks:
         plan.damaged_blocks = frozenset(i for i in base.damaged_blocks if i < nblocks)
     return plan

@@ -211,6 +211,20 @@ class CheckpointStore:
                         roots[name] = self._objects.root(name)
                     return roots[name]
 
+                newest: list[str] = []
+
+                def at_risk(base: TableState | None) -> bool:
+                    # A base on a step that will not be the newest when this put is written
+                    # may be dropped by another process's gc before the writer holds the
+                    # lock (issue 8); a base on a pending put has no anchor yet.
+                    if base is None:
+                        return False
+                    anchor = base.anchor[0] if base.anchor else base.planned_root
+                    if not newest:
+                        steps = list_steps(self._objects) + list(self._pending)
+                        newest.append(root_name(max(steps)) if steps else "")
+                    return anchor != newest[0]
+
                 for name, table in tables.items():
                     base = self._states.get(name)
                     if base is not None:
@@ -228,6 +242,7 @@ class CheckpointStore:
                             max_chain=self._opt.max_chain,
                             touched=rows_touched.get(name),
                             buffers=self._buffers,
+                            keep_full=at_risk(base),
                         )
                     )
             except BaseException:
@@ -238,6 +253,7 @@ class CheckpointStore:
             stall = time.perf_counter() - t0
             for p in plans:
                 self._states[p.name] = p.state
+                p.state.planned_root = root_name(step)
             fut = self._writer.submit(
                 lambda: self._write(step, plans, meta_doc, stall),
                 cleanup=lambda: [p.release() for p in plans if p.release],

@@ -64,6 +64,8 @@ class TableState:
     # Blocks of a base seeded from the store that could not be read (damaged): written in
     # full by the next put, never as a reuse of the damaged record (issue 8).
     damaged_blocks: frozenset[int] = frozenset()
+    # Root name of the put that made this state (its anchor once committed).
+    planned_root: str | None = None
 
     @property
     def rows(self) -> int:

@@ -109,6 +109,15 @@ def _write_table(w, plan: TablePlan, get) -> bytes:
             _write_full(w, get, plan, slot, codes, elem, bw.index)
         else:
             base = plan.base_slots[bw.index]
+            if (base.oid is None or not w.has(base.oid)) and plan.full_codes is not None:
+                # Checked under the writer lock: gc in another process dropped the base
+                # after the put was planned. Write the block in full instead.
+                start = bw.index * state.block_rows
+                full = plan.full_codes[start:start + slot.nrows]
+                slot.oid = w.put(KIND_BLOCK_FULL, encode_full(full, elem=elem))
+                slot.depth = slot.chain_bytes = 0
+                plan.rewritten_blocks += 1
+                continue
             if base.oid is None or not w.has(base.oid):
                 raise _MissingBase(
                     f"table {plan.name!r} block {bw.index}: base block is missing "
@@ -119,7 +128,19 @@ def _write_table(w, plan: TablePlan, get) -> bytes:
             )
     # Reused blocks need no lookup here: putting a new segment makes the engine check that
     # every block it refers to exists, and an existing segment implies its blocks exist.
+    # Unless the base may have vanished (full codes kept): then each is checked.
+    written = {bw.index for bw in plan.writes}
     for i, slot in enumerate(state.slots):
+        if plan.full_codes is not None and i not in written and (
+            slot.oid is None or not w.has(slot.oid)
+        ):
+            # In place: a put planned meanwhile on this state shares the slot object, and
+            # the new full block decodes to what the lost one did.
+            start = i * state.block_rows
+            slot.oid = w.put(KIND_BLOCK_FULL, encode_full(
+                plan.full_codes[start:start + slot.nrows], elem=elem))
+            slot.depth = slot.chain_bytes = 0
+            plan.rewritten_blocks += 1
         if slot.oid is None:
             raise _MissingBase(f"table {plan.name!r} block {i} refers to a missing block")
     seg_ids = []
