@@ -251,13 +251,23 @@ class CheckpointStore:
                         p.release()
                 raise
             stall = time.perf_counter() - t0
+            try:
+                fut = self._writer.submit(
+                    lambda: self._write(step, plans, meta_doc, stall),
+                    cleanup=lambda: [p.release() for p in plans if p.release],
+                )
+            except BaseException:
+                # Not queued (e.g. Ctrl-C while waiting for a writer slot): as for a refused
+                # put, the diff bases stay those of the last put.
+                for p in plans:
+                    if p.release:
+                        p.release()
+                raise
+            # Queued: the step will be written, so the next put diffs against it. A Ctrl-C
+            # while waiting below leaves it to finish; steps() tells whether it committed.
             for p in plans:
                 self._states[p.name] = p.state
                 p.state.planned_root = root_name(step)
-            fut = self._writer.submit(
-                lambda: self._write(step, plans, meta_doc, stall),
-                cleanup=lambda: [p.release() for p in plans if p.release],
-            )
             self._pending[step] = fut
             fut.add_done_callback(lambda f, s=step: self._pending.pop(s, None))
         return fut.result() if blocking else fut

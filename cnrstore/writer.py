@@ -248,9 +248,13 @@ class BackgroundWriter:
             # e.g. a Future callback calling steps(): waiting on ourselves would hang forever
             raise RuntimeError("cannot queue store writes or waits from the writer thread")
         self._slots.acquire()
-        fut: Future = Future()
-        fut.set_running_or_notify_cancel()
-        self._queue.put((job, fut, cleanup))
+        try:
+            fut: Future = Future()
+            fut.set_running_or_notify_cancel()
+            self._queue.put((job, fut, cleanup))
+        except BaseException:  # e.g. KeyboardInterrupt: not queued, so give the slot back
+            self._slots.release()
+            raise
         return fut
 
     def _run(self) -> None:
