@@ -53,7 +53,10 @@ def seed_state(
     ):
         return None
     damaged: set[int] = set()
-    codes = read_codes(objects, tm, pool, damaged=damaged)
+    try:
+        codes = read_codes(objects, tm, pool, damaged=damaged)
+    except MemoryError:  # a base too large to hold: the put writes the table in full
+        return None
     for i in damaged:
         state.slots[i] = None
     state.damaged_blocks = frozenset(damaged)

@@ -15,8 +15,10 @@ from ckpt_util import random_table
 
 import cnrstore
 from cnrstore.manifest import (
+    KIND_SEGMENT,
     KIND_STEP,
     KIND_TABLE,
+    SegmentNode,
     load_manifest,
     root_name,
 )
@@ -86,3 +88,20 @@ print("dynamo" if "torch._dynamo" in sys.modules else "clean")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120)
     assert out.stdout.strip().endswith("clean"), out.stdout + out.stderr
+
+
+def test_consistent_node_of_2_40_rows_is_refused_without_allocating(store):
+    """Segments that list enough blocks (the same small block 512 times) for a 2**40-row
+    table: restore must fail on the blocks' real size, not try to allocate 16 TB."""
+    m = load_manifest(store.objects, 1)
+    block = m.tables["t"].block_ids[0]
+    seg = SegmentNode((block,) * 256, (0,) * 256, (0,) * 256)
+    with store.objects.writer() as w:
+        payload, refs = seg.encode()
+        sid = w.put(KIND_SEGMENT, payload, refs, meta=True)
+    craft(store, 1, 2, shape=(2**40, 4), block_rows=2**31, fanout=256, segment_ids=(sid, sid))
+    assert not store.verify(deep=True).ok
+    with pytest.raises(cnrstore.CheckpointError):
+        store.get_tables(2)
+    with pytest.raises(cnrstore.CheckpointError):
+        store.get_tables(2, rows={"t": slice(0, 8)})
