@@ -7,6 +7,7 @@ GIL). With ``rows=`` only the blocks overlapping the asked row range are read.
 
 from __future__ import annotations
 
+import operator
 from concurrent.futures import Executor
 
 import numpy as np
@@ -45,12 +46,21 @@ def check_slice(sel, rows: int, *, name: str = "") -> tuple[int, int, int]:
     what = f"rows[{name!r}]" if name else "rows="
     if not isinstance(sel, slice):
         raise InvalidType(f"{what} must be a slice, got {type(sel).__name__}")
+    parts = []
     for part in (sel.start, sel.stop, sel.step):
-        if part is not None and (not isinstance(part, int) or isinstance(part, bool)):
-            raise InvalidType(f"{what}: slice bounds must be ints or None, got {sel!r}")
-    if sel.step == 0:
+        if part is not None:
+            try:  # ints and what stands for one (numpy ints); not floats, not bools
+                if isinstance(part, bool):
+                    raise TypeError
+                part = operator.index(part)
+            except TypeError:
+                raise InvalidType(
+                    f"{what}: slice bounds must be ints or None, got {sel!r}"
+                ) from None
+        parts.append(part)
+    if parts[2] == 0:
         raise InvalidInput(f"{what}: slice step cannot be zero")
-    return sel.indices(rows)
+    return slice(*parts).indices(rows)
 
 
 def _block_codes(

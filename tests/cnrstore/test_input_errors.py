@@ -79,3 +79,11 @@ def test_meta_device_is_invalid_input(store):
     with pytest.raises(cnrstore.InvalidInput) as err:
         store.get_tables(0, device="meta")
     assert "meta" in str(err.value)
+
+
+def test_numpy_int_slice_bounds_still_work(store):
+    import numpy as np
+
+    t = _put_base(store)
+    got = store.get_tables(0, rows={"t": slice(np.int64(2), np.int32(9), np.int64(3))})["t"]
+    assert_identical(got, t[2:9:3])
