@@ -123,6 +123,7 @@ class CheckpointStore:
         self._states: dict[str, TableState] = {}
         self._pending: dict[int, Future] = {}
         self._failed = False
+        self._last_root: str | None = None  # root of this handle's latest queued put
         self._buffers = HostBuffers(
             keep=max_inflight + 1,
             max_bytes=_positive("host_buffer_bytes", host_buffer_bytes, lo=0),
@@ -220,6 +221,10 @@ class CheckpointStore:
                     if base is None:
                         return False
                     anchor = base.anchor[0] if base.anchor else base.planned_root
+                    if anchor == self._last_root:
+                        # This handle's latest put (every table in every put: the common
+                        # case) is the newest step unless another process puts too.
+                        return False
                     if not newest:
                         steps = list_steps(self._objects) + list(self._pending)
                         newest.append(root_name(max(steps)) if steps else "")
@@ -265,6 +270,7 @@ class CheckpointStore:
                 raise
             # Queued: the step will be written, so the next put diffs against it. A Ctrl-C
             # while waiting below leaves it to finish; steps() tells whether it committed.
+            self._last_root = root_name(step)
             for p in plans:
                 self._states[p.name] = p.state
                 p.state.planned_root = root_name(step)
