@@ -24,6 +24,7 @@ from .errors import (
     StepOrderError,
     TableNotFound,
     UnknownScheme,
+    ValueOutOfRange,
     WriteFailed,
 )
 from .maintenance import GCReport, StoreStats, VerifyReport
@@ -40,6 +41,7 @@ __all__ = [
     "InvalidType",
     "ManifestError",
     "NonFiniteValues",
+    "ValueOutOfRange",
     "StepExists",
     "StepInfo",
     "StepNotFound",

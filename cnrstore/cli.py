@@ -89,8 +89,12 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     p.add_argument("--max-rows", type=int, default=20, metavar="N",
                    help="row ids shown per table in the human output (default 20)")
     p = add("verify", "check the integrity of the store (exit 1 if problems)")
-    p.add_argument("--deep", action="store_true",
-                   help="re-read and re-hash every object and decode every block")
+    depth = p.add_mutually_exclusive_group()
+    depth.add_argument("--deep", action="store_true",
+                       help="re-read and re-hash every object and decode every block "
+                            "(the default, as in Python's verify())")
+    depth.add_argument("--shallow", action="store_true",
+                       help="check only the structure: no payload re-hash or block decoding")
     p.add_argument("--step", type=_step, action="append", dest="steps", metavar="S",
                    help="check only this step (repeatable)")
     add("repair", "rebuild the index from the pack files")
@@ -195,7 +199,8 @@ def _run(args: argparse.Namespace) -> int:
             _emit(args, usage, fmt.usage_text(usage))
         elif cmd == "verify":
             with _progress(args, "verify") as bar:
-                report = inspect.verify(store, deep=args.deep, steps=args.steps, progress=bar)
+                report = inspect.verify(store, deep=not args.shallow, steps=args.steps,
+                                        progress=bar)
             _emit(args, report, fmt.verify_text(report))
             return EXIT_OK if report.ok else EXIT_PROBLEMS
         elif cmd == "gc":

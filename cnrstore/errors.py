@@ -6,7 +6,8 @@
     │   ├── StepExists                   put of a step the store already holds
     │   ├── StepOrderError               put of a step below the highest (roll back first)
     │   ├── UnknownScheme                a quant scheme cnrstore does not know
-    │   └── NonFiniteValues              NaN/Inf under a lossy scheme (.table, .row)
+    │   ├── NonFiniteValues              NaN/Inf under a lossy scheme (.table, .row)
+    │   └── ValueOutOfRange              finite values the scheme cannot hold (.table, .row)
     ├── StepNotFound (KeyError)          a step the store does not hold
     ├── TableNotFound (KeyError)         a table the step does not hold
     ├── ManifestError                    a manifest node or block that cannot be decoded
@@ -28,6 +29,7 @@ __all__ = [
     "StepOrderError",
     "UnknownScheme",
     "NonFiniteValues",
+    "ValueOutOfRange",
     "StepNotFound",
     "TableNotFound",
     "ManifestError",
@@ -80,6 +82,24 @@ class NonFiniteValues(InvalidInput):
         super().__init__(
             f"table {table!r} has NaN/Inf in row {row}; scheme {scheme!r} is lossy and "
             f"cannot encode them (use quant='exact' for this table)"
+        )
+        self.table = table
+        self.row = row
+        self.scheme = scheme
+
+
+class ValueOutOfRange(InvalidInput):
+    """A lossy scheme was asked for finite values it cannot hold: beyond +-65504 under
+    "fp16", beyond float32's range under "bf16" or intN (whose per-row scale and offset
+    widen to fp32 when fp16 cannot hold them, docs/QUANTIZATION.md). Never clamped."""
+
+    def __init__(self, table: str, row: int, scheme: str):
+        super().__init__(
+            f"table {table!r} row {row} holds finite values beyond what scheme {scheme!r} "
+            f"can represent; they would saturate (use 'bf16', an intN scheme or 'exact' "
+            f"for this table)" if scheme == "fp16" else
+            f"table {table!r} row {row} holds finite values beyond float32's range, which "
+            f"scheme {scheme!r} cannot represent (use quant='exact' for this table)"
         )
         self.table = table
         self.row = row

@@ -24,6 +24,7 @@ well under 1 GB/s, so allocating temporaries the size of the table would dominat
 from __future__ import annotations
 
 import math
+import os
 import threading
 
 import numpy as np
@@ -68,6 +69,19 @@ _keys_lock = threading.Lock()
 _key_cache: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
 _buffers_lock = threading.Lock()
 _buffer_cache: dict[tuple, tuple[torch.Tensor, ...]] = {}
+
+
+def _reset_after_fork() -> None:
+    # A thread of the parent may have held a lock at fork(); it does not exist in the
+    # child, so the lock would never be released. The caches may be mid-update: drop them.
+    global _keys_lock, _buffers_lock
+    _keys_lock = threading.Lock()
+    _buffers_lock = threading.Lock()
+    _key_cache.clear()
+    _buffer_cache.clear()
+
+
+os.register_at_fork(after_in_child=_reset_after_fork)
 
 
 def _keys(device: torch.device, words: int) -> tuple[torch.Tensor, torch.Tensor]:

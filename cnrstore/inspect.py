@@ -27,6 +27,7 @@ from engine.api import ProgressFn
 from . import manifest as mf
 from .errors import StepNotFound
 from .manifest import TableNode, load_step, load_table_manifest, root_name
+from .retention import kept_steps
 from .state import python_values
 
 __all__ = [
@@ -299,24 +300,6 @@ def disk_usage(store, *, progress: ProgressFn | None = None) -> Usage:
         )
 
 
-def kept_steps(have: Iterable[int], *, keep_last: int | None, keep: Iterable[int] = ()
-               ) -> list[int]:
-    """The steps gc keeps: the newest ``keep_last`` plus ``keep``; all when neither is
-    given (DESIGN.md, gc). Naming a step in ``keep`` that the store lacks is an error, so a
-    typo cannot silently drop the step that was meant."""
-    have = sorted(have)
-    keep = set(keep)
-    missing = sorted(keep - set(have))
-    if missing:
-        raise StepNotFound(missing[0], f"cannot keep step {missing[0]}: no such step")
-    if keep_last is None and not keep:
-        return have
-    if keep_last is not None and keep_last < 0:
-        raise ValueError(f"keep_last must be >= 0, got {keep_last}")
-    newest = set(have[len(have) - keep_last:]) if keep_last else set()
-    return sorted(newest | keep)
-
-
 def gc_plan(store, *, keep_last: int | None, keep: Iterable[int] = ()) -> GCPlan:
     """What ``gc(keep_last=..., keep=...)`` would drop and free, changing nothing."""
     with opened(store) as objects:
@@ -337,11 +320,9 @@ def gc_plan(store, *, keep_last: int | None, keep: Iterable[int] = ()) -> GCPlan
 
 
 def collect(store, *, keep_last: int | None, keep: Iterable[int] = ()):
-    """Run the store's gc after checking ``keep`` names existing steps (see kept_steps).
+    """Run the store's gc (which applies cnrstore.retention's rule, as the dry run does).
     Returns cnrstore.GCReport. ``store`` must be a CheckpointStore: gc drops steps."""
-    keep = list(keep)
-    kept_steps(store.steps(), keep_last=keep_last, keep=keep)
-    return store.gc(keep_last=keep_last, keep=keep)
+    return store.gc(keep_last=keep_last, keep=list(keep))
 
 
 def diff_steps(store, a: int, b: int, *, rows: bool = True):
@@ -355,7 +336,7 @@ def diff_steps(store, a: int, b: int, *, rows: bool = True):
 
 # Integrity checks live in cnrstore.check (which builds on this module); these wrappers
 # give the CLI and users one entry point without a circular import.
-def verify(store, *, deep: bool = False, steps: Iterable[int] | None = None,
+def verify(store, *, deep: bool = True, steps: Iterable[int] | None = None,
            progress: ProgressFn | None = None):
     """cnrstore.check.verify: engine and manifest checks; returns a VerifyResult."""
     from .check import verify as _verify

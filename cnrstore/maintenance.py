@@ -22,9 +22,10 @@ from .errors import (
     TableNotFound,
 )
 from .manifest import list_steps, load_manifest, load_step, root_name
-from .restore import read_table
+from .restore import check_slice, read_table
+from .retention import check_retention, kept_steps
 from .tablestate import TableState
-from .validate import check_step
+from .validate import check_device, check_step
 
 __all__ = ["GCReport", "VerifyReport", "StoreStats"]
 
@@ -111,17 +112,13 @@ def get_tables(store, step, *, names, rows, device) -> dict:
     if rows is not None and not isinstance(rows, Mapping):
         raise InvalidType("rows must be a mapping table name -> slice")
     rows = dict(rows or {})
-    try:
-        device = torch.device(device)
-    except (TypeError, RuntimeError) as exc:
-        raise InvalidInput(f"bad device {device!r}: {exc}") from exc
+    device = check_device(device)
     step = _resolve_step(store, step)
     manifest = load_manifest(store._objects, step, names=names)
     for name, sel in rows.items():
         if name not in manifest.tables:
             raise TableNotFound(name, step)
-        if not isinstance(sel, slice):
-            raise InvalidType(f"rows[{name!r}] must be a slice, got {type(sel).__name__}")
+        check_slice(sel, manifest.tables[name].node.rows, name=name)
     out = {}
     for name, tm in manifest.tables.items():
         whole = rows.get(name) is None
@@ -166,22 +163,13 @@ def delete_step(store, step: int) -> None:
 
 def gc(store, keep_last, keep, *, threshold) -> GCReport:
     store._check_open()
-    if keep_last is not None:
-        if not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 0:
-            raise InvalidInput(f"keep_last must be None or an int >= 0, got {keep_last!r}")
-    if isinstance(keep, (str, bytes)) or not isinstance(keep, Iterable):
-        raise InvalidType("keep must be an iterable of steps")
-    keep = {check_step(s) for s in keep}
+    keep_last, keep = check_retention(keep_last, keep)
     if not isinstance(threshold, (int, float)) or not 0.0 <= threshold <= 1.0:
         raise InvalidInput(f"threshold must be in [0, 1], got {threshold!r}")
 
     def job() -> GCReport:
         steps = list_steps(store._objects)
-        if keep_last is None and not keep:
-            kept = set(steps)
-        else:
-            newest = steps[max(0, len(steps) - keep_last):] if keep_last else []
-            kept = set(newest) | (keep & set(steps))
+        kept = set(kept_steps(steps, keep_last=keep_last, keep=keep))
         dropped = [s for s in steps if s not in kept]
         if dropped:
             with store._objects.writer(timeout=store._opt.lock_timeout) as w:
@@ -214,7 +202,10 @@ def verify(store, *, deep: bool) -> VerifyReport:
     objects = store._objects
     eng = objects.verify(deep=deep)
     problems = [f"{p.what}: {p.message}" for p in eng.problems]
-    seen: set[bytes] = set()
+    # Decoded shape of each block (None: undecodable), decoded once however many tables
+    # refer to it, but checked against every referring table's geometry: a crafted table
+    # node may list a small block as a huge one.
+    seen: dict[bytes, tuple | None] = {}
     steps = list_steps(objects)
     for step in steps:
         try:
@@ -228,21 +219,19 @@ def verify(store, *, deep: bool) -> VerifyReport:
             continue
         for name, tm in manifest.tables.items():
             for i, oid in enumerate(tm.block_ids):
-                if oid in seen:
-                    continue
-                seen.add(oid)
+                where = f"step {step} table {name!r} block {i} ({oid.hex()})"
+                if oid not in seen:
+                    try:
+                        seen[oid] = resolve(objects.get, oid).shape
+                    except (CheckpointError, StoreError) as exc:
+                        seen[oid] = None
+                        problems.append(f"{where}: {type(exc).__name__}: {exc}")
+                        continue
                 start, stop = tm.node.block_range(i)
-                try:
-                    codes = resolve(objects.get, oid)
-                    if codes.shape != (stop - start, tm.node.row_nbytes):
-                        problems.append(
-                            f"step {step} table {name!r} block {i} ({oid.hex()}): shape "
-                            f"{codes.shape} != {(stop - start, tm.node.row_nbytes)}"
-                        )
-                except (CheckpointError, StoreError) as exc:
+                shape = seen[oid]
+                if shape is not None and shape != (stop - start, tm.node.row_nbytes):
                     problems.append(
-                        f"step {step} table {name!r} block {i} ({oid.hex()}): "
-                        f"{type(exc).__name__}: {exc}"
+                        f"{where}: shape {shape} != {(stop - start, tm.node.row_nbytes)}"
                     )
     return VerifyReport(not problems, tuple(problems), len(steps), len(seen), eng)
 

@@ -15,6 +15,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import msgpack
+import torch
 
 from engine import Object, ObjectStore
 
@@ -41,6 +42,10 @@ __all__ = [
     "load_table_manifest",
     "load_manifest",
     "changed_blocks",
+    "DTYPES",
+    "parse_dtype",
+    "dtype_name",
+    "MAX_BLOCK_ROWS",
 ]
 
 FORMAT_VERSION = 1  # docs/MANIFEST.md, "Versioning"
@@ -52,6 +57,34 @@ KIND_SEGMENT = 3
 # KIND_BLOCK_FULL = 4 and KIND_BLOCK_PATCH = 5 come from blocks.py.
 
 ROOT_PREFIX = "step/"
+
+# The table dtypes a node may name (docs/MANIFEST.md, "Table node"). Names are looked up
+# here, never with getattr on torch: a crafted node naming "__class__" got a type back, and
+# one naming "_dynamo" imported a torch submodule.
+_DTYPE_NAMES = (
+    "float64", "float32", "float16", "bfloat16",
+    "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
+    "int64", "int32", "int16", "int8", "uint64", "uint32", "uint16", "uint8", "bool",
+)
+DTYPES: dict[str, torch.dtype] = {
+    n: getattr(torch, n) for n in _DTYPE_NAMES if isinstance(getattr(torch, n, None), torch.dtype)
+}
+# Largest block_rows / fanout a writer uses (CheckpointStore refuses more); bigger values
+# in a node only come from damage or crafting.
+MAX_BLOCK_ROWS = 1 << 31
+_MAX_TABLE_BYTES = 1 << 62
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    """The torch dtype a node names; ManifestError for names outside the allow-list."""
+    dtype = DTYPES.get(name) if isinstance(name, str) else None
+    if dtype is None:
+        raise ManifestError(f"unknown table dtype {name!r}")
+    return dtype
 
 
 def root_name(step: int) -> str:
@@ -171,6 +204,33 @@ class TableNode:
         start = i * self.block_rows
         return start, min(start + self.block_rows, self.rows)
 
+    def _check_geometry(self, oid: bytes | None) -> None:
+        """Everything a reader sizes buffers by, checked before anything is allocated."""
+        from .quantize import SCHEMES, check_scheme, row_nbytes_options
+
+        def bad(why: str) -> ManifestError:
+            return ManifestError(f"table node {self.name!r}: {why}", oid=oid)
+
+        if not self.shape or any(d < 0 for d in self.shape):
+            raise bad(f"invalid shape {self.shape}")
+        if not 1 <= self.block_rows <= MAX_BLOCK_ROWS or not 1 <= self.fanout <= MAX_BLOCK_ROWS:
+            raise bad(f"invalid block_rows {self.block_rows} or fanout {self.fanout}")
+        dtype = parse_dtype(self.dtype)
+        if self.scheme not in SCHEMES:
+            raise bad(f"unknown scheme {self.scheme!r}")
+        try:
+            check_scheme(self.scheme, dtype, table=self.name)
+        except ValueError as exc:
+            raise bad(str(exc)) from None
+        if math.prod(self.shape) * dtype.itemsize > _MAX_TABLE_BYTES:
+            raise bad(f"shape {self.shape} is too large to be a table")
+        options = row_nbytes_options(self.scheme, dtype, self.width)
+        if self.row_nbytes not in options:
+            raise bad(
+                f"row_nbytes {self.row_nbytes} does not match scheme {self.scheme!r} with "
+                f"{self.width} {self.dtype} elements ({' or '.join(map(str, options))})"
+            )
+
     def encode(self) -> tuple[bytes, tuple[bytes, ...]]:
         doc = {
             "v": FORMAT_VERSION,
@@ -200,8 +260,7 @@ class TableNode:
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ManifestError(f"malformed table node: {exc}", oid=oid) from exc
-        if not node.shape or node.block_rows < 1 or node.fanout < 1:
-            raise ManifestError(f"table node {node.name!r} has invalid geometry", oid=oid)
+        node._check_geometry(oid)
         if len(node.segment_ids) != -(-node.nblocks // node.fanout):
             raise ManifestError(
                 f"table node {node.name!r} has {len(node.segment_ids)} segments for "

@@ -9,9 +9,39 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["FP16_MAX", "fp16_qparams", "quantize_codes", "round_codes_", "dequantize"]
+__all__ = [
+    "FP16_MAX", "FP32_MAX", "fp16_qparams", "fp32_qparams", "fits_fp16", "quantize_codes",
+    "round_codes_", "dequantize",
+]
 
 FP16_MAX = 65504.0
+FP32_MAX = float(torch.finfo(torch.float32).max)
+
+
+def fits_fp16(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    """bool [n]: fp16 qparams can cover [lo, hi] (so no value of the row saturates)."""
+    return (lo >= -FP16_MAX) & (hi <= FP16_MAX)
+
+
+def fp32_qparams(lo: torch.Tensor, hi: torch.Tensor, bits: int):
+    """float32 (scale, offset) [n, 1] covering [lo, hi] per row, for rows fp16 qparams
+    cannot cover (docs/QUANTIZATION.md, "Wide rows"): the offset is lo itself (already a
+    float32) and the scale (hi - lo) / levels, computed in float64, rounded up to float32,
+    so offset + levels * scale >= hi as with fp16 qparams. Rows whose top code would
+    decode beyond float32's range get a non-finite scale (the caller refuses them)."""
+    levels = (1 << bits) - 1
+    lo = lo.reshape(-1, 1).to(torch.float32)
+    hi = hi.reshape(-1, 1).to(torch.float32)
+    offset = lo + 0.0
+    want = (hi.double() - offset.double()).clamp_min(0) / levels
+    scale = want.to(torch.float32)
+    scale = torch.where(scale.double() < want, torch.nextafter(scale, scale + torch.inf), scale)
+    # At least float32's smallest normal: the encoder multiplies by 1 / scale, which is
+    # inf for subnormal scales (fp16 qparams never get there: their scale is >= 2^-24).
+    scale = torch.where(scale > 0, scale.clamp_min(torch.finfo(torch.float32).tiny), scale)
+    top = offset.double() + levels * scale.double()
+    scale = torch.where(top.abs() <= FP32_MAX, scale, torch.full_like(scale, torch.inf))
+    return scale + 0.0, offset
 
 
 def fp16_qparams(lo: torch.Tensor, hi: torch.Tensor, bits: int):
@@ -73,12 +103,15 @@ def quantize_codes(x: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, b
     return round_codes_(y, levels).to(torch.uint8)
 
 
-def dequantize(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+def dequantize(
+    q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, *, limit: float = FP16_MAX
+) -> torch.Tensor:
     """Codes (any int or float dtype) [n, w] -> float32 offset + q * scale.
 
-    Clamped to the fp16 range: the top code of a row whose range was clamped can land
-    above FP16_MAX, which an fp16 table would turn into inf.
+    Clamped to +-limit: with fp16 qparams (limit FP16_MAX) the top code can land above
+    FP16_MAX by rounding, which an fp16 table would turn into inf; fp32 qparams pass
+    limit=FP32_MAX.
     """
     y = q.to(torch.float32) * scale
     y += offset
-    return y.clamp_(-FP16_MAX, FP16_MAX)
+    return y.clamp_(-limit, limit)

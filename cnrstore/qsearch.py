@@ -19,7 +19,15 @@ from __future__ import annotations
 
 import torch
 
-from cnrstore.qparams import dequantize, fp16_qparams, quantize_codes, round_codes_
+from cnrstore.qparams import (
+    FP16_MAX,
+    FP32_MAX,
+    dequantize,
+    fp16_qparams,
+    fp32_qparams,
+    quantize_codes,
+    round_codes_,
+)
 
 __all__ = ["SEARCHES", "N_BINS", "MAX_CLIP_RATIO", "choose_ranges", "row_sq_errors"]
 
@@ -37,10 +45,13 @@ _CPU_CHUNK_ELEMS = (1 << 15) - 1
 _CUDA_CHUNK_ELEMS = 1 << 24
 
 
-def choose_ranges(x: torch.Tensor, bits: int, *, search: str, dtype: torch.dtype):
+def choose_ranges(
+    x: torch.Tensor, bits: int, *, search: str, dtype: torch.dtype, wide: bool = False
+):
     """float32 rows [n, w] -> (lo, hi), float32 [n] each: the range to quantize per row.
 
-    `dtype` is the table's dtype, which the final comparison decodes to.
+    `dtype` is the table's dtype, which the final comparison decodes to; `wide` says the
+    rows get fp32 qparams (docs/QUANTIZATION.md, "Wide rows").
     """
     if search not in SEARCHES:
         raise ValueError(f"search must be one of {SEARCHES}, got {search!r}")
@@ -57,19 +68,23 @@ def choose_ranges(x: torch.Tensor, bits: int, *, search: str, dtype: torch.dtype
     for start in range(0, n, rows):
         sl = slice(start, start + rows)
         glo, ghi = _greedy(x[sl], lo[sl], hi[sl], bits)
-        err_mm = row_sq_errors(x[sl], lo[sl], hi[sl], bits, dtype)
-        err_g = row_sq_errors(x[sl], glo, ghi, bits, dtype)
+        err_mm = row_sq_errors(x[sl], lo[sl], hi[sl], bits, dtype, wide=wide)
+        err_g = row_sq_errors(x[sl], glo, ghi, bits, dtype, wide=wide)
         win = err_g < err_mm * (1 - _WIN_MARGIN)
         out_lo[sl] = torch.where(win, glo, lo[sl])
         out_hi[sl] = torch.where(win, ghi, hi[sl])
     return out_lo, out_hi
 
 
-def row_sq_errors(x, lo, hi, bits: int, dtype: torch.dtype) -> torch.Tensor:
+def row_sq_errors(x, lo, hi, bits: int, dtype: torch.dtype, *, wide: bool = False
+                  ) -> torch.Tensor:
     """float64 [n]: sum of squared errors of each row encoded with range [lo, hi] and
     decoded to `dtype`, computed exactly as encode_rows/decode_rows do."""
-    scale, offset = fp16_qparams(lo, hi, bits)
-    rec = dequantize(quantize_codes(x, scale, offset, bits), scale, offset).to(dtype)
+    qparams = fp32_qparams if wide else fp16_qparams
+    scale, offset = qparams(lo, hi, bits)
+    limit = FP32_MAX if wide else FP16_MAX
+    rec = dequantize(quantize_codes(x, scale, offset, bits), scale, offset, limit=limit)
+    rec = rec.to(dtype)
     diff = rec.to(torch.float64) - x.to(torch.float64)
     return (diff * diff).sum(dim=1)
 

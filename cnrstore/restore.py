@@ -7,21 +7,22 @@ GIL). With ``rows=`` only the blocks overlapping the asked row range are read.
 
 from __future__ import annotations
 
+import operator
 from concurrent.futures import Executor
 
 import numpy as np
 import torch
 
-from engine import ObjectStore
+from engine import ObjectStore, StoreError
 
 from .blocks import resolve
-from .errors import InvalidInput, ManifestError
+from .errors import CheckpointError, InvalidInput, InvalidType, ManifestError
 from .fingerprint import row_fingerprints
 from .manifest import TableManifest
 from .quantize import decode_rows
 from .tablestate import parse_dtype
 
-__all__ = ["row_range", "read_table", "read_codes", "read_into"]
+__all__ = ["check_slice", "row_range", "read_table", "read_codes", "read_into"]
 
 
 def row_range(sel: slice | None, rows: int) -> tuple[int, int, np.ndarray | None]:
@@ -29,9 +30,7 @@ def row_range(sel: slice | None, rows: int) -> tuple[int, int, np.ndarray | None
     (None when the slice is contiguous)."""
     if sel is None:
         return 0, rows, None
-    if not isinstance(sel, slice):
-        raise InvalidInput(f"rows= takes a slice per table, got {type(sel).__name__}")
-    start, stop, step = sel.indices(rows)
+    start, stop, step = check_slice(sel, rows)
     if step == 1:
         return start, max(start, stop), None
     idx = np.arange(start, stop, step, dtype=np.int64)
@@ -39,6 +38,29 @@ def row_range(sel: slice | None, rows: int) -> tuple[int, int, np.ndarray | None
         return 0, 0, idx
     lo, hi = int(idx.min()), int(idx.max()) + 1
     return lo, hi, idx - lo
+
+
+def check_slice(sel, rows: int, *, name: str = "") -> tuple[int, int, int]:
+    """``sel.indices(rows)`` of a slice of ints with a non-zero step, else InvalidInput
+    (``slice.indices`` raises ValueError or TypeError of its own)."""
+    what = f"rows[{name!r}]" if name else "rows="
+    if not isinstance(sel, slice):
+        raise InvalidType(f"{what} must be a slice, got {type(sel).__name__}")
+    parts = []
+    for part in (sel.start, sel.stop, sel.step):
+        if part is not None:
+            try:  # ints and what stands for one (numpy ints); not floats, not bools
+                if isinstance(part, bool):
+                    raise TypeError
+                part = operator.index(part)
+            except TypeError:
+                raise InvalidType(
+                    f"{what}: slice bounds must be ints or None, got {sel!r}"
+                ) from None
+        parts.append(part)
+    if parts[2] == 0:
+        raise InvalidInput(f"{what}: slice step cannot be zero")
+    return slice(*parts).indices(rows)
 
 
 def _block_codes(
@@ -57,14 +79,24 @@ def _block_codes(
     return codes
 
 
-def read_codes(objects: ObjectStore, tm: TableManifest, pool: Executor) -> np.ndarray:
-    """All encoded rows ``uint8[rows, row_nbytes]`` of a stored table (seeding a diff base)."""
+def read_codes(
+    objects: ObjectStore, tm: TableManifest, pool: Executor, *, damaged: set | None = None
+) -> np.ndarray:
+    """All encoded rows ``uint8[rows, row_nbytes]`` of a stored table (seeding a diff base).
+    With ``damaged`` (a set), blocks that cannot be read or decoded are added to it by
+    index, their rows left zero, instead of failing the whole read."""
     node = tm.node
     out = np.empty((node.rows, node.row_nbytes), dtype=np.uint8)
 
     def one(i: int) -> None:
         start, stop = node.block_range(i)
-        out[start:stop] = _block_codes(objects, tm, i)
+        try:
+            out[start:stop] = _block_codes(objects, tm, i)
+        except (StoreError, CheckpointError):
+            if damaged is None:
+                raise
+            out[start:stop] = 0
+            damaged.add(i)
 
     list(pool.map(one, range(node.nblocks)))
     return out
@@ -88,8 +120,14 @@ def read_table(
     dtype = parse_dtype(node.dtype)
     width = node.width
     lo, hi, pick = row_range(rows, node.rows)
-    out = torch.empty((hi - lo, width), dtype=dtype)
-    codes_out = np.empty((hi - lo, node.row_nbytes), dtype=np.uint8) if keep_codes else None
+    try:
+        out = torch.empty((hi - lo, width), dtype=dtype)
+        codes_out = np.empty((hi - lo, node.row_nbytes), dtype=np.uint8) if keep_codes else None
+    except (RuntimeError, MemoryError) as exc:
+        raise CheckpointError(
+            f"table {node.name!r}: cannot allocate {hi - lo} rows of {width} {node.dtype} "
+            f"to restore into: {exc}"
+        ) from None
     fps = torch.empty(hi - lo, dtype=torch.int64) if fingerprints else None
     first = lo // node.block_rows
     last = -(-hi // node.block_rows) if hi > lo else first

@@ -17,9 +17,17 @@ import numpy as np
 import torch
 
 from .blocks import patch_nbytes
-from .errors import NonFiniteValues
+from .errors import NonFiniteValues, ValueOutOfRange
 from .fingerprint import row_fingerprints
-from .quantize import decode_rows, encode_rows, first_nonfinite_row, row_nbytes
+from .quantize import (
+    NeedsWideQparams,
+    RangeError,
+    decode_rows,
+    encode_rows,
+    first_nonfinite_row,
+    is_wide,
+    row_nbytes,
+)
 from .tablestate import BlockSlot, TableState
 
 __all__ = ["BlockWrite", "TablePlan", "HostBuffers", "plan_table", "FULL", "PATCH"]
@@ -50,6 +58,14 @@ class TablePlan:
     logical_bytes: int
     base_slots: list | None = None  # the diff base's slots (patch bases), when compatible
     release: object = None      # callable returning the host buffer to its pool
+    # Blocks whose stored base could not be read (written full, never deduplicated onto
+    # the damaged record), and how many blocks the writer wrote full for want of a base.
+    damaged_blocks: frozenset[int] = frozenset()
+    rewritten_blocks: int = 0
+    # Codes of every row, kept when the diff base may vanish before the write (its anchor
+    # step is not the newest, so another process's gc may drop it): blocks whose base or
+    # reused id is gone under the writer lock are then written full from these.
+    full_codes: np.ndarray | None = None
 
 
 class HostBuffers:
@@ -99,7 +115,8 @@ def _as_rows(table: torch.Tensor) -> torch.Tensor:
 
 
 def _changed_old_rows(
-    name: str, x: torch.Tensor, fp: torch.Tensor, base: TableState, common: int, scheme: str
+    name: str, x: torch.Tensor, fp: torch.Tensor, base: TableState, common: int, scheme: str,
+    wide: bool,
 ) -> np.ndarray:
     """Ascending ids of rows < common that differ from the diff base."""
     if base.fingerprints is not None:
@@ -109,7 +126,7 @@ def _changed_old_rows(
             bad = first_nonfinite_row(x[:common])
             if bad is not None:
                 raise NonFiniteValues(name, bad, scheme)
-        codes = encode_rows(x[:common], scheme)
+        codes = _encode(name, x[:common], scheme, wide, None)
         seed = base.seed_codes[:common].to(codes.device)
         if codes.shape[1]:
             mask = (codes != seed).any(dim=1)
@@ -135,26 +152,57 @@ def _keep_restored_rows(
     mask[cand[same.to(cand.device)]] = False
 
 
-def plan_table(
+def _encode(name: str, rows: torch.Tensor, scheme: str, wide: bool, idx) -> torch.Tensor:
+    """encode_rows, with a row the scheme cannot represent refused as ValueOutOfRange
+    (``idx`` maps the rows' positions to table rows; None: the same)."""
+    try:
+        return encode_rows(rows, scheme, wide=wide)
+    except RangeError as exc:
+        raise ValueOutOfRange(name, exc.row if idx is None else int(idx[exc.row]), scheme
+                              ) from None
+
+
+def plan_table(name: str, table: torch.Tensor, *, scheme: str, base: TableState | None,
+               **kwargs) -> TablePlan:
+    """Plan the put of one table against its diff base (None: all blocks full).
+    ``keep_full``: also keep every row's codes (TablePlan.full_codes).
+
+    intN tables are encoded with fp16 scale/offset until a row needs fp32 ones (values
+    beyond +-65504, docs/QUANTIZATION.md "Wide rows"); then the whole table is re-encoded
+    wide, and stays wide while its diff base is."""
+    width = math.prod(table.shape[1:])
+    wide = (
+        base is not None and base.scheme == scheme and base.dtype == table.dtype
+        and is_wide(scheme, table.dtype, width, base.row_nbytes)
+    )
+    try:
+        return _plan_table(name, table, scheme=scheme, base=base, wide=wide, **kwargs)
+    except NeedsWideQparams:
+        return _plan_table(name, table, scheme=scheme, base=base, wide=True, **kwargs)
+
+
+def _plan_table(
     name: str,
     table: torch.Tensor,
     *,
     scheme: str,
     base: TableState | None,
+    wide: bool,
     block_rows: int,
     fanout: int,
     max_chain: int,
     touched: torch.Tensor | None = None,
     buffers: HostBuffers | None = None,
+    keep_full: bool = False,
 ) -> TablePlan:
-    """Plan the put of one table against its diff base (None: all blocks full)."""
     x = _as_rows(table)
     rows, width = x.shape
-    rnb = row_nbytes(scheme, table.dtype, width)
+    rnb = row_nbytes(scheme, table.dtype, width, wide=wide)
     compatible = (
         base is not None
         and base.has_diff()
         and base.compatible(tuple(table.shape), table.dtype, scheme, block_rows, fanout)
+        and base.row_nbytes == rnb
     )
     common = min(rows, base.rows) if compatible else 0
 
@@ -171,7 +219,7 @@ def plan_table(
     else:
         fp = row_fingerprints(x)
         changed = (
-            _changed_old_rows(name, x, fp, base, common, scheme) if compatible
+            _changed_old_rows(name, x, fp, base, common, scheme, wide) if compatible
             else np.zeros(0, dtype=np.int64)
         )
 
@@ -219,7 +267,7 @@ def plan_table(
         or [np.zeros(0, dtype=np.int64)]
     )
 
-    codes, release = _gather_encode(name, x, idx, scheme, rnb, buffers)
+    codes, release = _gather_encode(name, x, idx, scheme, rnb, buffers, wide)
     state = TableState(
         shape=tuple(table.shape),
         dtype=table.dtype,
@@ -234,7 +282,15 @@ def plan_table(
     logical = table.numel() * table.element_size()
     base_slots = base.slots if compatible else None
     nchanged = len(changed) + rows - common if compatible else rows
-    return TablePlan(name, state, writes, codes, nchanged, logical, base_slots, release)
+    plan = TablePlan(name, state, writes, codes, nchanged, logical, base_slots, release)
+    if keep_full and compatible and rows:
+        if idx is None:
+            plan.full_codes = codes
+        else:
+            plan.full_codes, _ = _gather_encode(name, x, None, scheme, rnb, None, wide)
+    if compatible and base.damaged_blocks:
+        plan.damaged_blocks = frozenset(i for i in base.damaged_blocks if i < nblocks)
+    return plan
 
 
 def _gather_encode(
@@ -244,6 +300,7 @@ def _gather_encode(
     scheme: str,
     rnb: int,
     buffers: HostBuffers | None,
+    wide: bool = False,
 ) -> tuple[np.ndarray, object]:
     """Gather rows ``idx`` (None: all) of ``x`` on its device, encode them, and copy the codes
     to host memory that nothing else references (the caller may mutate ``x`` right after)."""
@@ -267,7 +324,7 @@ def _gather_encode(
         bad = first_nonfinite_row(sel)
         if bad is not None:
             raise NonFiniteValues(name, bad if whole else int(idx[bad]), scheme)
-    codes = encode_rows(sel, scheme)
+    codes = _encode(name, sel, scheme, wide, None if whole else idx)
     if not codes.is_cuda or buffers is None or nbytes == 0:
         # Codes may alias the table (exact bytes, or a cast to the table's own dtype): copy
         # those, so the caller may modify the table as soon as the put returns.

@@ -15,8 +15,6 @@ import weakref
 from collections.abc import Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 
-import torch
-
 import engine
 from engine import ObjectStore
 
@@ -30,10 +28,10 @@ from .errors import (
     StepOrderError,
     WriteFailed,
 )
-from .manifest import list_steps, load_manifest, root_name
+from .manifest import list_steps, root_name
 from .options import Options as _Options
 from .options import positive as _positive
-from .restore import read_codes
+from .seed import seed_state
 from .snapshot import HostBuffers, plan_table
 from .stateapi import StateMethods
 from .tablestate import TableState
@@ -110,6 +108,7 @@ class CheckpointStore(StateMethods):
         self._states: dict[str, TableState] = {}
         self._pending: dict[int, Future] = {}
         self._failed = False
+        self._last_root: str | None = None  # root of this handle's latest queued put
         self._buffers = HostBuffers(
             keep=max_inflight + 1,
             max_bytes=_positive("host_buffer_bytes", host_buffer_bytes, lo=0),
@@ -204,6 +203,24 @@ class CheckpointStore(StateMethods):
                         roots[name] = self._objects.root(name)
                     return roots[name]
 
+                newest: list[str] = []
+
+                def at_risk(base: TableState | None) -> bool:
+                    # A base on a step that will not be the newest when this put is written
+                    # may be dropped by another process's gc before the writer holds the
+                    # lock (issue 8); a base on a pending put has no anchor yet.
+                    if base is None:
+                        return False
+                    anchor = base.anchor[0] if base.anchor else base.planned_root
+                    if anchor == self._last_root:
+                        # This handle's latest put (every table in every put: the common
+                        # case) is the newest step unless another process puts too.
+                        return False
+                    if not newest:
+                        steps = list_steps(self._objects) + list(self._pending)
+                        newest.append(root_name(max(steps)) if steps else "")
+                    return anchor != newest[0]
+
                 for name, table in tables.items():
                     base = self._states.get(name)
                     if base is not None:
@@ -221,6 +238,7 @@ class CheckpointStore(StateMethods):
                             max_chain=self._opt.max_chain,
                             touched=rows_touched.get(name),
                             buffers=self._buffers,
+                            keep_full=at_risk(base),
                         )
                     )
             except BaseException:
@@ -229,15 +247,36 @@ class CheckpointStore(StateMethods):
                         p.release()
                 raise
             stall = time.perf_counter() - t0
-            for p in plans:
-                self._states[p.name] = p.state
-            fut = self._writer.submit(
-                lambda: self._write(step, plans, meta_doc, stall, state),
-                cleanup=lambda: [p.release() for p in plans if p.release],
-            )
-            self._pending[step] = fut
-            fut.add_done_callback(lambda f, s=step: self._pending.pop(s, None))
+            fut: Future = Future()
+            try:
+                self._writer.submit(
+                    lambda: self._write(step, plans, meta_doc, stall, state),
+                    cleanup=lambda: [p.release() for p in plans if p.release],
+                    future=fut,
+                )
+            except BaseException:
+                if not self._writer.queued(fut):
+                    # Not queued (e.g. Ctrl-C while waiting for a writer slot): as for a
+                    # refused put, the diff bases stay those of the last put.
+                    for p in plans:
+                        if p.release:
+                            p.release()
+                    raise
+                self._queued(step, plans, fut)  # interrupted just after: it will be written
+                raise
+            self._queued(step, plans, fut)
         return fut.result() if blocking else fut
+
+    def _queued(self, step: int, plans, fut: Future) -> None:
+        # The step will be written, so the next put diffs against it. A Ctrl-C while the
+        # caller waits leaves it to finish; steps() tells whether it committed. A diff base
+        # left on an older committed step stays correct (its blocks exist), only larger.
+        self._last_root = root_name(step)
+        for p in plans:
+            self._states[p.name] = p.state
+            p.state.planned_root = root_name(step)
+        self._pending[step] = fut
+        fut.add_done_callback(lambda f, s=step: self._pending.pop(s, None))
 
     def _write(self, step: int, plans, metadata: dict, stall: float, state=None) -> StepInfo:
         try:
@@ -261,23 +300,10 @@ class CheckpointStore(StateMethods):
         """Diff base for a table's first put in this handle, from the newest stored step that
         holds it with the same geometry and encoding (docs/MANIFEST.md, "Write rules")."""
         self._writer.drain()
-        steps = list_steps(self._objects)
-        if not steps:
-            return None
-        try:
-            manifest = load_manifest(self._objects, steps[-1], names=[name])
-        except KeyError:
-            return None
-        tm = manifest.tables[name]
-        state = TableState.from_manifest(tm, anchor=(root_name(steps[-1]), manifest.oid))
-        shape = tuple(table.shape)
-        if not state.compatible(
-            shape, table.dtype, scheme, self._opt.block_rows, self._opt.fanout
-        ) or (len(shape) == 1) != (len(tm.node.shape) == 1):
-            return None
-        codes = read_codes(self._objects, tm, self._pool)
-        state.seed_codes = torch.from_numpy(codes)
-        return state
+        return seed_state(
+            self._objects, name, table, scheme,
+            block_rows=self._opt.block_rows, fanout=self._opt.fanout, pool=self._pool,
+        )
 
     # -- get -----------------------------------------------------------------------------
     def _wait_step(self, step: int) -> None:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .manifest import TableManifest
+from .manifest import TableManifest, dtype_name, parse_dtype
 
 __all__ = ["BlockSlot", "TableState", "dtype_name", "parse_dtype"]
 
@@ -39,15 +39,6 @@ class BlockSlot:
         return f"BlockSlot({oid}, nrows={self.nrows}, depth={self.depth})"
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def parse_dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown dtype {name!r}")
-    return dtype
 
 
 @dataclass
@@ -70,6 +61,11 @@ class TableState:
     # (root name, step node id) of a committed step that reaches every slot: while that
     # root is unchanged, gc cannot have dropped a slot's block. None while pending.
     anchor: tuple[str, bytes] | None = None
+    # Blocks of a base seeded from the store that could not be read (damaged): written in
+    # full by the next put, never as a reuse of the damaged record (issue 8).
+    damaged_blocks: frozenset[int] = frozenset()
+    # Root name of the put that made this state (its anchor once committed).
+    planned_root: str | None = None
 
     @property
     def rows(self) -> int:

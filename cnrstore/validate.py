@@ -11,9 +11,13 @@ import msgpack
 import torch
 
 from .errors import InvalidInput, InvalidType
+from .manifest import DTYPES, dtype_name
 from .quantspec import resolve_quant  # noqa: F401 - re-exported: patterns live there
 
-__all__ = ["check_step", "check_tables", "resolve_quant", "pack_metadata", "check_touched"]
+__all__ = [
+    "check_step", "check_name", "check_device", "check_tables", "resolve_quant",
+    "pack_metadata", "check_touched",
+]
 
 
 def check_step(step) -> int:
@@ -21,21 +25,41 @@ def check_step(step) -> int:
         raise InvalidType(f"step must be an int, got {type(step).__name__}")
     if step < 0:
         raise InvalidInput(f"step must be >= 0, got {step}")
-    if step >= 10**20:
-        raise InvalidInput(f"step must be < 10**20, got {step}")
+    if step >= MAX_STEP:
+        # The step node stores it as a msgpack uint64: a larger step failed only in the
+        # background writer (OverflowError), after the put had returned.
+        raise InvalidInput(f"step must be < 2**64, got {step}")
     return step
+
+
+MAX_STEP = 1 << 64
+
+
+def check_name(what: str, name) -> str:
+    """A non-empty str that encodes as UTF-8 (manifest nodes store names as msgpack str;
+    a lone surrogate failed only in the background writer)."""
+    if not isinstance(name, str) or not name:
+        raise InvalidInput(f"{what}s must be non-empty strings, got {name!r}")
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidInput(f"{what} {name!r} is not valid UTF-8 (lone surrogate?): {exc}") from None
+    return name
 
 
 def check_tables(tables) -> None:
     if not isinstance(tables, Mapping):
         raise InvalidType(f"tables must be a mapping name -> tensor, got {type(tables).__name__}")
     for name, value in tables.items():
-        if not isinstance(name, str) or not name:
-            raise InvalidInput(f"table names must be non-empty strings, got {name!r}")
+        check_name("table name", name)
         if not isinstance(value, torch.Tensor):
             raise InvalidType(f"table {name!r} must be a torch.Tensor, got {type(value).__name__}")
         if value.ndim < 1:
             raise InvalidInput(f"table {name!r} has ndim 0; a table needs rows (ndim >= 1)")
+        if dtype_name(value.dtype) not in DTYPES:
+            raise InvalidInput(f"table {name!r}: dtype {value.dtype} cannot be stored")
+        if value.is_meta:
+            raise InvalidInput(f"table {name!r} is a meta tensor: it holds no data to store")
         if value.is_sparse or value.is_quantized or value.is_complex():
             raise InvalidInput(f"table {name!r}: sparse, quantized or complex tensors unsupported")
 
@@ -78,3 +102,20 @@ def check_touched(touched, tables: Mapping) -> dict[str, torch.Tensor]:
             raise InvalidInput(f"touched[{name!r}] has row ids outside 0..{table.shape[0] - 1}")
         out[name] = t
     return out
+
+
+def check_device(device) -> torch.device:
+    """A device tables can be restored to, checked before anything is read: torch itself
+    reports an unusable one late, as AssertionError ("not compiled with CUDA") or
+    RuntimeError, and a meta tensor would hold no data."""
+    try:
+        dev = torch.device(device)
+    except (TypeError, RuntimeError, ValueError) as exc:
+        raise InvalidInput(f"bad device {device!r}: {exc}") from exc
+    if dev.type == "meta":
+        raise InvalidInput("device 'meta' holds no data: restore to a real device")
+    try:
+        torch.empty(0, device=dev)
+    except (AssertionError, RuntimeError, ValueError, TypeError) as exc:
+        raise InvalidInput(f"device {str(dev)!r} is not usable here: {exc}") from exc
+    return dev

@@ -197,6 +197,21 @@ def test_a_lost_pack_is_found_and_named(store, tmp_path, capsys):
     assert "lists what is damaged" in err and len(err.strip().splitlines()) == 1
 
 
+def test_verify_is_deep_by_default_like_the_python_api(store, capsys):
+    # Rot in the middle of the largest data pack: only re-hashing payloads finds it.
+    data_pack = max(store.glob("packs/*/*.pack"), key=lambda p: p.stat().st_size)
+    raw = bytearray(data_pack.read_bytes())
+    raw[len(raw) // 3] ^= 0xFF
+    data_pack.write_bytes(bytes(raw))
+    assert main(["verify", str(store), "--shallow"]) == 0
+    capsys.readouterr()
+    assert main(["verify", str(store)]) == 1
+    assert capsys.readouterr().out.startswith("PROBLEMS FOUND")
+    with cnrstore.open(store) as s:
+        assert not s.verify().ok
+    assert not ci.verify(store).ok
+
+
 def test_repair_rebuilds_a_deleted_index(store, capsys):
     before = [s.step for s in ci.list_steps(store)]
     for f in (store / "index").iterdir():

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import threading
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -271,3 +275,45 @@ def test_buffer_cache_is_bounded_per_device():
     assert len(cpu_sets) == 1
     held = fp_mod._buffer_cache[cpu_sets[0]]
     assert held[0].numel() <= fp_mod._CPU_CHUNK_WORDS + 130 // 8 + 1
+
+
+def test_forked_child_fingerprints_while_a_parent_thread_held_the_locks():
+    """A fork while another thread holds the module's cache locks must not leave the child
+    with locks nobody will release (issue 8)."""
+    fpm = fp_mod
+    rows = torch.randn(64, 8)
+    row_fingerprints(rows)  # warm the caches
+    held, release = threading.Event(), threading.Event()
+
+    def hold():
+        with fpm._keys_lock, fpm._buffers_lock:
+            held.set()
+            release.wait(30)
+
+    t = threading.Thread(target=hold)
+    t.start()
+    held.wait(30)
+    try:
+        pid = os.fork()
+        if pid == 0:  # child: must finish well within the parent's wait
+            code = 1
+            try:
+                row_fingerprints(torch.randn(64, 8))
+                code = 0
+            finally:
+                os._exit(code)
+        deadline = 20.0
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < deadline:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            time.sleep(0.05)
+        else:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            raise AssertionError("child hung on a lock held by a parent thread at fork")
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        release.set()
+        t.join()

@@ -177,16 +177,16 @@ def test_gc_plan_predicts_what_gc_frees(three_steps):
         assert report.steps_deleted == plan.drop
         assert report.objects_freed == plan.objects_freed + plan.garbage_objects
         assert s.steps() == [0, 2]
-    with pytest.raises(cnrstore.StepNotFound):
+    with pytest.raises(cnrstore.InvalidInput):
         ci.gc_plan(three_steps, keep_last=1, keep=[5])
 
 
 def test_kept_steps_rules():
     assert ci.kept_steps([1, 2, 3], keep_last=None) == [1, 2, 3]
-    assert ci.kept_steps([1, 2, 3], keep_last=0, keep=[1]) == [1]
+    assert ci.kept_steps([1, 2, 3], keep_last=None, keep=[1]) == [1]
     assert ci.kept_steps([1, 2, 3], keep_last=2) == [2, 3]
     assert ci.kept_steps([1, 2, 3], keep_last=5, keep=[1]) == [1, 2, 3]
-    with pytest.raises(KeyError):
+    with pytest.raises(cnrstore.InvalidInput):
         ci.kept_steps([1, 2, 3], keep_last=1, keep=[4])
 
 

@@ -15,6 +15,8 @@ from cnrstore.qsearch import row_sq_errors
 from cnrstore.quantize import (
     LOSSY_DTYPES,
     SCHEMES,
+    NeedsWideQparams,
+    RangeError,
     auto_scheme,
     check_scheme,
     decode_rows,
@@ -207,8 +209,10 @@ def test_edge_rows(scheme, dtype):
         ],
         dtype=torch.float64,
     ).to(dtype)
+    wide = bool((rows.double().abs() > 65504.0).any())  # bf16 rounds 65504 up to 65536
     for search in ("minmax", "greedy"):
-        back = decode_rows(encode_rows(rows, scheme, search=search), scheme, dtype, 6)
+        codes = encode_rows(rows, scheme, search=search, wide=wide)
+        back = decode_rows(codes, scheme, dtype, 6)
         assert torch.all(torch.isfinite(back))
         err = (back.double() - rows.double()).abs().amax(dim=1)
         if search == "minmax":
@@ -218,13 +222,31 @@ def test_edge_rows(scheme, dtype):
             assert err[0] <= max_abs_error(scheme, rows)[0]
 
 
-def test_huge_ranges_saturate_to_fp16_range():
+def test_huge_ranges_never_saturate():
+    """Issue 8: fp16 refuses what it cannot cast; intN asks for fp32 qparams (wide rows),
+    which hold the values within the error bound; bf16 has float32's range."""
     rows = torch.tensor([[1e6, -1e6, 0.0, 5.0], [1e30, 2e30, 3e30, 4e30]], dtype=torch.float64)
+    with pytest.raises(RangeError) as err:
+        encode_rows(rows, "fp16")
+    assert err.value.row == 0
+    back = decode_rows(encode_rows(rows, "bf16"), "bf16", torch.float64, 4)
+    assert torch.equal(back, rows.to(torch.bfloat16).double())
+    for scheme in INT_SCHEMES:
+        with pytest.raises(NeedsWideQparams):
+            encode_rows(rows, scheme)
+        codes = encode_rows(rows, scheme, search="minmax", wide=True)
+        assert codes.shape[1] == row_nbytes(scheme, torch.float64, 4, wide=True)
+        back = decode_rows(codes, scheme, torch.float64, 4)
+        err = (back - rows).abs().amax(dim=1)
+        assert torch.all(err <= max_abs_error(scheme, rows)), scheme
+
+
+def test_beyond_float32_is_a_range_error_not_nan():
+    rows = torch.tensor([[1.0, 2.0], [1e300, 0.0]], dtype=torch.float64)
     for scheme in LOSSY:
-        back = decode_rows(encode_rows(rows, scheme), scheme, torch.float64, 4)
-        assert torch.all(torch.isfinite(back)), scheme
-        if scheme != "bf16":  # bf16 covers float32's range, fp16 and intN saturate
-            assert torch.all(back.abs() <= 65504.0 + 1e-9)
+        with pytest.raises(RangeError) as err:
+            encode_rows(rows, scheme, wide=True)
+        assert err.value.row == 1 and "NaN" not in str(err.value)
 
 
 # --- greedy search ------------------------------------------------------------------------
@@ -351,3 +373,22 @@ def test_reencoding_decoded_rows_is_stable(scheme, dtype, width, seed, spread, c
     resolved = (span / levels > 2**-14) | (span == 0) & (rows[:, 0] == rows[:, 0].half())
     assert torch.equal(again[resolved], codes[resolved])
     assert torch.equal(decode_rows(again, scheme, dtype, width)[resolved], decoded[resolved])
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    scheme=st.sampled_from(INT_SCHEMES),
+    dtype=st.sampled_from([torch.float32, torch.float64, torch.bfloat16]),
+    seed=st.integers(0, 2**31),
+    center=st.sampled_from([0.0, 7e4, -1e5, 3e9, 1e30, -1e37]),
+    spread=st.sampled_from([1e-6, 1.0, 1e4, 1e20, 1e36]),
+)
+def test_wide_rows_error_within_bound(scheme, dtype, seed, center, spread):
+    rows = (_finite_rows(torch.float64, 9, 12, seed, 1.0) * spread + center).to(dtype)
+    codes = encode_rows(rows, scheme, search="minmax", wide=True)
+    back = decode_rows(codes, scheme, dtype, 12)
+    assert torch.all(torch.isfinite(back))
+    err = (back.double() - rows.double()).abs().amax(dim=1)
+    bound = max_abs_error(scheme, rows) if bool((rows.double().abs() > 65504).any()) else None
+    if bound is not None:
+        assert torch.all(err <= bound), (err, bound)
