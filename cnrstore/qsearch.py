@@ -13,15 +13,30 @@ all rows at once as tensor ops so it stays on the rows' device:
 Then the winner and plain min/max are both encoded exactly as the encoder will (fp16
 parameters, codes, output dtype) and the winner is kept only if its float64 L2 error is
 strictly lower, so the adaptive range is never worse than min/max.
+
+On CPU the same walk runs in numpy, on all cores, and returns the very same range per row
+as the torch walk ("CPU path" below says how that is guaranteed).
 """
 
 from __future__ import annotations
 
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
 import torch
 
 from cnrstore.qparams import dequantize, fp16_qparams, quantize_codes, round_codes_
 
-__all__ = ["SEARCHES", "N_BINS", "MAX_CLIP_RATIO", "choose_ranges", "row_sq_errors"]
+__all__ = [
+    "SEARCHES",
+    "N_BINS",
+    "MAX_CLIP_RATIO",
+    "choose_ranges",
+    "choose_row_ranges",
+    "row_sq_errors",
+]
 
 SEARCHES = ("greedy", "minmax")
 N_BINS = 200
@@ -35,6 +50,9 @@ _WIN_MARGIN = 1e-9
 # 10-100x when the cores are shared (measured, docs/QUANTIZATION.md). CUDA: bounds memory.
 _CPU_CHUNK_ELEMS = (1 << 15) - 1
 _CUDA_CHUNK_ELEMS = 1 << 24
+# CPU rows take the numpy walk (same result, faster); benches/bench_quant.py turns this off
+# to time the torch walk that CPUs ran before, in the same run.
+_NUMPY_CPU = True
 
 
 def choose_ranges(x: torch.Tensor, bits: int, *, search: str, dtype: torch.dtype):
@@ -48,6 +66,8 @@ def choose_ranges(x: torch.Tensor, bits: int, *, search: str, dtype: torch.dtype
     if w == 0 or n == 0:
         zeros = torch.zeros(n, dtype=torch.float32, device=x.device)
         return zeros, zeros.clone()
+    if search == "greedy" and x.device.type == "cpu" and _NUMPY_CPU:
+        return _greedy_rows_cpu(x, bits, dtype)
     lo, hi = x.amin(dim=1), x.amax(dim=1)
     if search == "minmax":
         return lo, hi
@@ -63,6 +83,16 @@ def choose_ranges(x: torch.Tensor, bits: int, *, search: str, dtype: torch.dtype
         out_lo[sl] = torch.where(win, glo, lo[sl])
         out_hi[sl] = torch.where(win, ghi, hi[sl])
     return out_lo, out_hi
+
+
+def choose_row_ranges(rows: torch.Tensor, bits: int, *, search: str):
+    """Ranges of all `rows` ([n, w], any lossy dtype) at once, or None where the caller's
+    own chunked choose_ranges is as fast (min/max, CUDA). On CPU the greedy search then
+    runs its row chunks on all cores, converting each chunk to float32 itself (no float32
+    copy of the whole table); the chunks and results are those of choose_ranges."""
+    if search != "greedy" or rows.device.type != "cpu" or rows.numel() == 0 or not _NUMPY_CPU:
+        return None
+    return _greedy_rows_cpu(rows, bits, rows.dtype)
 
 
 def row_sq_errors(x, lo, hi, bits: int, dtype: torch.dtype) -> torch.Tensor:
@@ -129,3 +159,170 @@ def _greedy(x, lo, hi, bits: int):
     # often falls all the way to the clipping limit, which no local optimum records.
     end = loss < best_loss
     return torch.where(end, lo, best_lo), torch.where(end, hi, best_hi)
+
+
+# --- CPU path ---------------------------------------------------------------------------------
+#
+# The torch walk above costs ~70 small ops per step; numpy runs the same float32 element
+# operations (subtract, multiply, clamp, round half to even, subtract: IEEE, so bit for bit
+# the torch results) with less dispatch, and its loops release the GIL, so row chunks run
+# on all cores. Only the row reduction differs: torch sums the squared residuals in float32
+# in its own order, numpy in another, so the two losses of a candidate can differ by the
+# summation error, at most (w + 1) ulps of the sum of squares plus underflow (the bound
+# below is twice that). A step whose two losses are closer than that bound could go either
+# way in the torch walk, and a path whose minimum is not unique by that margin could pick
+# either: such rows (a few %, more on tiny or symmetric rows) are re-run through the torch
+# walk itself. Every other row took the torch walk's path and its minimum, so the result
+# is the same range, and the final exact comparison with min/max is the torch code on the
+# same chunks: the CPU path chooses what the torch walk chooses, row for row.
+
+_POOL: ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+# Search chunks (of _CPU_CHUNK_ELEMS) per thread task: a task re-runs its unsure rows in one
+# torch walk, whose cost is per op rather than per row, so tasks must be large for that to
+# stay small (~2 MB of float32 rows); the numpy walk takes _WALK_CHUNKS chunks at a time,
+# which amortizes numpy's per-op cost while its buffers stay within L2/L3.
+_CHUNKS_PER_TASK = 16
+_WALK_CHUNKS = 4
+
+
+def _reset_pool() -> None:
+    global _POOL
+    _POOL = None  # a forked child has the object but not the threads
+
+
+os.register_at_fork(after_in_child=_reset_pool)
+
+
+def _workers() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def _pool() -> ThreadPoolExecutor:
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = ThreadPoolExecutor(_workers(), thread_name_prefix="cnrstore-qsearch")
+        return _POOL
+
+
+def _greedy_rows_cpu(rows: torch.Tensor, bits: int, dtype: torch.dtype):
+    """Greedy ranges of CPU rows of any float dtype, on all cores; same result as the torch
+    search on choose_ranges' chunks."""
+    n, w = rows.shape
+    out_lo = torch.zeros(n, dtype=torch.float32)
+    out_hi = torch.zeros(n, dtype=torch.float32)
+    if n == 0 or w == 0:
+        return out_lo, out_hi
+    chunk = max(1, _CPU_CHUNK_ELEMS // w)
+    per_task = chunk * _CHUNKS_PER_TASK
+    starts = range(0, n, per_task)
+
+    def task(start: int) -> None:
+        stop = min(n, start + per_task)
+        x = torch.empty((stop - start, w), dtype=torch.float32)
+        x.copy_(rows[start:stop])
+        lo, hi = _greedy_task(x, bits, dtype, chunk)
+        out_lo[start:stop] = lo
+        out_hi[start:stop] = hi
+
+    if len(starts) == 1 or _workers() == 1:
+        for start in starts:
+            task(start)
+    else:
+        for f in [_pool().submit(task, s) for s in starts]:
+            f.result()
+    return out_lo, out_hi
+
+
+def _greedy_task(xt: torch.Tensor, bits: int, dtype: torch.dtype, chunk: int):
+    """choose_ranges' result for contiguous float32 CPU rows [n, w]."""
+    x = xt.numpy()
+    n = x.shape[0]
+    glo = np.empty(n, dtype=np.float32)
+    ghi = np.empty(n, dtype=np.float32)
+    unsure = np.empty(n, dtype=bool)
+    walk = chunk * _WALK_CHUNKS
+    for s in range(0, n, walk):
+        sl = slice(s, s + walk)
+        glo[sl], ghi[sl], unsure[sl] = _walk_numpy(x[sl], bits)
+    lo_t, hi_t = xt.amin(dim=1), xt.amax(dim=1)
+    glo_t, ghi_t = torch.from_numpy(glo), torch.from_numpy(ghi)
+    redo = torch.from_numpy(np.flatnonzero(unsure))
+    for s in range(0, redo.numel(), chunk):  # the torch walk, in chunks below the grain size
+        idx = redo[s : s + chunk]
+        glo_t[idx], ghi_t[idx] = _greedy(xt[idx], lo_t[idx], hi_t[idx], bits)
+    out_lo, out_hi = lo_t.clone(), hi_t.clone()
+    for s in range(0, n, chunk):  # as choose_ranges: winner vs min/max, exactly
+        sl = slice(s, s + chunk)
+        err_mm = row_sq_errors(xt[sl], lo_t[sl], hi_t[sl], bits, dtype)
+        err_g = row_sq_errors(xt[sl], glo_t[sl], ghi_t[sl], bits, dtype)
+        win = err_g < err_mm * (1 - _WIN_MARGIN)
+        out_lo[sl] = torch.where(win, glo_t[sl], lo_t[sl])
+        out_hi[sl] = torch.where(win, ghi_t[sl], hi_t[sl])
+    return out_lo, out_hi
+
+
+def _walk_numpy(x: np.ndarray, bits: int):
+    """_greedy's walk over float32 rows [m, w] -> (lo, hi, unsure) [m] each: the torch
+    walk's pick wherever `unsure` is False."""
+    m, w = x.shape
+    levels = np.float32((1 << bits) - 1)
+    with np.errstate(all="ignore"):  # non-finite rows compute garbage, then get min/max
+        lo, hi = x.min(axis=1), x.max(axis=1)
+        step = (hi - lo) / np.float32(N_BINS)
+        losses = np.empty((_STEPS + 1, m), dtype=np.float32)
+        los = np.empty((_STEPS + 1, m), dtype=np.float32)
+        his = np.empty((_STEPS + 1, m), dtype=np.float32)
+        y = np.empty_like(x)
+        q = np.empty_like(x)
+
+        def loss(scale, q=q):  # _residual_norm(y) * scale, summed in another order
+            np.clip(y, 0, levels, out=q)
+            np.rint(q, out=q)
+            q -= y
+            return np.sqrt(np.einsum("ij,ij->i", q, q)) * scale
+
+        scale = (hi - lo) / levels
+        inv = np.where(scale > 0, np.float32(1) / scale, np.float32(1)).astype(np.float32)
+        np.subtract(x, lo[:, None], out=y)
+        y *= inv[:, None]
+        losses[0], los[0], his[0] = loss(scale), lo, hi
+        # Bound on |numpy loss - torch loss| relative to the loss: each float32 sum of w
+        # squares is within (w) ulps of the exact sum, so each sqrt(sum) * scale within
+        # (w / 2 + 2) ulps of the exact loss, both within (w + 4); plus an absolute part
+        # for squares that underflow, scaled by the largest scale.
+        rel = np.float32((w + 6) * 2.0**-24)
+        absolute = np.float32(np.sqrt((w + 1) * 2.0**-125)) * scale
+        unsure = np.zeros(m, dtype=bool)
+        tiny = np.float32(np.finfo(np.float32).tiny)
+        for t in range(_STEPS):
+            up = lo + step
+            down = hi - step
+            scale = (down - lo) / levels
+            inv = np.float32(1) / np.maximum(scale, tiny)
+            np.subtract(x, lo[:, None], out=y)
+            y *= inv[:, None]
+            loss_down = loss(scale)
+            y -= (step * inv)[:, None]
+            loss_up = loss(scale)
+            margin = rel * np.maximum(loss_up, loss_down) + 2 * absolute
+            unsure |= ~(np.abs(loss_up - loss_down) > margin)  # NaN is unsure too
+            move_up = loss_up < loss_down
+            lo = np.where(move_up, up, lo)
+            hi = np.where(move_up, hi, down)
+            losses[t + 1], los[t + 1], his[t + 1] = np.minimum(loss_up, loss_down), lo, hi
+        # The torch walk picks the path's minimum (first local optimum reaching it, or the
+        # end): unique here unless another loss is within the bound of it.
+        best = np.argmin(losses, axis=0)
+        err = rel * losses + absolute
+        floor = np.min(losses + err, axis=0)
+        unsure |= np.count_nonzero(losses - err <= floor, axis=0) != 1
+        # Constant rows (or ranges under 200 subnormals) have one candidate, min/max;
+        # non-finite rows get min/max in the final comparison whatever is picked here.
+        unsure &= np.isfinite(los[0]) & np.isfinite(his[0]) & (step > 0)
+        cols = np.arange(m)
+        return los[best, cols], his[best, cols], unsure

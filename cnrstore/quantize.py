@@ -20,7 +20,7 @@ import torch
 
 from cnrstore.bitpack import pack_codes, packed_nbytes, unpack_codes
 from cnrstore.qparams import FP16_MAX, dequantize, fp16_qparams, quantize_codes
-from cnrstore.qsearch import SEARCHES, choose_ranges
+from cnrstore.qsearch import SEARCHES, choose_ranges, choose_row_ranges
 
 __all__ = [
     "SCHEMES",
@@ -158,12 +158,16 @@ def _encode_int(rows: torch.Tensor, bits: int, search: str, scheme: str) -> torc
     chunk = max(1, budget // max(1, width))
     xbuf = torch.empty(min(chunk, n) * width, dtype=torch.float32, device=device)
     finite = torch.empty(n, dtype=torch.bool, device=device)
+    ranges = choose_row_ranges(rows, bits, search=search)  # CPU greedy: all cores at once
     for start in range(0, n, chunk):
         part = rows[start : start + chunk]
         m = part.shape[0]
         x = xbuf[: m * width].view(m, width)
         x.copy_(part)
-        lo, hi = choose_ranges(x, bits, search=search, dtype=rows.dtype)
+        if ranges is None:
+            lo, hi = choose_ranges(x, bits, search=search, dtype=rows.dtype)
+        else:
+            lo, hi = ranges[0][start : start + m], ranges[1][start : start + m]
         # amin/amax propagate NaN and +-Inf, so the range says whether a row is finite.
         torch.logical_and(torch.isfinite(lo), torch.isfinite(hi), out=finite[start : start + m])
         scale, offset = fp16_qparams(lo, hi, bits)
