@@ -224,7 +224,8 @@ def _greedy_rows_cpu(rows: torch.Tensor, bits: int, dtype: torch.dtype):
     def task(start: int) -> None:
         stop = min(n, start + per_task)
         x = torch.empty((stop - start, w), dtype=torch.float32)
-        x.copy_(rows[start:stop])
+        for s in range(start, stop, chunk):  # torch ops stay below the grain size
+            x[s - start : s - start + chunk].copy_(rows[s : min(stop, s + chunk)])
         lo, hi = _greedy_task(x, bits, dtype, chunk)
         out_lo[start:stop] = lo
         out_hi[start:stop] = hi
@@ -249,7 +250,7 @@ def _greedy_task(xt: torch.Tensor, bits: int, dtype: torch.dtype, chunk: int):
     for s in range(0, n, walk):
         sl = slice(s, s + walk)
         glo[sl], ghi[sl], unsure[sl] = _walk_numpy(x[sl], bits)
-    lo_t, hi_t = xt.amin(dim=1), xt.amax(dim=1)
+    lo_t, hi_t = torch.from_numpy(x.min(axis=1)), torch.from_numpy(x.max(axis=1))
     glo_t, ghi_t = torch.from_numpy(glo), torch.from_numpy(ghi)
     redo = torch.from_numpy(np.flatnonzero(unsure))
     for s in range(0, redo.numel(), chunk):  # the torch walk, in chunks below the grain size
