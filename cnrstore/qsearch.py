@@ -53,6 +53,7 @@ _CUDA_CHUNK_ELEMS = 1 << 24
 # CPU rows take the numpy walk (same result, faster); benches/bench_quant.py turns this off
 # to time the torch walk that CPUs ran before, in the same run.
 _NUMPY_CPU = True
+_FP16_MAX = np.float32(65504.0)
 
 
 def choose_ranges(x: torch.Tensor, bits: int, *, search: str, dtype: torch.dtype):
@@ -256,15 +257,52 @@ def _greedy_task(xt: torch.Tensor, bits: int, dtype: torch.dtype, chunk: int):
     for s in range(0, redo.numel(), chunk):  # the torch walk, in chunks below the grain size
         idx = redo[s : s + chunk]
         glo_t[idx], ghi_t[idx] = _greedy(xt[idx], lo_t[idx], hi_t[idx], bits)
-    out_lo, out_hi = lo_t.clone(), hi_t.clone()
-    for s in range(0, n, chunk):  # as choose_ranges: winner vs min/max, exactly
-        sl = slice(s, s + chunk)
-        err_mm = row_sq_errors(xt[sl], lo_t[sl], hi_t[sl], bits, dtype)
-        err_g = row_sq_errors(xt[sl], glo_t[sl], ghi_t[sl], bits, dtype)
-        win = err_g < err_mm * (1 - _WIN_MARGIN)
-        out_lo[sl] = torch.where(win, glo_t[sl], lo_t[sl])
-        out_hi[sl] = torch.where(win, ghi_t[sl], hi_t[sl])
-    return out_lo, out_hi
+    # As choose_ranges: the winner against min/max, by row_sq_errors' element operations
+    # in numpy; rows whose float64 sums (another order, so within 4 (w + 2) ulps of
+    # torch's) are that close to the margin get torch's own sums.
+    err_mm = np.empty(n)
+    err_g = np.empty(n)
+    for s in range(0, n, walk):
+        sl = slice(s, s + walk)
+        x64 = x[sl].astype(np.float64)
+        err_mm[sl] = _sq_errors_numpy(x[sl], x64, lo_t[sl], hi_t[sl], bits, dtype)
+        err_g[sl] = _sq_errors_numpy(x[sl], x64, glo_t[sl], ghi_t[sl], bits, dtype)
+    with np.errstate(all="ignore"):
+        gap = np.abs(err_g - err_mm * (1 - _WIN_MARGIN))
+        close = ~(gap > 4 * (x.shape[1] + 2) * 2.0**-53 * (err_g + err_mm))
+    close &= np.isfinite(err_mm)  # non-finite rows lose to min/max in either order
+    err_mm_t, err_g_t = torch.from_numpy(err_mm), torch.from_numpy(err_g)
+    fix = torch.from_numpy(np.flatnonzero(close))
+    for s in range(0, fix.numel(), chunk):
+        idx = fix[s : s + chunk]
+        err_mm_t[idx] = row_sq_errors(xt[idx], lo_t[idx], hi_t[idx], bits, dtype)
+        err_g_t[idx] = row_sq_errors(xt[idx], glo_t[idx], ghi_t[idx], bits, dtype)
+    win = err_g_t < err_mm_t * (1 - _WIN_MARGIN)
+    return torch.where(win, glo_t, lo_t), torch.where(win, ghi_t, hi_t)
+
+
+def _sq_errors_numpy(x, x64, lo_t, hi_t, bits: int, dtype: torch.dtype) -> np.ndarray:
+    """row_sq_errors of float32 rows [m, w] (x64: the same in float64), the same element
+    operations (quantize_codes, dequantize, the cast to dtype) in numpy."""
+    scale, offset = (t.numpy() for t in fp16_qparams(lo_t, hi_t, bits))
+    with np.errstate(all="ignore"):
+        inv = np.where(scale > 0, np.float32(1) / scale, np.float32(0))
+        y = x - offset
+        y *= inv
+        np.clip(y, 0, (1 << bits) - 1, out=y)
+        np.rint(y, out=y)
+        y *= scale
+        y += offset
+        np.clip(y, -_FP16_MAX, _FP16_MAX, out=y)
+        if dtype == torch.float16:
+            y = y.astype(np.float16)
+        elif dtype == torch.bfloat16:  # round to nearest even, as torch's conversion
+            u = y.view(np.uint32)
+            u += np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))
+            u &= np.uint32(0xFFFF0000)
+        diff = y.astype(np.float64)
+        diff -= x64
+        return _row_sq_sums(diff, diff)
 
 
 def _row_sq_sums(a: np.ndarray, b: np.ndarray) -> np.ndarray:
