@@ -169,13 +169,13 @@ def _greedy(x, lo, hi, bits: int):
 # the torch results) with less dispatch, and its loops release the GIL, so row chunks run
 # on all cores. Only the row reduction differs: torch sums the squared residuals in float32
 # in its own order, numpy in another, so the two losses of a candidate can differ by the
-# summation error, at most (w + 1) ulps of the sum of squares plus underflow (the bound
-# below is twice that). A step whose two losses are closer than that bound could go either
-# way in the torch walk, and a path whose minimum is not unique by that margin could pick
-# either: such rows (a few %, more on tiny or symmetric rows) are re-run through the torch
-# walk itself. Every other row took the torch walk's path and its minimum, so the result
-# is the same range, and the final exact comparison with min/max is the torch code on the
-# same chunks: the CPU path chooses what the torch walk chooses, row for row.
+# two summation errors (bound in _walk_numpy). A step whose two losses are closer than
+# that bound could go either way in the torch walk, and a path whose minimum is not unique
+# by that margin could pick either: such rows (~2% at 4 bits, ~8% at 2, more on tiny or
+# symmetric rows) are re-run through the torch walk itself. Every other row took the torch
+# walk's path and its minimum. The final comparison with min/max uses the same element
+# operations, and torch's own float64 sums wherever numpy's could fall on the other side
+# of the margin: the CPU path chooses what the torch walk chooses, row for row.
 
 _POOL: ThreadPoolExecutor | None = None
 _POOL_LOCK = threading.Lock()
