@@ -32,7 +32,7 @@ from cnrstore.qparams import (
     fp32_qparams,
     quantize_codes,
 )
-from cnrstore.qsearch import SEARCHES, choose_ranges
+from cnrstore.qsearch import SEARCHES, choose_ranges, choose_row_ranges
 
 __all__ = [
     "SCHEMES",
@@ -218,12 +218,18 @@ def _encode_int(
     xbuf = torch.empty(min(chunk, n) * width, dtype=torch.float32, device=device)
     finite = torch.empty(n, dtype=torch.bool, device=device)
     fits = torch.ones(n, dtype=torch.bool, device=device)
+    # CPU greedy: all cores at once. Wide rows take the torch walk, whose losses use the
+    # fp32 qparams they will be stored with.
+    ranges = None if wide else choose_row_ranges(rows, bits, search=search)
     for start in range(0, n, chunk):
         part = rows[start : start + chunk]
         m = part.shape[0]
         x = xbuf[: m * width].view(m, width)
         x.copy_(part)
-        lo, hi = choose_ranges(x, bits, search=search, dtype=rows.dtype, wide=wide)
+        if ranges is None:
+            lo, hi = choose_ranges(x, bits, search=search, dtype=rows.dtype, wide=wide)
+        else:
+            lo, hi = ranges[0][start : start + m], ranges[1][start : start + m]
         dest = out[start : start + m]
         if wide:
             scale, offset = fp32_qparams(lo, hi, bits)

@@ -293,3 +293,29 @@ def test_stage_timers_find_every_stage_and_undo_their_patches():
     finally:
         timers.remove()
     assert cnrstore.snapshot.row_fingerprints is before
+
+
+# --- quantization bench (benches/bench_quant.py) --------------------------------------------
+
+
+def test_bench_quant_quick_run_reports_every_scheme_before_and_after(tmp_path):
+    out = tmp_path / "quant"
+    cmd = [sys.executable, str(REPO / "benches" / "bench_quant.py"), "--quick",
+           "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads((out / "bench_quant.json").read_text())
+    assert (out / "bench_quant.md").read_text().count("| int") == 8
+    assert doc["torch_save"]["incr_put_s"] > 0
+    res = doc["results"]
+    assert set(res) == {f"{i}/{s}" for i in ("numpy", "torch")
+                        for s in ("int8", "int4", "int3", "int2")}
+    for r in res.values():
+        assert r["encode_mb_s"] > 0 and r["incr_put_s"] > 0 and r["full_put_s"] > 0
+        assert r["incr_put_vs_int8"] > 0 and r["incr_put_vs_torch_save"] > 0
+    for s in ("int8", "int4", "int3", "int2"):
+        # The numpy search picks the torch walk's ranges: the very same error.
+        assert res[f"numpy/{s}"]["rel_l2_error"] == res[f"torch/{s}"]["rel_l2_error"]
+    errs = [res[f"numpy/{s}"]["rel_l2_error"] for s in ("int8", "int4", "int3", "int2")]
+    assert errs == sorted(errs) and 0 < errs[0]  # fewer bits, more error
+    assert [p.name for p in out.iterdir() if p.name.startswith("cnrquant-")] == []
