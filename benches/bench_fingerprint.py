@@ -20,8 +20,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from cnrstore.fingerprint import row_fingerprints  # noqa: E402
-from cnrstore.quantize import decode_rows, encode_rows  # noqa: E402
+from cnrstore.codec.fingerprint import row_fingerprints  # noqa: E402
+from cnrstore.codec.quantize import decode_rows, encode_rows  # noqa: E402
 
 
 def _best(fn, reps: int, sync) -> float:

@@ -86,7 +86,7 @@ def _changed_sample(tables: dict[str, torch.Tensor], workload: Workload, seed: i
 
 
 def _encode_and_error(rows: torch.Tensor, scheme: str) -> tuple[float, float]:
-    from cnrstore.quantize import decode_rows, encode_rows
+    from cnrstore.codec.quantize import decode_rows, encode_rows
 
     encode_rows(rows[:64], scheme)  # warm-up: first-call costs are not throughput
     c0, t0 = time.process_time(), time.perf_counter()
@@ -110,7 +110,7 @@ def _puts(system, args, workload: Workload, specs) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from benches.peers import CnrStore
-    from cnrstore import qsearch
+    from cnrstore.codec import qsearch
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -42,15 +42,15 @@ __all__ = ["StageTimers", "main", "profile"]
 # (module, attribute -- "Class.method" for methods, stage). The module is where the name is
 # looked up at call time, i.e. the caller's module for `from x import f` names.
 STAGES = (
-    ("cnrstore.snapshot", "row_fingerprints", "fingerprint"),
-    ("cnrstore.snapshot", "_changed_old_rows", "diff vs previous fingerprints"),
-    ("cnrstore.snapshot", "first_nonfinite_row", "NaN/Inf check"),
-    ("cnrstore.snapshot", "encode_rows", "quantize / encode rows"),
-    ("cnrstore.snapshot", "_gather_encode", "gather + copy to host"),
-    ("cnrstore.snapshot", "plan_table", "plan blocks (other)"),
-    ("cnrstore.writer", "encode_full", "block payload (full)"),
-    ("cnrstore.writer", "encode_patch", "block payload (patch)"),
-    ("cnrstore.store", "write_step", "manifest + writer glue (other)"),
+    ("cnrstore.core.snapshot", "row_fingerprints", "fingerprint"),
+    ("cnrstore.core.snapshot", "_changed_old_rows", "diff vs previous fingerprints"),
+    ("cnrstore.core.snapshot", "first_nonfinite_row", "NaN/Inf check"),
+    ("cnrstore.core.snapshot", "encode_rows", "quantize / encode rows"),
+    ("cnrstore.core.snapshot", "_gather_encode", "gather + copy to host"),
+    ("cnrstore.core.snapshot", "plan_table", "plan blocks (other)"),
+    ("cnrstore.core.writer", "encode_full", "block payload (full)"),
+    ("cnrstore.core.writer", "encode_patch", "block payload (patch)"),
+    ("cnrstore.core.store", "write_step", "manifest + writer glue (other)"),
     ("engine.writer", "object_id", "hash: object id (engine put)"),
     ("engine.writer", "PackWriter.has", "dedup lookups (has)"),
     ("engine.format", "encode_record", "record framing (other)"),
@@ -58,16 +58,16 @@ STAGES = (
     ("engine.pack", "PackFile.sync", "fsync"),
     ("engine.pack", "fsync_dir", "fsync"),
     ("engine.writer", "PackWriter.commit", "commit: index txn + roots (other)"),
-    ("cnrstore.store", "CheckpointStore._seed_from_newest", "seed diff base from store"),
+    ("cnrstore.core.store", "CheckpointStore._seed_from_newest", "seed diff base from store"),
     # get
     ("engine.pack", "pread_exact", "read (pread)"),
     ("engine.format", "_decompress", "decompress"),
     ("engine.format", "object_id", "hash: verify id on read"),
     ("engine.format", "check_record", "record checksum + header"),
     ("engine.store", "PackStore._lookup", "index lookup"),
-    ("cnrstore.restore", "decode_rows", "dequantize / decode rows"),
-    ("cnrstore.blocks", "decode_full", "block decode"),
-    ("cnrstore.blocks", "decode_patch", "block decode"),
+    ("cnrstore.core.restore", "decode_rows", "dequantize / decode rows"),
+    ("cnrstore.format.blocks", "decode_full", "block decode"),
+    ("cnrstore.format.blocks", "decode_patch", "block decode"),
 )
 
 

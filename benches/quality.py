@@ -1,6 +1,6 @@
 """Model quality after restores from quantized checkpoints (Check-N-Run's accuracy question).
 
-Trains the demo's DLRM (cnrstore.dlrm) on its synthetic click-through task. For each
+Trains the demo's DLRM (cnrstore.demo.dlrm) on its synthetic click-through task. For each
 number of simulated failures and each scheme, a run checkpoints every ``--every`` steps
 into a real store with that scheme (embedding tables quantized; row accumulators and the
 dense part exact), and at each failure point drops the model, the optimizer and the store
@@ -28,8 +28,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import cnrstore  # noqa: E402
-from cnrstore.demo import resolve_quant  # noqa: E402
-from cnrstore.dlrm import DLRMConfig, Trainer, deterministic, evaluate  # noqa: E402
+from cnrstore.demo.dlrm import DLRMConfig, Trainer, deterministic, evaluate  # noqa: E402
+from cnrstore.demo.driver import resolve_quant  # noqa: E402
 
 SCHEMES = ("exact", "fp16", "int8", "int4", "int3", "int2", "auto")
 RESTORES = (1, 5, 20)

@@ -134,9 +134,9 @@ def run_job(spec: dict[str, Any]) -> dict[str, Any]:
 def fingerprint_job(spec: dict[str, Any]) -> dict[str, Any]:
     """Row-fingerprint throughput (GB/s) of the largest table, on CPU and CUDA if present."""
     try:
-        from cnrstore.fingerprint import row_fingerprints
+        from cnrstore.codec.fingerprint import row_fingerprints
     except ImportError as exc:
-        return {"available": False, "reason": f"cnrstore.fingerprint: {exc}"}
+        return {"available": False, "reason": f"cnrstore.codec.fingerprint: {exc}"}
     name, (rows, dim) = next(iter(spec["tables"].items()))
     table = make_tables({name: (rows, dim)}, seed=spec["seed"])[name]
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])

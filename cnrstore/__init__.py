@@ -9,11 +9,15 @@
 
 The user guide is docs/GUIDE.md (API, quantization schemes and their error bounds,
 retention and gc, async puts, partial restores); docs/MANIFEST.md and docs/FORMAT.md say
-what is stored on disk. ``cnrstore.inspect`` lists, shows, diffs and sizes steps from
+what is stored on disk. ``cnrstore.tools.info`` lists, shows, diffs and sizes steps from
 Python; the ``cnrstore`` command (``python -m cnrstore``) does the same from a shell.
 """
 
-from .errors import (
+from cnrstore.codec.quantize import SCHEMES
+from cnrstore.core.maintenance import GCReport, StoreStats, VerifyReport
+from cnrstore.core.store import CheckpointStore, open
+from cnrstore.core.writer import StepInfo
+from cnrstore.errors import (
     CheckpointError,
     InvalidInput,
     InvalidType,
@@ -27,10 +31,6 @@ from .errors import (
     ValueOutOfRange,
     WriteFailed,
 )
-from .maintenance import GCReport, StoreStats, VerifyReport
-from .quantize import SCHEMES
-from .store import CheckpointStore, open
-from .writer import StepInfo
 
 __all__ = [
     "SCHEMES",

@@ -281,18 +281,18 @@ def test_stage_timers_count_exclusive_time_per_thread():
 
 
 def test_stage_timers_find_every_stage_and_undo_their_patches():
-    import cnrstore.snapshot
+    import cnrstore.core.snapshot
     from benches.profile_put import StageTimers
 
-    before = cnrstore.snapshot.row_fingerprints
+    before = cnrstore.core.snapshot.row_fingerprints
     timers = StageTimers()
     timers.install()
     try:
         assert timers.missing == [], "renamed functions are no longer timed"
-        assert cnrstore.snapshot.row_fingerprints is not before
+        assert cnrstore.core.snapshot.row_fingerprints is not before
     finally:
         timers.remove()
-    assert cnrstore.snapshot.row_fingerprints is before
+    assert cnrstore.core.snapshot.row_fingerprints is before
 
 
 # --- quantization bench (benches/bench_quant.py) --------------------------------------------

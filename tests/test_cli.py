@@ -2,7 +2,7 @@
 
 Each subprocess run pays for importing torch (seconds on a busy machine), so a handful of
 tests run the real command in a subprocess (exit codes, one-line errors, JSON, the console
-script); the others call ``cnrstore.cli.main(argv)`` in-process, which is the same parser
+script); the others call ``cnrstore.cli.app.main(argv)`` in-process, which is the same parser
 and code path without the process boundary.
 """
 
@@ -19,16 +19,16 @@ import pytest
 import torch
 
 import cnrstore
-from cnrstore import _clifmt as fmt
-from cnrstore import inspect as ci
-from cnrstore.cli import main
+from cnrstore.cli import fmt
+from cnrstore.cli.app import main
+from cnrstore.tools import info as ci
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def run(*args: str, script: bool = False) -> subprocess.CompletedProcess:
     cmd = ([str(pathlib.Path(sys.executable).with_name("cnrstore"))] if script
-           else [sys.executable, "-m", "cnrstore.cli"])
+           else [sys.executable, "-m", "cnrstore.cli.app"])
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     return subprocess.run(cmd + list(args), capture_output=True, text=True, timeout=120,
                           env=env, cwd=ROOT)

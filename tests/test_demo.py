@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import cnrstore
-from cnrstore import demo
+from cnrstore.demo import driver as demo
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--steps", "30", "--every", "10", "--scale", "0.01", "--fail-at", "24"]
@@ -25,7 +25,7 @@ def _run(*args: str) -> subprocess.CompletedProcess:
 
 def test_demo_kills_resumes_and_matches_the_uninterrupted_run(tmp_path):
     store = tmp_path / "store"
-    out = _run("-m", "cnrstore.demo", *TINY, "--store", str(store))
+    out = _run("-m", "cnrstore.demo.driver", *TINY, "--store", str(store))
     assert out.returncode == 0, out.stderr
     text = out.stdout
     assert "killed at step 24" in text
@@ -74,7 +74,7 @@ def test_resolve_quant_quantizes_only_embedding_tables():
 
 
 def test_the_cli_runs_the_demo_with_its_options(capsys):
-    from cnrstore import cli
+    from cnrstore.cli import app as cli
 
     # Parsed by the CLI, checked by the demo: a bad option is a usage error, nothing runs.
     assert cli.main(["demo", "--steps", "10", "--fail-at", "10"]) == 2

@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 import cnrstore
 import engine
-from cnrstore.dlrm import (
+from cnrstore.core.state import flatten
+from cnrstore.demo.dlrm import (
     DLRM,
     DLRMConfig,
     RowWiseAdagrad,
@@ -26,7 +27,6 @@ from cnrstore.dlrm import (
     teacher_floor,
     train_step,
 )
-from cnrstore.state import flatten
 
 TINY = DLRMConfig(table_rows=(400, 200, 50), dim=8, batch_size=128, seed=3)
 OPTIMIZERS = ["adagrad", "rowwise"]

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cnrstore.dlrm import DLRMConfig
+from cnrstore.demo.dlrm import DLRMConfig
 
 _PATH = Path(__file__).resolve().parents[1] / "benches" / "quality.py"
 _spec = importlib.util.spec_from_file_location("bench_quality", _PATH)

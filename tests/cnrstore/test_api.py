@@ -205,8 +205,8 @@ def test_lossy_keeps_dtype_and_shape(store):
 
 
 def test_auto_quant_picks_from_expected_restores():
-    from cnrstore.manifest import load_manifest
-    from cnrstore.quantize import auto_scheme
+    from cnrstore.codec.quantize import auto_scheme
+    from cnrstore.format.manifest import load_manifest
 
     for restores in (0, 1, 100):
         s = make_store("memory", None, expected_restores=restores)
@@ -226,7 +226,7 @@ def test_metadata_round_trips(store):
 
 
 def test_host_buffers_are_reused_within_their_budget():
-    from cnrstore.snapshot import HostBuffers
+    from cnrstore.core.snapshot import HostBuffers
 
     pool = HostBuffers(keep=2, max_bytes=1000)
     a = pool.take(600, pinned=False)

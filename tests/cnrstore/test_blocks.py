@@ -6,7 +6,8 @@ import zstandard
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cnrstore.blocks import (
+from cnrstore.errors import ManifestError
+from cnrstore.format.blocks import (
     KIND_BLOCK_FULL,
     KIND_BLOCK_PATCH,
     decode_full,
@@ -15,7 +16,6 @@ from cnrstore.blocks import (
     encode_patch,
     plane_width,
 )
-from cnrstore.errors import ManifestError
 from engine import Object
 
 BASE = b"\x01" * 16

@@ -14,7 +14,7 @@ import torch
 from ckpt_util import random_table
 
 import cnrstore
-from cnrstore.manifest import (
+from cnrstore.format.manifest import (
     KIND_SEGMENT,
     KIND_STEP,
     KIND_TABLE,

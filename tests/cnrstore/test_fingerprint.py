@@ -12,8 +12,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cnrstore import fingerprint as fp_mod
-from cnrstore.fingerprint import row_fingerprints
+from cnrstore.codec import fingerprint as fp_mod
+from cnrstore.codec.fingerprint import row_fingerprints
 
 ALL_DTYPES = [
     torch.float32,

@@ -7,8 +7,8 @@ import torch
 from ckpt_util import assert_identical, make_store, random_table
 
 import cnrstore
-from cnrstore.manifest import changed_blocks, load_manifest
-from cnrstore.quantize import row_nbytes
+from cnrstore.codec.quantize import row_nbytes
+from cnrstore.format.manifest import changed_blocks, load_manifest
 
 
 def _scattered(g, t, frac):

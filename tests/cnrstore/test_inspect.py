@@ -1,5 +1,5 @@
-"""cnrstore.inspect, cnrstore.diff and cnrstore.transfer against real stores made through
-the public API (pack stores in tmp_path; the memory twin where only logic is checked)."""
+"""cnrstore.tools.info, .diff and .transfer against real stores made through the public
+API (pack stores in tmp_path; the memory twin where only logic is checked)."""
 
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ from hypothesis import strategies as st
 
 import cnrstore
 import engine
-from cnrstore import diff as cdiff
-from cnrstore import inspect as ci
-from cnrstore import transfer
-from cnrstore.manifest import KIND_BLOCK_FULL, load_step, load_table_manifest
+from cnrstore.format.manifest import KIND_BLOCK_FULL, load_step, load_table_manifest
+from cnrstore.tools import diff as cdiff
+from cnrstore.tools import info as ci
+from cnrstore.tools import transfer
 
 BR = 16  # block_rows: small, so a few hundred rows make many blocks and segments
 FANOUT = 4

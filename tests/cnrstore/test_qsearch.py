@@ -1,6 +1,6 @@
 """The CPU (numpy) greedy range search against the torch walk it replaces on CPU.
 
-`_reference_choose_ranges` below is cnrstore/qsearch.py's search as it was before the numpy
+`_reference_choose_ranges` below is cnrstore/codec/qsearch.py's search as it was before the numpy
 path (the torch walk, run on choose_ranges' chunks), kept here verbatim as the reference:
 the numpy path must choose the very same range for every row, hence the same error, which
 is never worse than min/max.
@@ -17,10 +17,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cnrstore import qsearch
-from cnrstore.qparams import round_codes_
-from cnrstore.qsearch import MAX_CLIP_RATIO, N_BINS, choose_ranges, row_sq_errors
-from cnrstore.quantize import LOSSY_DTYPES, decode_rows, encode_rows
+from cnrstore.codec import qsearch
+from cnrstore.codec.qparams import round_codes_
+from cnrstore.codec.qsearch import MAX_CLIP_RATIO, N_BINS, choose_ranges, row_sq_errors
+from cnrstore.codec.quantize import LOSSY_DTYPES, decode_rows, encode_rows
 
 BITS = (2, 3, 4, 8)
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -207,8 +207,8 @@ def test_torch_path_still_serves_cpu_when_numpy_is_off(monkeypatch):
 _FORK_SCRIPT = """
 import multiprocessing, sys, torch
 torch.set_num_threads(1)  # torch's own OpenMP pool does not survive fork either
-from cnrstore import qsearch
-from cnrstore.quantize import encode_rows
+from cnrstore.codec import qsearch
+from cnrstore.codec.quantize import encode_rows
 qsearch._CHUNKS_PER_TASK = 1  # several tasks, so the thread pool is used
 rows = torch.randn(4000, 16, generator=torch.Generator().manual_seed(5))
 

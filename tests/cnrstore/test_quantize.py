@@ -9,10 +9,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cnrstore.bitpack import pack_codes, packed_nbytes, unpack_codes
-from cnrstore.qparams import fp16_qparams
-from cnrstore.qsearch import row_sq_errors
-from cnrstore.quantize import (
+from cnrstore.codec.bitpack import pack_codes, packed_nbytes, unpack_codes
+from cnrstore.codec.qparams import fp16_qparams
+from cnrstore.codec.qsearch import row_sq_errors
+from cnrstore.codec.quantize import (
     LOSSY_DTYPES,
     SCHEMES,
     NeedsWideQparams,

@@ -8,8 +8,8 @@ import torch
 from ckpt_util import assert_identical, make_store, random_table
 
 import cnrstore
-from cnrstore import inspect as ci
-from cnrstore.retention import kept_steps
+from cnrstore.core.retention import kept_steps
+from cnrstore.tools import info as ci
 
 
 @pytest.fixture(params=["memory", "pack"])

@@ -11,7 +11,7 @@ from ckpt_util import FLOAT_DTYPES, INT_DTYPES, assert_identical, make_store, ra
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cnrstore.quantize import SCHEMES, decode_rows, encode_rows
+from cnrstore.codec.quantize import SCHEMES, decode_rows, encode_rows
 
 ALL_DTYPES = FLOAT_DTYPES + INT_DTYPES
 SPECIALS = (float("nan"), float("inf"), float("-inf"), -0.0, 0.0)

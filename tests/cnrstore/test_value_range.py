@@ -9,8 +9,8 @@ import torch
 from ckpt_util import make_store
 
 import cnrstore
-from cnrstore.manifest import load_manifest
-from cnrstore.quantize import GREEDY_MAX_BITS, row_nbytes, scheme_bits
+from cnrstore.codec.quantize import GREEDY_MAX_BITS, row_nbytes, scheme_bits
+from cnrstore.format.manifest import load_manifest
 
 
 @pytest.fixture(params=["memory", "pack"])

@@ -18,8 +18,8 @@ def test_shrink_to_zero_rows_after_reopen(tmp_path):
 
 
 def test_zero_row_tables_fingerprint_and_encode():
-    from cnrstore.fingerprint import row_fingerprints
-    from cnrstore.quantize import encode_rows
+    from cnrstore.codec.fingerprint import row_fingerprints
+    from cnrstore.codec.quantize import encode_rows
 
     assert row_fingerprints(torch.empty(0, 3, 2)).shape == (0,)
     assert encode_rows(torch.empty(0, 4), "exact").shape == (0, 16)

@@ -1,0 +1,304 @@
+"""The ``cnrstore`` command: a thin argparse layer over cnrstore.tools.info and the store API.
+
+Every subcommand prints a human-readable table by default and one JSON document with
+``--json``. Exit codes: 0 ok, 1 problems found (verify, repair damage, a store error),
+2 usage (bad arguments, a missing store or step). Errors are one line on stderr;
+``--debug`` shows the traceback instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+
+from cnrstore.cli import fmt
+
+EXIT_OK = 0
+EXIT_PROBLEMS = 1
+EXIT_USAGE = 2
+
+
+class UsageError(Exception):
+    """Bad input from the command line (exit code 2)."""
+
+
+def _common(*, suppress: bool) -> argparse.ArgumentParser:
+    # The same flags work before and after the subcommand. In subparsers the defaults are
+    # SUPPRESS, so a subparser does not overwrite a flag given before the subcommand.
+    default = argparse.SUPPRESS if suppress else False
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--json", action="store_true", default=default,
+                   help="print one JSON document instead of tables")
+    p.add_argument("--debug", action="store_true", default=default,
+                   help="show tracebacks instead of one-line errors")
+    p.add_argument("--no-progress", action="store_true", default=default,
+                   help="no progress bars (they only appear on a terminal anyway)")
+    return p
+
+
+def _step(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"a step is a non-negative integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"a step is a non-negative integer, got {text!r}")
+    return value
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The argument parser. The demo's options are added only when ``argv`` names the
+    demo (or is None), because loading the demo module costs time every other command
+    would pay."""
+    common = _common(suppress=True)
+    parser = argparse.ArgumentParser(
+        prog="cnrstore", parents=[_common(suppress=False)],
+        description="Inspect and maintain a cnrstore checkpoint store.",
+        epilog="Exit codes: 0 ok, 1 problems found, 2 usage error.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    def add(name: str, help_: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, parents=[common], help=help_, description=help_)
+        if name != "demo":
+            p.add_argument("store", metavar="STORE", help="path of the store directory")
+        return p
+
+    add("ls", "list the kept steps with their sizes")
+    p = add("show", "show the tables of one step")
+    p.add_argument("step", type=_step, metavar="STEP")
+    p = add("diff", "which tables, blocks and rows differ between two steps")
+    p.add_argument("a", type=_step, metavar="A")
+    p.add_argument("b", type=_step, metavar="B")
+    p.add_argument("--no-rows", action="store_true",
+                   help="stop at blocks: do not decode changed blocks to find rows")
+    p.add_argument("--max-rows", type=int, default=20, metavar="N",
+                   help="row ids shown per table in the human output (default 20)")
+    p = add("verify", "check the integrity of the store (exit 1 if problems)")
+    depth = p.add_mutually_exclusive_group()
+    depth.add_argument("--deep", action="store_true",
+                       help="re-read and re-hash every object and decode every block "
+                            "(the default, as in Python's verify())")
+    depth.add_argument("--shallow", action="store_true",
+                       help="check only the structure: no payload re-hash or block decoding")
+    p.add_argument("--step", type=_step, action="append", dest="steps", metavar="S",
+                   help="check only this step (repeatable)")
+    add("repair", "rebuild the index from the pack files")
+    p = add("gc", "drop old steps and reclaim their bytes")
+    p.add_argument("--keep-last", type=_count, metavar="N",
+                   help="keep the newest N steps")
+    p.add_argument("--keep", type=_step, action="append", default=[], metavar="S",
+                   help="also keep step S (repeatable)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="only say what would be dropped and freed")
+    p = add("rm", "delete steps (all or none, in one commit); gc reclaims their bytes")
+    p.add_argument("steps", type=_step, nargs="+", metavar="STEP")
+    p = add("rollback", "delete every step after STEP (one commit), to resume from STEP")
+    p.add_argument("step", type=_step, metavar="STEP")
+    add("du", "logical vs stored bytes, dedup and compression, per table")
+    p = add("export", "write one step's tables to a .safetensors file")
+    p.add_argument("step", type=_step, metavar="STEP")
+    p.add_argument("path", metavar="OUT.safetensors")
+    p.add_argument("--table", action="append", dest="names", metavar="NAME",
+                   help="export only this table (repeatable)")
+    p.add_argument("--force", action="store_true", help="overwrite an existing file")
+    p = add("import", "store the tensors of a .safetensors file as a new step")
+    p.add_argument("step", type=_step, metavar="STEP")
+    p.add_argument("path", metavar="IN.safetensors")
+    p.add_argument("--quant", action="append", metavar="[NAME=]SCHEME",
+                   help="scheme of table NAME, or without NAME of every floating-point "
+                   "table (integer tables stay exact); repeatable. Default: the schemes "
+                   "the file was exported with, else exact")
+    p = add("demo", "run the demo: a small DLRM trained with checkpoints, killed, resumed")
+    if argv is None or "demo" in argv:
+        _add_demo_arguments(p)
+    return parser
+
+
+def _add_demo_arguments(parser: argparse.ArgumentParser) -> None:
+    try:
+        from cnrstore.demo import driver as demo
+    except ImportError as exc:
+        parser.set_defaults(demo_error=f"the demo is not available: {exc}")
+        return
+    demo.add_arguments(parser)
+
+
+def _require_store(path: str) -> None:
+    # The engine's layout (engine/store.py): a store directory holds index/ and packs/.
+    # Checked here so a mistyped path is a usage error, and nothing is created.
+    if not os.path.isdir(path):
+        raise UsageError(f"no store at {path!r} (directory not found)")
+    if not any(os.path.exists(os.path.join(path, d)) for d in ("index", "packs")):
+        raise UsageError(f"no store at {path!r} (no index/ or packs/ inside)")
+
+
+def _open(path: str, *, create: bool = False):
+    from cnrstore.core.store import open as open_store
+
+    if not create:
+        _require_store(path)
+    return open_store(path, create=create)
+
+
+def _progress(args: argparse.Namespace, label: str):
+    return fmt.Progress(label, enabled=not args.no_progress and sys.stderr.isatty())
+
+
+def _emit(args: argparse.Namespace, data, human: str) -> None:
+    if args.json:
+        json.dump(fmt.jsonable(data), sys.stdout, indent=2, sort_keys=False)
+        sys.stdout.write("\n")
+    else:
+        sys.stdout.write(human.rstrip("\n") + "\n")
+
+
+def _run(args: argparse.Namespace) -> int:
+    from cnrstore.tools import info as inspect
+    from cnrstore.tools import transfer
+
+    cmd = args.command
+    if cmd == "demo":
+        if getattr(args, "demo_error", None):
+            raise UsageError(args.demo_error)
+        from cnrstore.demo import driver as demo
+
+        return int(demo.main(args) or 0)
+    if cmd == "repair":
+        _require_store(args.store)
+        report = inspect.repair(args.store)
+        _emit(args, report, fmt.repair_text(report))
+        return EXIT_PROBLEMS if report.damaged else EXIT_OK
+    with _open(args.store, create=cmd == "import") as store:
+        if cmd == "ls":
+            with _progress(args, "ls") as bar:
+                steps = inspect.list_steps(store, progress=bar)
+            _emit(args, steps, fmt.steps_text(steps))
+        elif cmd == "show":
+            detail = inspect.show_step(store, args.step)
+            _emit(args, detail, fmt.step_text(detail))
+        elif cmd == "diff":
+            diff = inspect.diff_steps(store, args.a, args.b, rows=not args.no_rows)
+            _emit(args, diff, fmt.diff_text(diff, max_rows=args.max_rows))
+        elif cmd == "du":
+            with _progress(args, "du") as bar:
+                usage = inspect.disk_usage(store, progress=bar)
+            _emit(args, usage, fmt.usage_text(usage))
+        elif cmd == "verify":
+            with _progress(args, "verify") as bar:
+                report = inspect.verify(store, deep=not args.shallow, steps=args.steps,
+                                        progress=bar)
+            _emit(args, report, fmt.verify_text(report))
+            return EXIT_OK if report.ok else EXIT_PROBLEMS
+        elif cmd == "gc":
+            # Neither --keep-last nor --keep: drop no step, reclaim only unreachable bytes.
+            if args.dry_run:
+                plan = inspect.gc_plan(store, keep_last=args.keep_last, keep=args.keep)
+                _emit(args, plan, fmt.gc_plan_text(plan))
+            else:
+                result = inspect.collect(store, keep_last=args.keep_last, keep=args.keep)
+                _emit(args, result, fmt.gc_text(result))
+        elif cmd in ("rm", "rollback"):
+            from cnrstore.core import lineage
+
+            if cmd == "rm":
+                deleted = lineage.delete_steps(store, args.steps)
+            else:
+                deleted = store.rollback(args.step)
+            steps = ", ".join(map(str, deleted)) or "none"
+            _emit(args, {"deleted": deleted, "steps": store.steps()},
+                  f"deleted steps: {steps}\n(`cnrstore gc {args.store}` reclaims their bytes)")
+        elif cmd == "export":
+            with _progress(args, "export") as bar:
+                result = transfer.export_step(store, args.step, args.path, names=args.names,
+                                              overwrite=args.force, progress=bar)
+            _emit(args, result, fmt.transfer_text(result))
+        elif cmd == "import":
+            with _progress(args, "import") as bar:
+                result = transfer.import_step(store, args.step, args.path,
+                                              quant=_quant(args.quant), progress=bar)
+            _emit(args, result, fmt.transfer_text(result))
+    return EXIT_OK
+
+
+def _quant(items: list[str] | None) -> str | dict | None:
+    """``--quant`` values as import_step takes them: None, one scheme, or a mapping."""
+    if not items:
+        return None
+    out: dict[str, str] = {}
+    for item in items:
+        name, sep, scheme = item.rpartition("=")
+        key = name if sep else "*float"
+        if not scheme or (sep and not name) or key in out:
+            raise UsageError(f"--quant {item!r}: expected SCHEME or NAME=SCHEME, once each")
+        out[key] = scheme
+    return out["*float"] if list(out) == ["*float"] else out
+
+
+def _exit_code(exc: BaseException) -> int:
+    from engine.errors import StoreError
+
+    if isinstance(exc, StoreError):
+        return EXIT_PROBLEMS
+    if isinstance(exc, (UsageError, ValueError, KeyError, LookupError, TypeError,
+                        FileNotFoundError, FileExistsError, IsADirectoryError)):
+        return EXIT_USAGE
+    return EXIT_PROBLEMS
+
+
+def _message(exc: BaseException, store: str | None) -> str:
+    from engine.errors import CorruptObject, ObjectNotFound
+
+    text = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)
+    text = " ".join(text.split()) or type(exc).__name__
+    if isinstance(exc, UsageError):
+        return text
+    hint = ""
+    if isinstance(exc, (CorruptObject, ObjectNotFound)) and store:
+        hint = f"; `cnrstore verify {store}` lists what is damaged"
+    return f"{text} ({type(exc).__name__}{hint})"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``cnrstore`` console script; returns the exit code."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse: --help exits 0, bad usage 2
+        return int(exc.code or 0)
+    try:
+        return _run(args)
+    except KeyboardInterrupt:
+        print("cnrstore: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        # The reader went away (``cnrstore ls STORE | head``): not an error of ours. Point
+        # stdout at devnull so the interpreter's final flush does not complain again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_OK
+    except Exception as exc:
+        if args.debug:
+            raise
+        message = _message(exc, getattr(args, "store", None))
+        print(f"cnrstore {args.command}: error: {message}", file=sys.stderr)
+        return _exit_code(exc)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

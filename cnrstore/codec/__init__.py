@@ -1,0 +1,1 @@
+"""Row codecs: fingerprints, quantization schemes, qparams, range search, bit-packing."""

@@ -1,0 +1,402 @@
+"""Per-row quantization schemes: encode rows to self-contained byte rows and back.
+
+Every encoded row stands alone (intN rows carry their own scale and offset), so a block or a
+patch can store any subset of a table's rows. Encoding runs on the rows' device; the byte
+layout of each scheme is specified in docs/QUANTIZATION.md ("Row encoding").
+
+- "exact": the row's raw bytes (bit-identical, NaN payloads and -0.0 kept), any dtype.
+- "fp16" / "bf16": a cast. Finite values the cast would turn into inf (beyond +-65504
+  for fp16) are refused (RangeError), never clamped.
+- "int8" / "int4" / "int3" / "int2": asymmetric uniform codes q in [0, 2^bits - 1] with
+  x ~ offset + q * scale, scale and offset stored as fp16 and the codes computed from the
+  fp16 values (as FBGEMM does), codes bit-packed (cnrstore.codec.bitpack). The range [lo, hi] is
+  either the row's min/max or Check-N-Run's adaptive clipped range (cnrstore.codec.qsearch).
+  Rows whose range fp16 cannot cover need "wide" rows, with fp32 scale and offset (8
+  header bytes instead of 4; a table's rows are all narrow or all wide, told apart by
+  their size): encoding narrow raises NeedsWideQparams for them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from cnrstore.codec.bitpack import pack_codes, packed_nbytes, unpack_codes
+from cnrstore.codec.qparams import (
+    FP16_MAX,
+    FP32_MAX,
+    dequantize,
+    fits_fp16,
+    fp16_qparams,
+    fp32_qparams,
+    quantize_codes,
+)
+from cnrstore.codec.qsearch import SEARCHES, choose_ranges, choose_row_ranges
+
+__all__ = [
+    "SCHEMES",
+    "LOSSY_DTYPES",
+    "GREEDY_MAX_BITS",
+    "check_scheme",
+    "scheme_bits",
+    "row_nbytes",
+    "row_nbytes_options",
+    "is_wide",
+    "encode_rows",
+    "decode_rows",
+    "first_nonfinite_row",
+    "RangeError",
+    "NeedsWideQparams",
+    "max_abs_error",
+    "auto_scheme",
+]
+
+SCHEMES = ("exact", "fp16", "bf16", "int8", "int4", "int3", "int2")
+LOSSY_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+_BITS = {"int8": 8, "int4": 4, "int3": 3, "int2": 2}
+_CASTS = {"fp16": torch.float16, "bf16": torch.bfloat16}
+# fp16 scale then fp16 offset, little-endian, ahead of the packed codes.
+HEADER_NBYTES = 4
+# fp32 scale then fp32 offset: "wide" rows (docs/QUANTIZATION.md, "Wide rows").
+WIDE_HEADER_NBYTES = 8
+# Default range search per row: Check-N-Run's adaptive clipping ("greedy",
+# cnrstore.codec.qsearch) up to GREEDY_MAX_BITS, plain "minmax" above. Measured on 4000x64 rows
+# (docs/QUANTIZATION.md): greedy cuts the L2^2 error by 16-48% at 2-4 bits but only by
+# 0.2-0.6% at 8 bits, for ~40x the encode time, so int8 defaults to min/max.
+GREEDY_MAX_BITS = 4
+# Elements per chunk when scanning for non-finite values (bounds the bool temporary).
+_SCAN_ELEMS = 1 << 22
+# Elements per encode chunk. CPU: below torch's intra-op grain size (32768), so no op
+# forks OpenMP threads (10-100x slower on shared cores, measured) and the work buffers
+# stay in cache. CUDA: a chunk only bounds temporary memory.
+_CPU_CHUNK_ELEMS = (1 << 15) - 1
+_CUDA_CHUNK_ELEMS = 1 << 24
+
+
+class RangeError(ValueError):
+    """Finite values of row ``row`` that the scheme cannot represent (they would saturate
+    or turn into inf)."""
+
+    def __init__(self, row: int, scheme: str):
+        super().__init__(f"row {row} holds finite values beyond what {scheme!r} can represent")
+        self.row = row
+
+
+class NeedsWideQparams(ValueError):
+    """Row ``row``'s range does not fit fp16 scale/offset: encode the rows wide."""
+
+    def __init__(self, row: int):
+        super().__init__(f"row {row} needs fp32 scale/offset (wide rows)")
+        self.row = row
+
+
+def check_scheme(scheme: str, dtype: torch.dtype, *, table: str) -> None:
+    """Raise ValueError (naming table, scheme and dtype) unless `scheme` can encode `dtype`."""
+    if not isinstance(scheme, str) or scheme not in SCHEMES:
+        raise ValueError(
+            f"table {table!r}: unknown quantization scheme {scheme!r}; "
+            f"expected one of {', '.join(SCHEMES)}"
+        )
+    if scheme != "exact" and dtype not in LOSSY_DTYPES:
+        raise ValueError(
+            f"table {table!r}: scheme {scheme!r} is lossy and needs a float32, float16, "
+            f"bfloat16 or float64 table, but the table is {dtype}; use 'exact'"
+        )
+
+
+def scheme_bits(scheme: str) -> int | None:
+    """Code width in bits of an intN scheme, None for the others."""
+    return _BITS.get(scheme)
+
+
+def row_nbytes(scheme: str, dtype: torch.dtype, width: int, *, wide: bool = False) -> int:
+    """Bytes of one encoded row of `width` elements of `dtype` under `scheme` (``wide``:
+    intN rows with fp32 scale/offset)."""
+    check_scheme(scheme, dtype, table="<row_nbytes>")
+    if not isinstance(width, int) or width < 0:
+        raise ValueError(f"width must be an int >= 0, got {width!r}")
+    if scheme == "exact":
+        return width * _itemsize(dtype)
+    if scheme in _CASTS:
+        return 2 * width
+    head = WIDE_HEADER_NBYTES if wide else HEADER_NBYTES
+    return head + packed_nbytes(width, _BITS[scheme])
+
+
+def row_nbytes_options(scheme: str, dtype: torch.dtype, width: int) -> tuple[int, ...]:
+    """The row sizes a stored table of this scheme, dtype and width may have."""
+    if scheme in _BITS:
+        return (row_nbytes(scheme, dtype, width), row_nbytes(scheme, dtype, width, wide=True))
+    return (row_nbytes(scheme, dtype, width),)
+
+
+def is_wide(scheme: str, dtype: torch.dtype, width: int, nbytes: int) -> bool:
+    """True when rows of ``nbytes`` bytes are wide intN rows."""
+    return scheme in _BITS and nbytes == row_nbytes(scheme, dtype, width, wide=True)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _check_rows(rows: torch.Tensor) -> None:
+    if not isinstance(rows, torch.Tensor):
+        raise TypeError(f"rows must be a torch.Tensor, got {type(rows).__name__}")
+    if rows.ndim != 2:
+        raise ValueError(f"rows must be 2-D [n, width], got shape {list(rows.shape)}")
+
+
+def encode_rows(
+    rows: torch.Tensor, scheme: str, *, search: str | None = None, wide: bool = False
+) -> torch.Tensor:
+    """[n, width] rows of the table's dtype -> uint8 [n, row_nbytes] on the same device.
+
+    `search` picks the intN range per row: "greedy" or "minmax"; by default greedy for
+    schemes of at most GREEDY_MAX_BITS bits, min/max for int8. `wide`: intN rows with fp32
+    scale/offset; without it a row that needs them raises NeedsWideQparams.
+    Lossy schemes reject non-finite values (ValueError naming the first bad row) and
+    finite values they cannot represent (RangeError).
+    For "exact" the result may be a view of `rows` (no copy): copy it before `rows` changes.
+    """
+    _check_rows(rows)
+    check_scheme(scheme, rows.dtype, table="<encode_rows>")
+    if search is not None and search not in SEARCHES:
+        raise ValueError(f"search must be one of {SEARCHES}, got {search!r}")
+    n, width = rows.shape
+    if scheme == "exact":
+        if width == 0:
+            return torch.empty((n, 0), dtype=torch.uint8, device=rows.device)
+        return rows.contiguous().view(torch.uint8).reshape(n, width * rows.element_size())
+    if scheme in _CASTS:
+        bad = first_nonfinite_row(rows)
+        if bad is not None:
+            raise _nonfinite_error(bad, scheme)
+        return _encode_cast(rows, scheme)
+    bits = _BITS[scheme]
+    if search is None:
+        search = "greedy" if bits <= GREEDY_MAX_BITS else "minmax"
+    return _encode_int(rows, bits, search, scheme, wide)
+
+
+def _encode_cast(rows: torch.Tensor, scheme: str) -> torch.Tensor:
+    n, width = rows.shape
+    out = torch.empty((n, width), dtype=_CASTS[scheme], device=rows.device)
+    budget = _CUDA_CHUNK_ELEMS if rows.device.type == "cuda" else _CPU_CHUNK_ELEMS
+    step = max(1, budget // max(1, width))
+    over = torch.zeros(n, dtype=torch.bool, device=rows.device)
+    for start in range(0, n if width else 0, step):  # chunked as _encode_int
+        part = out[start : start + step]
+        part.copy_(rows[start : start + step])
+        # The rows are finite (checked first), so inf here is a value the cast rounded
+        # beyond its range: refused, never clamped (issue 8).
+        over[start : start + step] = torch.isinf(part).any(dim=1)
+    if width and bool(over.any()):  # one device sync per call
+        raise RangeError(int(torch.nonzero(over)[0, 0]), scheme)
+    return out.view(torch.uint8).reshape(n, 2 * width)
+
+
+def _nonfinite_error(row: int, scheme: str) -> ValueError:
+    return ValueError(f"row {row} holds NaN or Inf, which scheme {scheme!r} cannot encode")
+
+
+def _encode_int(
+    rows: torch.Tensor, bits: int, search: str, scheme: str, wide: bool
+) -> torch.Tensor:
+    n, width = rows.shape
+    device = rows.device
+    head = WIDE_HEADER_NBYTES if wide else HEADER_NBYTES
+    out = torch.empty(
+        (n, row_nbytes(scheme, rows.dtype, width, wide=wide)), dtype=torch.uint8, device=device
+    )
+    if n == 0:
+        return out
+    # Row chunks keep every temporary cache-sized and reused: fresh full-size temporaries
+    # cost more in page first-touch than the arithmetic itself.
+    budget = _CUDA_CHUNK_ELEMS if device.type == "cuda" else _CPU_CHUNK_ELEMS
+    chunk = max(1, budget // max(1, width))
+    xbuf = torch.empty(min(chunk, n) * width, dtype=torch.float32, device=device)
+    finite = torch.empty(n, dtype=torch.bool, device=device)
+    fits = torch.ones(n, dtype=torch.bool, device=device)
+    # CPU greedy: all cores at once. Wide rows take the torch walk, whose losses use the
+    # fp32 qparams they will be stored with.
+    ranges = None if wide else choose_row_ranges(rows, bits, search=search)
+    for start in range(0, n, chunk):
+        part = rows[start : start + chunk]
+        m = part.shape[0]
+        x = xbuf[: m * width].view(m, width)
+        x.copy_(part)
+        if ranges is None:
+            lo, hi = choose_ranges(x, bits, search=search, dtype=rows.dtype, wide=wide)
+        else:
+            lo, hi = ranges[0][start : start + m], ranges[1][start : start + m]
+        dest = out[start : start + m]
+        if wide:
+            scale, offset = fp32_qparams(lo, hi, bits)
+            dest[:, 0:4] = scale.view(torch.uint8).view(m, 4)
+            dest[:, 4:8] = offset.view(torch.uint8).view(m, 4)
+        else:
+            fits[start : start + m] = fits_fp16(lo, hi)
+            scale, offset = fp16_qparams(lo, hi, bits)
+            dest[:, 0:2] = scale.to(torch.float16).view(torch.uint8).view(m, 2)
+            dest[:, 2:4] = offset.to(torch.float16).view(torch.uint8).view(m, 2)
+        # amin/amax propagate NaN and +-Inf, so the range says whether a row is finite;
+        # a wide row's scale is inf where its codes would decode beyond float32.
+        torch.logical_and(torch.isfinite(lo), torch.isfinite(hi), out=finite[start : start + m])
+        finite[start : start + m] &= torch.isfinite(scale[:, 0])
+        dest[:, head:] = pack_codes(quantize_codes(x, scale, offset, bits), bits)
+    if width and not bool(finite.all()):  # one device sync per call, not per chunk
+        bad = int(torch.nonzero(~finite)[0, 0])
+        if bool(torch.isfinite(rows[bad]).all()):  # finite, yet beyond float32 (float64)
+            raise RangeError(bad, scheme)
+        raise _nonfinite_error(bad, scheme)
+    if width and not bool(fits.all()):
+        raise NeedsWideQparams(int(torch.nonzero(~fits)[0, 0]))
+    return out
+
+
+def decode_rows(codes: torch.Tensor, scheme: str, dtype: torch.dtype, width: int) -> torch.Tensor:
+    """uint8 [n, row_nbytes(scheme, dtype, width)] -> [n, width] of `dtype` on codes.device
+    (intN rows narrow or wide, told apart by their size)."""
+    options = row_nbytes_options(scheme, dtype, width)
+    if not isinstance(codes, torch.Tensor) or codes.dtype != torch.uint8 or codes.ndim != 2:
+        raise ValueError("codes must be a 2-D uint8 tensor")
+    if codes.shape[1] not in options:
+        raise ValueError(
+            f"codes have {codes.shape[1]} bytes per row, scheme {scheme!r} with {width} "
+            f"{dtype} elements needs {' or '.join(map(str, options))}"
+        )
+    wide = is_wide(scheme, dtype, width, codes.shape[1])
+    n = codes.shape[0]
+    if scheme == "exact":
+        if width == 0:
+            return torch.empty((n, 0), dtype=dtype, device=codes.device)
+        return _dense(codes).view(dtype).reshape(n, width)
+    out = torch.empty((n, width), dtype=dtype, device=codes.device)
+    if n == 0 or width == 0:
+        return out
+    budget = _CUDA_CHUNK_ELEMS if codes.device.type == "cuda" else _CPU_CHUNK_ELEMS
+    step = max(1, budget // width)
+    for start in range(0, n, step):  # chunked for the same reason as encoding
+        _decode_into(codes[start : start + step], scheme, width, out[start : start + step], wide)
+    return out
+
+
+def _decode_into(
+    codes: torch.Tensor, scheme: str, width: int, out: torch.Tensor, wide: bool
+) -> None:
+    n = codes.shape[0]
+    if scheme in _CASTS:
+        out.copy_(_dense(codes).view(_CASTS[scheme]).view(n, width))
+        return
+    if wide:
+        params = _dense(codes[:, :WIDE_HEADER_NBYTES]).view(torch.float32)
+        head, limit = WIDE_HEADER_NBYTES, FP32_MAX
+    else:
+        params = _dense(codes[:, :HEADER_NBYTES]).view(torch.float16).to(torch.float32)
+        head, limit = HEADER_NBYTES, FP16_MAX
+    scale, offset = params[:, 0:1], params[:, 1:2]
+    q = unpack_codes(codes[:, head:], _BITS[scheme], width)
+    out.copy_(dequantize(q, scale, offset, limit=limit))
+
+
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """t itself if its bytes can be reinterpreted as a wider dtype, else a dense copy."""
+    if t.is_contiguous() and t.stride(0) == t.shape[1] and t.storage_offset() % 8 == 0:
+        return t
+    out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+    out.copy_(t)
+    return out
+
+
+def first_nonfinite_row(rows: torch.Tensor) -> int | None:
+    """Index of the first row (dim 0) holding NaN or +-Inf, or None; None for int/bool."""
+    if not isinstance(rows, torch.Tensor) or rows.ndim < 1:
+        raise ValueError("first_nonfinite_row needs a tensor with ndim >= 1")
+    if not rows.is_floating_point() or rows.numel() == 0:
+        return None
+    flat = rows.reshape(rows.shape[0], math.prod(rows.shape[1:]))
+    acc = torch.float64 if flat.dtype == torch.float64 else torch.float32
+    step = max(1, _SCAN_ELEMS // max(1, flat.shape[1]))
+    for start in range(0, flat.shape[0], step):
+        part = flat[start : start + step]
+        # A row sum is finite when every element is (NaN and Inf propagate); it can also
+        # overflow on finite rows, so only rows with a non-finite sum get the exact check.
+        suspects = torch.nonzero(~torch.isfinite(part.sum(dim=1, dtype=acc)))[:, 0]
+        if suspects.numel():
+            bad = ~torch.isfinite(part[suspects]).all(dim=1)
+            hits = suspects[bad]
+            if hits.numel():
+                return start + int(hits[0])
+    return None
+
+
+# Relative rounding slack of the float32 encode/decode arithmetic (a few ulps, see
+# docs/QUANTIZATION.md "Error bound") and the output rounding of each table dtype.
+_F32_SLACK = 2.0**-21
+_OUT_REL = {
+    torch.float32: 0.0,
+    torch.float64: 0.0,
+    torch.float16: 2.0**-11,
+    torch.bfloat16: 2.0**-8,
+}
+_OUT_ABS = {
+    torch.float32: 0.0,
+    torch.float64: 0.0,
+    torch.float16: 2.0**-25,
+    torch.bfloat16: 2.0**-134,
+}
+
+
+def max_abs_error(scheme: str, rows: torch.Tensor) -> torch.Tensor:
+    """Per-row float64 bound [n] on |decode(encode(rows, search="minmax")) - rows|.
+
+    Holds for finite rows (intN rows beyond +-FP16_MAX with the fp32 scale/offset of wide
+    rows; the fp16 cast refuses such rows).
+    intN: scale / 2 + slack * (|offset| + levels * scale) + output rounding of the dtype;
+    fp16/bf16: the half-ulp of the cast; exact: 0.
+    """
+    _check_rows(rows)
+    check_scheme(scheme, rows.dtype, table="<max_abs_error>")
+    n = rows.shape[0]
+    x = rows.to(torch.float64)
+    if scheme == "exact" or rows.shape[1] == 0:
+        return torch.zeros(n, dtype=torch.float64, device=rows.device)
+    amax = x.abs().amax(dim=1)
+    if scheme in _CASTS:
+        rel = 2.0**-11 if scheme == "fp16" else 2.0**-8
+        tiny = 2.0**-25 if scheme == "fp16" else 2.0**-134
+        return amax * rel + tiny + amax * _OUT_REL[rows.dtype] + _OUT_ABS[rows.dtype]
+    bits = _BITS[scheme]
+    levels = (1 << bits) - 1
+    lo, hi = rows.to(torch.float32).amin(dim=1), rows.to(torch.float32).amax(dim=1)
+    scale, offset = fp16_qparams(lo, hi, bits)
+    if not bool(fits_fp16(lo, hi).all()):  # such a table's rows are all wide
+        scale, offset = fp32_qparams(lo, hi, bits)
+    scale, offset = scale[:, 0].double(), offset[:, 0].double()
+    span = offset.abs() + levels * scale
+    return scale / 2 + span * (_F32_SLACK + _OUT_REL[rows.dtype]) + _OUT_ABS[rows.dtype]
+
+
+# "auto" policy (docs/QUANTIZATION.md, "The auto policy"): quantization error compounds
+# with every restore (each restore resumes training from the dequantized tables), so the
+# fewer restores a job expects, the fewer bits its checkpoints can afford. Calibrated by
+# benches/quality.py (docs/QUALITY.md): against Check-N-Run's 0.01% budget int4 was
+# indistinguishable from exact up to 5 restores and failed at 20; int8 held at 5; int2 and
+# int3 failed from 1 and 5 restores, so the policy never picks them.
+AUTO_INT4_MAX_RESTORES = 5.0
+AUTO_INT8_MAX_RESTORES = 10.0
+# Beyond AUTO_INT8_MAX_RESTORES: fp16 (at noise level after 20 restores in the same runs).
+
+
+def auto_scheme(expected_restores: float) -> str:
+    """The scheme the "auto" policy picks for a job expecting this many restores."""
+    if isinstance(expected_restores, bool) or not isinstance(expected_restores, (int, float)):
+        raise TypeError(f"expected_restores must be a number, got {expected_restores!r}")
+    if not expected_restores >= 0 or expected_restores == float("inf"):
+        raise ValueError(f"expected_restores must be finite and >= 0, got {expected_restores}")
+    if expected_restores <= AUTO_INT4_MAX_RESTORES:
+        return "int4"
+    if expected_restores <= AUTO_INT8_MAX_RESTORES:
+        return "int8"
+    return "fp16"

@@ -1,0 +1,1 @@
+"""The store: validation, the put plan, the commit, the restore, the public handle."""

@@ -1,0 +1,94 @@
+"""Lineage of a store: "latest" is the highest step, steps only grow, and going back to an
+older step is an explicit ``rollback`` (DESIGN.md, "Next"; docs/DECISIONS.md).
+
+Resuming from step 100 while steps up to 300 exist used to add step 150 below 300: reads
+of "latest" still saw 300 and ``gc(keep_last=2)`` dropped the new step. Now a put below the
+highest step is refused (StepOrderError), up front and again under the engine's writer
+lock at commit (another process may have committed a higher step meanwhile), and
+``rollback(100)`` deletes the later steps in one engine commit first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from cnrstore.core.validate import check_step
+from cnrstore.errors import InvalidType, StepNotFound, StepOrderError
+from cnrstore.format.manifest import list_steps, root_name
+from engine import ObjectStore
+
+__all__ = ["check_order", "commit_check", "rollback", "delete_steps"]
+
+
+def check_order(store, step: int) -> None:
+    """Refuse a put of ``step`` below the highest stored or pending step. Call with the
+    handle's lock held (pending puts are part of the order)."""
+    known = list_steps(store._objects)
+    highest = max([*known[-1:], *store._pending], default=None)
+    if highest is not None and step < highest:
+        raise StepOrderError(step, highest)
+
+
+def commit_check(objects: ObjectStore, step: int) -> Callable[[], None]:
+    """The same rule, for write_step to run once the writer lock is held."""
+
+    def check() -> None:
+        steps = list_steps(objects)
+        if steps and steps[-1] > step:
+            raise StepOrderError(step, steps[-1])
+
+    return check
+
+
+def _forget_bases(store) -> None:
+    # The handle's diff bases describe the rolled-back (or deleted) branch; the next put
+    # seeds from the newest stored step (seed_from_store) or a restore seeds it.
+    with store._lock:
+        store._states.clear()
+
+
+def rollback(store, step: int) -> list[int]:
+    """Delete every step after ``step`` in one engine commit; return them (ascending)."""
+    store._check_open()
+    check_step(step)
+    objects = store._objects
+
+    def job() -> list[int]:
+        with objects.writer(timeout=store._opt.lock_timeout) as w:
+            if objects.root(root_name(step)) is None:
+                raise StepNotFound(step)
+            later = [s for s in list_steps(objects) if s > step]
+            for s in later:
+                w.delete_root(root_name(s))
+        return later
+
+    with store._lock:
+        store._wait_step(step)
+        deleted = store._writer.run(job)  # after every put queued before it
+        if deleted:  # nothing deleted: the bases describe ``step`` or an older one
+            _forget_bases(store)
+    return deleted
+
+
+def delete_steps(store, steps: Iterable[int]) -> list[int]:
+    """Delete the named steps in one engine commit (all or none: StepNotFound if any is
+    missing). Returns them sorted. Their bytes are reclaimed by the next gc."""
+    store._check_open()
+    if isinstance(steps, (str, bytes)) or not isinstance(steps, Iterable):
+        raise InvalidType("steps must be an iterable of steps")
+    wanted = sorted({check_step(s) for s in steps})
+    objects = store._objects
+
+    def job() -> list[int]:
+        with objects.writer(timeout=store._opt.lock_timeout) as w:
+            for s in wanted:
+                if objects.root(root_name(s)) is None:
+                    raise StepNotFound(s)
+            for s in wanted:
+                w.delete_root(root_name(s))
+        return wanted
+
+    with store._lock:
+        for s in wanted:
+            store._wait_step(s)
+        return store._writer.run(job)

@@ -1,0 +1,207 @@
+"""Restore: walk a step's manifest, decode the needed blocks in parallel, reassemble tables.
+
+Each block is resolved (full block + its patches) and decoded independently, so blocks
+decode on a thread pool (zstd in the engine, numpy copies and torch decoding release the
+GIL). With ``rows=`` only the blocks overlapping the asked row range are read.
+"""
+
+from __future__ import annotations
+
+import operator
+from concurrent.futures import Executor
+
+import numpy as np
+import torch
+
+from cnrstore.codec.fingerprint import row_fingerprints
+from cnrstore.codec.quantize import decode_rows
+from cnrstore.core.tablestate import parse_dtype
+from cnrstore.errors import CheckpointError, InvalidInput, InvalidType, ManifestError
+from cnrstore.format.blocks import resolve
+from cnrstore.format.manifest import TableManifest
+from engine import ObjectStore, StoreError
+
+__all__ = ["check_slice", "row_range", "read_table", "read_codes", "read_into"]
+
+
+def row_range(sel: slice | None, rows: int) -> tuple[int, int, np.ndarray | None]:
+    """Rows ``[lo, hi)`` covering ``sel``, plus the indices within that range to keep
+    (None when the slice is contiguous)."""
+    if sel is None:
+        return 0, rows, None
+    start, stop, step = check_slice(sel, rows)
+    if step == 1:
+        return start, max(start, stop), None
+    idx = np.arange(start, stop, step, dtype=np.int64)
+    if len(idx) == 0:
+        return 0, 0, idx
+    lo, hi = int(idx.min()), int(idx.max()) + 1
+    return lo, hi, idx - lo
+
+
+def check_slice(sel, rows: int, *, name: str = "") -> tuple[int, int, int]:
+    """``sel.indices(rows)`` of a slice of ints with a non-zero step, else InvalidInput
+    (``slice.indices`` raises ValueError or TypeError of its own)."""
+    what = f"rows[{name!r}]" if name else "rows="
+    if not isinstance(sel, slice):
+        raise InvalidType(f"{what} must be a slice, got {type(sel).__name__}")
+    parts = []
+    for part in (sel.start, sel.stop, sel.step):
+        if part is not None:
+            try:  # ints and what stands for one (numpy ints); not floats, not bools
+                if isinstance(part, bool):
+                    raise TypeError
+                part = operator.index(part)
+            except TypeError:
+                raise InvalidType(
+                    f"{what}: slice bounds must be ints or None, got {sel!r}"
+                ) from None
+        parts.append(part)
+    if parts[2] == 0:
+        raise InvalidInput(f"{what}: slice step cannot be zero")
+    return slice(*parts).indices(rows)
+
+
+def _block_codes(
+    objects: ObjectStore, tm: TableManifest, i: int, out: np.ndarray | None = None
+) -> np.ndarray:
+    node = tm.node
+    oid = tm.block_ids[i]
+    codes = resolve(objects.get, oid, out=out)
+    start, stop = node.block_range(i)
+    if codes.shape != (stop - start, node.row_nbytes):
+        raise ManifestError(
+            f"table {node.name!r} block {i} holds {codes.shape} codes, expected "
+            f"{(stop - start, node.row_nbytes)}",
+            oid=oid,
+        )
+    return codes
+
+
+def read_codes(
+    objects: ObjectStore, tm: TableManifest, pool: Executor, *, damaged: set | None = None
+) -> np.ndarray:
+    """All encoded rows ``uint8[rows, row_nbytes]`` of a stored table (seeding a diff base).
+    With ``damaged`` (a set), blocks that cannot be read or decoded are added to it by
+    index, their rows left zero, instead of failing the whole read."""
+    node = tm.node
+    out = np.empty((node.rows, node.row_nbytes), dtype=np.uint8)
+
+    def one(i: int) -> None:
+        start, stop = node.block_range(i)
+        try:
+            out[start:stop] = _block_codes(objects, tm, i)
+        except (StoreError, CheckpointError):
+            if damaged is None:
+                raise
+            out[start:stop] = 0
+            damaged.add(i)
+
+    list(pool.map(one, range(node.nblocks)))
+    return out
+
+
+def read_table(
+    objects: ObjectStore,
+    tm: TableManifest,
+    pool: Executor,
+    *,
+    rows: slice | None = None,
+    keep_codes: bool = False,
+    fingerprints: bool = False,
+) -> tuple[torch.Tensor, np.ndarray | None, torch.Tensor | None]:
+    """Decode a stored table (or the rows ``rows`` of it) on the CPU. With ``keep_codes`` also
+    return the encoded rows of the range read (for seeding a lossy diff base); with
+    ``fingerprints`` the row fingerprints of the decoded rows (for seeding an exact one),
+    computed per block in the decode threads while the block is still in cache: a separate
+    pass over a restored table cost as much again as decoding it."""
+    node = tm.node
+    dtype = parse_dtype(node.dtype)
+    width = node.width
+    lo, hi, pick = row_range(rows, node.rows)
+    try:
+        out = torch.empty((hi - lo, width), dtype=dtype)
+        codes_out = np.empty((hi - lo, node.row_nbytes), dtype=np.uint8) if keep_codes else None
+    except (RuntimeError, MemoryError) as exc:
+        raise CheckpointError(
+            f"table {node.name!r}: cannot allocate {hi - lo} rows of {width} {node.dtype} "
+            f"to restore into: {exc}"
+        ) from None
+    fps = torch.empty(hi - lo, dtype=torch.int64) if fingerprints else None
+    first = lo // node.block_rows
+    last = -(-hi // node.block_rows) if hi > lo else first
+
+    # Exact rows are their own codes: whole blocks decode straight into the returned table.
+    direct = node.scheme == "exact" and width > 0
+
+    def one(i: int) -> None:
+        start, stop = node.block_range(i)
+        a, b = max(start, lo), min(stop, hi)
+        if direct and (a, b) == (start, stop):
+            dest = out[a - lo:b - lo].view(torch.uint8).numpy()
+            codes = _block_codes(objects, tm, i, out=dest)
+            part = codes
+        else:
+            codes = _block_codes(objects, tm, i)
+            part = codes[a - start:b - start]
+            if width and b > a:  # zero-width rows decode to nothing (and some codecs refuse)
+                out[a - lo:b - lo] = decode_rows(
+                    torch.from_numpy(part), node.scheme, dtype, width
+                )
+        if fps is not None and b > a:
+            row_fingerprints(out[a - lo:b - lo], out=fps[a - lo:b - lo])
+        if codes_out is not None:
+            codes_out[a - lo:b - lo] = part
+
+    list(pool.map(one, range(first, last)))
+    if pick is not None:
+        out = out[torch.from_numpy(pick)]
+    return out.reshape((out.shape[0], *node.shape[1:])), codes_out, fps
+
+
+def read_into(
+    objects: ObjectStore,
+    tm: TableManifest,
+    pool: Executor,
+    dest: torch.Tensor,
+    *,
+    fingerprints: bool = False,
+    keep_codes: bool = False,
+) -> tuple[np.ndarray | None, torch.Tensor | None]:
+    """Decode a whole stored table into ``dest`` (its shape and dtype, any device), block by
+    block: no table-sized buffer is allocated. A contiguous CPU ``dest`` of an exact table
+    receives the decoded bytes directly; otherwise each block is decoded into a block-sized
+    buffer and copied (to the device for CUDA). Returns (codes, fingerprints) like
+    ``read_table`` for seeding a diff base; the codes are table-sized, so a caller asks for
+    them only for lossy tables (they are smaller than the table)."""
+    node = tm.node
+    dtype = parse_dtype(node.dtype)
+    width = node.width
+    rows2d = dest.view(node.rows, width) if dest.is_contiguous() else None
+    direct = (node.scheme == "exact" and width > 0 and rows2d is not None
+              and dest.device.type == "cpu")
+    codes_out = np.empty((node.rows, node.row_nbytes), dtype=np.uint8) if keep_codes else None
+    fps = torch.empty(node.rows, dtype=torch.int64) if fingerprints else None
+
+    def one(i: int) -> None:
+        start, stop = node.block_range(i)
+        if direct:
+            part = rows2d[start:stop]
+            codes = _block_codes(objects, tm, i, out=part.view(torch.uint8).numpy())
+        else:
+            codes = _block_codes(objects, tm, i)
+            if width and stop > start:
+                part = decode_rows(torch.from_numpy(codes), node.scheme, dtype, width)
+            else:
+                part = torch.empty((stop - start, width), dtype=dtype)
+            if rows2d is not None:
+                rows2d[start:stop].copy_(part)
+            else:
+                dest[start:stop].copy_(part.view((stop - start, *node.shape[1:])))
+        if fps is not None and stop > start:
+            row_fingerprints(part, out=fps[start:stop])
+        if codes_out is not None:
+            codes_out[start:stop] = codes
+
+    list(pool.map(one, range(node.nblocks)))
+    return codes_out, fps

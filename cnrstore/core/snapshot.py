@@ -1,0 +1,338 @@
+"""The on-device part of a put: find changed rows, plan blocks, gather + encode, copy to host.
+
+This is the training stall of a put (DESIGN.md, "Data flow of a put", steps 1-2). It runs on
+the table's own device and changes nothing in the store or the handle: it returns a
+``TablePlan`` (host codes of exactly the rows to write, plus the block plan and the new
+diff base), which the background writer turns into objects. A plan raises before anything
+changes, so a refused put leaves the diff base as it was.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from cnrstore.codec.fingerprint import row_fingerprints
+from cnrstore.codec.quantize import (
+    NeedsWideQparams,
+    RangeError,
+    decode_rows,
+    encode_rows,
+    first_nonfinite_row,
+    is_wide,
+    row_nbytes,
+)
+from cnrstore.core.tablestate import BlockSlot, TableState
+from cnrstore.errors import NonFiniteValues, ValueOutOfRange
+from cnrstore.format.blocks import patch_nbytes
+
+__all__ = ["BlockWrite", "TablePlan", "HostBuffers", "plan_table", "FULL", "PATCH"]
+
+FULL = 0
+PATCH = 1
+
+
+@dataclass(frozen=True)
+class BlockWrite:
+    """One block to write: ``codes[start:stop]`` of the plan are its rows (all of them for a
+    full block; those listed in ``rows``, block-local, for a patch)."""
+
+    index: int
+    kind: int
+    start: int
+    stop: int
+    rows: np.ndarray | None     # block-local row indices of a patch
+
+
+@dataclass
+class TablePlan:
+    name: str
+    state: TableState           # the new diff base; the writer fills its new slots' ids
+    writes: list[BlockWrite]
+    codes: np.ndarray           # uint8[k, row_nbytes] on the host
+    rows_changed: int           # rows that differ from the diff base (all without one)
+    logical_bytes: int
+    base_slots: list | None = None  # the diff base's slots (patch bases), when compatible
+    release: object = None      # callable returning the host buffer to its pool
+    # Blocks whose stored base could not be read (written full, never deduplicated onto
+    # the damaged record), and how many blocks the writer wrote full for want of a base.
+    damaged_blocks: frozenset[int] = frozenset()
+    rewritten_blocks: int = 0
+    # Codes of every row, kept when the diff base may vanish before the write (its anchor
+    # step is not the newest, so another process's gc may drop it): blocks whose base or
+    # reused id is gone under the writer lock are then written full from these.
+    full_codes: np.ndarray | None = None
+
+
+class HostBuffers:
+    """A small pool of host buffers reused across puts: these VMs first-touch fresh memory
+    at well under 1 GB/s, so a fresh staging buffer per put would cost more than the copy.
+    Buffers for CUDA tables are pinned, so the device-to-host copy runs at full speed.
+    At most ``keep`` buffers of together at most ``max_bytes`` are kept; larger ones (a
+    first put of a huge table) are freed rather than pinned in memory for good."""
+
+    def __init__(self, *, keep: int = 4, max_bytes: int = 2 << 30):
+        self._free: list[torch.Tensor] = []
+        self._keep = keep
+        self._max_bytes = max_bytes
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int, *, pinned: bool) -> torch.Tensor:
+        with self._lock:
+            fits = [
+                (b.numel(), i) for i, b in enumerate(self._free)
+                if b.numel() >= nbytes and b.is_pinned() == pinned
+            ]
+            if fits:
+                return self._free.pop(min(fits)[1])
+        return torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=pinned)
+
+    def give(self, buf: torch.Tensor) -> None:
+        with self._lock:
+            self._free.append(buf)
+            while self._free and (
+                len(self._free) > self._keep
+                or sum(b.numel() for b in self._free) > self._max_bytes
+            ):
+                # Drop the largest when over the byte budget, else the smallest.
+                sizes = [b.numel() for b in self._free]
+                over = sum(sizes) > self._max_bytes
+                pick = max if over else min
+                self._free.pop(pick(range(len(sizes)), key=sizes.__getitem__))
+
+    def held_bytes(self) -> int:
+        with self._lock:
+            return sum(b.numel() for b in self._free)
+
+
+def _as_rows(table: torch.Tensor) -> torch.Tensor:
+    """The table as [rows, width] (a 1-D table has width 1)."""
+    return table.detach().reshape(table.shape[0], math.prod(table.shape[1:]))
+
+
+def _changed_old_rows(
+    name: str, x: torch.Tensor, fp: torch.Tensor, base: TableState, common: int, scheme: str,
+    wide: bool,
+) -> np.ndarray:
+    """Ascending ids of rows < common that differ from the diff base."""
+    if base.fingerprints is not None:
+        mask = fp[:common] != base.fingerprints[:common].to(fp.device)
+    else:  # seeded from stored codes: compare codes row by row
+        if scheme != "exact" and common:
+            bad = first_nonfinite_row(x[:common])
+            if bad is not None:
+                raise NonFiniteValues(name, bad, scheme)
+        codes = _encode(name, x[:common], scheme, wide, None)
+        seed = base.seed_codes[:common].to(codes.device)
+        if codes.shape[1]:
+            mask = (codes != seed).any(dim=1)
+        else:
+            mask = torch.zeros(common, dtype=torch.bool, device=fp.device)
+        if scheme != "exact":
+            _keep_restored_rows(mask, x, fp, seed, scheme)
+    return torch.nonzero(mask).flatten().cpu().numpy()
+
+
+def _keep_restored_rows(
+    mask: torch.Tensor, x: torch.Tensor, fp: torch.Tensor, seed: torch.Tensor, scheme: str
+) -> None:
+    """Clear ``mask`` for rows that still hold exactly what their seed codes decode to: a
+    job resumed from restored values has not changed them, even where re-encoding those
+    values gives other codes (fp16/bf16 tables under intN), and rewriting them would both
+    cost bytes and re-quantize values already quantized."""
+    cand = torch.nonzero(mask).flatten()
+    if not len(cand) or not x.shape[1]:
+        return
+    decoded = decode_rows(seed[cand.to(seed.device)], scheme, x.dtype, x.shape[1])
+    same = row_fingerprints(decoded.to(fp.device)) == fp[cand.to(fp.device)]
+    mask[cand[same.to(cand.device)]] = False
+
+
+def _encode(name: str, rows: torch.Tensor, scheme: str, wide: bool, idx) -> torch.Tensor:
+    """encode_rows, with a row the scheme cannot represent refused as ValueOutOfRange
+    (``idx`` maps the rows' positions to table rows; None: the same)."""
+    try:
+        return encode_rows(rows, scheme, wide=wide)
+    except RangeError as exc:
+        raise ValueOutOfRange(name, exc.row if idx is None else int(idx[exc.row]), scheme
+                              ) from None
+
+
+def plan_table(name: str, table: torch.Tensor, *, scheme: str, base: TableState | None,
+               **kwargs) -> TablePlan:
+    """Plan the put of one table against its diff base (None: all blocks full).
+    ``keep_full``: also keep every row's codes (TablePlan.full_codes).
+
+    intN tables are encoded with fp16 scale/offset until a row needs fp32 ones (values
+    beyond +-65504, docs/QUANTIZATION.md "Wide rows"); then the whole table is re-encoded
+    wide, and stays wide while its diff base is."""
+    width = math.prod(table.shape[1:])
+    wide = (
+        base is not None and base.scheme == scheme and base.dtype == table.dtype
+        and is_wide(scheme, table.dtype, width, base.row_nbytes)
+    )
+    try:
+        return _plan_table(name, table, scheme=scheme, base=base, wide=wide, **kwargs)
+    except NeedsWideQparams:
+        return _plan_table(name, table, scheme=scheme, base=base, wide=True, **kwargs)
+
+
+def _plan_table(
+    name: str,
+    table: torch.Tensor,
+    *,
+    scheme: str,
+    base: TableState | None,
+    wide: bool,
+    block_rows: int,
+    fanout: int,
+    max_chain: int,
+    touched: torch.Tensor | None = None,
+    buffers: HostBuffers | None = None,
+    keep_full: bool = False,
+) -> TablePlan:
+    x = _as_rows(table)
+    rows, width = x.shape
+    rnb = row_nbytes(scheme, table.dtype, width, wide=wide)
+    compatible = (
+        base is not None
+        and base.has_diff()
+        and base.compatible(tuple(table.shape), table.dtype, scheme, block_rows, fanout)
+        and base.row_nbytes == rnb
+    )
+    common = min(rows, base.rows) if compatible else 0
+
+    if compatible and touched is not None and base.fingerprints is not None:
+        # The caller tracked the touched rows: hash only those (and any new rows).
+        t = touched[touched < common]
+        fp = torch.empty(rows, dtype=torch.int64, device=x.device)
+        fp[:common] = base.fingerprints[:common].to(x.device)
+        if t.numel():
+            fp[t] = row_fingerprints(x[t])
+        if rows > common:
+            fp[common:] = row_fingerprints(x[common:])
+        changed = torch.unique(t).cpu().numpy()
+    else:
+        fp = row_fingerprints(x)
+        changed = (
+            _changed_old_rows(name, x, fp, base, common, scheme, wide) if compatible
+            else np.zeros(0, dtype=np.int64)
+        )
+
+    nblocks = -(-rows // block_rows)
+    counts = np.bincount(changed // block_rows, minlength=nblocks) if len(changed) else None
+    slots: list[BlockSlot | None] = []
+    kinds: list[tuple[int, int]] = []      # (block index, FULL/PATCH) of blocks to write
+    for i in range(nblocks):
+        start = i * block_rows
+        nr = min(start + block_rows, rows) - start
+        old = base.slots[i] if compatible and i < len(base.slots) else None
+        if old is not None and old.nrows == nr:
+            k = int(counts[i]) if counts is not None else 0
+            if k == 0:
+                slots.append(old)
+                continue
+            pbytes = patch_nbytes(nr, k, rnb)
+            if old.depth < max_chain and old.chain_bytes + pbytes <= nr * rnb:
+                slots.append(BlockSlot(nr, old.depth + 1, old.chain_bytes + pbytes))
+                kinds.append((i, PATCH))
+                continue
+        slots.append(BlockSlot(nr))
+        kinds.append((i, FULL))
+
+    # Rows to encode, ascending: every row of full blocks, the changed rows of patches.
+    writes: list[BlockWrite] = []
+    parts = []
+    pos = 0
+    for i, kind in kinds:
+        start = i * block_rows
+        if kind == FULL:
+            n = slots[i].nrows
+            parts.append((start, start + n))
+            writes.append(BlockWrite(i, kind, pos, pos + n, None))
+        else:
+            lo, hi = np.searchsorted(changed, [start, start + block_rows])
+            part = changed[lo:hi]
+            parts.append(part)
+            writes.append(BlockWrite(i, kind, pos, pos + len(part), part - start))
+        pos += writes[-1].stop - writes[-1].start
+    # A table written whole (first put, new encoding) is encoded without an index array:
+    # an arange over 10^9 rows would cost 8 GB.
+    idx = None if pos == rows else np.concatenate(
+        [np.arange(*p, dtype=np.int64) if isinstance(p, tuple) else p for p in parts]
+        or [np.zeros(0, dtype=np.int64)]
+    )
+
+    codes, release = _gather_encode(name, x, idx, scheme, rnb, buffers, wide)
+    state = TableState(
+        shape=tuple(table.shape),
+        dtype=table.dtype,
+        scheme=scheme,
+        block_rows=block_rows,
+        fanout=fanout,
+        row_nbytes=rnb,
+        slots=slots,
+        fingerprints=fp,
+        segments=list(base.segments) if compatible else [],
+    )
+    logical = table.numel() * table.element_size()
+    base_slots = base.slots if compatible else None
+    nchanged = len(changed) + rows - common if compatible else rows
+    plan = TablePlan(name, state, writes, codes, nchanged, logical, base_slots, release)
+    if keep_full and compatible and rows:
+        if idx is None:
+            plan.full_codes = codes
+        else:
+            plan.full_codes, _ = _gather_encode(name, x, None, scheme, rnb, None, wide)
+    if compatible and base.damaged_blocks:
+        plan.damaged_blocks = frozenset(i for i in base.damaged_blocks if i < nblocks)
+    return plan
+
+
+def _gather_encode(
+    name: str,
+    x: torch.Tensor,
+    idx: np.ndarray | None,
+    scheme: str,
+    rnb: int,
+    buffers: HostBuffers | None,
+    wide: bool = False,
+) -> tuple[np.ndarray, object]:
+    """Gather rows ``idx`` (None: all) of ``x`` on its device, encode them, and copy the codes
+    to host memory that nothing else references (the caller may mutate ``x`` right after)."""
+    whole = idx is None
+    n = len(x) if whole else len(idx)
+    idx_t = None if whole else torch.from_numpy(idx).to(x.device)
+    nbytes = n * rnb
+    if nbytes == 0:  # no rows to write, or zero-width rows: nothing to encode
+        return np.zeros((n, rnb), dtype=np.uint8), None
+    if scheme == "exact" and not x.is_cuda and buffers is not None and nbytes:
+        # Exact codes are the raw row bytes: gather straight into a reused host buffer.
+        buf = buffers.take(nbytes, pinned=False)
+        dst = buf[:nbytes].view(x.dtype).view(n, x.shape[1])
+        if whole:
+            dst.copy_(x)
+        else:
+            torch.index_select(x, 0, idx_t, out=dst)
+        return buf[:nbytes].numpy().reshape(n, rnb), lambda: buffers.give(buf)
+    sel = x if whole else x.index_select(0, idx_t)
+    if scheme != "exact" and n:
+        bad = first_nonfinite_row(sel)
+        if bad is not None:
+            raise NonFiniteValues(name, bad if whole else int(idx[bad]), scheme)
+    codes = _encode(name, sel, scheme, wide, None if whole else idx)
+    if not codes.is_cuda or buffers is None or nbytes == 0:
+        # Codes may alias the table (exact bytes, or a cast to the table's own dtype): copy
+        # those, so the caller may modify the table as soon as the put returns.
+        alias = codes.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+        host = codes.to("cpu", copy=True) if (alias or codes.is_cuda) else codes
+        return host.numpy().reshape(n, rnb), None
+    buf = buffers.take(nbytes, pinned=True)
+    host = buf[:nbytes].view(n, rnb)
+    host.copy_(codes, non_blocking=True)
+    torch.cuda.current_stream(codes.device).synchronize()
+    return host.numpy(), lambda: buffers.give(buf)

@@ -1,0 +1,217 @@
+"""Whole training state: flatten a nesting of dicts/lists/tuples into tables plus a
+structure document, and build the nesting back (docs/MANIFEST.md, "State").
+
+A state is any nesting of dicts (str or int keys), lists and tuples. Tensor leaves become
+tables named by their path joined with "/" (``model/emb.weight``, ``optim/state/0/sum``);
+a 0-dim tensor is stored as a 1-row table and its shape kept in the structure. Python
+leaves (None, bool, int, float, str, bytes) are kept in the structure itself, which goes
+into the step node, so they come back with the key types, container types and dict order
+they went in with -- what ``load_state_dict`` of torch modules and optimizers needs.
+
+Structure document (msgpack, one map per node):
+
+    {"d": [[key, node], ...]}   dict, in order; key an int or a str
+    {"l": [node, ...]}          list
+    {"t": [node, ...]}          tuple
+    {"T": name, "shape": [...]} tensor leaf: table ``name``, original shape
+    {"p": value}                Python leaf
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Mapping
+
+import msgpack
+import torch
+
+from cnrstore.errors import InvalidInput, InvalidType, ManifestError
+
+__all__ = ["FlatState", "flatten", "unflatten", "fill", "check_structure", "python_values"]
+
+_SCALARS = (type(None), bool, int, float, str, bytes)
+SEP = "/"
+MAX_DEPTH = 64
+
+
+class FlatState:
+    """A flattened state: ``tables`` (name -> tensor of ndim >= 1, views of the leaves),
+    ``shapes`` (name -> the leaf's own shape) and ``doc``, the structure document."""
+
+    __slots__ = ("tables", "shapes", "doc")
+
+    def __init__(self, tables: dict, shapes: dict, doc: dict):
+        self.tables = tables
+        self.shapes = shapes
+        self.doc = doc
+
+
+def _key_text(key, path: str) -> str:
+    if isinstance(key, bool) or not isinstance(key, (str, int)):
+        raise InvalidType(
+            f"state key {key!r} at {path or '<root>'!r} is a {type(key).__name__}; "
+            "keys must be str or int"
+        )
+    text = str(key)
+    if isinstance(key, str):
+        if not key:
+            raise InvalidInput(f"state key at {path or '<root>'!r} is an empty string")
+        if SEP in key:
+            raise InvalidInput(
+                f"state key {key!r} at {path or '<root>'!r} contains {SEP!r}, which "
+                "joins the path of a table name; rename the key"
+            )
+    return text
+
+
+def flatten(state) -> FlatState:
+    """Split ``state`` into tables and a structure document. Raises InvalidInput or
+    InvalidType (naming the path) before anything is written."""
+    if not isinstance(state, (Mapping, list, tuple)):
+        raise InvalidType(f"state must be a dict, list or tuple, got {type(state).__name__}")
+    tables: dict[str, torch.Tensor] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+
+    def walk(value, path: str, depth: int):
+        if depth > MAX_DEPTH:
+            raise InvalidInput(f"state nests deeper than {MAX_DEPTH} at {path!r} (a cycle?)")
+        if isinstance(value, torch.Tensor):
+            if not path:
+                raise InvalidType("state must be a dict, list or tuple, not a tensor")
+            if path in tables:
+                raise InvalidInput(f"two state entries map to the table name {path!r} "
+                                   "(an int key and a str key of the same text?)")
+            tables[path] = value.detach().reshape(1) if value.ndim == 0 else value.detach()
+            shapes[path] = tuple(value.shape)
+            return {"T": path, "shape": list(value.shape)}
+        if isinstance(value, Mapping):
+            items = []
+            for key, child in value.items():
+                text = _key_text(key, path)
+                items.append([key, walk(child, f"{path}{SEP}{text}" if path else text,
+                                        depth + 1)])
+            return {"d": items}
+        if isinstance(value, (list, tuple)):
+            kind = "t" if isinstance(value, tuple) else "l"
+            return {kind: [walk(child, f"{path}{SEP}{i}" if path else str(i), depth + 1)
+                           for i, child in enumerate(value)]}
+        if isinstance(value, _SCALARS):
+            if isinstance(value, int) and not isinstance(value, bool) and not (
+                -(1 << 63) <= value < (1 << 64)
+            ):
+                raise InvalidInput(f"state value at {path!r} is an int beyond 64 bits")
+            return {"p": value}
+        raise InvalidType(
+            f"state value at {path!r} is a {type(value).__name__}; leaves must be tensors "
+            "or None/bool/int/float/str/bytes"
+        )
+
+    doc = walk(state, "", 0)
+    try:
+        msgpack.packb(doc, use_bin_type=True)
+    except (TypeError, ValueError, OverflowError) as exc:  # pragma: no cover - checked above
+        raise InvalidInput(f"state is not msgpack-serializable: {exc}") from exc
+    return FlatState(tables, shapes, doc)
+
+
+def check_structure(doc) -> dict[str, tuple[int, ...]]:
+    """Tensor leaves of a stored structure document: table name -> original shape.
+    Raises ManifestError when the document is malformed."""
+    out: dict[str, tuple[int, ...]] = {}
+
+    def walk(node, depth: int) -> None:
+        if depth > MAX_DEPTH or not isinstance(node, dict) or len(node) not in (1, 2):
+            raise ManifestError("malformed state structure node")
+        if "T" in node:
+            shape = node.get("shape")
+            if (not isinstance(node["T"], str) or not isinstance(shape, list)
+                    or not all(isinstance(d, int) and d >= 0 for d in shape)):
+                raise ManifestError("malformed state tensor leaf")
+            out[node["T"]] = tuple(shape)
+        elif "p" in node:
+            pass
+        elif "d" in node:
+            for item in node["d"]:
+                if not isinstance(item, list) or len(item) != 2 or isinstance(item[0], bool) \
+                        or not isinstance(item[0], (str, int)):
+                    raise ManifestError("malformed state dict entry")
+                walk(item[1], depth + 1)
+        elif "l" in node or "t" in node:
+            children = node.get("l", node.get("t"))
+            if not isinstance(children, list):
+                raise ManifestError("malformed state sequence")
+            for child in children:
+                walk(child, depth + 1)
+        else:
+            raise ManifestError(f"unknown state structure node {sorted(node)}")
+
+    walk(doc, 0)
+    return out
+
+
+def unflatten(doc: dict, tensor: Callable[[str, tuple[int, ...]], torch.Tensor]):
+    """Build the nesting of ``doc``; ``tensor(name, shape)`` supplies each tensor leaf."""
+
+    def build(node):
+        if "T" in node:
+            return tensor(node["T"], tuple(node["shape"]))
+        if "p" in node:
+            return node["p"]
+        if "d" in node:
+            return {key: build(child) for key, child in node["d"]}
+        if "l" in node:
+            return [build(child) for child in node["l"]]
+        return tuple(build(child) for child in node["t"])
+
+    return build(doc)
+
+
+def fill(given, doc: dict, *, strict: bool, path: str = ""):
+    """``given`` with its Python leaves replaced by the stored ones of ``doc`` (tensors are
+    kept: the caller restored them in place). Containers are rebuilt with the given types;
+    entries ``doc`` lacks are kept as they are (strict checking happens before)."""
+    if isinstance(given, torch.Tensor):
+        return given
+    if isinstance(given, Mapping) and "d" in doc:
+        stored = {key: child for key, child in doc["d"]}
+        out = copy.copy(given)  # keeps the mapping's type and attributes (state_dict metadata)
+        for key, child in given.items():
+            text = _key_text(key, path)
+            sub = f"{path}{SEP}{text}" if path else text
+            if key in stored:
+                out[key] = fill(child, stored[key], strict=strict, path=sub)
+            elif strict:
+                raise InvalidInput(f"state entry {sub!r} is not in the stored state")
+        return out
+    if isinstance(given, (list, tuple)) and ("l" in doc or "t" in doc):
+        stored = doc.get("l", doc.get("t"))
+        if strict and len(given) > len(stored):
+            raise InvalidInput(f"state entry {path!r} has {len(given)} items, the stored "
+                               f"state {len(stored)}")
+        items = [fill(c, stored[i], strict=strict, path=f"{path}{SEP}{i}" if path else str(i))
+                 if i < len(stored) else c for i, c in enumerate(given)]
+        return tuple(items) if isinstance(given, tuple) else items
+    if "p" in doc:
+        return doc["p"]
+    if strict:
+        raise InvalidInput(f"state entry {path!r} does not match the stored structure")
+    return given
+
+
+def python_values(doc: dict) -> dict[str, object]:
+    """The Python leaves of a structure document by "/"-joined path (for ``cnrstore show``);
+    tuples and lists of them come back as lists."""
+    out: dict[str, object] = {}
+
+    def walk(node, path: str) -> None:
+        if "p" in node:
+            out[path] = node["p"]
+        elif "d" in node:
+            for key, child in node["d"]:
+                walk(child, f"{path}{SEP}{key}" if path else str(key))
+        elif "l" in node or "t" in node:
+            for i, child in enumerate(node.get("l", node.get("t"))):
+                walk(child, f"{path}{SEP}{i}" if path else str(i))
+
+    walk(doc, "")
+    return out

@@ -1,0 +1,137 @@
+"""Whole training state and in-place restore on a store handle: put_state, get_state,
+load_state and ``get_tables(out=...)`` (DESIGN.md, "Next"; cnrstore/core/state.py says how a
+state is split into tables and a structure).
+
+Functions take the store handle, like maintenance.py. Restores into existing tensors decode
+block by block into the destination rows (restore.read_into), so no second copy of a table
+is ever allocated, and every destination's shape and dtype is checked before the first
+byte is written.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import torch
+
+from cnrstore.core import maintenance
+from cnrstore.core.restore import read_into
+from cnrstore.core.state import check_structure, fill, flatten, unflatten
+from cnrstore.core.tablestate import parse_dtype
+from cnrstore.errors import InvalidInput, InvalidType, ManifestError, TableNotFound
+from cnrstore.format.manifest import load_manifest, load_step, root_name
+
+__all__ = ["put_state", "get_state", "load_state", "get_into"]
+
+
+def put_state(store, step, state, *, quant, metadata, blocking, touched):
+    flat = flatten(state)
+    if quant is None:
+        quant = "exact"
+    elif isinstance(quant, str) and quant != "exact":
+        # A state mixes float weights with int tensors (RNG state, BatchNorm counters):
+        # one scheme for "everything" means every float tensor of ndim >= 2.
+        quant = {"*": quant}
+    return store._put(step, flat.tables, quant=quant,
+                      metadata=metadata, blocking=blocking, touched=touched, state=flat.doc)
+
+
+def _stored(store, step) -> tuple[int, object, dict[str, tuple[int, ...]]]:
+    """(step, step node, table name -> shape as put) of a step."""
+    step = maintenance._resolve_step(store, step)
+    _, node = load_step(store._objects, step)
+    if node.state is None:
+        return step, node, {}
+    shapes = check_structure(node.state)
+    if set(shapes) != set(node.tables):
+        raise ManifestError(f"step {step}: the state structure and the tables disagree")
+    return step, node, shapes
+
+
+def get_state(store, step, *, device):
+    store._check_open()
+    if step is None:
+        return maintenance.latest(store, None, lambda s: get_state(store, s, device=device))
+    step, node, shapes = _stored(store, step)
+    tables = maintenance.get_tables(store, step, names=None, rows=None, device=device)
+    if node.state is None:  # a put_tables step: its tables are its state
+        return tables
+
+    def leaf(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        t = tables[name]
+        if t.numel() != math.prod(shape):
+            raise ManifestError(f"step {step}: table {name!r} holds {tuple(t.shape)}, its "
+                                f"state leaf says {shape}")
+        return t.reshape(shape)
+
+    return unflatten(node.state, leaf)
+
+
+def load_state(store, step, state, *, strict: bool):
+    store._check_open()
+    if step is None:
+        return maintenance.latest(store, None,
+                                  lambda s: load_state(store, s, state, strict=strict))
+    flat = flatten(state)
+    step, node, shapes = _stored(store, step)
+    present = set(node.tables)
+    missing = [n for n in flat.tables if n not in present]
+    if missing and strict:  # the first one; strict=False skips them all
+        raise TableNotFound(missing[0], step)
+    for name in flat.tables:
+        if name in shapes and shapes[name] != flat.shapes[name]:
+            raise InvalidInput(f"state entry {name!r} has shape {flat.shapes[name]}, step "
+                               f"{step} holds {shapes[name]}; nothing was written")
+    if node.state is not None:
+        result = fill(state, node.state, strict=strict)
+    elif strict and _has_python_leaves(flat.doc):
+        raise InvalidInput(f"step {step} was put with put_tables and holds no Python values; "
+                           "pass only tensors or strict=False")
+    else:
+        result = state
+    get_into(store, step, {n: t for n, t in flat.tables.items() if n in present})
+    return result
+
+
+def _has_python_leaves(doc) -> bool:
+    if "p" in doc:
+        return True
+    children = [c for _, c in doc["d"]] if "d" in doc else doc.get("l", doc.get("t", []))
+    return any(_has_python_leaves(c) for c in children)
+
+
+def get_into(store, step, out: Mapping, *, names=None, rows=None) -> dict:
+    """Decode the tables of ``step`` named by ``out`` into ``out``'s tensors; return them."""
+    store._check_open()
+    if names is not None or rows is not None:
+        raise InvalidInput("get_tables: out= names the tables; not with names= or rows=")
+    if step is None:
+        return maintenance.latest(store, None, lambda s: get_into(store, s, out))
+    if not isinstance(out, Mapping):
+        raise InvalidType("out must be a mapping table name -> tensor")
+    for name, t in out.items():
+        if not isinstance(t, torch.Tensor):
+            raise InvalidType(f"out[{name!r}] must be a torch.Tensor, got {type(t).__name__}")
+        if t.is_sparse or t.is_quantized or t.layout != torch.strided:
+            raise InvalidInput(f"out[{name!r}] must be a dense strided tensor")
+    step = maintenance._resolve_step(store, step)
+    manifest = load_manifest(store._objects, step, names=list(out))
+    for name, tm in manifest.tables.items():
+        t, node = out[name], tm.node
+        if tuple(t.shape) != node.shape or t.dtype != parse_dtype(node.dtype):
+            raise InvalidInput(
+                f"out[{name!r}] is {tuple(t.shape)} {t.dtype}; step {step} holds "
+                f"{node.shape} {node.dtype}; nothing was written"
+            )
+    anchor = (root_name(step), manifest.oid)
+    for name, tm in manifest.tables.items():
+        with store._lock:
+            seed = name not in store._states and not store._closed
+        lossy = tm.node.scheme != "exact"
+        # detach: restoring into a parameter is not an autograd operation
+        codes, fps = read_into(store._objects, tm, store._pool, out[name].detach(),
+                               fingerprints=seed and not lossy, keep_codes=seed and lossy)
+        if seed:
+            maintenance._seed(store, name, tm, fps, codes, anchor)
+    return dict(out)

@@ -1,0 +1,121 @@
+"""Up-front validation of put arguments: everything a put can refuse is refused here, before
+any fingerprint is computed or any byte written (DESIGN.md, "Bad input gets a clear error").
+NaN/Inf under lossy schemes is checked where the rows are gathered (snapshot.py), still
+before anything changes."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import msgpack
+import torch
+
+from cnrstore.core.quantspec import resolve_quant  # noqa: F401 - re-exported: patterns live there
+from cnrstore.errors import InvalidInput, InvalidType
+from cnrstore.format.manifest import DTYPES, dtype_name
+
+__all__ = [
+    "check_step", "check_name", "check_device", "check_tables", "resolve_quant",
+    "pack_metadata", "check_touched",
+]
+
+
+def check_step(step) -> int:
+    if not isinstance(step, int) or isinstance(step, bool):
+        raise InvalidType(f"step must be an int, got {type(step).__name__}")
+    if step < 0:
+        raise InvalidInput(f"step must be >= 0, got {step}")
+    if step >= MAX_STEP:
+        # The step node stores it as a msgpack uint64: a larger step failed only in the
+        # background writer (OverflowError), after the put had returned.
+        raise InvalidInput(f"step must be < 2**64, got {step}")
+    return step
+
+
+MAX_STEP = 1 << 64
+
+
+def check_name(what: str, name) -> str:
+    """A non-empty str that encodes as UTF-8 (manifest nodes store names as msgpack str;
+    a lone surrogate failed only in the background writer)."""
+    if not isinstance(name, str) or not name:
+        raise InvalidInput(f"{what}s must be non-empty strings, got {name!r}")
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidInput(f"{what} {name!r} is not valid UTF-8 (lone surrogate?): {exc}") from None
+    return name
+
+
+def check_tables(tables) -> None:
+    if not isinstance(tables, Mapping):
+        raise InvalidType(f"tables must be a mapping name -> tensor, got {type(tables).__name__}")
+    for name, value in tables.items():
+        check_name("table name", name)
+        if not isinstance(value, torch.Tensor):
+            raise InvalidType(f"table {name!r} must be a torch.Tensor, got {type(value).__name__}")
+        if value.ndim < 1:
+            raise InvalidInput(f"table {name!r} has ndim 0; a table needs rows (ndim >= 1)")
+        if dtype_name(value.dtype) not in DTYPES:
+            raise InvalidInput(f"table {name!r}: dtype {value.dtype} cannot be stored")
+        if value.is_meta:
+            raise InvalidInput(f"table {name!r} is a meta tensor: it holds no data to store")
+        if value.is_sparse or value.is_quantized or value.is_complex():
+            raise InvalidInput(f"table {name!r}: sparse, quantized or complex tensors unsupported")
+
+
+def pack_metadata(metadata) -> dict:
+    """The user metadata as stored (a msgpack map), checked to round-trip now."""
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, Mapping):
+        raise InvalidType(f"metadata must be a mapping, got {type(metadata).__name__}")
+    doc = dict(metadata)
+    try:
+        msgpack.packb(doc, use_bin_type=True)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise InvalidInput(f"metadata is not msgpack-serializable: {exc}") from exc
+    return doc
+
+
+def check_touched(touched, tables: Mapping) -> dict[str, torch.Tensor]:
+    """Touched row ids per table as int64 tensors on each table's device."""
+    if touched is None:
+        return {}
+    if not isinstance(touched, Mapping):
+        raise InvalidType(f"touched must be a mapping name -> row ids, got {type(touched)}")
+    out = {}
+    for name, ids in touched.items():
+        if name not in tables:
+            raise InvalidInput(f"touched names table {name!r} that is not in this put")
+        table = tables[name]
+        try:
+            t = torch.as_tensor(ids, device=table.device)
+        except (TypeError, ValueError, RuntimeError) as exc:
+            raise InvalidType(f"touched[{name!r}] is not a sequence of row ids: {exc}") from exc
+        if t.ndim == 1 and t.numel() == 0:
+            t = t.to(torch.int64)
+        if t.ndim != 1 or t.dtype.is_floating_point or t.dtype == torch.bool:
+            raise InvalidType(f"touched[{name!r}] must be a 1-D integer sequence of row ids")
+        t = t.to(torch.int64)
+        if t.numel() and (int(t.min()) < 0 or int(t.max()) >= table.shape[0]):
+            raise InvalidInput(f"touched[{name!r}] has row ids outside 0..{table.shape[0] - 1}")
+        out[name] = t
+    return out
+
+
+def check_device(device) -> torch.device:
+    """A device tables can be restored to, checked before anything is read: torch itself
+    reports an unusable one late, as AssertionError ("not compiled with CUDA") or
+    RuntimeError, and a meta tensor would hold no data."""
+    try:
+        dev = torch.device(device)
+    except (TypeError, RuntimeError, ValueError) as exc:
+        raise InvalidInput(f"bad device {device!r}: {exc}") from exc
+    if dev.type == "meta":
+        raise InvalidInput("device 'meta' holds no data: restore to a real device")
+    try:
+        torch.empty(0, device=dev)
+    except (AssertionError, RuntimeError, ValueError, TypeError) as exc:
+        raise InvalidInput(f"device {str(dev)!r} is not usable here: {exc}") from exc
+    return dev

@@ -1,0 +1,1 @@
+"""The demo application: a DLRM trained with checkpoints, killed and resumed."""

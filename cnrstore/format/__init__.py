@@ -1,0 +1,1 @@
+"""What the checkpoint layer stores in the engine: block payloads, manifest nodes."""

@@ -1,0 +1,204 @@
+"""Diff two steps from their Merkle DAGs: tables, then segments, then blocks, then rows.
+
+Ids are compared top-down and an equal id ends the descent, so unchanged tables and
+segments are never read past their id. Rows are found only for blocks whose ids differ:
+when one block's patch chain leads to the other (the usual case between steps of one run)
+the answer is the patches' row indices, read without decoding any full block; otherwise
+both blocks are decoded and their codes compared row by row. Row ids are global rows of
+the table in step B. Rows found from patch indices are the rows *written* between the two
+steps; a row written back with identical codes still counts (decoding would not count it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from cnrstore.format.blocks import decode_patch, resolve
+from cnrstore.format.manifest import (
+    KIND_BLOCK_PATCH,
+    SegmentNode,
+    TableNode,
+    load_step,
+    load_table,
+)
+from engine import ObjectStore
+
+__all__ = ["TableDiff", "StepDiff", "diff_steps", "diff_tables"]
+
+# Patch chains are bounded by the writer (max_chain, default 16); searching a little deeper
+# costs only index lookups and still finds chains written with a larger bound.
+_CHAIN_SEARCH = 64
+
+
+@dataclass(frozen=True)
+class TableDiff:
+    name: str
+    status: str                      # "added", "removed", "changed", "unchanged"
+    shape_a: tuple[int, ...] | None
+    shape_b: tuple[int, ...] | None
+    scheme_a: str | None
+    scheme_b: str | None
+    encoding_changed: bool           # dtype, width, scheme or block geometry differ
+    segments_compared: int
+    segments_equal: int              # skipped by id without reading their blocks
+    blocks_changed: tuple[int, ...]  # blocks of B whose rows differ (rows=False: whose ids do)
+    blocks_examined: int             # blocks whose ids differ (equal content may differ in id)
+    rows_changed: int | None         # rows of the common range that differ (None: not computed)
+    row_ranges: tuple[tuple[int, int], ...] | None  # half-open [start, stop) runs
+    rows_added: int
+    rows_removed: int
+    blocks_decoded: int              # blocks decoded to find rows (both sides counted)
+    patches_read: int                # patches whose indices answered instead
+
+
+@dataclass(frozen=True)
+class StepDiff:
+    a: int
+    b: int
+    identical: bool                  # same root id: nothing at all differs
+    metadata_changed: bool
+    tables: tuple[TableDiff, ...]
+
+
+def _ranges(rows: np.ndarray) -> tuple[tuple[int, int], ...]:
+    if rows.size == 0:
+        return ()
+    breaks = np.flatnonzero(np.diff(rows) != 1) + 1
+    starts = np.concatenate(([0], breaks))
+    stops = np.concatenate((breaks, [rows.size]))
+    return tuple((int(rows[s]), int(rows[e - 1]) + 1) for s, e in zip(starts, stops))
+
+
+class _Rows:
+    """Finds the differing rows of two versions of one block, reading as little as it can."""
+
+    def __init__(self, objects: ObjectStore):
+        self.objects = objects
+        self.decoded = 0
+        self.patches = 0
+
+    def _chain_to(self, top: bytes, base: bytes) -> list[bytes] | None:
+        """The patches from ``top`` down to (not including) ``base``, or None if ``base``
+        is not below ``top``. Uses only the index (kind and refs), no payloads."""
+        chain, cur = [], top
+        for _ in range(_CHAIN_SEARCH):
+            info = self.objects.info(cur)
+            if info.kind != KIND_BLOCK_PATCH or len(info.refs) != 1:
+                return None
+            chain.append(cur)
+            cur = info.refs[0]
+            if cur == base:
+                return chain
+        return None
+
+    def differing(self, a: bytes, b: bytes, common: int) -> np.ndarray:
+        """Sorted row offsets (< ``common``) of the block where versions ``a`` and ``b``
+        differ."""
+        chain = self._chain_to(b, a) or self._chain_to(a, b)
+        if chain is not None:
+            parts = []
+            for oid in chain:
+                _, idx, _ = decode_patch(self.objects.get(oid), oid)
+                parts.append(idx)
+                self.patches += 1
+            rows = np.unique(np.concatenate(parts)) if parts else np.empty(0, np.int64)
+            return rows[rows < common]
+        ca, cb = resolve(self.objects.get, a), resolve(self.objects.get, b)
+        self.decoded += 2
+        n = min(common, len(ca), len(cb))
+        return np.flatnonzero(np.any(ca[:n] != cb[:n], axis=1)).astype(np.int64)
+
+
+def _same_encoding(ta: TableNode, tb: TableNode) -> bool:
+    return (ta.dtype, ta.shape[1:], ta.scheme, ta.row_nbytes, ta.block_rows, ta.fanout) == (
+        tb.dtype, tb.shape[1:], tb.scheme, tb.row_nbytes, tb.block_rows, tb.fanout)
+
+
+def diff_tables(objects: ObjectStore, name: str, a_id: bytes | None, b_id: bytes | None, *,
+                rows: bool = True) -> TableDiff:
+    """Diff one table given its table-node ids in A and B (None where it is absent)."""
+    if a_id is None or b_id is None:
+        if a_id is None and b_id is None:
+            raise ValueError(f"table {name!r} is in neither step")
+        if b_id is None:
+            t = load_table(objects, a_id)
+            return TableDiff(name, "removed", t.shape, None, t.scheme, None, False, 0, 0, (),
+                             0, None, None, 0, t.rows, 0, 0)
+        t = load_table(objects, b_id)
+        return TableDiff(name, "added", None, t.shape, None, t.scheme, False, 0, 0,
+                         tuple(range(t.nblocks)), 0, None, None, t.rows, 0, 0, 0)
+    ta = load_table(objects, a_id)
+    if a_id == b_id:
+        n = len(ta.segment_ids)
+        return TableDiff(name, "unchanged", ta.shape, ta.shape, ta.scheme, ta.scheme, False,
+                         n, n, (), 0, 0 if rows else None, () if rows else None, 0, 0, 0, 0)
+    tb = load_table(objects, b_id)
+    added, removed = max(tb.rows - ta.rows, 0), max(ta.rows - tb.rows, 0)
+    if not _same_encoding(ta, tb):
+        # Every block was re-encoded: ids say nothing about rows, and codes of two schemes
+        # do not compare. Report the table as rewritten without decoding it.
+        return TableDiff(name, "changed", ta.shape, tb.shape, ta.scheme, tb.scheme, True,
+                         0, 0, tuple(range(tb.nblocks)), tb.nblocks, None, None, added, removed,
+                         0, 0)
+    finder = _Rows(objects)
+    changed: list[int] = []
+    row_ids: list[np.ndarray] = []
+    equal = examined = 0
+    nseg = max(len(ta.segment_ids), len(tb.segment_ids))
+    for j in range(nseg):
+        sa = ta.segment_ids[j] if j < len(ta.segment_ids) else None
+        sb = tb.segment_ids[j] if j < len(tb.segment_ids) else None
+        if sa == sb:
+            equal += 1
+            continue
+        if sb is None:
+            continue  # only in A: rows removed, counted above
+        blocks_b = SegmentNode.decode(objects.get(sb), sb).block_ids
+        blocks_a = SegmentNode.decode(objects.get(sa), sa).block_ids if sa else ()
+        for k, bid in enumerate(blocks_b):
+            i = j * tb.fanout + k
+            aid = blocks_a[k] if k < len(blocks_a) else None
+            if aid == bid:
+                continue
+            examined += 1
+            start, stop_b = tb.block_range(i)
+            common = max(min(stop_b, ta.rows) - start, 0)
+            rows_a = max(min(start + ta.block_rows, ta.rows) - start, 0)
+            if not rows or aid is None or common == 0:
+                changed.append(i)
+                continue
+            # Equal content may be stored under another id (a patch vs a full block of
+            # the same rows, written by another handle): only differing rows count.
+            found = finder.differing(aid, bid, common)
+            if found.size or rows_a != stop_b - start:
+                changed.append(i)
+                row_ids.append(found + start)
+    if rows:
+        found = np.concatenate(row_ids) if row_ids else np.empty(0, np.int64)
+        count, ranges = int(found.size), _ranges(found)
+    else:
+        count, ranges = None, None
+    status = "changed" if changed or added or removed else "unchanged"
+    return TableDiff(name, status, ta.shape, tb.shape, ta.scheme, tb.scheme, False, nseg,
+                     equal, tuple(changed), examined, count, ranges, added, removed,
+                     finder.decoded, finder.patches)
+
+
+def diff_steps(objects: ObjectStore, a: int, b: int, *, rows: bool = True) -> StepDiff:
+    """Diff steps ``a`` and ``b`` of an engine store (see the module docstring)."""
+    a_root, na = load_step(objects, a)
+    b_root, nb = load_step(objects, b)
+    tables: list[TableDiff] = []
+    if a_root != b_root:
+        ids_a = dict(zip(na.tables, na.table_ids))
+        ids_b = dict(zip(nb.tables, nb.table_ids))
+        names = list(nb.tables) + [n for n in na.tables if n not in ids_b]
+        for name in names:
+            tables.append(diff_tables(objects, name, ids_a.get(name), ids_b.get(name),
+                                      rows=rows))
+    else:
+        tables = [diff_tables(objects, n, t, t, rows=rows)
+                  for n, t in zip(nb.tables, nb.table_ids)]
+    return StepDiff(a, b, a_root == b_root, na.metadata != nb.metadata, tuple(tables))

@@ -1,0 +1,306 @@
+"""Read-only views of a store: list steps, show a step, disk usage, gc plan, verify.
+
+The Python side of the ``cnrstore`` command (cli.py is a thin layer over it). Every function
+takes an open ``CheckpointStore``, an engine ``ObjectStore``, or a path (opened without
+creating anything). Sizes come from the engine index (``info``: kind, refs, lengths), so
+listing and measuring never read block payloads; only ``verify(deep=True)`` and the row
+part of ``diff_steps`` (cnrstore.tools.diff) decode blocks.
+
+Byte counts used throughout:
+
+- *logical*: what the tables take as dense tensors of their dtype (rows * width * itemsize).
+- *raw*: uncompressed payload bytes of the objects (after quantization, before zstd).
+- *stored*: bytes the objects' records take in the packs (after zstd, with headers).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import engine
+from cnrstore.core.retention import kept_steps
+from cnrstore.core.state import python_values
+from cnrstore.format import manifest as mf
+from cnrstore.format.manifest import TableNode, load_step, load_table_manifest, root_name
+from cnrstore.tools.access import objects_of, opened, tick
+from engine import ObjectStore
+from engine.api import ProgressFn
+
+__all__ = [
+    "StepSummary",
+    "TableDetail",
+    "StepDetail",
+    "TableUsage",
+    "Usage",
+    "GCPlan",
+    "opened",
+    "objects_of",
+    "list_steps",
+    "show_step",
+    "disk_usage",
+    "gc_plan",
+    "kept_steps",
+    "collect",
+    "diff_steps",
+    "verify",
+    "repair",
+]
+
+
+@dataclass(frozen=True)
+class StepSummary:
+    step: int
+    time: float
+    tables: int
+    logical_bytes: int
+    stored_bytes: int      # records reachable from the step (shared ones included)
+    new_bytes: int         # records no lower kept step reaches
+    root: str
+
+
+@dataclass(frozen=True)
+class TableDetail:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    scheme: str
+    block_rows: int
+    blocks: int
+    full_blocks: int
+    patched_blocks: int    # blocks whose newest object is a patch
+    max_depth: int         # patches above the full block, worst block
+    mean_depth: float
+    rows_changed: int | None
+    logical_bytes: int
+    stored_bytes: int
+
+
+@dataclass(frozen=True)
+class StepDetail:
+    step: int
+    time: float
+    root: str
+    metadata: dict
+    tables: tuple[TableDetail, ...]
+    state: dict = field(default_factory=dict)   # Python values of a put_state step, by path
+
+
+@dataclass(frozen=True)
+class TableUsage:
+    name: str
+    steps: int
+    logical_bytes: int     # summed over the steps holding the table
+    referenced_bytes: int  # raw bytes each step's table reaches, summed over steps
+    unique_bytes: int      # raw bytes of the distinct objects, over all steps
+    stored_bytes: int      # stored bytes of the distinct objects
+
+
+@dataclass(frozen=True)
+class Usage:
+    steps: int
+    objects: int           # distinct objects reachable from the steps
+    logical_bytes: int
+    referenced_bytes: int
+    unique_bytes: int
+    stored_bytes: int
+    disk_bytes: int        # allocated by the pack files (dead records included)
+    garbage_objects: int   # indexed but unreachable: gc reclaims them
+    encoding_ratio: float | None     # logical / referenced: quantization (and patches)
+    dedup_ratio: float | None        # referenced / unique: sharing between steps
+    compression_ratio: float | None  # unique / stored: zstd
+    overall_ratio: float | None      # logical / stored
+    tables: tuple[TableUsage, ...]
+
+
+@dataclass(frozen=True)
+class GCPlan:
+    keep: tuple[int, ...]
+    drop: tuple[int, ...]
+    objects_freed: int     # reachable only from dropped steps
+    bytes_freed: int       # their stored bytes (before compaction rounds to packs)
+    garbage_objects: int   # already unreachable before the drop
+
+
+class _Sizes:
+    """Index lookups cached per object: every walk below reads each entry once."""
+
+    def __init__(self, objects: ObjectStore):
+        self.objects = objects
+        self._info: dict[bytes, engine.ObjectInfo] = {}
+
+    def info(self, oid: bytes) -> engine.ObjectInfo:
+        got = self._info.get(oid)
+        if got is None:
+            got = self._info[oid] = self.objects.info(oid)
+        return got
+
+    def reach(self, oid: bytes, into: set[bytes] | None = None) -> set[bytes]:
+        """Ids reachable from ``oid`` (itself included), added to ``into``."""
+        seen = set() if into is None else into
+        stack = [oid]
+        while stack:
+            cur = stack.pop()
+            if cur in seen:
+                continue
+            seen.add(cur)
+            stack.extend(self.info(cur).refs)
+        return seen
+
+    def raw(self, oids: Iterable[bytes]) -> int:
+        return sum(self.info(o).raw_len for o in oids)
+
+    def stored(self, oids: Iterable[bytes]) -> int:
+        return sum(self.info(o).stored_len for o in oids)
+
+
+def _itemsize(dtype: str) -> int:
+    import torch
+
+    from cnrstore.core.tablestate import parse_dtype
+
+    return torch.empty((), dtype=parse_dtype(dtype)).element_size()
+
+
+def table_logical_bytes(node: TableNode) -> int:
+    return node.rows * node.width * _itemsize(node.dtype)
+
+
+def list_steps(store, *, progress: ProgressFn | None = None) -> list[StepSummary]:
+    """Every kept step, ascending, with its sizes. ``new_bytes`` counts the records that
+    no lower step reaches: what keeping this step costs on top of the earlier ones."""
+    with opened(store) as objects:
+        sizes = _Sizes(objects)
+        earlier: set[bytes] = set()
+        out = []
+        steps = mf.list_steps(objects)
+        for i, step in enumerate(steps):
+            tick(progress, i, len(steps))
+            oid, node = load_step(objects, step)
+            mine = sizes.reach(oid)
+            new = mine - earlier
+            earlier |= mine
+            out.append(StepSummary(step, node.time, len(node.tables), node.logical_bytes,
+                                   sizes.stored(mine), sizes.stored(new), oid.hex()))
+        return out
+
+
+def show_step(store, step: int) -> StepDetail:
+    """The tables of one step: geometry, scheme, block chains and sizes (no block reads)."""
+    with opened(store) as objects:
+        sizes = _Sizes(objects)
+        oid, node = load_step(objects, step)
+        tables = []
+        for name, toid in zip(node.tables, node.table_ids):
+            tm = load_table_manifest(objects, toid)
+            depth = tm.depth
+            full = sum(1 for d in depth if d == 0)
+            t = tm.node
+            tables.append(TableDetail(
+                name=name, shape=t.shape, dtype=t.dtype, scheme=t.scheme,
+                block_rows=t.block_rows, blocks=len(depth), full_blocks=full,
+                patched_blocks=len(depth) - full, max_depth=max(depth, default=0),
+                mean_depth=sum(depth) / len(depth) if depth else 0.0,
+                rows_changed=node.rows_changed.get(name),
+                logical_bytes=table_logical_bytes(t),
+                stored_bytes=sizes.stored(sizes.reach(toid)),
+            ))
+        values = python_values(node.state) if node.state is not None else {}
+        return StepDetail(step, node.time, oid.hex(), dict(node.metadata), tuple(tables),
+                          values)
+
+
+def _ratio(a: int, b: int) -> float | None:
+    return a / b if b else None
+
+
+def disk_usage(store, *, progress: ProgressFn | None = None) -> Usage:
+    """Logical vs stored bytes of the kept steps, overall and per table name."""
+    with opened(store) as objects:
+        sizes = _Sizes(objects)
+        everything: set[bytes] = set()
+        per_table: dict[str, list] = {}  # name -> [steps, logical, referenced, ids]
+        logical = referenced = 0
+        steps = mf.list_steps(objects)
+        for i, step in enumerate(steps):
+            tick(progress, i, len(steps))
+            oid, node = load_step(objects, step)
+            mine = sizes.reach(oid)
+            everything |= mine
+            logical += node.logical_bytes
+            referenced += sizes.raw(mine)
+            for name, toid in zip(node.tables, node.table_ids):
+                t = TableNode.decode(objects.get(toid), toid)
+                ids = sizes.reach(toid)
+                acc = per_table.setdefault(name, [0, 0, 0, set()])
+                acc[0] += 1
+                acc[1] += table_logical_bytes(t)
+                acc[2] += sizes.raw(ids)
+                acc[3] |= ids
+        unique, stored = sizes.raw(everything), sizes.stored(everything)
+        stats = objects.stats()
+        tables = tuple(
+            TableUsage(name, n, lg, ref, sizes.raw(ids), sizes.stored(ids))
+            for name, (n, lg, ref, ids) in sorted(per_table.items())
+        )
+        return Usage(
+            steps=len(steps), objects=len(everything), logical_bytes=logical,
+            referenced_bytes=referenced, unique_bytes=unique, stored_bytes=stored,
+            disk_bytes=stats.stored_bytes,
+            garbage_objects=max(stats.objects - len(everything), 0),
+            encoding_ratio=_ratio(logical, referenced), dedup_ratio=_ratio(referenced, unique),
+            compression_ratio=_ratio(unique, stored), overall_ratio=_ratio(logical, stored),
+            tables=tables,
+        )
+
+
+def gc_plan(store, *, keep_last: int | None, keep: Iterable[int] = ()) -> GCPlan:
+    """What ``gc(keep_last=..., keep=...)`` would drop and free, changing nothing."""
+    with opened(store) as objects:
+        sizes = _Sizes(objects)
+        have = mf.list_steps(objects)
+        kept = kept_steps(have, keep_last=keep_last, keep=keep)
+        drop = [s for s in have if s not in set(kept)]
+        live: set[bytes] = set()
+        for s in kept:
+            sizes.reach(objects.root(root_name(s)), live)
+        dead: set[bytes] = set()
+        for s in drop:
+            sizes.reach(objects.root(root_name(s)), dead)
+        dead -= live
+        stats = objects.stats()
+        garbage = max(stats.objects - len(live) - len(dead), 0)
+        return GCPlan(tuple(kept), tuple(drop), len(dead), sizes.stored(dead), garbage)
+
+
+def collect(store, *, keep_last: int | None, keep: Iterable[int] = ()):
+    """Run the store's gc (which applies cnrstore.core.retention's rule, as the dry run does).
+    Returns cnrstore.GCReport. ``store`` must be a CheckpointStore: gc drops steps."""
+    return store.gc(keep_last=keep_last, keep=list(keep))
+
+
+def diff_steps(store, a: int, b: int, *, rows: bool = True):
+    """Which tables, blocks and rows differ between steps ``a`` and ``b``
+    (cnrstore.tools.diff.StepDiff): ids compared top-down, only differing blocks read."""
+    from cnrstore.tools.diff import diff_steps as _diff
+
+    with opened(store) as objects:
+        return _diff(objects, a, b, rows=rows)
+
+
+# Integrity checks live in cnrstore.tools.check (which builds on this module); these wrappers
+# give the CLI and users one entry point without a circular import.
+def verify(store, *, deep: bool = True, steps: Iterable[int] | None = None,
+           progress: ProgressFn | None = None):
+    """cnrstore.tools.check.verify: engine and manifest checks; returns a VerifyResult."""
+    from cnrstore.tools.check import verify as _verify
+
+    return _verify(store, deep=deep, steps=steps, progress=progress)
+
+
+def repair(path: str | os.PathLike):
+    """cnrstore.tools.check.repair: rebuild the index of the store at ``path`` from its packs."""
+    from cnrstore.tools.check import repair as _repair
+
+    return _repair(path)
