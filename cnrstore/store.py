@@ -260,7 +260,7 @@ class CheckpointStore:
             )
         except BaseException as exc:
             self._failed = True
-            if isinstance(exc, WriteFailed):
+            if isinstance(exc, (WriteFailed, StepExists)):
                 raise
             raise WriteFailed(step, f"{type(exc).__name__}: {exc}") from exc
 

@@ -16,10 +16,10 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from engine import ObjectStore
+from engine import ObjectStore, RootExists
 
 from .blocks import encode_full, encode_patch, plane_width
-from .errors import WriteFailed
+from .errors import StepExists, WriteFailed
 from .manifest import (
     KIND_BLOCK_FULL,
     KIND_BLOCK_PATCH,
@@ -139,10 +139,15 @@ def write_step(
         payload, refs = node.encode()
         root = w.put(KIND_STEP, payload, refs, meta=True)
         bytes_new = w.payload_bytes_new
-        w.set_root(root_name(step), root)
+        # Create-only: the store's existence check ran before the writer lock, so another
+        # handle or process may have put this step since; the engine re-checks at commit.
+        w.create_root(root_name(step), root)
         commit = w.commit()
         for plan in plans:
             plan.state.anchor = (root_name(step), root)
+    except RootExists:
+        w.abort()
+        raise StepExists(step) from None
     except _MissingBase as exc:
         w.abort()
         raise WriteFailed(step, str(exc)) from None

@@ -5,6 +5,9 @@
     ├── CorruptObject          bytes that fail their checksum or id (names pack + offset)
     ├── StoreLocked            another writer holds the store
     ├── FormatError            an unknown format version or a malformed store layout
+    │   └── StaleIndex         an index behind its packs that could not be brought up to date
+    ├── RootExists             create_root of a name that exists at commit (nothing published)
+    ├── ReadOnly               a write on a store opened with readonly=True
     └── StoreClosed            use of a closed store, or of a store across fork()
 
 Third-party errors (lmdb, zstandard, OSError) are translated at the boundary with
@@ -20,6 +23,9 @@ __all__ = [
     "StoreLocked",
     "FormatError",
     "StoreClosed",
+    "StaleIndex",
+    "RootExists",
+    "ReadOnly",
 ]
 
 
@@ -66,3 +72,22 @@ class FormatError(StoreError):
 
 class StoreClosed(StoreError):
     """The store handle was closed, or is being used in a process it was not opened in."""
+
+
+class StaleIndex(FormatError):
+    """The index is behind (or emptier than) its packs and could not be brought up to date
+    here (read-only handle, or the writer lock was unavailable): trusting it would let gc
+    delete live packs. Open the store writable, or run repair."""
+
+
+class RootExists(StoreError):
+    """A root created with ``Writer.create_root`` already existed when the writer committed;
+    the whole transaction was discarded (its packs are garbage for gc)."""
+
+    def __init__(self, message: str, *, name: str):
+        super().__init__(message)
+        self.name = name
+
+
+class ReadOnly(StoreError):
+    """A write (writer, gc, repair) on a store opened with ``readonly=True``."""

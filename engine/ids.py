@@ -43,5 +43,21 @@ def check_id(oid: bytes) -> None:
         raise ValueError(f"object id must be {ID_SIZE} bytes, got {oid!r}")
 
 
+MAX_ROOT_NAME = 511  # LMDB's default key size limit, in utf-8 bytes
+
+
+def check_root_name(name: str) -> bytes:
+    """The utf-8 key of a root name; ValueError/TypeError for what no store may hold."""
+    if not isinstance(name, str):
+        raise TypeError(f"root name must be a str, got {type(name).__name__}")
+    try:
+        key = name.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"root name {name!r} is not valid unicode: {exc}") from None
+    if not 0 < len(key) <= MAX_ROOT_NAME:
+        raise ValueError(f"root name must be 1..{MAX_ROOT_NAME} utf-8 bytes, got {name!r}")
+    return key
+
+
 def hexid(oid: bytes) -> str:
     return bytes(oid).hex()

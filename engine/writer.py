@@ -20,24 +20,14 @@ from . import format as fmt
 from . import index as ix
 from . import pack as pk
 from .api import CommitInfo, Writer
-from .errors import ObjectNotFound, StoreClosed, StoreError
+from .errors import ObjectNotFound, RootExists, StoreClosed, StoreError
 from .fileio import store_error
-from .ids import check_id, check_kind, hexid, object_id
+from .ids import MAX_ROOT_NAME, check_id, check_kind, check_root_name, hexid, object_id  # noqa: F401
 from .pack import PackSet
 
 if TYPE_CHECKING:
     from .store import PackStore
 
-MAX_ROOT_NAME = 511  # LMDB's default key size limit, in utf-8 bytes
-
-
-def check_root_name(name: str) -> bytes:
-    if not isinstance(name, str):
-        raise TypeError(f"root name must be a str, got {type(name).__name__}")
-    key = name.encode("utf-8")
-    if not 0 < len(key) <= MAX_ROOT_NAME:
-        raise ValueError(f"root name must be 1..{MAX_ROOT_NAME} utf-8 bytes, got {name!r}")
-    return key
 
 
 class PackWriter(Writer):
@@ -53,6 +43,7 @@ class PackWriter(Writer):
         self._lock = threading.Lock()  # puts from several threads append one at a time
         self._new: dict[bytes, ix.ObjectEntry] = {}
         self._roots: dict[str, bytes | None] = {}
+        self._creates: set[str] = set()  # names that must not exist at commit
         self._reused = 0
         self._bytes = 0
         self._payload_new = 0
@@ -144,6 +135,17 @@ class PackWriter(Writer):
             raise ObjectNotFound(f"root target {hexid(oid)} does not exist", oid=bytes(oid))
         self._roots[name] = bytes(oid)
 
+    def create_root(self, name: str, oid: bytes) -> None:
+        self._check()
+        check_root_name(name)
+        pending = name in self._roots  # deleted earlier in this writer: a plain move
+        current = self._roots[name] if pending else self._store.root(name)
+        if current is not None:
+            raise RootExists(f"root {name!r} already exists", name=name)
+        self.set_root(name, oid)
+        if not pending:
+            self._creates.add(name)
+
     def delete_root(self, name: str) -> None:
         self._check()
         check_root_name(name)
@@ -151,6 +153,7 @@ class PackWriter(Writer):
         if current is None:
             raise ObjectNotFound(f"root {name!r} does not exist", name=name)
         self._roots[name] = None
+        self._creates.discard(name)
 
     def commit(self) -> CommitInfo:
         with self._lock:  # no put may land between here and the seal
@@ -207,6 +210,11 @@ class PackWriter(Writer):
 
     def _publish(self, txn, seq: int | None, snapshot_pack: int | None) -> None:
         index = self._index
+        for name in sorted(self._creates):
+            # Re-checked inside the publishing transaction: raising aborts it whole.
+            if txn.get(name.encode("utf-8"), db=index.roots) is not None:
+                raise RootExists(f"root {name!r} already exists; nothing of this "
+                                 "transaction was published", name=name)
         for oid, entry in self._new.items():
             txn.put(oid, entry.encode(), db=index.objects)
         for pf in self._packs.files:

@@ -25,7 +25,6 @@ from engine.errors import CorruptObject, ObjectNotFound, StoreError
 from engine.ids import object_id
 
 HERE = pathlib.Path(__file__).resolve()
-HAS_PACKSTORE = hasattr(engine, "open")
 _HEAD = struct.Struct("<QQ")
 DATA_KIND = 1
 NODE_KIND = 2
@@ -35,10 +34,6 @@ SHARED_SEED = 7  # one leaf every DAG shares, so every commit also exercises ded
 # -- stores ----------------------------------------------------------------------------
 def open_store(path, **kw):
     """Open (creating if missing) the real pack store at ``path``."""
-    if not HAS_PACKSTORE:
-        import pytest
-
-        pytest.skip("engine.open (the pack store) has not landed yet")
     return engine.open(str(path), **kw)
 
 

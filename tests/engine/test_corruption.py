@@ -12,7 +12,6 @@ import shutil
 
 import pytest
 from _helpers import (
-    HAS_PACKSTORE,
     check_dag,
     dag,
     find_in_packs,
@@ -27,7 +26,6 @@ from engine.errors import CorruptObject, ObjectNotFound, StoreError
 from engine.format import PACK_HEADER, RECORD_HEADER
 from engine.ids import ID_SIZE, hexid
 
-pytestmark = pytest.mark.skipif(not HAS_PACKSTORE, reason="pack store not landed")
 
 SIZE = 50_000  # random leaves: stored raw, so their bytes can be found in the packs
 ROOTS = (0, 1, 2)

@@ -16,7 +16,6 @@ import time
 
 import pytest
 from _helpers import (
-    HAS_PACKSTORE,
     check_dag,
     committed,
     dag_absent,
@@ -31,7 +30,6 @@ from _helpers import (
 import engine
 from engine.crashpoints import POINTS
 
-pytestmark = pytest.mark.skipif(not HAS_PACKSTORE, reason="pack store not landed")
 
 SMALL = 4096
 BIG = 256 * 1024  # the crashed commit's leaves: big enough that leftovers show on disk

@@ -13,7 +13,7 @@ import shutil
 import tempfile
 
 import pytest
-from _helpers import HAS_PACKSTORE, make_payload, open_store, pack_bytes
+from _helpers import make_payload, open_store, pack_bytes
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -245,14 +245,11 @@ class PackMachine(StoreMachine):
 TestMemoryStoreMachine = MemoryMachine.TestCase
 TestMemoryStoreMachine.settings = settings(max_examples=25, stateful_step_count=20, **_SETTINGS)
 
-TestPackStoreMachine = pytest.mark.skipif(not HAS_PACKSTORE, reason="pack store not landed")(
-    PackMachine.TestCase
-)
+TestPackStoreMachine = PackMachine.TestCase
 TestPackStoreMachine.settings = settings(max_examples=25, stateful_step_count=20, **_SETTINGS)
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not HAS_PACKSTORE, reason="pack store not landed")
 def test_pack_store_machine_long():
     from hypothesis.stateful import run_state_machine_as_test
 
