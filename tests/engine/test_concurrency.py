@@ -24,7 +24,6 @@ from _helpers import (
 from engine.errors import StoreClosed, StoreLocked
 
 
-
 def _finish(proc, timeout: float = 60) -> tuple[list[str], str]:
     out, err = proc.communicate(timeout=timeout)
     assert proc.returncode == 0, f"worker failed ({proc.returncode}): {out[-2000:]} {err[-3000:]}"

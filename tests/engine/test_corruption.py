@@ -26,7 +26,6 @@ from engine.errors import CorruptObject, ObjectNotFound, StoreError
 from engine.format import PACK_HEADER, RECORD_HEADER
 from engine.ids import ID_SIZE, hexid
 
-
 SIZE = 50_000  # random leaves: stored raw, so their bytes can be found in the packs
 ROOTS = (0, 1, 2)
 

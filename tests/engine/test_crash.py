@@ -30,7 +30,6 @@ from _helpers import (
 import engine
 from engine.crashpoints import POINTS
 
-
 SMALL = 4096
 BIG = 256 * 1024  # the crashed commit's leaves: big enough that leftovers show on disk
 SLACK = 64 * 1024  # pack trailers, headers and block rounding
