@@ -30,7 +30,9 @@ RECORD_MAGIC = b"CNRR"
 RECORD_HEADER = struct.Struct("<4sBBBBIQQ16s")
 CHECKSUM = struct.Struct("<Q")
 RECORD_OBJECT = 0
-RECORD_ROOTS = 1
+RECORD_ROOTS = 1        # a full roots snapshot (FORMAT.md "Roots snapshots")
+RECORD_ROOTS_DELTA = 2  # the roots one commit set and deleted, on top of sequence seq - 1
+ROOTS_RECORDS = (RECORD_ROOTS, RECORD_ROOTS_DELTA)
 CODEC_RAW = 0
 CODEC_ZSTD = 1
 # Store raw unless zstd saves at least this fraction (FORMAT.md "Records").
@@ -108,7 +110,7 @@ class RecordHeader:
             problem = f"bad record magic {bytes(magic)!r}"
         elif version != FORMAT_VERSION:
             problem = f"unknown record format version {version}"
-        elif rtype not in (RECORD_OBJECT, RECORD_ROOTS):
+        elif rtype not in (RECORD_OBJECT, *ROOTS_RECORDS):
             problem = f"unknown record type {rtype}"
         elif codec not in (CODEC_RAW, CODEC_ZSTD):
             problem = f"unknown codec {codec}"
@@ -302,7 +304,7 @@ def decode_trailer(
     entries = []
     for i in range(count):
         off, length, rtype, oid = TRAILER_ENTRY.unpack_from(buf, i * TRAILER_ENTRY.size)
-        if off < PACK_HEADER.size or off + length > entries_offset or rtype > RECORD_ROOTS:
+        if off < PACK_HEADER.size or off + length > entries_offset or rtype > RECORD_ROOTS_DELTA:
             raise CorruptObject(f"pack {pack}: trailer entry {i} out of range", pack=pack,
                                 offset=entries_offset)
         entries.append(TrailerEntry(off, length, rtype, oid))
@@ -321,19 +323,61 @@ def encode_snapshot(seq: int, roots: dict[str, bytes]) -> bytes:
     return msgpack.packb({"seq": seq, "roots": dict(sorted(roots.items()))}, use_bin_type=True)
 
 
-def decode_snapshot(payload: bytes, *, pack: str | None = None,
-                    offset: int | None = None) -> tuple[int, dict[str, bytes]]:
+def encode_delta(seq: int, changes: dict[str, bytes | None]) -> bytes:
+    """Payload of a roots delta: names set (to ids) and deleted by commit ``seq``."""
+    sets = {k: v for k, v in sorted(changes.items()) if v is not None}
+    dels = sorted(k for k, v in changes.items() if v is None)
+    return msgpack.packb({"seq": seq, "set": sets, "del": dels}, use_bin_type=True)
+
+
+@dataclass(frozen=True)
+class RootsRecord:
+    seq: int
+    full: bool                    # a full snapshot (roots = every root) or a delta
+    roots: dict[str, bytes]       # full: the root map; delta: the names set
+    deleted: tuple[str, ...] = ()  # delta only
+
+    def apply(self, roots: dict[str, bytes]) -> dict[str, bytes]:
+        """The root map after this record, given the map of sequence ``seq - 1``."""
+        if self.full:
+            return dict(self.roots)
+        out = dict(roots)
+        for name in self.deleted:
+            out.pop(name, None)
+        out.update(self.roots)
+        return out
+
+
+def _is_roots(value) -> bool:
+    return isinstance(value, dict) and all(
+        isinstance(k, str) and isinstance(v, bytes) and len(v) == ID_SIZE
+        for k, v in value.items())
+
+
+def decode_roots_record(payload: bytes, rtype: int = RECORD_ROOTS, *, pack: str | None = None,
+                        offset: int | None = None) -> RootsRecord:
+    """Decode the payload of a type-1 (full) or type-2 (delta) roots record."""
     try:
         doc = msgpack.unpackb(payload, raw=False, strict_map_key=True)
-        seq, roots = doc["seq"], doc["roots"]
-        ok = isinstance(seq, int) and seq >= 0 and isinstance(roots, dict) and all(
-            isinstance(k, str) and isinstance(v, bytes) and len(v) == ID_SIZE
-            for k, v in roots.items()
-        )
+        seq = doc["seq"]
+        if rtype == RECORD_ROOTS:
+            rec = RootsRecord(seq, True, doc["roots"])
+            ok = _is_roots(rec.roots)
+        else:
+            rec = RootsRecord(seq, False, doc["set"], tuple(doc["del"]))
+            ok = _is_roots(rec.roots) and all(isinstance(k, str) for k in rec.deleted)
+        ok = ok and isinstance(seq, int) and 0 <= seq < 1 << 64
     except Exception as exc:  # msgpack raises a zoo of types on junk
-        raise CorruptObject(f"pack {pack} offset {offset}: bad roots snapshot: {exc}",
+        raise CorruptObject(f"pack {pack} offset {offset}: bad roots record: {exc}",
                             pack=pack, offset=offset) from exc
     if not ok:
-        raise CorruptObject(f"pack {pack} offset {offset}: malformed roots snapshot",
+        raise CorruptObject(f"pack {pack} offset {offset}: malformed roots record",
                             pack=pack, offset=offset)
-    return seq, roots
+    return rec
+
+
+def decode_snapshot(payload: bytes, *, pack: str | None = None,
+                    offset: int | None = None) -> tuple[int, dict[str, bytes]]:
+    """(seq, roots) of a full snapshot payload."""
+    rec = decode_roots_record(payload, RECORD_ROOTS, pack=pack, offset=offset)
+    return rec.seq, rec.roots

@@ -52,7 +52,7 @@ def _walk(store: PackStore, names: list[str] | None):
                 problems.append(Problem("missing", f"object {hexid(oid)} (ref of {via}) is "
                                         "not in the index", oid=oid))
                 continue
-            entry = ix.ObjectEntry.decode(raw)
+            entry = index.entry(oid, raw)
             found[oid] = entry
             stack.extend((r, f"object {hexid(oid)}") for r in entry.refs)
         packs = {ix.unpack_pack_key(k) for k, _ in txn.cursor(db=index.packs)}

@@ -44,6 +44,7 @@ class PackWriter(Writer):
         self._new: dict[bytes, ix.ObjectEntry] = {}
         self._roots: dict[str, bytes | None] = {}
         self._creates: set[str] = set()  # names that must not exist at commit
+        self._chain = b""  # the META_CHAIN value this commit publishes
         self._reused = 0
         self._bytes = 0
         self._payload_new = 0
@@ -184,28 +185,41 @@ class PackWriter(Writer):
             self._store._writer_done(self)
 
     def _append_snapshot(self) -> tuple[int | None, int | None]:
-        """Append a roots snapshot to the meta pack when this commit moves roots
-        (FORMAT.md "Roots snapshots"): repair recovers roots from these alone."""
+        """Append a roots record to the meta pack when this commit moves roots
+        (FORMAT.md "Roots snapshots"): repair recovers roots from these alone. A delta
+        (the names this commit set or deleted) unless the deltas since the last full
+        snapshot add up to as many bytes as a full one, so that snapshots cost linear,
+        not quadratic, space in the number of roots kept."""
         if not self._roots:
             return None, None
         index = self._index
 
         def current(txn):
             roots = {k.decode(): bytes(v) for k, v in txn.cursor(db=index.roots)}
-            return ix.get_u64(txn, index.meta, ix.META_SEQ), roots
+            seq = ix.get_u64(txn, index.meta, ix.META_SEQ)
+            return seq, roots, ix.get_chain(txn, index.meta)
 
-        seq, roots = index.read(current)
+        seq, roots, (chain, delta_bytes) = index.read(current)
         for name, oid in self._roots.items():
             if oid is None:
                 roots.pop(name, None)
             else:
                 roots[name] = oid
         seq += 1
-        payload = fmt.encode_snapshot(seq, roots)
+        full = fmt.encode_snapshot(seq, roots)
+        delta = fmt.encode_delta(seq, self._roots)
+        if not chain or delta_bytes + len(delta) >= len(full):
+            payload, rtype = full, fmt.RECORD_ROOTS
+        else:
+            payload, rtype = delta, fmt.RECORD_ROOTS_DELTA
         sid = fmt.snapshot_id(payload)
-        record = fmt.encode_record(fmt.RECORD_ROOTS, 0, (), payload, sid, cctx=self._compressor())
+        record = fmt.encode_record(rtype, 0, (), payload, sid, cctx=self._compressor())
         self._bytes += len(record)
-        pack, _ = self._packs.append(record, fmt.RECORD_ROOTS, sid, meta=True)
+        pack, _ = self._packs.append(record, rtype, sid, meta=True)
+        if rtype == fmt.RECORD_ROOTS:
+            self._chain = ix.chain_value([pack], 0)
+        else:
+            self._chain = ix.chain_value([*chain, pack], delta_bytes + len(delta))
         return seq, pack
 
     def _publish(self, txn, seq: int | None, snapshot_pack: int | None) -> None:
@@ -216,7 +230,7 @@ class PackWriter(Writer):
                 raise RootExists(f"root {name!r} already exists; nothing of this "
                                  "transaction was published", name=name)
         for oid, entry in self._new.items():
-            txn.put(oid, entry.encode(), db=index.objects)
+            txn.put(oid, entry.encode(oid), db=index.objects)
         for pf in self._packs.files:
             entry = ix.PackEntry(pf.size, pf.live, pf.live, pf.meta, pf.objects)
             txn.put(ix.pack_key(pf.number), entry.encode(), db=index.packs)
@@ -231,6 +245,7 @@ class PackWriter(Writer):
         if seq is not None:
             txn.put(ix.META_SEQ, ix.U64.pack(seq), db=index.meta)
             txn.put(ix.META_SNAPSHOT_PACK, ix.I64.pack(snapshot_pack), db=index.meta)
+            txn.put(ix.META_CHAIN, self._chain, db=index.meta)
 
     def __del__(self) -> None:
         # A writer dropped without commit or abort must not keep the store locked.

@@ -1,0 +1,55 @@
+"""Checks of an LMDB data file made with plain reads, before LMDB maps it.
+
+LMDB maps data.mdb and trusts the page numbers in it: a file shorter than its newest meta
+page says (truncated, or a foreign file) makes the first access past the end kill the
+process with SIGBUS. So the two meta pages are checked before LMDB ever sees the file
+(docs/FORMAT.md "Index freshness"). Offsets are those of LMDB 0.9 on 64-bit platforms.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import struct
+
+from .errors import StoreError
+
+_LMDB_MAGIC = 0xBEEFC0DE
+_LMDB_META = struct.Struct("<IIQQ")   # magic, version, address, mapsize at page offset 16
+_LMDB_PSIZE = struct.Struct("<I")     # md_pad of the free-list db: the page size, offset 40
+_LMDB_LAST = struct.Struct("<QQ")     # last page number, txn id, at page offset 136
+
+
+class DamagedIndex(StoreError):
+    """data.mdb is truncated or not an LMDB file: it must not be mapped (SIGBUS)."""
+
+
+def data_file_problem(data: pathlib.Path) -> str | None:
+    """Why ``data.mdb`` must not be handed to LMDB, or None (also for a missing file)."""
+    try:
+        with open(data, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            head = f.read(64 << 10)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return f"cannot read {data.name}: {exc}"
+    if size == 0:
+        return f"{data.name} is empty"
+    if len(head) < 152:
+        return f"{data.name} is truncated to {size} bytes"
+    (psize,) = _LMDB_PSIZE.unpack_from(head, 40)
+    if psize < 512 or psize > 65536 or psize & (psize - 1):
+        return f"{data.name} has no LMDB meta page (page size {psize})"
+    if size < 2 * psize or len(head) < psize + 152:
+        return f"{data.name} is truncated to {size} bytes"
+    for page in (0, 1):
+        at = page * psize
+        magic, version, _, _ = _LMDB_META.unpack_from(head, at + 16)
+        if magic != _LMDB_MAGIC or version != 1:
+            return f"{data.name} meta page {page} is damaged or foreign"
+        last, _ = _LMDB_LAST.unpack_from(head, at + 136)
+        if (last + 1) * psize > size:
+            return (f"{data.name} is {size} bytes but its meta page {page} needs "
+                    f"{(last + 1) * psize} (truncated or damaged)")
+    return None
