@@ -43,6 +43,11 @@ def mark(index: ix.Index) -> dict[bytes, int]:
         live: dict[bytes, int] = {}
         stack = []
         for key, value in txn.cursor(db=index.roots):
+            try:
+                bytes(key).decode("utf-8")
+            except UnicodeDecodeError:
+                raise GCRefused(f"gc refused: root name {bytes(key)!r} is not utf-8 (a "
+                                "damaged index); run repair first") from None
             if len(value) != ID_SIZE:
                 raise GCRefused(f"gc refused: root {bytes(key)!r} holds a malformed id; "
                                 "run repair first")

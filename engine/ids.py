@@ -22,15 +22,22 @@ _LEN = struct.Struct("<Q")
 
 def object_id(kind: int, refs: Sequence[bytes], payload: bytes | bytearray | memoryview) -> bytes:
     """Return the 16-byte id of an object. Validates kind and refs."""
+    h = id_hasher(kind, refs, len(payload))
+    h.update(payload)
+    return h.digest()
+
+
+def id_hasher(kind: int, refs: Sequence[bytes], length: int):
+    """The id hash fed up to the payload: ``update`` it with the payload's ``length``
+    bytes (in pieces, if need be), then ``digest()`` is the object id."""
     check_kind(kind)
     h = xxhash.xxh3_128(_DOMAIN)
     h.update(_HEAD.pack(kind, len(refs)))
     for ref in refs:
         check_id(ref)
         h.update(ref)
-    h.update(_LEN.pack(len(payload)))
-    h.update(payload)
-    return h.digest()
+    h.update(_LEN.pack(length))
+    return h
 
 
 def check_kind(kind: int) -> None:

@@ -254,6 +254,8 @@ class Index:
                 pass  # another process grew the map: adopt its size below, then retry
             except lmdb.Error as exc:
                 raise StoreError(f"index read failed: {exc}") from exc
+            except _DAMAGE as exc:
+                raise _damaged(self.path, exc) from exc
             finally:
                 self._leave()
             self._exclusive(lambda: self.env.set_mapsize(0))
@@ -275,6 +277,8 @@ class Index:
                 grow = False  # another process grew it first: adopt that size
             except lmdb.Error as exc:
                 raise StoreError(f"index write failed: {exc}") from exc
+            except _DAMAGE as exc:
+                raise _damaged(self.path, exc) from exc
             finally:
                 self._leave()
             if grow:
@@ -319,6 +323,17 @@ class Index:
                     return
                 _SHARED.pop(self._shared_key, None)
             self.env.close()
+
+
+# What Python raises on bytes that are not what the index schema says (a root name that is
+# not utf-8, a value of the wrong length, a number too large to use): the store's own
+# FormatError at this boundary, never the builtin.
+_DAMAGE = (ValueError, OverflowError, struct.error, TypeError)
+
+
+def _damaged(path, exc: BaseException) -> FormatError:
+    return FormatError(f"index {path} is damaged ({type(exc).__name__}: {exc}); repair "
+                       "rebuilds it from the packs")
 
 
 # -- helpers used inside transactions --------------------------------------------------

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from . import format as fmt
 from . import index as ix
 from .api import Problem, RepairReport
-from .errors import CorruptObject, StoreError
+from .errors import CorruptObject
 from .fileio import fsync_dir, store_error
 from .ids import hexid
 from .pack import list_pack_files, pack_name, read_trailer, scan_records
@@ -176,10 +176,10 @@ def _choose_roots(found: _Found) -> _Roots:
 def rebuild(store: PackStore) -> RepairReport:
     """Called by ``PackStore.repair`` with the writer lock held.
 
-    In place first: ONE write transaction empties and refills the databases, atomic and
-    seen by every process that has the store open. Only when the old index cannot take
-    that transaction (damaged pages) is a fresh one built beside it and swapped in; other
-    processes notice the swap (``Index.refresh_if_replaced``) before their next write."""
+    The new index is written into a fresh environment beside the old one, which is never
+    trusted nor written (it may be the damage being repaired), and swapped in; other
+    processes notice the swap (``Index.refresh_if_replaced``) before their next writer,
+    gc or repair and within a second on reads."""
     found, next_pack = _scan(store)
     chosen = _choose_roots(found)
     seq, snap_pack, roots = chosen.max_seq, chosen.newest_pack, chosen.roots
@@ -211,10 +211,9 @@ def rebuild(store: PackStore) -> RepairReport:
         for key, value in meta.items():
             txn.put(key, value, db=index.meta)
 
-    try:
-        old.write(lambda txn: fill(old, txn, drop=True))
-    except StoreError:
-        _rebuild_beside(store, lambda new, txn: fill(new, txn, drop=False))
+    # Always into a fresh environment: the old one may be the damaged thing (a flipped
+    # page pointer or a short map can SIGBUS the process that writes into it).
+    _rebuild_beside(store, lambda new, txn: fill(new, txn, drop=False))
     store._index.legacy_entries = False
     store._readers.close()
     return RepairReport(len(found.packs), len(found.objects), len(roots),

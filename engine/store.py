@@ -30,6 +30,7 @@ from .api import (
     Object,
     ObjectInfo,
     ObjectStore,
+    Problem,
     ProgressFn,
     RepairReport,
     Stats,
@@ -177,6 +178,10 @@ class PackStore(ObjectStore):
             return None
         except OSError as exc:
             raise store_error(f"cannot read pack {name}", exc) from exc
+        except (OverflowError, ValueError) as exc:  # an offset no file can have
+            raise CorruptObject(f"object {hexid(oid)}: index entry points at offset "
+                                f"{entry.offset} of pack {name}: {exc}", oid=oid, pack=name,
+                                offset=entry.offset) from exc
         except CorruptObject as exc:  # a short read: the pack was truncated
             raise CorruptObject(f"object {hexid(oid)}: {exc}", oid=oid, pack=name,
                                 offset=entry.offset) from exc
@@ -243,10 +248,14 @@ class PackStore(ObjectStore):
     def root(self, name: str) -> bytes | None:
         self._check_open()
         key = check_root_name(name)
+        # Roots are where a reader enters newer state: one stat() tells whether a repair
+        # elsewhere swapped in a new index directory since.
+        self._index.refresh_if_replaced()
         return self._index.read(lambda t: t.get(key, db=self._index.roots))
 
     def roots(self) -> dict[str, bytes]:
         self._check_open()
+        self._index.refresh_if_replaced()
         return self._index.read(
             lambda t: {k.decode("utf-8"): v for k, v in t.cursor(db=self._index.roots)}
         )
@@ -307,7 +316,12 @@ class PackStore(ObjectStore):
         from .verify import verify
 
         self._check_open()
-        return verify(self, deep=deep, roots=roots, progress=progress)
+        try:
+            return verify(self, deep=deep, roots=roots, progress=progress)
+        except (CorruptObject, FormatError) as exc:
+            # verify reports damage, it does not raise it: an index it cannot even walk
+            # is one more problem.
+            return VerifyReport(False, (Problem("unreadable-index", str(exc)),), 0, 0)
 
     @_translated
     def repair(self) -> RepairReport:

@@ -78,6 +78,9 @@ class PackWriter(Writer):
             raise TypeError("refs must be a sequence of object ids, not a single bytes/str")
         refs = tuple(bytes(r) for r in refs)
         payload = bytes(payload)
+        if len(payload) > fmt.MAX_RAW_LEN:
+            raise ValueError(f"payload of {len(payload)} bytes exceeds the "
+                             f"{fmt.MAX_RAW_LEN}-byte limit (FORMAT.md \"Records\")")
         oid = object_id(kind, refs, payload)  # validates every ref's shape
         absent = self._absent((oid, *refs))
         for ref in refs:
