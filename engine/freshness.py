@@ -156,15 +156,17 @@ def _open_readonly(store: PackStore, map_size: int, options: dict) -> None:
 
 
 def stale_problem(store: PackStore) -> str | None:
-    """Why the index must not be trusted (behind its packs, or empty beside sealed
-    packs), or None. Reads no pack on a healthy store."""
+    """Why the index must not be trusted (behind its packs, empty beside sealed packs, or
+    roots failing their checksum), or None. Reads no pack on a healthy store."""
     index = store._index
 
     def state(txn):
         listed = {ix.unpack_pack_key(k) for k in txn.cursor(db=index.packs).iternext(values=False)}
-        return listed, ix.get_u64(txn, index.meta, ix.META_SEQ)
+        return listed, ix.get_u64(txn, index.meta, ix.META_SEQ), ix.roots_problem(txn, index)
 
-    listed, seq = index.read(state)
+    listed, seq, roots_problem = index.read(state)
+    if roots_problem is not None:
+        return roots_problem
     unlisted = sorted((n for n in list_pack_files(store.path) if n not in listed), reverse=True)
     for n in unlisted:
         newest = _newest_seq(store, n)

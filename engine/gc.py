@@ -42,6 +42,9 @@ def mark(index: ix.Index) -> dict[bytes, int]:
     def walk(txn):
         live: dict[bytes, int] = {}
         stack = []
+        problem = ix.roots_problem(txn, index)
+        if problem is not None:
+            raise GCRefused(f"gc refused: {problem}; run repair first")
         for key, value in txn.cursor(db=index.roots):
             try:
                 bytes(key).decode("utf-8")

@@ -17,6 +17,7 @@ from typing import TypeVar
 
 import lmdb
 import msgpack
+import xxhash
 
 from . import format as fmt
 from .entries import (  # noqa: F401 - the index's value layouts, re-exported
@@ -45,6 +46,7 @@ META_SEQ = b"commit_seq"
 META_SNAPSHOT_PACK = b"snapshot_pack"
 META_OPTIONS = b"options"
 META_CHAIN = b"roots_chain"  # msgpack [packs of the current roots chain, delta bytes]
+META_ROOTS_SUM = b"roots_checksum"  # u64 roots_digest of the roots db: see below
 META_ENTRY_SUMS = b"entry_checksums"  # u64 1: every object entry carries its checksum
 
 
@@ -185,6 +187,7 @@ class Index:
                 txn.put(META_SNAPSHOT_PACK, I64.pack(-1), db=self.meta)
                 txn.put(META_OPTIONS, msgpack.packb(options), db=self.meta)
                 txn.put(META_ENTRY_SUMS, U64.pack(1), db=self.meta)
+                txn.put(META_ROOTS_SUM, roots_digest({}), db=self.meta)
                 return fmt.FORMAT_VERSION
             return U64.unpack(raw)[0] if len(raw) == U64.size else -1
 
@@ -221,6 +224,9 @@ class Index:
                 txn.put(key, entry.encode(key), db=self.objects)
                 done += 1
             txn.put(META_ENTRY_SUMS, U64.pack(1), db=self.meta)
+            if txn.get(META_ROOTS_SUM, db=self.meta) is None:
+                roots = {bytes(k): bytes(v) for k, v in txn.cursor(db=self.roots)}
+                txn.put(META_ROOTS_SUM, roots_digest(roots), db=self.meta)
             return done
 
         done = self.write(upgrade)
@@ -361,6 +367,28 @@ def get_chain(txn, db) -> tuple[list[int], int]:
         return [int(n) for n in packs], int(nbytes)
     except Exception:  # damaged: a fresh full snapshot repairs it
         return [], 0
+
+
+def roots_digest(roots: dict) -> bytes:
+    """Checksum of a whole root map (keys str or utf-8 bytes): a flipped bit in the roots
+    db could otherwise hide roots from gc, which would sweep their DAGs and write a
+    snapshot without them."""
+    h = xxhash.xxh3_64()
+    for key, oid in sorted((k.encode("utf-8") if isinstance(k, str) else bytes(k), bytes(v))
+                           for k, v in roots.items()):
+        h.update(U64.pack(len(key)) + key + U64.pack(len(oid)) + oid)
+    return h.digest()
+
+
+def roots_problem(txn, index: Index) -> str | None:
+    """Why the roots db cannot be trusted (it fails its checksum), or None."""
+    stored = txn.get(META_ROOTS_SUM, db=index.meta)
+    if stored is None:
+        return None  # an index from before roots checksums: upgraded on open
+    roots = {bytes(k): bytes(v) for k, v in txn.cursor(db=index.roots)}
+    if roots_digest(roots) != bytes(stored):
+        return "the index's roots fail their checksum (damaged roots table)"
+    return None
 
 
 def chain_value(packs, delta_bytes: int) -> bytes:

@@ -196,6 +196,7 @@ def rebuild(store: PackStore) -> RepairReport:
         ix.META_SNAPSHOT_PACK: ix.I64.pack(snap_pack),
         ix.META_CHAIN: ix.chain_value(chosen.chain, chosen.delta_bytes),
         ix.META_ENTRY_SUMS: ix.U64.pack(1),
+        ix.META_ROOTS_SUM: ix.roots_digest(roots),
     }
 
     def fill(index: ix.Index, txn, *, drop: bool) -> None:

@@ -29,6 +29,9 @@ def _walk(store: PackStore, names: list[str] | None):
     def walk(txn):
         problems: list[Problem] = []
         found: dict[bytes, ix.ObjectEntry] = {}
+        roots_problem = ix.roots_problem(txn, index)
+        if roots_problem is not None:
+            problems.append(Problem("corrupt-roots", roots_problem))
         all_roots = {}
         for k, v in txn.cursor(db=index.roots):
             name = bytes(k).decode("utf-8", "backslashreplace")

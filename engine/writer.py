@@ -20,7 +20,7 @@ from . import format as fmt
 from . import index as ix
 from . import pack as pk
 from .api import CommitInfo, Writer
-from .errors import ObjectNotFound, RootExists, StoreClosed, StoreError
+from .errors import CorruptObject, ObjectNotFound, RootExists, StoreClosed, StoreError
 from .fileio import store_error
 from .ids import MAX_ROOT_NAME, check_id, check_kind, check_root_name, hexid, object_id  # noqa: F401
 from .pack import PackSet
@@ -45,6 +45,7 @@ class PackWriter(Writer):
         self._roots: dict[str, bytes | None] = {}
         self._creates: set[str] = set()  # names that must not exist at commit
         self._chain = b""  # the META_CHAIN value this commit publishes
+        self._roots_sum = b""
         self._reused = 0
         self._bytes = 0
         self._payload_new = 0
@@ -198,6 +199,9 @@ class PackWriter(Writer):
         index = self._index
 
         def current(txn):
+            problem = ix.roots_problem(txn, index)
+            if problem is not None:  # writer() rebuilt a bad index: this is new damage
+                raise CorruptObject(f"cannot commit: {problem}; run repair")
             roots = {k.decode(): bytes(v) for k, v in txn.cursor(db=index.roots)}
             seq = ix.get_u64(txn, index.meta, ix.META_SEQ)
             return seq, roots, ix.get_chain(txn, index.meta)
@@ -219,6 +223,7 @@ class PackWriter(Writer):
         record = fmt.encode_record(rtype, 0, (), payload, sid, cctx=self._compressor())
         self._bytes += len(record)
         pack, _ = self._packs.append(record, rtype, sid, meta=True)
+        self._roots_sum = ix.roots_digest(roots)
         if rtype == fmt.RECORD_ROOTS:
             self._chain = ix.chain_value([pack], 0)
         else:
@@ -249,6 +254,7 @@ class PackWriter(Writer):
             txn.put(ix.META_SEQ, ix.U64.pack(seq), db=index.meta)
             txn.put(ix.META_SNAPSHOT_PACK, ix.I64.pack(snapshot_pack), db=index.meta)
             txn.put(ix.META_CHAIN, self._chain, db=index.meta)
+            txn.put(ix.META_ROOTS_SUM, self._roots_sum, db=index.meta)
 
     def __del__(self) -> None:
         # A writer dropped without commit or abort must not keep the store locked.
