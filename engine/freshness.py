@@ -26,7 +26,7 @@ from . import format as fmt
 from . import index as ix
 from .errors import CorruptObject, StaleIndex, StoreLocked
 from .fileio import fsync_dir
-from .pack import PackReaders, list_pack_files, pack_name, read_trailer
+from .pack import PackReaders, list_pack_files, pack_name, pack_numbers, read_trailer
 
 if TYPE_CHECKING:
     from .store import PackStore
@@ -155,10 +155,25 @@ def _open_readonly(store: PackStore, map_size: int, options: dict) -> None:
                          "to date")
 
 
-def stale_problem(store: PackStore) -> str | None:
+def stale_problem(store: PackStore, *, full: bool = True) -> str | None:
     """Why the index must not be trusted (behind its packs, empty beside sealed packs, or
-    roots failing their checksum), or None. Reads no pack on a healthy store."""
+    roots failing their checksum), or None. Reads no pack on a healthy store.
+
+    ``full=False`` (before each writer, the index already checked at open) looks only at
+    the run of pack files from ``next_pack`` on: a writer or gc that died after sealing
+    left its packs there, numbered consecutively from the ``next_pack`` it read."""
     index = store._index
+    if not full:
+        next_pack, seq = index.read(lambda t: (ix.get_u64(t, index.meta, ix.META_NEXT_PACK),
+                                               ix.get_u64(t, index.meta, ix.META_SEQ)))
+        n = next_pack
+        while (store.path / "packs" / pack_name(n)).exists():
+            newest = _newest_seq(store, n)
+            if newest is not None and newest > seq:
+                return (f"pack {pack_name(n)} holds commit {newest}, the index only "
+                        f"reaches commit {seq} (a commit or gc that died after sealing)")
+            n += 1
+        return None
 
     def state(txn):
         listed = {ix.unpack_pack_key(k) for k in txn.cursor(db=index.packs).iternext(values=False)}
@@ -167,7 +182,7 @@ def stale_problem(store: PackStore) -> str | None:
     listed, seq, roots_problem = index.read(state)
     if roots_problem is not None:
         return roots_problem
-    unlisted = sorted((n for n in list_pack_files(store.path) if n not in listed), reverse=True)
+    unlisted = sorted(pack_numbers(store.path) - listed, reverse=True)
     for n in unlisted:
         newest = _newest_seq(store, n)
         if newest is None:

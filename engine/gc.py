@@ -226,7 +226,7 @@ def collect(store: PackStore, *, threshold: float, progress: ProgressFn | None) 
             sid = fmt.snapshot_id(payload)
             record = fmt.encode_record(fmt.RECORD_ROOTS, 0, (), payload, sid, cctx=None)
             snap, _ = out.append(record, fmt.RECORD_ROOTS, sid, meta=True)
-            chain = ix.chain_value([snap], 0)
+            chain = ix.chain_value([snap], 0, len(payload))
             gone |= plan.chain_only - in_use  # the old chain is superseded
         out.seal_and_sync()
         crashpoints.hit("gc.after_compact_write")

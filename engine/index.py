@@ -355,29 +355,46 @@ def get_snapshot_pack(txn, db) -> int:
     return I64.unpack(raw)[0] if raw is not None else -1
 
 
-def get_chain(txn, db) -> tuple[list[int], int]:
+def get_chain(txn, db) -> tuple[list[int], int, int]:
     """(packs holding the current roots chain: its full snapshot and the deltas since,
-    payload bytes of those deltas). An empty list demands a full snapshot next."""
+    payload bytes of those deltas, payload bytes of that full snapshot). An empty list
+    demands a full snapshot next."""
     raw = txn.get(META_CHAIN, db=db)
     if raw is None:  # an index from before roots deltas: every snapshot was full
         n = get_snapshot_pack(txn, db)
-        return ([n] if n >= 0 else []), 0
+        return ([n] if n >= 0 else []), 0, 0
     try:
-        packs, nbytes = msgpack.unpackb(raw)
-        return [int(n) for n in packs], int(nbytes)
+        packs, delta_bytes, full_bytes = msgpack.unpackb(raw)
+        return [int(n) for n in packs], int(delta_bytes), int(full_bytes)
     except Exception:  # damaged: a fresh full snapshot repairs it
-        return [], 0
+        return [], 0, 0
+
+
+_MASK = (1 << 64) - 1
+
+
+def root_hash(name, oid: bytes) -> int:
+    key = name.encode("utf-8") if isinstance(name, str) else bytes(name)
+    return xxhash.xxh3_64_intdigest(b"".join((U64.pack(len(key)), key, bytes(oid))))
 
 
 def roots_digest(roots: dict) -> bytes:
-    """Checksum of a whole root map (keys str or utf-8 bytes): a flipped bit in the roots
-    db could otherwise hide roots from gc, which would sweep their DAGs and write a
-    snapshot without them."""
-    h = xxhash.xxh3_64()
-    for key, oid in sorted((k.encode("utf-8") if isinstance(k, str) else bytes(k), bytes(v))
-                           for k, v in roots.items()):
-        h.update(U64.pack(len(key)) + key + U64.pack(len(oid)) + oid)
-    return h.digest()
+    """Checksum of a whole root map (keys str or utf-8 bytes): the sum mod 2^64 of each
+    root's ``root_hash``, so a commit updates it from the roots it changes alone. A flipped
+    bit in the roots db could otherwise hide roots from gc, which would sweep their DAGs."""
+    return U64.pack(sum(root_hash(k, v) for k, v in roots.items()) & _MASK)
+
+
+def updated_digest(digest: bytes, old: dict, new: dict) -> bytes:
+    """``digest`` after the roots in ``old`` (name -> id, or None: absent) became ``new``."""
+    (value,) = U64.unpack(digest)
+    for name, oid in old.items():
+        if oid is not None:
+            value -= root_hash(name, oid)
+    for name, oid in new.items():
+        if oid is not None:
+            value += root_hash(name, oid)
+    return U64.pack(value & _MASK)
 
 
 def roots_problem(txn, index: Index) -> str | None:
@@ -391,5 +408,5 @@ def roots_problem(txn, index: Index) -> str | None:
     return None
 
 
-def chain_value(packs, delta_bytes: int) -> bytes:
-    return msgpack.packb([sorted(set(packs)), int(delta_bytes)])
+def chain_value(packs, delta_bytes: int, full_bytes: int) -> bytes:
+    return msgpack.packb([sorted(set(packs)), int(delta_bytes), int(full_bytes)])

@@ -116,6 +116,7 @@ class _Roots:
     roots: dict[str, bytes] = field(default_factory=dict)
     chain: list[int] = field(default_factory=list)  # [] demands a full snapshot next
     delta_bytes: int = 0
+    full_bytes: int = 0
 
 
 def _choose_roots(found: _Found) -> _Roots:
@@ -152,6 +153,7 @@ def _choose_roots(found: _Found) -> _Roots:
         state = rec.apply(state)
         out.chain.append(n)
         out.delta_bytes += 0 if rec.full else size
+        out.full_bytes = size if rec.full else out.full_bytes
     newest_offset = ordered[-1][2]
     for name, oid in sorted(state.items()):
         if _complete(found.objects, {name: oid}):
@@ -194,7 +196,7 @@ def rebuild(store: PackStore) -> RepairReport:
         ix.META_NEXT_PACK: ix.U64.pack(max(next_pack, old_next)),
         ix.META_SEQ: ix.U64.pack(max(seq, old_seq)),
         ix.META_SNAPSHOT_PACK: ix.I64.pack(snap_pack),
-        ix.META_CHAIN: ix.chain_value(chosen.chain, chosen.delta_bytes),
+        ix.META_CHAIN: ix.chain_value(chosen.chain, chosen.delta_bytes, chosen.full_bytes),
         ix.META_ENTRY_SUMS: ix.U64.pack(1),
         ix.META_ROOTS_SUM: ix.roots_digest(roots),
     }

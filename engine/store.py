@@ -265,14 +265,14 @@ class PackStore(ObjectStore):
         if self.readonly:
             raise ReadOnly(f"{what} on store {self.path}, which was opened read-only")
 
-    def _catch_up(self) -> None:
+    def _catch_up(self, *, full: bool) -> None:
         """With the writer lock held: rebuild an index that fell behind its packs (a
         commit on it would get a sequence below theirs and lose to them on repair; a gc
         would delete their packs as unlisted)."""
         from .freshness import stale_problem
         from .repair import rebuild
 
-        if stale_problem(self) is not None:
+        if stale_problem(self, full=full) is not None:
             rebuild(self)
 
     @_translated
@@ -281,8 +281,8 @@ class PackStore(ObjectStore):
         self._check_writable("writer()")
         self._lock.acquire(timeout)
         try:
-            self._index.refresh_if_replaced()
-            self._catch_up()
+            replaced = self._index.refresh_if_replaced()
+            self._catch_up(full=replaced)  # full check at open, and for a swapped index
             w = PackWriter(self)
         except BaseException:
             self._lock.release()
@@ -307,7 +307,7 @@ class PackStore(ObjectStore):
         if not isinstance(threshold, (int, float)) or not 0.0 <= threshold <= 1.0:
             raise ValueError(f"threshold must be a number in 0..1, got {threshold!r}")
         with self._locked(timeout):
-            self._catch_up()  # gc never runs on an index behind its packs
+            self._catch_up(full=True)  # gc never runs on an index behind its packs
             return collect(self, threshold=float(threshold), progress=progress)
 
     @_translated

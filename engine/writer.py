@@ -191,43 +191,53 @@ class PackWriter(Writer):
     def _append_snapshot(self) -> tuple[int | None, int | None]:
         """Append a roots record to the meta pack when this commit moves roots
         (FORMAT.md "Roots snapshots"): repair recovers roots from these alone. A delta
-        (the names this commit set or deleted) unless the deltas since the last full
-        snapshot add up to as many bytes as a full one, so that snapshots cost linear,
-        not quadratic, space in the number of roots kept."""
+        (the names this commit set or deleted, O(changes) to write and to check in) until
+        the deltas since the last full snapshot add up to its size: snapshots then cost
+        linear, not quadratic, space in the number of roots kept."""
         if not self._roots:
             return None, None
         index = self._index
+        delta = fmt.encode_delta(0, self._roots)  # sized once; re-encoded with its seq
 
         def current(txn):
-            problem = ix.roots_problem(txn, index)
-            if problem is not None:  # writer() rebuilt a bad index: this is new damage
-                raise CorruptObject(f"cannot commit: {problem}; run repair")
-            roots = {k.decode(): bytes(v) for k, v in txn.cursor(db=index.roots)}
             seq = ix.get_u64(txn, index.meta, ix.META_SEQ)
-            return seq, roots, ix.get_chain(txn, index.meta)
+            chain = ix.get_chain(txn, index.meta)
+            digest = txn.get(ix.META_ROOTS_SUM, db=index.meta)
+            old = {n: txn.get(n.encode("utf-8"), db=index.roots) for n in self._roots}
+            old = {n: None if v is None else bytes(v) for n, v in old.items()}
+            chain_packs, delta_bytes, full_bytes = chain
+            full = not chain_packs or digest is None or (
+                delta_bytes + len(delta) > full_bytes)
+            roots = None
+            if full:  # the whole map goes to disk: it must be the one the checksum names
+                problem = ix.roots_problem(txn, index)
+                if problem is not None:
+                    raise CorruptObject(f"cannot commit: {problem}; run repair")
+                roots = {k.decode(): bytes(v) for k, v in txn.cursor(db=index.roots)}
+            return seq, chain, digest, old, roots
 
-        seq, roots, (chain, delta_bytes) = index.read(current)
-        for name, oid in self._roots.items():
-            if oid is None:
-                roots.pop(name, None)
-            else:
-                roots[name] = oid
+        seq, (chain, delta_bytes, full_bytes), digest, old, roots = index.read(current)
         seq += 1
-        full = fmt.encode_snapshot(seq, roots)
-        delta = fmt.encode_delta(seq, self._roots)
-        if not chain or delta_bytes + len(delta) >= len(full):
-            payload, rtype = full, fmt.RECORD_ROOTS
+        if roots is None:
+            payload, rtype = fmt.encode_delta(seq, self._roots), fmt.RECORD_ROOTS_DELTA
+            self._roots_sum = ix.updated_digest(digest, old, self._roots)
         else:
-            payload, rtype = delta, fmt.RECORD_ROOTS_DELTA
+            for name, oid in self._roots.items():
+                if oid is None:
+                    roots.pop(name, None)
+                else:
+                    roots[name] = oid
+            payload, rtype = fmt.encode_snapshot(seq, roots), fmt.RECORD_ROOTS
+            self._roots_sum = ix.roots_digest(roots)
         sid = fmt.snapshot_id(payload)
         record = fmt.encode_record(rtype, 0, (), payload, sid, cctx=self._compressor())
         self._bytes += len(record)
         pack, _ = self._packs.append(record, rtype, sid, meta=True)
-        self._roots_sum = ix.roots_digest(roots)
         if rtype == fmt.RECORD_ROOTS:
-            self._chain = ix.chain_value([pack], 0)
+            self._chain = ix.chain_value([pack], 0, len(payload))
         else:
-            self._chain = ix.chain_value([*chain, pack], delta_bytes + len(delta))
+            self._chain = ix.chain_value([*chain, pack], delta_bytes + len(payload),
+                                         full_bytes)
         return seq, pack
 
     def _publish(self, txn, seq: int | None, snapshot_pack: int | None) -> None:
