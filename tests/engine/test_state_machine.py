@@ -65,7 +65,8 @@ class StoreMachine(RuleBasedStateMachine):
         try:
             for _ in range(nops):
                 visible = list(self.objects) + list(new)
-                op = data.draw(st.sampled_from(["put", "put", "put", "root", "unroot", "bad"]))
+                op = data.draw(st.sampled_from(["put", "put", "put", "root", "create", "unroot",
+                                                "bad"]))
                 if op == "put":
                     kind = data.draw(st.integers(0, 255))
                     refs = []
@@ -86,6 +87,16 @@ class StoreMachine(RuleBasedStateMachine):
                     w.set_root(name, target)
                     roots[name] = target
                     moved = True
+                elif op == "create" and visible:
+                    name = data.draw(st.sampled_from(ROOT_NAMES))
+                    target = data.draw(st.sampled_from(visible))
+                    if name in roots:
+                        with pytest.raises(engine.RootExists):
+                            w.create_root(name, target)
+                    else:
+                        w.create_root(name, target)
+                        roots[name] = target
+                        moved = True
                 elif op == "unroot":
                     name = data.draw(st.sampled_from(ROOT_NAMES))
                     if name in roots:
