@@ -22,6 +22,7 @@ from .api import (
 from .errors import (
     CorruptObject,
     FormatError,
+    GCRefused,
     ObjectNotFound,
     ReadOnly,
     RootExists,
@@ -38,6 +39,7 @@ __all__ = [
     "CommitInfo",
     "CorruptObject",
     "FormatError",
+    "GCRefused",
     "GCReport",
     "MemoryStore",
     "Object",

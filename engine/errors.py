@@ -3,6 +3,7 @@
     StoreError                 any failure of the object store
     ├── ObjectNotFound         an id (or root) that the index does not hold
     ├── CorruptObject          bytes that fail their checksum or id (names pack + offset)
+    │   └── GCRefused          gc met a reachable ref it cannot trust and deleted nothing
     ├── StoreLocked            another writer holds the store
     ├── FormatError            an unknown format version or a malformed store layout
     │   └── StaleIndex         an index behind its packs that could not be brought up to date
@@ -23,6 +24,7 @@ __all__ = [
     "StoreLocked",
     "FormatError",
     "StoreClosed",
+    "GCRefused",
     "StaleIndex",
     "RootExists",
     "ReadOnly",
@@ -60,6 +62,12 @@ class CorruptObject(StoreError):
         self.oid = oid
         self.pack = pack
         self.offset = offset
+
+
+class GCRefused(CorruptObject):
+    """gc found the reachable graph incomplete or unverifiable (a missing or damaged index
+    entry, damaged roots) and deleted nothing: sweeping by it could delete live data.
+    ``repair`` rebuilds the index from the packs."""
 
 
 class StoreLocked(StoreError):

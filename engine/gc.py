@@ -21,17 +21,13 @@ from . import crashpoints
 from . import format as fmt
 from . import index as ix
 from .api import GCReport, Problem, ProgressFn
-from .errors import CorruptObject
+from .errors import CorruptObject, GCRefused
 from .fileio import allocated_bytes, fsync_dir, store_error
 from .ids import ID_SIZE, hexid
 from .pack import PackSet, list_pack_files, pack_name, pack_path, read_trailer
 
 if TYPE_CHECKING:
     from .store import PackStore
-
-
-class GCRefused(CorruptObject):
-    """gc found the reachable graph incomplete or unverifiable and deleted nothing."""
 
 
 def mark(index: ix.Index) -> dict[bytes, int]:
