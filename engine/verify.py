@@ -35,6 +35,8 @@ def _walk(store: PackStore, names: list[str] | None):
         all_roots = {}
         for k, v in txn.cursor(db=index.roots):
             name = bytes(k).decode("utf-8", "backslashreplace")
+            if name.encode("utf-8", "surrogatepass") != bytes(k):
+                problems.append(Problem("corrupt-root", f"root name {bytes(k)!r} is not utf-8"))
             if len(v) != ID_SIZE:
                 problems.append(Problem("corrupt-root", f"root {name!r} holds a malformed id"))
                 continue
