@@ -11,8 +11,9 @@ from dataclasses import dataclass
 
 import xxhash
 
-from .errors import CorruptObject, FormatError
+from .errors import CorruptObject
 from .ids import ID_SIZE, hexid
+from .lmdbcheck import DamagedIndex
 
 # FORMAT.md "Index": value layouts.
 OBJECT_VALUE = struct.Struct("<IQQBQBI")
@@ -82,7 +83,7 @@ class PackEntry:
         try:
             size, total, live, flags, count = PACK_VALUE.unpack(buf)
         except struct.error as exc:
-            raise FormatError(f"malformed pack entry in index: {exc}") from exc
+            raise DamagedIndex(f"malformed pack entry in index: {exc}") from exc
         return cls(size, total, live, bool(flags & FLAG_META), count)
 
     @property
@@ -97,5 +98,5 @@ def pack_key(n: int) -> bytes:
 
 def unpack_pack_key(key: bytes) -> int:
     if len(key) != PACK_KEY.size:
-        raise FormatError(f"malformed pack key {bytes(key)!r} in index")
+        raise DamagedIndex(f"malformed pack key {bytes(key)!r} in index")
     return PACK_KEY.unpack(key)[0]

@@ -57,11 +57,19 @@ def open_index(store: PackStore, map_size: int, options: dict) -> None:
     if store.readonly:
         _open_readonly(store, map_size, options)
         return
+    try:
+        _open_writable(store, map_size, options, damaged=False)
+    except ix.DamagedIndex:
+        # LMDB itself found pages it cannot use: derived data, rebuilt from the packs.
+        _open_writable(store, map_size, options, damaged=True)
+
+
+def _open_writable(store: PackStore, map_size: int, options: dict, *, damaged: bool) -> None:
     p = store.path
     data = p / "index" / "data.mdb"
     locked = False
     try:
-        if not data.exists() or ix.data_file_problem(data) is not None:
+        if damaged or not data.exists() or ix.data_file_problem(data) is not None:
             store._lock.acquire(None)  # a repair elsewhere may be between its renames
             locked = True
         elif (p / "index.new").exists() or (p / "index.old").exists():
@@ -72,7 +80,7 @@ def open_index(store: PackStore, map_size: int, options: dict) -> None:
                 pass  # a repair is running: its leftovers are its own
         if locked:
             settle_index_swap(p)
-            if (p / "index").exists() and (not data.exists()
+            if (p / "index").exists() and (damaged or not data.exists()
                                            or ix.data_file_problem(data) is not None):
                 # Derived data we must not map: rebuilt from the packs below.
                 shutil.rmtree(p / "index")

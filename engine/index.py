@@ -27,7 +27,7 @@ from .entries import (  # noqa: F401 - the index's value layouts, re-exported
     unpack_pack_key,
 )
 from .errors import FormatError, StoreError
-from .lmdbcheck import DamagedIndex, data_file_problem  # noqa: F401
+from .lmdbcheck import CORRUPTION, DamagedIndex, data_file_problem  # noqa: F401
 
 T = TypeVar("T")
 
@@ -103,7 +103,11 @@ class Index:
         self._cond = threading.Condition()
         self._active = 0
         self._resizing = False
-        self._init_meta(options or {})
+        try:
+            self._init_meta(options or {})
+        except BaseException:
+            self.env.close()  # the caller may rebuild this very directory next
+            raise
 
     def _open_env(self, map_size: int, create: bool) -> None:
         data = self.path / "data.mdb"
@@ -121,6 +125,8 @@ class Index:
             self.packs = self.env.open_db(DB_PACKS)
             self.meta = self.env.open_db(DB_META)
             self._identity = self._file_identity()
+        except CORRUPTION as exc:
+            raise DamagedIndex(f"cannot open index {self.path}: {exc}") from exc
         except lmdb.Error as exc:
             raise StoreError(f"cannot open index {self.path}: {exc}") from exc
         self._checked = time.monotonic()
@@ -258,6 +264,8 @@ class Index:
                 return self._begin_read(fn)
             except lmdb.MapResizedError:
                 pass  # another process grew the map: adopt its size below, then retry
+            except CORRUPTION as exc:
+                raise DamagedIndex(f"index {self.path} read failed: {exc}") from exc
             except lmdb.Error as exc:
                 raise StoreError(f"index read failed: {exc}") from exc
             except _DAMAGE as exc:
@@ -281,6 +289,8 @@ class Index:
                 grow = True
             except lmdb.MapResizedError:
                 grow = False  # another process grew it first: adopt that size
+            except CORRUPTION as exc:
+                raise DamagedIndex(f"index {self.path} write failed: {exc}") from exc
             except lmdb.Error as exc:
                 raise StoreError(f"index write failed: {exc}") from exc
             except _DAMAGE as exc:
@@ -338,7 +348,7 @@ _DAMAGE = (ValueError, OverflowError, struct.error, TypeError)
 
 
 def _damaged(path, exc: BaseException) -> FormatError:
-    return FormatError(f"index {path} is damaged ({type(exc).__name__}: {exc}); repair "
+    return DamagedIndex(f"index {path} is damaged ({type(exc).__name__}: {exc}); repair "
                        "rebuilds it from the packs")
 
 

@@ -12,7 +12,9 @@ import os
 import pathlib
 import struct
 
-from .errors import StoreError
+import lmdb
+
+from .errors import FormatError
 
 _LMDB_MAGIC = 0xBEEFC0DE
 _LMDB_META = struct.Struct("<IIQQ")   # magic, version, address, mapsize at page offset 16
@@ -21,8 +23,15 @@ _LMDB_LAST = struct.Struct("<QQ")     # last page number, txn id, at page offset
 _META_END = 152                       # bytes of a meta page this check reads
 
 
-class DamagedIndex(StoreError):
-    """data.mdb is truncated or not an LMDB file: it must not be mapped (SIGBUS)."""
+class DamagedIndex(FormatError):
+    """data.mdb is truncated, not an LMDB file, or LMDB found its pages corrupted: the
+    index must be rebuilt from the packs (a writable open does so by itself)."""
+
+
+# What LMDB reports for pages it cannot make sense of (as opposed to resource errors).
+CORRUPTION = (lmdb.CorruptedError, lmdb.InvalidError, lmdb.PageNotFoundError,
+              lmdb.BadTxnError, lmdb.PanicError, lmdb.VersionMismatchError,
+              lmdb.BadValsizeError, lmdb.IncompatibleError, lmdb.BadDbiError)
 
 
 def data_file_problem(data: pathlib.Path) -> str | None:

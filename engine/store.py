@@ -272,7 +272,11 @@ class PackStore(ObjectStore):
         from .freshness import stale_problem
         from .repair import rebuild
 
-        if stale_problem(self, full=full) is not None:
+        try:
+            stale = stale_problem(self, full=full) is not None
+        except ix.DamagedIndex:
+            stale = True  # LMDB cannot read its own pages: rebuilt from the packs
+        if stale:
             rebuild(self)
 
     @_translated
