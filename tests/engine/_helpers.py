@@ -307,8 +307,15 @@ def _cmd_survive(path: str, kept: str) -> None:
     _say("survived")
 
 
+def _cmd_repair_once(path: str) -> None:
+    with engine.open(path) as store:
+        rep = store.repair()
+        _say(f"repaired roots={rep.roots_restored}")
+
+
 COMMANDS = {
     "survive": _cmd_survive,
+    "repair_once": _cmd_repair_once,
     "write": _cmd_write,
     "churn": _cmd_churn,
     "gc": _cmd_gc,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import random
 import shutil
+import signal
 
 import lmdb
 import pytest
@@ -40,6 +41,14 @@ def _make(path, *, gc_between: bool = False) -> None:
 
 def _survive(path, kept=ROOTS) -> list[str]:
     rc, lines, err = run("survive", path, ",".join(map(str, kept)), timeout=120)
+    if rc == -signal.SIGABRT and "mdb.c" in err and "Assertion" in err:
+        # Known limit (docs/FORMAT.md "Index freshness"): LMDB keeps no checksum on its
+        # free-page lists, and a flip there trips its own assertion (abort) at the next
+        # write transaction (about 1 in 1,000 random flips). Nothing was written by then,
+        # and repair, which never writes into the old environment, must get us back.
+        rc, out, err2 = run("repair_once", path, timeout=120)
+        assert rc == 0, f"repair after an LMDB abort failed: {out} {err2[-2000:]}"
+        rc, lines, err = run("survive", path, ",".join(map(str, kept)), timeout=120)
     assert rc >= 0, f"the worker died of signal {-rc}: {lines} {err[-2000:]}"
     assert rc == 0 and lines[-1] == "survived", f"rc={rc} {lines} {err[-3000:]}"
     return lines
