@@ -17,7 +17,6 @@ from typing import TypeVar
 
 import lmdb
 import msgpack
-import xxhash
 
 from . import format as fmt
 from .entries import (  # noqa: F401 - the index's value layouts, re-exported
@@ -27,6 +26,21 @@ from .entries import (  # noqa: F401 - the index's value layouts, re-exported
     unpack_pack_key,
 )
 from .errors import FormatError, StoreError
+from .indexmeta import (  # noqa: F401 - meta helpers, re-exported for index users
+    I64,
+    META_CHAIN,
+    META_ROOTS_SUM,
+    META_SEQ,
+    META_SNAPSHOT_PACK,
+    U64,
+    chain_value,
+    get_chain,
+    get_snapshot_pack,
+    get_u64,
+    roots_digest,
+    roots_problem,
+    updated_digest,
+)
 from .lmdbcheck import CORRUPTION, DamagedIndex, data_file_problem  # noqa: F401
 
 T = TypeVar("T")
@@ -36,17 +50,11 @@ DB_ROOTS = b"roots"
 DB_PACKS = b"packs"
 DB_META = b"meta"
 
-U64 = struct.Struct("<Q")
-I64 = struct.Struct("<q")
 _REFRESH_S = 1.0  # how often readers look for an index directory swapped by repair
 
 META_VERSION = b"format_version"
 META_NEXT_PACK = b"next_pack"
-META_SEQ = b"commit_seq"
-META_SNAPSHOT_PACK = b"snapshot_pack"
 META_OPTIONS = b"options"
-META_CHAIN = b"roots_chain"  # msgpack [packs of the current roots chain, delta bytes]
-META_ROOTS_SUM = b"roots_checksum"  # u64 roots_digest of the roots db: see below
 META_ENTRY_SUMS = b"entry_checksums"  # u64 1: every object entry carries its checksum
 
 
@@ -350,73 +358,3 @@ _DAMAGE = (ValueError, OverflowError, struct.error, TypeError)
 def _damaged(path, exc: BaseException) -> FormatError:
     return DamagedIndex(f"index {path} is damaged ({type(exc).__name__}: {exc}); repair "
                        "rebuilds it from the packs")
-
-
-# -- helpers used inside transactions --------------------------------------------------
-
-
-def get_u64(txn, db, key: bytes) -> int:
-    raw = txn.get(key, db=db)
-    return U64.unpack(raw)[0] if raw is not None else 0
-
-
-def get_snapshot_pack(txn, db) -> int:
-    raw = txn.get(META_SNAPSHOT_PACK, db=db)
-    return I64.unpack(raw)[0] if raw is not None else -1
-
-
-def get_chain(txn, db) -> tuple[list[int], int, int]:
-    """(packs holding the current roots chain: its full snapshot and the deltas since,
-    payload bytes of those deltas, payload bytes of that full snapshot). An empty list
-    demands a full snapshot next."""
-    raw = txn.get(META_CHAIN, db=db)
-    if raw is None:  # an index from before roots deltas: every snapshot was full
-        n = get_snapshot_pack(txn, db)
-        return ([n] if n >= 0 else []), 0, 0
-    try:
-        packs, delta_bytes, full_bytes = msgpack.unpackb(raw)
-        return [int(n) for n in packs], int(delta_bytes), int(full_bytes)
-    except Exception:  # damaged: a fresh full snapshot repairs it
-        return [], 0, 0
-
-
-_MASK = (1 << 64) - 1
-
-
-def root_hash(name, oid: bytes) -> int:
-    key = name.encode("utf-8") if isinstance(name, str) else bytes(name)
-    return xxhash.xxh3_64_intdigest(b"".join((U64.pack(len(key)), key, bytes(oid))))
-
-
-def roots_digest(roots: dict) -> bytes:
-    """Checksum of a whole root map (keys str or utf-8 bytes): the sum mod 2^64 of each
-    root's ``root_hash``, so a commit updates it from the roots it changes alone. A flipped
-    bit in the roots db could otherwise hide roots from gc, which would sweep their DAGs."""
-    return U64.pack(sum(root_hash(k, v) for k, v in roots.items()) & _MASK)
-
-
-def updated_digest(digest: bytes, old: dict, new: dict) -> bytes:
-    """``digest`` after the roots in ``old`` (name -> id, or None: absent) became ``new``."""
-    (value,) = U64.unpack(digest)
-    for name, oid in old.items():
-        if oid is not None:
-            value -= root_hash(name, oid)
-    for name, oid in new.items():
-        if oid is not None:
-            value += root_hash(name, oid)
-    return U64.pack(value & _MASK)
-
-
-def roots_problem(txn, index: Index) -> str | None:
-    """Why the roots db cannot be trusted (it fails its checksum), or None."""
-    stored = txn.get(META_ROOTS_SUM, db=index.meta)
-    if stored is None:
-        return None  # an index from before roots checksums: upgraded on open
-    roots = {bytes(k): bytes(v) for k, v in txn.cursor(db=index.roots)}
-    if roots_digest(roots) != bytes(stored):
-        return "the index's roots fail their checksum (damaged roots table)"
-    return None
-
-
-def chain_value(packs, delta_bytes: int, full_bytes: int) -> bytes:
-    return msgpack.packb([sorted(set(packs)), int(delta_bytes), int(full_bytes)])
