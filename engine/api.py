@@ -64,6 +64,8 @@ class GCReport:
     bytes_freed: int          # bytes released on disk (allocated blocks), after compaction
     packs_rewritten: int
     packs_deleted: int
+    # Packs gc could not read (left in place, nothing of them deleted): repair's business.
+    unreadable: tuple[Problem, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -115,6 +117,13 @@ class Writer(abc.ABC):
     @abc.abstractmethod
     def set_root(self, name: str, oid: bytes) -> None:
         """Point root ``name`` at an existing object (visible at commit)."""
+
+    @abc.abstractmethod
+    def create_root(self, name: str, oid: bytes) -> None:
+        """Like ``set_root``, but create-only: if ``name`` exists when this writer commits
+        (checked under the writer lock, inside the publishing transaction), ``commit``
+        raises RootExists and NOTHING of this writer becomes visible. Two writers
+        creating one name: exactly one wins."""
 
     @abc.abstractmethod
     def delete_root(self, name: str) -> None:

@@ -3,8 +3,12 @@
     StoreError                 any failure of the object store
     ├── ObjectNotFound         an id (or root) that the index does not hold
     ├── CorruptObject          bytes that fail their checksum or id (names pack + offset)
+    │   └── GCRefused          gc met a reachable ref it cannot trust and deleted nothing
     ├── StoreLocked            another writer holds the store
     ├── FormatError            an unknown format version or a malformed store layout
+    │   └── StaleIndex         an index behind its packs that could not be brought up to date
+    ├── RootExists             create_root of a name that exists at commit (nothing published)
+    ├── ReadOnly               a write on a store opened with readonly=True
     └── StoreClosed            use of a closed store, or of a store across fork()
 
 Third-party errors (lmdb, zstandard, OSError) are translated at the boundary with
@@ -20,6 +24,10 @@ __all__ = [
     "StoreLocked",
     "FormatError",
     "StoreClosed",
+    "GCRefused",
+    "StaleIndex",
+    "RootExists",
+    "ReadOnly",
 ]
 
 
@@ -56,6 +64,12 @@ class CorruptObject(StoreError):
         self.offset = offset
 
 
+class GCRefused(CorruptObject):
+    """gc found the reachable graph incomplete or unverifiable (a missing or damaged index
+    entry, damaged roots) and deleted nothing: sweeping by it could delete live data.
+    ``repair`` rebuilds the index from the packs."""
+
+
 class StoreLocked(StoreError):
     """Another writer (this or another process) holds the store's writer lock."""
 
@@ -66,3 +80,22 @@ class FormatError(StoreError):
 
 class StoreClosed(StoreError):
     """The store handle was closed, or is being used in a process it was not opened in."""
+
+
+class StaleIndex(FormatError):
+    """The index is behind (or emptier than) its packs and could not be brought up to date
+    here (read-only handle, or the writer lock was unavailable): trusting it would let gc
+    delete live packs. Open the store writable, or run repair."""
+
+
+class RootExists(StoreError):
+    """A root created with ``Writer.create_root`` already existed when the writer committed;
+    the whole transaction was discarded (its packs are garbage for gc)."""
+
+    def __init__(self, message: str, *, name: str):
+        super().__init__(message)
+        self.name = name
+
+
+class ReadOnly(StoreError):
+    """A write (writer, gc, repair) on a store opened with ``readonly=True``."""

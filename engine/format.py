@@ -11,12 +11,22 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
-import msgpack
 import xxhash
 import zstandard
 
 from .errors import CorruptObject
-from .ids import ID_SIZE, object_id
+from .ids import ID_SIZE, id_hasher, object_id
+from .rootsrec import (  # noqa: F401 - roots records are part of the format
+    RECORD_ROOTS,
+    RECORD_ROOTS_DELTA,
+    ROOTS_RECORDS,
+    RootsRecord,
+    decode_roots_record,
+    decode_snapshot,
+    encode_delta,
+    encode_snapshot,
+    snapshot_id,
+)
 
 FORMAT_VERSION = 1  # FORMAT.md "Format version"
 
@@ -30,7 +40,6 @@ RECORD_MAGIC = b"CNRR"
 RECORD_HEADER = struct.Struct("<4sBBBBIQQ16s")
 CHECKSUM = struct.Struct("<Q")
 RECORD_OBJECT = 0
-RECORD_ROOTS = 1
 CODEC_RAW = 0
 CODEC_ZSTD = 1
 # Store raw unless zstd saves at least this fraction (FORMAT.md "Records").
@@ -45,6 +54,15 @@ SAMPLE_SLICE = 1 << 10
 # so it is refused before any allocation (FORMAT.md "Records", decoding rules).
 MAX_ZSTD_RATIO = 1 << 16
 MAX_REFS = 1 << 20
+# No payload is larger (puts refuse it), so no record may claim more (FORMAT.md "Records").
+MAX_RAW_LEN = 1 << 32
+# A zstd payload may expand up to this ratio (or to DIRECT_MIN bytes) before its id is
+# known; one that claims more is first streamed through the id hash in STREAM_CHUNK
+# pieces, and only allocated whole once it proved genuine. A crafted 33 KB record can
+# no longer make a reader allocate a gigabyte before its id check fails.
+DIRECT_RATIO = 1 << 10
+DIRECT_MIN = 1 << 20
+STREAM_CHUNK = 1 << 20
 
 # FORMAT.md "Trailer": 33-byte entries then a 28-byte footer at the very end of the file.
 TRAILER_ENTRY = struct.Struct("<QQB16s")
@@ -108,7 +126,7 @@ class RecordHeader:
             problem = f"bad record magic {bytes(magic)!r}"
         elif version != FORMAT_VERSION:
             problem = f"unknown record format version {version}"
-        elif rtype not in (RECORD_OBJECT, RECORD_ROOTS):
+        elif rtype not in (RECORD_OBJECT, *ROOTS_RECORDS):
             problem = f"unknown record type {rtype}"
         elif codec not in (CODEC_RAW, CODEC_ZSTD):
             problem = f"unknown codec {codec}"
@@ -118,6 +136,8 @@ class RecordHeader:
             problem = f"raw record with raw_len {raw} != stored_len {stored}"
         elif codec == CODEC_ZSTD and raw > max(stored, 64) * MAX_ZSTD_RATIO:
             problem = f"raw_len {raw} impossible for {stored} zstd bytes"
+        elif raw > MAX_RAW_LEN:
+            problem = f"raw_len {raw} exceeds the largest payload a store holds"
         if problem:
             raise CorruptObject(f"{where}: {problem}", oid=bytes(oid), pack=pack, offset=offset)
         return cls(rtype, kind, codec, nrefs, stored, raw, bytes(oid))
@@ -217,6 +237,9 @@ def decode_record(
     if header.codec == CODEC_RAW:
         payload = bytes(stored)
     else:
+        kind, id_refs = (header.kind, refs) if header.rtype == RECORD_OBJECT else (0, ())
+        if header.raw_len > max(len(stored) * DIRECT_RATIO, DIRECT_MIN):
+            _stream_check(stored, header, kind, id_refs, dctx, where, pack, offset)
         payload = _decompress(stored, header.raw_len, dctx, where, header.oid, pack, offset)
     if header.rtype == RECORD_OBJECT:
         try:
@@ -232,6 +255,29 @@ def decode_record(
             oid=header.oid, pack=pack, offset=offset,
         )
     return Record(header, refs, payload)
+
+
+def _stream_check(stored, header: RecordHeader, kind: int, refs, dctx, where, pack,
+                  offset) -> None:
+    """Decompress in bounded pieces through the id hash, keeping none of it: raises
+    CorruptObject unless the payload is exactly raw_len bytes that hash to the id."""
+    try:
+        h = id_hasher(kind, refs, header.raw_len)
+        reader = (dctx or zstandard.ZstdDecompressor()).stream_reader(stored)
+        total = 0
+        while total <= header.raw_len:
+            chunk = reader.read(STREAM_CHUNK)
+            if not chunk:
+                break
+            total += len(chunk)
+            h.update(chunk)
+    except (zstandard.ZstdError, ValueError, MemoryError) as exc:
+        raise CorruptObject(f"{where}: cannot decompress: {exc}", oid=header.oid, pack=pack,
+                            offset=offset) from exc
+    if total != header.raw_len or h.digest() != header.oid:
+        raise CorruptObject(f"{where}: content does not match its id (checked while "
+                            "streaming, before allocating it)", oid=header.oid, pack=pack,
+                            offset=offset)
 
 
 def _decompress(stored, raw_len, dctx, where, oid, pack, offset) -> bytes:
@@ -302,38 +348,8 @@ def decode_trailer(
     entries = []
     for i in range(count):
         off, length, rtype, oid = TRAILER_ENTRY.unpack_from(buf, i * TRAILER_ENTRY.size)
-        if off < PACK_HEADER.size or off + length > entries_offset or rtype > RECORD_ROOTS:
+        if off < PACK_HEADER.size or off + length > entries_offset or rtype > RECORD_ROOTS_DELTA:
             raise CorruptObject(f"pack {pack}: trailer entry {i} out of range", pack=pack,
                                 offset=entries_offset)
         entries.append(TrailerEntry(off, length, rtype, oid))
     return entries
-
-
-# -- roots snapshots --------------------------------------------------------------------
-
-
-def snapshot_id(payload: bytes) -> bytes:
-    """Id of a roots-snapshot record: its payload hashed as a kind-0 object without refs."""
-    return object_id(0, (), payload)
-
-
-def encode_snapshot(seq: int, roots: dict[str, bytes]) -> bytes:
-    return msgpack.packb({"seq": seq, "roots": dict(sorted(roots.items()))}, use_bin_type=True)
-
-
-def decode_snapshot(payload: bytes, *, pack: str | None = None,
-                    offset: int | None = None) -> tuple[int, dict[str, bytes]]:
-    try:
-        doc = msgpack.unpackb(payload, raw=False, strict_map_key=True)
-        seq, roots = doc["seq"], doc["roots"]
-        ok = isinstance(seq, int) and seq >= 0 and isinstance(roots, dict) and all(
-            isinstance(k, str) and isinstance(v, bytes) and len(v) == ID_SIZE
-            for k, v in roots.items()
-        )
-    except Exception as exc:  # msgpack raises a zoo of types on junk
-        raise CorruptObject(f"pack {pack} offset {offset}: bad roots snapshot: {exc}",
-                            pack=pack, offset=offset) from exc
-    if not ok:
-        raise CorruptObject(f"pack {pack} offset {offset}: malformed roots snapshot",
-                            pack=pack, offset=offset)
-    return seq, roots

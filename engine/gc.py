@@ -20,36 +20,57 @@ from typing import TYPE_CHECKING
 from . import crashpoints
 from . import format as fmt
 from . import index as ix
-from .api import GCReport, ProgressFn
-from .errors import CorruptObject
+from .api import GCReport, Problem, ProgressFn
+from .errors import CorruptObject, GCRefused
 from .fileio import allocated_bytes, fsync_dir, store_error
+from .ids import ID_SIZE, hexid
 from .pack import PackSet, list_pack_files, pack_name, pack_path, read_trailer
 
 if TYPE_CHECKING:
     from .store import PackStore
 
 
-def mark(index: ix.Index) -> set[bytes]:
-    """Ids reachable from the roots, following refs kept in the index."""
+def mark(index: ix.Index) -> dict[bytes, int]:
+    """Ids reachable from the roots, following refs kept in the index, with the pack each
+    lives in. Raises GCRefused (nothing swept yet) when a reachable ref is missing or its
+    entry fails its checksum: sweeping on a graph we cannot trust could delete live data."""
 
     def walk(txn):
-        live: set[bytes] = set()
-        stack = [bytes(v) for _, v in txn.cursor(db=index.roots)]
+        live: dict[bytes, int] = {}
+        stack = []
+        problem = ix.roots_problem(txn, index)
+        if problem is not None:
+            raise GCRefused(f"gc refused: {problem}; run repair first")
+        for key, value in txn.cursor(db=index.roots):
+            try:
+                bytes(key).decode("utf-8")
+            except UnicodeDecodeError:
+                raise GCRefused(f"gc refused: root name {bytes(key)!r} is not utf-8 (a "
+                                "damaged index); run repair first") from None
+            if len(value) != ID_SIZE:
+                raise GCRefused(f"gc refused: root {bytes(key)!r} holds a malformed id; "
+                                "run repair first")
+            stack.append(bytes(value))
         while stack:
             oid = stack.pop()
             if oid in live:
                 continue
             raw = txn.get(oid, db=index.objects)
             if raw is None:
-                continue  # a dangling ref is verify's to report; gc keeps what exists
-            live.add(oid)
-            stack.extend(ix.ObjectEntry.decode(raw).refs)
+                raise GCRefused(f"gc refused: reachable object {hexid(oid)} is not in the "
+                                "index (missing or damaged entry); run repair first", oid=oid)
+            try:
+                entry = index.entry(oid, raw)
+            except CorruptObject as exc:
+                raise GCRefused(f"gc refused: {exc}", oid=oid) from exc
+            live[oid] = entry.pack
+            stack.extend(entry.refs)
         return live
 
     return index.read(walk)
 
 
-def sweep(index: ix.Index, live: set[bytes]) -> int:
+def sweep(index: ix.Index, live: dict[bytes, int]) -> int:
     """Drop every unmarked object entry; return how many were dropped."""
 
     def apply(txn):
@@ -57,8 +78,11 @@ def sweep(index: ix.Index, live: set[bytes]) -> int:
         keys = []
         for key, raw in txn.cursor(db=index.objects):
             if key not in live:
-                entry = ix.ObjectEntry.decode(raw)
                 keys.append(key)
+                try:
+                    entry = index.entry(key, raw)
+                except CorruptObject:
+                    continue  # unreachable either way; its pack's counts stay as they were
                 acc = dead.setdefault(entry.pack, [0, 0])
                 acc[0] += entry.length
                 acc[1] += 1
@@ -85,10 +109,14 @@ class _Plan:
     next_pack: int = 0
     seq: int = 0
     snapshot_pack: int = -1
+    chain: set[int] = field(default_factory=set)  # packs holding the current roots chain
+    chain_only: set[int] = field(default_factory=set)  # of those, packs holding nothing else
     roots: dict[str, bytes] = field(default_factory=dict)
 
 
-def _plan(store: PackStore, threshold: float) -> _Plan:
+def _plan(store: PackStore, threshold: float, live_packs: set[int]) -> _Plan:
+    """Which packs to drop or rewrite. A pack that a live object lives in is never
+    dropped, whatever its (unchecksummed) counters say: at worst it is rewritten."""
     index = store._index
 
     def read(txn):
@@ -96,15 +124,20 @@ def _plan(store: PackStore, threshold: float) -> _Plan:
         plan.next_pack = ix.get_u64(txn, index.meta, ix.META_NEXT_PACK)
         plan.seq = ix.get_u64(txn, index.meta, ix.META_SEQ)
         plan.snapshot_pack = ix.get_snapshot_pack(txn, index.meta)
+        plan.chain = set(ix.get_chain(txn, index.meta)[0])
         plan.roots = {k.decode(): bytes(v) for k, v in txn.cursor(db=index.roots)}
         for key, raw in txn.cursor(db=index.packs):
             n, p = ix.unpack_pack_key(key), ix.PackEntry.decode(raw)
             plan.meta[n] = p.meta
-            if p.count == 0:
-                # Nothing live; a snapshot-only pack holding the current snapshot stays,
-                # or every gc would replace it with an identical one.
-                if p.total > 0 or n != plan.snapshot_pack:
+            if p.count == 0 and n in live_packs:
+                plan.rewrite.append(n)
+            elif p.count == 0:
+                # Nothing live; a snapshot-only pack of the current roots chain stays,
+                # or every gc would replace it with an identical snapshot.
+                if p.total > 0 or n not in plan.chain:
                     plan.drop.append(n)
+                else:
+                    plan.chain_only.add(n)
             elif p.dead_fraction > threshold:
                 plan.rewrite.append(n)
         return plan
@@ -112,9 +145,10 @@ def _plan(store: PackStore, threshold: float) -> _Plan:
     return index.read(read)
 
 
-def _copy_live(store: PackStore, plan: _Plan, out: PackSet) -> dict[bytes, ix.ObjectEntry]:
+def _copy_live(store: PackStore, plan: _Plan, out: PackSet,
+               unreadable: list[Problem]) -> dict[bytes, ix.ObjectEntry]:
     """Copy the live records of ``plan.rewrite`` into ``out``; packs that cannot be read
-    cleanly are left in place (and out of the plan) for verify and repair to deal with."""
+    cleanly are left in place (and out of the plan), listed in ``unreadable``."""
     index = store._index
     moves: dict[bytes, ix.ObjectEntry] = {}
     kept = []
@@ -129,7 +163,13 @@ def _copy_live(store: PackStore, plan: _Plan, out: PackSet) -> dict[bytes, ix.Ob
                 data = store._readers.read(n, e.offset, e.length)
                 fmt.check_record(data, 0, pack=name)
                 records.append((oid, e, data))
-        except (CorruptObject, OSError):
+        except CorruptObject as exc:
+            unreadable.append(Problem("corrupt", f"gc left pack {name} in place: {exc}",
+                                      oid=exc.oid, pack=name, offset=exc.offset))
+            continue
+        except OSError as exc:
+            unreadable.append(Problem("unreadable", f"gc left pack {name} in place: {exc}",
+                                      pack=name))
             continue
         for oid, e, data in records:
             pack, offset = out.append(data, fmt.RECORD_OBJECT, oid, meta=plan.meta[n])
@@ -147,7 +187,7 @@ def _live_entries(txn, index, n, entries):
         raw = txn.get(t.oid, db=index.objects)
         if raw is None:
             continue
-        e = ix.ObjectEntry.decode(raw)
+        e = index.entry(t.oid, raw)
         if e.pack == n and e.offset == t.offset:
             live.append((t.oid, e))
     return live
@@ -163,23 +203,31 @@ def collect(store: PackStore, *, threshold: float, progress: ProgressFn | None) 
     if progress:
         progress(1, 3)
 
-    plan = _plan(store, threshold)
+    plan = _plan(store, threshold, set(live.values()))
+    unreadable: list[Problem] = []
     out = PackSet(store.path, plan.next_pack, store.pack_target_size)
     published = False
     try:
-        moves = _copy_live(store, plan, out)
-        gone = set(plan.rewrite) | set(plan.drop)
-        seq, snap = plan.seq, plan.snapshot_pack
-        if plan.snapshot_pack in gone:
+        moves = _copy_live(store, plan, out, unreadable)
+        # Packs live objects are in after the moves: never dropped nor deleted, whatever
+        # the (unchecksummed) packs table says.
+        in_use = {moves[o].pack if o in moves else n for o, n in live.items()}
+        gone = (set(plan.rewrite) | set(plan.drop)) - in_use
+        seq, snap, chain = plan.seq, plan.snapshot_pack, None
+        # Dropping any record of the current roots chain (full snapshot + deltas) would
+        # leave repair without it: a fresh full snapshot restarts the chain first.
+        if gone & plan.chain or (not plan.chain and plan.seq > 0):
             seq += 1
             payload = fmt.encode_snapshot(seq, plan.roots)
             sid = fmt.snapshot_id(payload)
             record = fmt.encode_record(fmt.RECORD_ROOTS, 0, (), payload, sid, cctx=None)
             snap, _ = out.append(record, fmt.RECORD_ROOTS, sid, meta=True)
+            chain = ix.chain_value([snap], 0, len(payload))
+            gone |= plan.chain_only - in_use  # the old chain is superseded
         out.seal_and_sync()
         crashpoints.hit("gc.after_compact_write")
         if gone or out.files:
-            index.write(lambda txn: _publish(txn, index, moves, gone, out, seq, snap))
+            index.write(lambda txn: _publish(txn, index, moves, gone, out, seq, snap, chain))
         published = True
         crashpoints.hit("gc.after_compact_commit")
     except OSError as exc:
@@ -191,7 +239,7 @@ def collect(store: PackStore, *, threshold: float, progress: ProgressFn | None) 
     if progress:
         progress(2, 3)
 
-    deleted = _delete_unlisted(store)
+    deleted = _delete_unlisted(store, in_use)
     crashpoints.hit("gc.after_delete")
     if progress:
         progress(3, 3)
@@ -202,12 +250,14 @@ def collect(store: PackStore, *, threshold: float, progress: ProgressFn | None) 
         bytes_freed=max(0, sum(before.values()) - after),
         packs_rewritten=len(plan.rewrite),
         packs_deleted=deleted,
+        unreadable=tuple(unreadable),
     )
 
 
-def _publish(txn, index, moves, gone, out: PackSet, seq: int, snap: int) -> None:
+def _publish(txn, index, moves, gone, out: PackSet, seq: int, snap: int,
+             chain: bytes | None) -> None:
     for oid, entry in moves.items():
-        txn.put(oid, entry.encode(), db=index.objects)
+        txn.put(oid, entry.encode(oid), db=index.objects)
     for n in gone:
         txn.delete(ix.pack_key(n), db=index.packs)
     for pf in out.files:
@@ -219,11 +269,14 @@ def _publish(txn, index, moves, gone, out: PackSet, seq: int, snap: int) -> None
     txn.put(ix.META_NEXT_PACK, ix.U64.pack(next_pack), db=index.meta)
     txn.put(ix.META_SEQ, ix.U64.pack(seq), db=index.meta)
     txn.put(ix.META_SNAPSHOT_PACK, ix.I64.pack(snap), db=index.meta)
+    if chain is not None:
+        txn.put(ix.META_CHAIN, chain, db=index.meta)
 
 
-def _delete_unlisted(store: PackStore) -> int:
+def _delete_unlisted(store: PackStore, live_packs: set[int]) -> int:
     """Unlink pack files the index does not list: compacted packs and crash leftovers.
-    Safe only under the writer lock, when no writer has unpublished packs."""
+    Safe only under the writer lock, when no writer has unpublished packs. A pack that a
+    live object still lives in stays, even if the packs table lost it (damage)."""
     index = store._index
     listed = set(index.read(
         lambda txn: [ix.unpack_pack_key(k) for k, _ in txn.cursor(db=index.packs)]
@@ -231,7 +284,7 @@ def _delete_unlisted(store: PackStore) -> int:
     dirs = set()
     deleted = 0
     for n, path in list_pack_files(store.path).items():
-        if n in listed:
+        if n in listed or n in live_packs:
             continue
         store._readers.forget(n)
         try:

@@ -13,15 +13,35 @@ import struct
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TypeVar
 
 import lmdb
 import msgpack
 
 from . import format as fmt
+from .entries import (  # noqa: F401 - the index's value layouts, re-exported
+    ObjectEntry,
+    PackEntry,
+    pack_key,
+    unpack_pack_key,
+)
 from .errors import FormatError, StoreError
-from .ids import ID_SIZE
+from .indexmeta import (  # noqa: F401 - meta helpers, re-exported for index users
+    I64,
+    META_CHAIN,
+    META_ROOTS_SUM,
+    META_SEQ,
+    META_SNAPSHOT_PACK,
+    U64,
+    chain_value,
+    get_chain,
+    get_snapshot_pack,
+    get_u64,
+    roots_digest,
+    roots_problem,
+    updated_digest,
+)
+from .lmdbcheck import CORRUPTION, DamagedIndex, data_file_problem  # noqa: F401
 
 T = TypeVar("T")
 
@@ -30,84 +50,12 @@ DB_ROOTS = b"roots"
 DB_PACKS = b"packs"
 DB_META = b"meta"
 
-# FORMAT.md "Index": value layouts.
-OBJECT_VALUE = struct.Struct("<IQQBQBI")
-PACK_KEY = struct.Struct(">I")  # big-endian so cursor order is pack order
-PACK_VALUE = struct.Struct("<QQQBI")
-U64 = struct.Struct("<Q")
-I64 = struct.Struct("<q")
-FLAG_META = 0x01
 _REFRESH_S = 1.0  # how often readers look for an index directory swapped by repair
 
 META_VERSION = b"format_version"
 META_NEXT_PACK = b"next_pack"
-META_SEQ = b"commit_seq"
-META_SNAPSHOT_PACK = b"snapshot_pack"
 META_OPTIONS = b"options"
-
-
-@dataclass(frozen=True)
-class ObjectEntry:
-    pack: int
-    offset: int
-    length: int
-    kind: int
-    raw_len: int
-    meta: bool
-    refs: tuple[bytes, ...]
-
-    def encode(self) -> bytes:
-        head = OBJECT_VALUE.pack(self.pack, self.offset, self.length, self.kind, self.raw_len,
-                                 FLAG_META if self.meta else 0, len(self.refs))
-        return head + b"".join(self.refs)
-
-    @classmethod
-    def decode(cls, buf: bytes) -> ObjectEntry:
-        try:
-            pack, off, length, kind, raw, flags, n = OBJECT_VALUE.unpack_from(buf, 0)
-        except struct.error as exc:
-            raise FormatError(f"malformed object entry in index: {exc}") from exc
-        base = OBJECT_VALUE.size
-        if len(buf) != base + n * ID_SIZE:
-            raise FormatError("malformed object entry in index: bad ref count")
-        refs = tuple(bytes(buf[base + i * ID_SIZE : base + (i + 1) * ID_SIZE]) for i in range(n))
-        return cls(pack, off, length, kind, raw, bool(flags & FLAG_META), refs)
-
-
-@dataclass(frozen=True)
-class PackEntry:
-    size: int    # file size, header and trailer included
-    total: int   # bytes of object records written (the base of the dead fraction)
-    live: int    # bytes of object records still indexed
-    meta: bool
-    count: int   # object records still indexed
-
-    def encode(self) -> bytes:
-        flags = FLAG_META if self.meta else 0
-        return PACK_VALUE.pack(self.size, self.total, self.live, flags, self.count)
-
-    @classmethod
-    def decode(cls, buf: bytes) -> PackEntry:
-        try:
-            size, total, live, flags, count = PACK_VALUE.unpack(buf)
-        except struct.error as exc:
-            raise FormatError(f"malformed pack entry in index: {exc}") from exc
-        return cls(size, total, live, bool(flags & FLAG_META), count)
-
-    @property
-    def dead_fraction(self) -> float:
-        """Share of the object bytes no longer indexed (1.0 for a pack without objects)."""
-        return 1.0 if self.total == 0 else (self.total - self.live) / self.total
-
-
-def pack_key(n: int) -> bytes:
-    return PACK_KEY.pack(n)
-
-
-def unpack_pack_key(key: bytes) -> int:
-    if len(key) != PACK_KEY.size:
-        raise FormatError(f"malformed pack key {bytes(key)!r} in index")
-    return PACK_KEY.unpack(key)[0]
+META_ENTRY_SUMS = b"entry_checksums"  # u64 1: every object entry carries its checksum
 
 
 # LMDB forbids opening one environment twice in a process (closing either would drop the
@@ -124,8 +72,11 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def open_shared(path: pathlib.Path, *, map_size: int, options: dict) -> Index:
-    """The process-wide Index of ``path``; each call must be paired with ``close()``."""
+def open_shared(path: pathlib.Path, *, map_size: int, options: dict,
+                readonly: bool = False) -> Index:
+    """The process-wide Index of ``path``; each call must be paired with ``close()``.
+    A read-only handle shares a writable environment already open; a writable one
+    cannot share a read-only one (close the read-only handles first)."""
     key = (os.getpid(), os.path.realpath(path))
     with _SHARED_LOCK:
         for stale in [k for k in _SHARED if k[1] == key[1] and k[0] != key[0]]:
@@ -134,8 +85,12 @@ def open_shared(path: pathlib.Path, *, map_size: int, options: dict) -> Index:
             # so that this child may open the store afresh.
             _SHARED.pop(stale)._close_inherited()
         index = _SHARED.get(key)
+        if index is not None and index.readonly and not readonly:
+            raise StoreError(f"index {path} is open read-only in this process; close "
+                             "those handles before opening the store writable")
         if index is None:
-            index = Index(path, map_size=map_size, create=True, options=options)
+            index = Index(path, map_size=map_size, create=True, options=options,
+                          readonly=readonly)
             index._shared_key = key
             _SHARED[key] = index
         index._users += 1
@@ -146,35 +101,58 @@ class Index:
     """An open LMDB environment with the four named databases."""
 
     def __init__(self, path: pathlib.Path, *, map_size: int, create: bool,
-                 options: dict | None = None) -> None:
+                 options: dict | None = None, readonly: bool = False) -> None:
         self.path = path
         self._shared_key: tuple[int, str] | None = None
         self._users = 0
+        self.readonly = readonly
         self._open_env(map_size, create)
         # A grow (set_mapsize) needs no transaction of this process to be active.
         self._cond = threading.Condition()
         self._active = 0
         self._resizing = False
-        self._init_meta(options or {})
+        try:
+            self._init_meta(options or {})
+        except BaseException:
+            self.env.close()  # the caller may rebuild this very directory next
+            raise
 
     def _open_env(self, map_size: int, create: bool) -> None:
         data = self.path / "data.mdb"
+        problem = data_file_problem(data)
+        if problem is not None:
+            raise DamagedIndex(f"index {self.path} cannot be trusted: {problem}")
         if data.exists():
             map_size = max(map_size, data.stat().st_size)
         try:
-            self.env = lmdb.open(
-                os.fspath(self.path), map_size=map_size, subdir=True, max_dbs=4,
-                create=create, readahead=False, meminit=False, max_spare_txns=0,
-            )
-            self.env.reader_check()  # clear slots of dead reader processes
+            self.env = self._lmdb_open(map_size, create)
+            if not self.readonly:
+                self.env.reader_check()  # clear slots of dead reader processes
             self.objects = self.env.open_db(DB_OBJECTS)
             self.roots = self.env.open_db(DB_ROOTS)
             self.packs = self.env.open_db(DB_PACKS)
             self.meta = self.env.open_db(DB_META)
             self._identity = self._file_identity()
+        except CORRUPTION as exc:
+            raise DamagedIndex(f"cannot open index {self.path}: {exc}") from exc
         except lmdb.Error as exc:
             raise StoreError(f"cannot open index {self.path}: {exc}") from exc
         self._checked = time.monotonic()
+
+    def _lmdb_open(self, map_size: int, create: bool) -> lmdb.Environment:
+        kw = dict(map_size=map_size, subdir=True, max_dbs=4, readahead=False,
+                  meminit=False, max_spare_txns=0)
+        if not self.readonly:
+            return lmdb.open(os.fspath(self.path), create=create, **kw)
+        try:
+            # Registered as a reader in lock.mdb, so a concurrent writer cannot recycle
+            # the pages this handle reads (FORMAT.md "Read-only access").
+            return lmdb.open(os.fspath(self.path), create=False, readonly=True, **kw)
+        except lmdb.Error:
+            # lock.mdb not writable (read-only filesystem or permissions): no reader
+            # table; reads stay checksummed and looked up again when a pack moves.
+            return lmdb.open(os.fspath(self.path), create=False, readonly=True, lock=False,
+                             **kw)
 
     def _file_identity(self) -> tuple[int, int] | None:
         try:
@@ -222,11 +200,15 @@ class Index:
                 txn.put(META_SEQ, U64.pack(0), db=self.meta)
                 txn.put(META_SNAPSHOT_PACK, I64.pack(-1), db=self.meta)
                 txn.put(META_OPTIONS, msgpack.packb(options), db=self.meta)
+                txn.put(META_ENTRY_SUMS, U64.pack(1), db=self.meta)
+                txn.put(META_ROOTS_SUM, roots_digest({}), db=self.meta)
                 return fmt.FORMAT_VERSION
             return U64.unpack(raw)[0] if len(raw) == U64.size else -1
 
         has_version = self.read(lambda t: t.get(META_VERSION, db=self.meta))
-        if has_version is None:
+        if has_version is None and self.readonly:
+            version = fmt.FORMAT_VERSION  # an empty index: nothing to read, nothing to init
+        elif has_version is None:
             version = self.write(init)
         else:
             version = U64.unpack(has_version)[0] if len(has_version) == U64.size else -1
@@ -236,6 +218,34 @@ class Index:
                 f"index {self.path} has format version {version}; this cnrstore reads "
                 f"version {fmt.FORMAT_VERSION} only (upgrade cnrstore, or repair from packs)"
             )
+        self.legacy_entries = self.read(
+            lambda t: t.get(META_ENTRY_SUMS, db=self.meta)) != U64.pack(1)
+
+    def entry(self, oid: bytes, raw: bytes) -> ObjectEntry:
+        """Decode the entry of ``oid`` as this index's version demands."""
+        return ObjectEntry.decode(raw, oid, legacy_ok=self.legacy_entries)
+
+    def upgrade_entries(self) -> int:
+        """Give every checksum-less entry its checksum (with the writer lock held), then
+        demand checksums from here on. Returns how many entries were rewritten."""
+        if not self.legacy_entries:
+            return 0
+
+        def upgrade(txn):
+            done = 0
+            for key, raw in list(txn.cursor(db=self.objects)):
+                entry = ObjectEntry.decode(raw, key, legacy_ok=True)
+                txn.put(key, entry.encode(key), db=self.objects)
+                done += 1
+            txn.put(META_ENTRY_SUMS, U64.pack(1), db=self.meta)
+            if txn.get(META_ROOTS_SUM, db=self.meta) is None:
+                roots = {bytes(k): bytes(v) for k, v in txn.cursor(db=self.roots)}
+                txn.put(META_ROOTS_SUM, roots_digest(roots), db=self.meta)
+            return done
+
+        done = self.write(upgrade)
+        self.legacy_entries = False
+        return done
 
     def _begin_read(self, fn: Callable[[lmdb.Transaction], T]) -> T:
         with self.env.begin(buffers=False) as txn:
@@ -262,8 +272,12 @@ class Index:
                 return self._begin_read(fn)
             except lmdb.MapResizedError:
                 pass  # another process grew the map: adopt its size below, then retry
+            except CORRUPTION as exc:
+                raise DamagedIndex(f"index {self.path} read failed: {exc}") from exc
             except lmdb.Error as exc:
                 raise StoreError(f"index read failed: {exc}") from exc
+            except _DAMAGE as exc:
+                raise _damaged(self.path, exc) from exc
             finally:
                 self._leave()
             self._exclusive(lambda: self.env.set_mapsize(0))
@@ -283,8 +297,12 @@ class Index:
                 grow = True
             except lmdb.MapResizedError:
                 grow = False  # another process grew it first: adopt that size
+            except CORRUPTION as exc:
+                raise DamagedIndex(f"index {self.path} write failed: {exc}") from exc
             except lmdb.Error as exc:
                 raise StoreError(f"index write failed: {exc}") from exc
+            except _DAMAGE as exc:
+                raise _damaged(self.path, exc) from exc
             finally:
                 self._leave()
             if grow:
@@ -331,14 +349,12 @@ class Index:
             self.env.close()
 
 
-# -- helpers used inside transactions --------------------------------------------------
+# What Python raises on bytes that are not what the index schema says (a root name that is
+# not utf-8, a value of the wrong length, a number too large to use): the store's own
+# FormatError at this boundary, never the builtin.
+_DAMAGE = (ValueError, OverflowError, struct.error, TypeError)
 
 
-def get_u64(txn, db, key: bytes) -> int:
-    raw = txn.get(key, db=db)
-    return U64.unpack(raw)[0] if raw is not None else 0
-
-
-def get_snapshot_pack(txn, db) -> int:
-    raw = txn.get(META_SNAPSHOT_PACK, db=db)
-    return I64.unpack(raw)[0] if raw is not None else -1
+def _damaged(path, exc: BaseException) -> FormatError:
+    return DamagedIndex(f"index {path} is damaged ({type(exc).__name__}: {exc}); repair "
+                       "rebuilds it from the packs")

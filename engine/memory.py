@@ -7,7 +7,9 @@ mark & sweep over the same refs. One writer at a time per instance.
 
 from __future__ import annotations
 
+import os
 import threading
+import weakref
 from collections.abc import Iterable, Sequence
 
 from .api import (
@@ -23,8 +25,8 @@ from .api import (
     VerifyReport,
     Writer,
 )
-from .errors import CorruptObject, ObjectNotFound, StoreClosed, StoreLocked
-from .ids import check_id, hexid, object_id
+from .errors import CorruptObject, ObjectNotFound, RootExists, StoreClosed, StoreLocked
+from .ids import check_id, check_root_name, hexid, object_id
 
 
 class MemoryStore(ObjectStore):
@@ -33,6 +35,8 @@ class MemoryStore(ObjectStore):
         self._roots: dict[str, bytes] = {}
         self._lock = threading.Lock()
         self._closed = False
+        # Weak, like the pack store's: a writer dropped without commit/abort unlocks.
+        self._writer: weakref.ref[_MemoryWriter] | None = None
 
     # -- read side -------------------------------------------------------------------
     def _check_open(self) -> None:
@@ -62,6 +66,7 @@ class MemoryStore(ObjectStore):
 
     def root(self, name: str) -> bytes | None:
         self._check_open()
+        check_root_name(name)
         return self._roots.get(name)
 
     def roots(self) -> dict[str, bytes]:
@@ -74,7 +79,9 @@ class MemoryStore(ObjectStore):
         acquired = self._lock.acquire(timeout=-1 if timeout is None else timeout)
         if not acquired:
             raise StoreLocked("memory store already has a writer")
-        return _MemoryWriter(self)
+        w = _MemoryWriter(self)
+        self._writer = weakref.ref(w)
+        return w
 
     # -- maintenance -----------------------------------------------------------------
     def _reachable(self, names: Iterable[str] | None = None) -> tuple[set[bytes], list[Problem]]:
@@ -156,6 +163,8 @@ class _MemoryWriter(Writer):
         self._store = store
         self._new: dict[bytes, tuple[Object, bool]] = {}
         self._roots: dict[str, bytes | None] = {}
+        self._creates: set[str] = set()
+        self._pid = os.getpid()
         self._reused = 0
         self._payload_new = 0
         self._done = False
@@ -195,21 +204,40 @@ class _MemoryWriter(Writer):
 
     def set_root(self, name: str, oid: bytes) -> None:
         self._check()
+        check_root_name(name)
+        check_id(oid)
         if not self.has(oid):
             raise ObjectNotFound(f"root target {hexid(oid)} does not exist", oid=oid)
         self._roots[name] = bytes(oid)
 
+    def create_root(self, name: str, oid: bytes) -> None:
+        self._check()
+        check_root_name(name)
+        pending = name in self._roots  # deleted earlier in this writer: a plain move
+        current = self._roots[name] if pending else self._store._roots.get(name)
+        if current is not None:
+            raise RootExists(f"root {name!r} already exists", name=name)
+        self.set_root(name, oid)
+        if not pending:
+            self._creates.add(name)
+
     def delete_root(self, name: str) -> None:
         self._check()
+        check_root_name(name)
         current = self._roots[name] if name in self._roots else self._store._roots.get(name)
         if current is None:
             raise ObjectNotFound(f"root {name!r} does not exist", name=name)
         self._roots[name] = None
+        self._creates.discard(name)
 
     def commit(self) -> CommitInfo:
         self._check()
         self._done = True
         try:
+            for name in sorted(self._creates):
+                if name in self._store._roots:
+                    raise RootExists(f"root {name!r} already exists; nothing of this "
+                                     "transaction was published", name=name)
             self._store._objects.update(self._new)
             for name, oid in self._roots.items():
                 if oid is None:
@@ -226,3 +254,11 @@ class _MemoryWriter(Writer):
             return
         self._done = True
         self._store._lock.release()
+
+    def __del__(self) -> None:
+        # A writer dropped without commit or abort must not keep the store locked.
+        try:
+            if not self._done and os.getpid() == self._pid:
+                self.abort()
+        except Exception:
+            pass

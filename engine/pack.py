@@ -49,6 +49,28 @@ def list_pack_files(root: pathlib.Path) -> dict[int, pathlib.Path]:
     return found
 
 
+def pack_numbers(root: pathlib.Path) -> set[int]:
+    """The numbers of every ``packs/XX/NNNNNNNN.pack`` on disk: ``list_pack_files``
+    without a Path per file (the freshness check runs before every writer)."""
+    found: set[int] = set()
+    packs = os.path.join(root, "packs")
+    try:
+        subs = os.listdir(packs)
+    except FileNotFoundError:
+        return found
+    for sub in subs:
+        if len(sub) != 2 or sub.strip("0123456789abcdef"):
+            continue
+        try:
+            names = os.listdir(os.path.join(packs, sub))
+        except (NotADirectoryError, FileNotFoundError):
+            continue
+        for name in names:
+            if len(name) == 13 and name.endswith(".pack") and name[:8].isdigit():
+                found.add(int(name[:8]))
+    return found
+
+
 def record_length(record: bytes | Sequence[bytes | memoryview]) -> int:
     if isinstance(record, (bytes, bytearray, memoryview)):
         return len(record)

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from . import format as fmt
 from . import index as ix
 from .api import Problem, RepairReport
-from .errors import CorruptObject, StoreError
+from .errors import CorruptObject
 from .fileio import fsync_dir, store_error
 from .ids import hexid
 from .pack import list_pack_files, pack_name, read_trailer, scan_records
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 class _Found:
     objects: dict[bytes, ix.ObjectEntry]
     packs: dict[int, ix.PackEntry]
-    snapshots: list[tuple[int, int, int, dict[str, bytes]]]  # (seq, pack, offset, roots)
+    snapshots: list[tuple[int, int, int, fmt.RootsRecord, int]]  # seq, pack, offset, rec, size
     damaged: list[Problem]
 
 
@@ -65,7 +65,7 @@ def _scan(store: PackStore) -> tuple[_Found, int]:
                 err = scanned.error
                 found.damaged.append(Problem("corrupt", str(err), oid=err.oid, pack=name,
                                              offset=scanned.offset))
-            elif rec.header.rtype == fmt.RECORD_ROOTS:
+            elif rec.header.rtype in fmt.ROOTS_RECORDS:
                 _add_snapshot(found, rec, n, name, scanned.offset)
             else:
                 objects.append((scanned.offset, rec))
@@ -87,11 +87,11 @@ def _scan(store: PackStore) -> tuple[_Found, int]:
 
 def _add_snapshot(found: _Found, rec: fmt.Record, n: int, name: str, offset: int) -> None:
     try:
-        seq, roots = fmt.decode_snapshot(rec.payload, pack=name, offset=offset)
+        roots = fmt.decode_roots_record(rec.payload, rec.header.rtype, pack=name, offset=offset)
     except CorruptObject as exc:
         found.damaged.append(Problem("corrupt", str(exc), pack=name, offset=offset))
         return
-    found.snapshots.append((seq, n, offset, roots))
+    found.snapshots.append((roots.seq, n, offset, roots, len(rec.payload)))
 
 
 def _complete(objects: dict[bytes, ix.ObjectEntry], roots: dict[str, bytes]) -> bool:
@@ -109,44 +109,82 @@ def _complete(objects: dict[bytes, ix.ObjectEntry], roots: dict[str, bytes]) -> 
     return True
 
 
-def _choose_roots(found: _Found) -> tuple[int, int, dict[str, bytes]]:
-    """(max sequence seen, pack of the newest snapshot, the roots to restore).
+@dataclass
+class _Roots:
+    max_seq: int = 0
+    newest_pack: int = -1
+    roots: dict[str, bytes] = field(default_factory=dict)
+    chain: list[int] = field(default_factory=list)  # [] demands a full snapshot next
+    delta_bytes: int = 0
+    full_bytes: int = 0
 
-    The newest snapshot decides which names exist. A name whose DAG there is incomplete
-    falls back to its newest older target whose DAG is complete (reported as
-    "root-rolled-back"), or is dropped (reported as "dangling-root"); other roots are
-    never held back by one damaged root."""
-    ordered = sorted(found.snapshots, key=lambda s: s[:3], reverse=True)
+
+def _choose_roots(found: _Found) -> _Roots:
+    """Replay the newest full snapshot and the deltas after it.
+
+    Of records sharing a sequence (a dead writer's and the next commit's) the one with the
+    highest (pack, offset) wins. A name whose DAG is incomplete falls back to its newest
+    older target whose DAG is complete (reported as "root-rolled-back"), or is dropped
+    ("dangling-root"); other roots are never held back by one damaged root. A gap in the
+    delta chain is reported ("roots-gap") and the later deltas still apply."""
+    by_seq: dict[int, tuple] = {}
+    for snap in found.snapshots:
+        if snap[0] not in by_seq or snap[1:3] > by_seq[snap[0]][1:3]:
+            by_seq[snap[0]] = snap
+    ordered = [by_seq[k] for k in sorted(by_seq)]
     if not ordered:
-        return 0, -1, {}
-    max_seq, newest_pack, newest_offset, newest = ordered[0]
-    kept: dict[str, bytes] = {}
-    for name, oid in sorted(newest.items()):
+        return _Roots()
+    out = _Roots(max_seq=ordered[-1][0], newest_pack=ordered[-1][1])
+    history: dict[str, list[bytes]] = {}  # every target each name had, oldest first
+    for _, _, _, rec, _ in ordered:
+        for name, oid in rec.roots.items():
+            history.setdefault(name, []).append(oid)
+    start = max((i for i, s in enumerate(ordered) if s[3].full), default=None)
+    state: dict[str, bytes] = {}
+    regular = start is not None
+    prev = ordered[start][0] - 1 if start is not None else None
+    for seq, n, offset, rec, size in ordered[start or 0:]:
+        if prev is not None and seq != prev + 1:
+            regular = False
+            found.damaged.append(Problem(
+                "roots-gap", f"roots records {prev + 1}..{seq - 1} are missing or damaged; "
+                "later ones applied regardless", pack=pack_name(n), offset=offset))
+        prev = seq
+        state = rec.apply(state)
+        out.chain.append(n)
+        out.delta_bytes += 0 if rec.full else size
+        out.full_bytes = size if rec.full else out.full_bytes
+    newest_offset = ordered[-1][2]
+    for name, oid in sorted(state.items()):
         if _complete(found.objects, {name: oid}):
-            kept[name] = oid
+            out.roots[name] = oid
             continue
-        older = next((s[3][name] for s in ordered[1:]
-                      if name in s[3] and _complete(found.objects, {name: s[3][name]})), None)
+        regular = False
+        older = next((o for o in reversed(history.get(name, [])) if o != oid
+                      and _complete(found.objects, {name: o})), None)
         if older is not None:
-            kept[name] = older
+            out.roots[name] = older
             what, tail = "root-rolled-back", f"restored to its older target {hexid(older)}"
         else:
             what, tail = "dangling-root", "dropped"
         found.damaged.append(Problem(
             what, f"root {name!r} -> {hexid(oid)} reaches missing objects; {tail}",
-            oid=oid, pack=pack_name(newest_pack), offset=newest_offset))
-    return max_seq, newest_pack, kept
+            oid=oid, pack=pack_name(out.newest_pack), offset=newest_offset))
+    if not regular:  # the packs' chain does not say what the index now holds
+        out.chain, out.delta_bytes = [], 0
+    return out
 
 
 def rebuild(store: PackStore) -> RepairReport:
     """Called by ``PackStore.repair`` with the writer lock held.
 
-    In place first: ONE write transaction empties and refills the databases, atomic and
-    seen by every process that has the store open. Only when the old index cannot take
-    that transaction (damaged pages) is a fresh one built beside it and swapped in; other
-    processes notice the swap (``Index.refresh_if_replaced``) before their next write."""
+    The new index is written into a fresh environment beside the old one, which is never
+    trusted nor written (it may be the damage being repaired), and swapped in; other
+    processes notice the swap (``Index.refresh_if_replaced``) before their next writer,
+    gc or repair and within a second on reads."""
     found, next_pack = _scan(store)
-    seq, snap_pack, roots = _choose_roots(found)
+    chosen = _choose_roots(found)
+    seq, snap_pack, roots = chosen.max_seq, chosen.newest_pack, chosen.roots
     old = store._index
     try:
         old_next = old.read(lambda t: ix.get_u64(t, old.meta, ix.META_NEXT_PACK))
@@ -158,6 +196,9 @@ def rebuild(store: PackStore) -> RepairReport:
         ix.META_NEXT_PACK: ix.U64.pack(max(next_pack, old_next)),
         ix.META_SEQ: ix.U64.pack(max(seq, old_seq)),
         ix.META_SNAPSHOT_PACK: ix.I64.pack(snap_pack),
+        ix.META_CHAIN: ix.chain_value(chosen.chain, chosen.delta_bytes, chosen.full_bytes),
+        ix.META_ENTRY_SUMS: ix.U64.pack(1),
+        ix.META_ROOTS_SUM: ix.roots_digest(roots),
     }
 
     def fill(index: ix.Index, txn, *, drop: bool) -> None:
@@ -165,7 +206,7 @@ def rebuild(store: PackStore) -> RepairReport:
             for db in (index.objects, index.packs, index.roots):
                 txn.drop(db, delete=False)
         for oid, entry in found.objects.items():
-            txn.put(oid, entry.encode(), db=index.objects)
+            txn.put(oid, entry.encode(oid), db=index.objects)
         for n, entry in found.packs.items():
             txn.put(ix.pack_key(n), entry.encode(), db=index.packs)
         for name, oid in roots.items():
@@ -173,10 +214,10 @@ def rebuild(store: PackStore) -> RepairReport:
         for key, value in meta.items():
             txn.put(key, value, db=index.meta)
 
-    try:
-        old.write(lambda txn: fill(old, txn, drop=True))
-    except StoreError:
-        _rebuild_beside(store, lambda new, txn: fill(new, txn, drop=False))
+    # Always into a fresh environment: the old one may be the damaged thing (a flipped
+    # page pointer or a short map can SIGBUS the process that writes into it).
+    _rebuild_beside(store, lambda new, txn: fill(new, txn, drop=False))
+    store._index.legacy_entries = False
     store._readers.close()
     return RepairReport(len(found.packs), len(found.objects), len(roots),
                         tuple(found.damaged))

@@ -16,7 +16,6 @@ import contextlib
 import functools
 import os
 import pathlib
-import shutil
 import threading
 import weakref
 from collections.abc import Iterable, Iterator
@@ -31,6 +30,7 @@ from .api import (
     Object,
     ObjectInfo,
     ObjectStore,
+    Problem,
     ProgressFn,
     RepairReport,
     Stats,
@@ -41,14 +41,14 @@ from .errors import (
     CorruptObject,
     FormatError,
     ObjectNotFound,
+    ReadOnly,
     StoreClosed,
     StoreError,
-    StoreLocked,
 )
-from .fileio import allocated_bytes, fsync_dir, makedirs_durable, store_error
+from .fileio import allocated_bytes, makedirs_durable, store_error
 from .ids import check_id, hexid
 from .lock import WriterLock
-from .pack import PackReaders, list_pack_files, pack_name, pack_path
+from .pack import pack_name, pack_path
 from .writer import PackWriter, check_root_name
 
 _READ_RETRIES = 4
@@ -61,25 +61,15 @@ def open(  # noqa: A001 - mirrors the builtin on purpose: engine.open(path)
     compression_level: int = 3,
     map_size: int = 1 << 30,
     pack_target_size: int = 256 << 20,
+    readonly: bool = False,
 ) -> PackStore:
-    """Open (or with ``create=True`` create) the pack store at ``path``."""
+    """Open (or with ``create=True`` create) the pack store at ``path``.
+
+    ``readonly=True`` never takes the writer lock and never writes (docs/FORMAT.md
+    "Read-only access"): writer, gc and repair raise ReadOnly, and an index that is
+    missing or behind its packs raises StaleIndex instead of being rebuilt."""
     return PackStore(path, create=create, compression_level=compression_level,
-                     map_size=map_size, pack_target_size=pack_target_size)
-
-
-def _settle_index_swap(p: pathlib.Path) -> None:
-    """With the writer lock held: finish or undo a repair's index swap a crash interrupted
-    (docs/FORMAT.md "Recovery and repair")."""
-    if not (p / "index").exists() and (p / "index.new").exists():
-        if (p / "index.old").exists():
-            os.replace(p / "index.new", p / "index")  # index.new was complete and synced
-            fsync_dir(p)
-        else:
-            shutil.rmtree(p / "index.new")  # repair died while writing it
-    if (p / "index").exists():
-        for leftover in ("index.new", "index.old"):
-            if (p / leftover).exists():
-                shutil.rmtree(p / leftover)
+                     map_size=map_size, pack_target_size=pack_target_size, readonly=readonly)
 
 
 def _translated(method):
@@ -106,20 +96,22 @@ def _check_int(name: str, value, lo: int, hi: int) -> None:
 class PackStore(ObjectStore):
     def __init__(self, path: str | os.PathLike, *, create: bool = True,
                  compression_level: int = 3, map_size: int = 1 << 30,
-                 pack_target_size: int = 256 << 20) -> None:
+                 pack_target_size: int = 256 << 20, readonly: bool = False) -> None:
         _check_int("compression_level", compression_level, -7, 22)
         _check_int("map_size", map_size, 1 << 16, 1 << 50)
         _check_int("pack_target_size", pack_target_size, 1 << 10, 1 << 40)
         self.path = pathlib.Path(path).absolute()
         self.compression_level = compression_level
         self.pack_target_size = pack_target_size
+        self.readonly = bool(readonly)
+        self.opened_with_repair: RepairReport | None = None  # set when open had to rebuild
         self._pid = os.getpid()
         self._closed = True
         # Weak, so a writer dropped without commit/abort is collected and unlocks.
         self._writer: weakref.ref[Writer] | None = None
         self._local = threading.local()
         try:
-            self._prepare_dir(create)
+            self._prepare_dir(create and not self.readonly)
             self._lock = WriterLock(self.path / "lock")
             self._open_index(map_size, {"compression_level": compression_level,
                                         "pack_target_size": pack_target_size})
@@ -140,44 +132,15 @@ class PackStore(ObjectStore):
             raise FormatError(f"{p} is a non-empty directory that is not a cnrstore store")
         if not entries and not create:
             raise FormatError(f"no store at {p} (pass create=True to make one)")
-        makedirs_durable(p / "packs")
+        if not self.readonly:
+            makedirs_durable(p / "packs")
 
     def _open_index(self, map_size: int, options: dict) -> None:
-        """Open the index. Without one, hold the writer lock throughout: a repair in
-        another process may be between its renames, and a lost index must be rebuilt
-        from the packs before anyone can mistake the store for an empty one (a gc would
-        then delete every pack as unindexed)."""
-        p = self.path
-        index_missing = not (p / "index").exists()
-        leftovers = (p / "index.new").exists() or (p / "index.old").exists()
-        locked = False
-        if index_missing:
-            self._lock.acquire(None)
-            locked = True
-        elif leftovers:
-            try:
-                self._lock.acquire(0.0)
-                locked = True
-            except StoreLocked:
-                pass  # a repair is running: its leftovers are its own
-        try:
-            if locked:
-                _settle_index_swap(p)
-            needs_repair = not (p / "index").exists() and bool(list_pack_files(p))
-            self._index = ix.open_shared(p / "index", map_size=map_size, options=options)
-            self._readers = PackReaders(p)
-            self._closed = False
-            if needs_repair:
-                from .repair import rebuild
+        """Open the index, never trusting one that is missing, damaged or behind its
+        packs (engine/freshness.py; docs/FORMAT.md "Index freshness")."""
+        from .freshness import open_index
 
-                try:
-                    rebuild(self)
-                except BaseException:
-                    self.close()
-                    raise
-        finally:
-            if locked:
-                self._lock.release()
+        open_index(self, map_size, options)
 
     # -- handle state ---------------------------------------------------------------------
     def _check_open(self) -> None:
@@ -200,7 +163,7 @@ class PackStore(ObjectStore):
         raw = txn.get(oid, db=self._index.objects)
         if raw is None:
             raise ObjectNotFound(f"object {hexid(oid)} not found", oid=oid)
-        return ix.ObjectEntry.decode(raw)
+        return self._index.entry(oid, raw)
 
     def _lookup(self, oid: bytes) -> ix.ObjectEntry:
         return self._index.read(lambda txn: self._entry(txn, oid))
@@ -215,6 +178,10 @@ class PackStore(ObjectStore):
             return None
         except OSError as exc:
             raise store_error(f"cannot read pack {name}", exc) from exc
+        except (OverflowError, ValueError) as exc:  # an offset no file can have
+            raise CorruptObject(f"object {hexid(oid)}: index entry points at offset "
+                                f"{entry.offset} of pack {name}: {exc}", oid=oid, pack=name,
+                                offset=entry.offset) from exc
         except CorruptObject as exc:  # a short read: the pack was truncated
             raise CorruptObject(f"object {hexid(oid)}: {exc}", oid=oid, pack=name,
                                 offset=entry.offset) from exc
@@ -281,21 +248,45 @@ class PackStore(ObjectStore):
     def root(self, name: str) -> bytes | None:
         self._check_open()
         key = check_root_name(name)
+        # Roots are where a reader enters newer state: one stat() tells whether a repair
+        # elsewhere swapped in a new index directory since.
+        self._index.refresh_if_replaced()
         return self._index.read(lambda t: t.get(key, db=self._index.roots))
 
     def roots(self) -> dict[str, bytes]:
         self._check_open()
+        self._index.refresh_if_replaced()
         return self._index.read(
             lambda t: {k.decode("utf-8"): v for k, v in t.cursor(db=self._index.roots)}
         )
 
     # -- writes ---------------------------------------------------------------------------
+    def _check_writable(self, what: str) -> None:
+        if self.readonly:
+            raise ReadOnly(f"{what} on store {self.path}, which was opened read-only")
+
+    def _catch_up(self, *, full: bool) -> None:
+        """With the writer lock held: rebuild an index that fell behind its packs (a
+        commit on it would get a sequence below theirs and lose to them on repair; a gc
+        would delete their packs as unlisted)."""
+        from .freshness import stale_problem
+        from .repair import rebuild
+
+        try:
+            stale = stale_problem(self, full=full) is not None
+        except ix.DamagedIndex:
+            stale = True  # LMDB cannot read its own pages: rebuilt from the packs
+        if stale:
+            rebuild(self)
+
     @_translated
     def writer(self, *, timeout: float | None = 0.0) -> Writer:
         self._check_open()
+        self._check_writable("writer()")
         self._lock.acquire(timeout)
         try:
-            self._index.refresh_if_replaced()
+            replaced = self._index.refresh_if_replaced()
+            self._catch_up(full=replaced)  # full check at open, and for a swapped index
             w = PackWriter(self)
         except BaseException:
             self._lock.release()
@@ -316,9 +307,11 @@ class PackStore(ObjectStore):
         from .gc import collect
 
         self._check_open()
+        self._check_writable("gc()")
         if not isinstance(threshold, (int, float)) or not 0.0 <= threshold <= 1.0:
             raise ValueError(f"threshold must be a number in 0..1, got {threshold!r}")
         with self._locked(timeout):
+            self._catch_up(full=True)  # gc never runs on an index behind its packs
             return collect(self, threshold=float(threshold), progress=progress)
 
     @_translated
@@ -327,13 +320,19 @@ class PackStore(ObjectStore):
         from .verify import verify
 
         self._check_open()
-        return verify(self, deep=deep, roots=roots, progress=progress)
+        try:
+            return verify(self, deep=deep, roots=roots, progress=progress)
+        except (CorruptObject, FormatError) as exc:
+            # verify reports damage, it does not raise it: an index it cannot even walk
+            # is one more problem.
+            return VerifyReport(False, (Problem("unreadable-index", str(exc)),), 0, 0)
 
     @_translated
     def repair(self) -> RepairReport:
         from .repair import rebuild
 
         self._check_open()
+        self._check_writable("repair()")
         with self._locked(None):
             return rebuild(self)
 
@@ -352,8 +351,8 @@ class PackStore(ObjectStore):
         index = self._index
 
         def collect(txn):
-            logical = sum(ix.ObjectEntry.decode(v).raw_len
-                          for _, v in txn.cursor(db=index.objects))
+            logical = sum(index.entry(k, v).raw_len
+                          for k, v in txn.cursor(db=index.objects))
             packs = [ix.unpack_pack_key(k) for k, _ in txn.cursor(db=index.packs)]
             nobj = txn.stat(index.objects)["entries"]
             return nobj, logical, packs, txn.stat(index.roots)["entries"]

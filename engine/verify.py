@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from . import index as ix
 from .api import Problem, ProgressFn, VerifyReport
 from .errors import CorruptObject, ObjectNotFound, StoreError
-from .ids import hexid
+from .ids import ID_SIZE, hexid
 from .pack import pack_name, pack_path
 from .writer import check_root_name
 
@@ -29,7 +29,18 @@ def _walk(store: PackStore, names: list[str] | None):
     def walk(txn):
         problems: list[Problem] = []
         found: dict[bytes, ix.ObjectEntry] = {}
-        all_roots = {k.decode(): bytes(v) for k, v in txn.cursor(db=index.roots)}
+        roots_problem = ix.roots_problem(txn, index)
+        if roots_problem is not None:
+            problems.append(Problem("corrupt-roots", roots_problem))
+        all_roots = {}
+        for k, v in txn.cursor(db=index.roots):
+            name = bytes(k).decode("utf-8", "backslashreplace")
+            if name.encode("utf-8", "surrogatepass") != bytes(k):
+                problems.append(Problem("corrupt-root", f"root name {bytes(k)!r} is not utf-8"))
+            if len(v) != ID_SIZE:
+                problems.append(Problem("corrupt-root", f"root {name!r} holds a malformed id"))
+                continue
+            all_roots[name] = bytes(v)
         wanted = all_roots if names is None else {n: all_roots.get(n) for n in names}
         stack: list[tuple[bytes, str]] = []
         for name, oid in wanted.items():
@@ -52,7 +63,11 @@ def _walk(store: PackStore, names: list[str] | None):
                 problems.append(Problem("missing", f"object {hexid(oid)} (ref of {via}) is "
                                         "not in the index", oid=oid))
                 continue
-            entry = ix.ObjectEntry.decode(raw)
+            try:
+                entry = index.entry(oid, raw)
+            except CorruptObject as exc:
+                problems.append(Problem("corrupt-entry", f"{exc} (ref of {via})", oid=oid))
+                continue
             found[oid] = entry
             stack.extend((r, f"object {hexid(oid)}") for r in entry.refs)
         packs = {ix.unpack_pack_key(k) for k, _ in txn.cursor(db=index.packs)}

@@ -20,24 +20,14 @@ from . import format as fmt
 from . import index as ix
 from . import pack as pk
 from .api import CommitInfo, Writer
-from .errors import ObjectNotFound, StoreClosed, StoreError
+from .errors import CorruptObject, ObjectNotFound, RootExists, StoreClosed, StoreError
 from .fileio import store_error
-from .ids import check_id, check_kind, hexid, object_id
+from .ids import MAX_ROOT_NAME, check_id, check_kind, check_root_name, hexid, object_id  # noqa: F401
 from .pack import PackSet
 
 if TYPE_CHECKING:
     from .store import PackStore
 
-MAX_ROOT_NAME = 511  # LMDB's default key size limit, in utf-8 bytes
-
-
-def check_root_name(name: str) -> bytes:
-    if not isinstance(name, str):
-        raise TypeError(f"root name must be a str, got {type(name).__name__}")
-    key = name.encode("utf-8")
-    if not 0 < len(key) <= MAX_ROOT_NAME:
-        raise ValueError(f"root name must be 1..{MAX_ROOT_NAME} utf-8 bytes, got {name!r}")
-    return key
 
 
 class PackWriter(Writer):
@@ -53,6 +43,9 @@ class PackWriter(Writer):
         self._lock = threading.Lock()  # puts from several threads append one at a time
         self._new: dict[bytes, ix.ObjectEntry] = {}
         self._roots: dict[str, bytes | None] = {}
+        self._creates: set[str] = set()  # names that must not exist at commit
+        self._chain = b""  # the META_CHAIN value this commit publishes
+        self._roots_sum = b""
         self._reused = 0
         self._bytes = 0
         self._payload_new = 0
@@ -86,6 +79,9 @@ class PackWriter(Writer):
             raise TypeError("refs must be a sequence of object ids, not a single bytes/str")
         refs = tuple(bytes(r) for r in refs)
         payload = bytes(payload)
+        if len(payload) > fmt.MAX_RAW_LEN:
+            raise ValueError(f"payload of {len(payload)} bytes exceeds the "
+                             f"{fmt.MAX_RAW_LEN}-byte limit (FORMAT.md \"Records\")")
         oid = object_id(kind, refs, payload)  # validates every ref's shape
         absent = self._absent((oid, *refs))
         for ref in refs:
@@ -144,6 +140,17 @@ class PackWriter(Writer):
             raise ObjectNotFound(f"root target {hexid(oid)} does not exist", oid=bytes(oid))
         self._roots[name] = bytes(oid)
 
+    def create_root(self, name: str, oid: bytes) -> None:
+        self._check()
+        check_root_name(name)
+        pending = name in self._roots  # deleted earlier in this writer: a plain move
+        current = self._roots[name] if pending else self._store.root(name)
+        if current is not None:
+            raise RootExists(f"root {name!r} already exists", name=name)
+        self.set_root(name, oid)
+        if not pending:
+            self._creates.add(name)
+
     def delete_root(self, name: str) -> None:
         self._check()
         check_root_name(name)
@@ -151,6 +158,7 @@ class PackWriter(Writer):
         if current is None:
             raise ObjectNotFound(f"root {name!r} does not exist", name=name)
         self._roots[name] = None
+        self._creates.discard(name)
 
     def commit(self) -> CommitInfo:
         with self._lock:  # no put may land between here and the seal
@@ -181,34 +189,66 @@ class PackWriter(Writer):
             self._store._writer_done(self)
 
     def _append_snapshot(self) -> tuple[int | None, int | None]:
-        """Append a roots snapshot to the meta pack when this commit moves roots
-        (FORMAT.md "Roots snapshots"): repair recovers roots from these alone."""
+        """Append a roots record to the meta pack when this commit moves roots
+        (FORMAT.md "Roots snapshots"): repair recovers roots from these alone. A delta
+        (the names this commit set or deleted, O(changes) to write and to check in) until
+        the deltas since the last full snapshot add up to its size: snapshots then cost
+        linear, not quadratic, space in the number of roots kept."""
         if not self._roots:
             return None, None
         index = self._index
+        delta = fmt.encode_delta(0, self._roots)  # sized once; re-encoded with its seq
 
         def current(txn):
-            roots = {k.decode(): bytes(v) for k, v in txn.cursor(db=index.roots)}
-            return ix.get_u64(txn, index.meta, ix.META_SEQ), roots
+            seq = ix.get_u64(txn, index.meta, ix.META_SEQ)
+            chain = ix.get_chain(txn, index.meta)
+            digest = txn.get(ix.META_ROOTS_SUM, db=index.meta)
+            old = {n: txn.get(n.encode("utf-8"), db=index.roots) for n in self._roots}
+            old = {n: None if v is None else bytes(v) for n, v in old.items()}
+            chain_packs, delta_bytes, full_bytes = chain
+            full = not chain_packs or digest is None or (
+                delta_bytes + len(delta) > full_bytes)
+            roots = None
+            if full:  # the whole map goes to disk: it must be the one the checksum names
+                problem = ix.roots_problem(txn, index)
+                if problem is not None:
+                    raise CorruptObject(f"cannot commit: {problem}; run repair")
+                roots = {k.decode(): bytes(v) for k, v in txn.cursor(db=index.roots)}
+            return seq, chain, digest, old, roots
 
-        seq, roots = index.read(current)
-        for name, oid in self._roots.items():
-            if oid is None:
-                roots.pop(name, None)
-            else:
-                roots[name] = oid
+        seq, (chain, delta_bytes, full_bytes), digest, old, roots = index.read(current)
         seq += 1
-        payload = fmt.encode_snapshot(seq, roots)
+        if roots is None:
+            payload, rtype = fmt.encode_delta(seq, self._roots), fmt.RECORD_ROOTS_DELTA
+            self._roots_sum = ix.updated_digest(digest, old, self._roots)
+        else:
+            for name, oid in self._roots.items():
+                if oid is None:
+                    roots.pop(name, None)
+                else:
+                    roots[name] = oid
+            payload, rtype = fmt.encode_snapshot(seq, roots), fmt.RECORD_ROOTS
+            self._roots_sum = ix.roots_digest(roots)
         sid = fmt.snapshot_id(payload)
-        record = fmt.encode_record(fmt.RECORD_ROOTS, 0, (), payload, sid, cctx=self._compressor())
+        record = fmt.encode_record(rtype, 0, (), payload, sid, cctx=self._compressor())
         self._bytes += len(record)
-        pack, _ = self._packs.append(record, fmt.RECORD_ROOTS, sid, meta=True)
+        pack, _ = self._packs.append(record, rtype, sid, meta=True)
+        if rtype == fmt.RECORD_ROOTS:
+            self._chain = ix.chain_value([pack], 0, len(payload))
+        else:
+            self._chain = ix.chain_value([*chain, pack], delta_bytes + len(payload),
+                                         full_bytes)
         return seq, pack
 
     def _publish(self, txn, seq: int | None, snapshot_pack: int | None) -> None:
         index = self._index
+        for name in sorted(self._creates):
+            # Re-checked inside the publishing transaction: raising aborts it whole.
+            if txn.get(name.encode("utf-8"), db=index.roots) is not None:
+                raise RootExists(f"root {name!r} already exists; nothing of this "
+                                 "transaction was published", name=name)
         for oid, entry in self._new.items():
-            txn.put(oid, entry.encode(), db=index.objects)
+            txn.put(oid, entry.encode(oid), db=index.objects)
         for pf in self._packs.files:
             entry = ix.PackEntry(pf.size, pf.live, pf.live, pf.meta, pf.objects)
             txn.put(ix.pack_key(pf.number), entry.encode(), db=index.packs)
@@ -223,6 +263,8 @@ class PackWriter(Writer):
         if seq is not None:
             txn.put(ix.META_SEQ, ix.U64.pack(seq), db=index.meta)
             txn.put(ix.META_SNAPSHOT_PACK, ix.I64.pack(snapshot_pack), db=index.meta)
+            txn.put(ix.META_CHAIN, self._chain, db=index.meta)
+            txn.put(ix.META_ROOTS_SUM, self._roots_sum, db=index.meta)
 
     def __del__(self) -> None:
         # A writer dropped without commit or abort must not keep the store locked.

@@ -147,11 +147,24 @@ def _require_store(path: str) -> None:
         raise UsageError(f"no store at {path!r} (no index/ or packs/ inside)")
 
 
-def _open(path: str, *, create: bool = False):
+_READ_COMMANDS = frozenset({"ls", "show", "diff", "du", "verify", "export"})
+
+
+def _open(path: str, *, create: bool = False, readonly: bool = False):
+    """Read commands open read-only (no writer lock, no writes: a store that cannot be
+    written can still be inspected). An index behind its packs cannot be brought up to
+    date read-only; where the store is writable it is then opened writable to do so."""
     from cnrstore.core.store import open as open_store
+    from engine import StaleIndex
 
     if not create:
         _require_store(path)
+    if readonly:
+        try:
+            return open_store(path, create=False, readonly=True)
+        except StaleIndex:
+            if not os.access(path, os.W_OK):
+                raise
     return open_store(path, create=create)
 
 
@@ -183,7 +196,7 @@ def _run(args: argparse.Namespace) -> int:
         report = inspect.repair(args.store)
         _emit(args, report, fmt.repair_text(report))
         return EXIT_PROBLEMS if report.damaged else EXIT_OK
-    with _open(args.store, create=cmd == "import") as store:
+    with _open(args.store, create=cmd == "import", readonly=cmd in _READ_COMMANDS) as store:
         if cmd == "ls":
             with _progress(args, "ls") as bar:
                 steps = inspect.list_steps(store, progress=bar)

@@ -212,6 +212,8 @@ def verify(store, *, deep: bool) -> VerifyReport:
             if manifest.node.step != step:
                 problems.append(f"step {step}: root holds step node of step {manifest.node.step}")
         except (CheckpointError, StoreError) as exc:
+            if not _still_there(objects, step):
+                continue  # dropped by a gc in another process since it was listed
             problems.append(f"step {step}: {type(exc).__name__}: {exc}")
             continue
         if not deep:
@@ -224,6 +226,8 @@ def verify(store, *, deep: bool) -> VerifyReport:
                         seen[oid] = resolve(objects.get, oid).shape
                     except (CheckpointError, StoreError) as exc:
                         seen[oid] = None
+                        if not _still_there(objects, step):
+                            break  # dropped by a gc in another process since it was listed
                         problems.append(f"{where}: {type(exc).__name__}: {exc}")
                         continue
                 start, stop = tm.node.block_range(i)
@@ -233,6 +237,14 @@ def verify(store, *, deep: bool) -> VerifyReport:
                         f"{where}: shape {shape} != {(stop - start, tm.node.row_nbytes)}"
                     )
     return VerifyReport(not problems, tuple(problems), len(steps), len(seen), eng)
+
+
+def _still_there(objects, step: int) -> bool:
+    """False when ``step`` was dropped (by another process) after verify listed it."""
+    try:
+        return objects.root(root_name(step)) is not None
+    except StoreError:
+        return True
 
 
 def stats(store) -> StoreStats:

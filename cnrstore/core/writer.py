@@ -20,7 +20,7 @@ import numpy as np
 
 from cnrstore.core.snapshot import FULL, TablePlan
 from cnrstore.core.tablestate import dtype_name
-from cnrstore.errors import WriteFailed
+from cnrstore.errors import StepExists, WriteFailed
 from cnrstore.format.blocks import encode_full, encode_patch, plane_width
 from cnrstore.format.manifest import (
     KIND_BLOCK_FULL,
@@ -33,7 +33,7 @@ from cnrstore.format.manifest import (
     TableNode,
     root_name,
 )
-from engine import ObjectStore, StoreError, object_id
+from engine import ObjectStore, RootExists, StoreError, object_id
 
 __all__ = ["StepInfo", "BackgroundWriter", "write_step"]
 
@@ -207,10 +207,15 @@ def write_step(
         payload, refs = node.encode()
         root = w.put(KIND_STEP, payload, refs, meta=True)
         bytes_new = w.payload_bytes_new
-        w.set_root(root_name(step), root)
+        # Create-only: the store's existence check ran before the writer lock, so another
+        # handle or process may have put this step since; the engine re-checks at commit.
+        w.create_root(root_name(step), root)
         commit = w.commit()
         for plan in plans:
             plan.state.anchor = (root_name(step), root)
+    except RootExists:
+        w.abort()
+        raise StepExists(step) from None
     except _MissingBase as exc:
         w.abort()
         raise WriteFailed(step, str(exc)) from None

@@ -13,7 +13,6 @@ import time
 
 import pytest
 from _helpers import (
-    HAS_PACKSTORE,
     check_dag,
     dag,
     make_payload,
@@ -23,8 +22,6 @@ from _helpers import (
 )
 
 from engine.errors import StoreClosed, StoreLocked
-
-pytestmark = pytest.mark.skipif(not HAS_PACKSTORE, reason="pack store not landed")
 
 
 def _finish(proc, timeout: float = 60) -> tuple[list[str], str]:

@@ -409,3 +409,43 @@ def test_a_failed_append_poisons_the_writer_and_unlocks_on_commit(pack_store):
     assert pack_store.stats().objects == 1  # nothing of the failed writer is visible
     assert list_pack_files(pack_store.path) == packs_before  # and its pack is gone
     assert pack_store.verify(deep=True).ok
+
+
+def test_the_memory_twin_unlocks_when_a_writer_is_dropped():
+    # The pack store unlocks through a weak reference; the twin used to stay locked forever.
+    store = engine.MemoryStore()
+    w = store.writer()
+    w.put(1, b"never committed")
+    del w
+    with store.writer() as w2:
+        w2.put(1, b"x")
+
+
+def test_both_stores_refuse_an_empty_or_unencodable_root_name(store_factory):
+    store = store_factory()
+    with store.writer() as w:
+        oid = w.put(1, b"x")
+        for bad in ("", "\udc80", "x" * 600):
+            with pytest.raises(ValueError):
+                w.set_root(bad, oid)
+            with pytest.raises(ValueError):
+                w.create_root(bad, oid)
+    assert store.roots() == {}
+
+
+def test_create_root_fails_at_commit_with_nothing_published(store_factory):
+    store = store_factory()
+    with store.writer() as w:
+        first = w.put(1, b"first")
+        w.create_root("a", first)
+    w = store.writer()
+    second = w.put(1, b"second")
+    w.create_root("b", second)
+    w.delete_root("a")
+    w.create_root("a", second)  # deleted then created in one writer: allowed
+    w.commit()
+    assert store.roots() == {"a": second, "b": second}
+    with pytest.raises(engine.RootExists):
+        with store.writer() as w:
+            w.create_root("a", second)
+    assert store.root("a") == second

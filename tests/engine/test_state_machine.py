@@ -13,7 +13,7 @@ import shutil
 import tempfile
 
 import pytest
-from _helpers import HAS_PACKSTORE, make_payload, open_store, pack_bytes
+from _helpers import make_payload, open_store, pack_bytes
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -65,7 +65,8 @@ class StoreMachine(RuleBasedStateMachine):
         try:
             for _ in range(nops):
                 visible = list(self.objects) + list(new)
-                op = data.draw(st.sampled_from(["put", "put", "put", "root", "unroot", "bad"]))
+                op = data.draw(st.sampled_from(["put", "put", "put", "root", "create", "unroot",
+                                                "bad"]))
                 if op == "put":
                     kind = data.draw(st.integers(0, 255))
                     refs = []
@@ -86,6 +87,16 @@ class StoreMachine(RuleBasedStateMachine):
                     w.set_root(name, target)
                     roots[name] = target
                     moved = True
+                elif op == "create" and visible:
+                    name = data.draw(st.sampled_from(ROOT_NAMES))
+                    target = data.draw(st.sampled_from(visible))
+                    if name in roots:
+                        with pytest.raises(engine.RootExists):
+                            w.create_root(name, target)
+                    else:
+                        w.create_root(name, target)
+                        roots[name] = target
+                        moved = True
                 elif op == "unroot":
                     name = data.draw(st.sampled_from(ROOT_NAMES))
                     if name in roots:
@@ -245,14 +256,11 @@ class PackMachine(StoreMachine):
 TestMemoryStoreMachine = MemoryMachine.TestCase
 TestMemoryStoreMachine.settings = settings(max_examples=25, stateful_step_count=20, **_SETTINGS)
 
-TestPackStoreMachine = pytest.mark.skipif(not HAS_PACKSTORE, reason="pack store not landed")(
-    PackMachine.TestCase
-)
+TestPackStoreMachine = PackMachine.TestCase
 TestPackStoreMachine.settings = settings(max_examples=25, stateful_step_count=20, **_SETTINGS)
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not HAS_PACKSTORE, reason="pack store not landed")
 def test_pack_store_machine_long():
     from hypothesis.stateful import run_state_machine_as_test
 

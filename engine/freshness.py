@@ -1,0 +1,236 @@
+"""Is the index up to date with its packs? (docs/FORMAT.md "Index freshness").
+
+The index is derived data and can fall behind the packs it describes: ``data.mdb`` deleted
+or truncated (LMDB then starts an empty one), an index restored from an older backup, or a
+crash between a commit's pack fsync and its index transaction. Trusting such an index is
+how gc deletes live packs: every pack it does not list looks like a crash leftover.
+
+The index knows the commit it reflects (``meta.commit_seq``); the packs know the newest
+commit: every root-changing commit and every gc snapshot writes a roots record carrying
+its sequence into a fresh meta pack. Packs the index lists were published with a sequence
+at most the index's own, so the newest sequence on disk is found in the packs the index
+does NOT list, and only in sealed ones (a commit seals before it publishes). That is
+cheap on a healthy store: one directory listing, and no pack is read unless a crash left
+one behind. A head file alone would not do: it can be as stale as the index it sits by.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import shutil
+import time
+from typing import TYPE_CHECKING
+
+from . import format as fmt
+from . import index as ix
+from .errors import CorruptObject, StaleIndex, StoreLocked
+from .fileio import fsync_dir
+from .pack import PackReaders, list_pack_files, pack_name, pack_numbers, read_trailer
+
+if TYPE_CHECKING:
+    from .store import PackStore
+
+
+def settle_index_swap(p: pathlib.Path) -> None:
+    """With the writer lock held: finish or undo a repair's index swap a crash interrupted
+    (docs/FORMAT.md "Recovery and repair")."""
+    if not (p / "index").exists() and (p / "index.new").exists():
+        if (p / "index.old").exists():
+            os.replace(p / "index.new", p / "index")  # index.new was complete and synced
+            fsync_dir(p)
+        else:
+            shutil.rmtree(p / "index.new")  # repair died while writing it
+    if (p / "index").exists():
+        for leftover in ("index.new", "index.old"):
+            if (p / leftover).exists():
+                shutil.rmtree(p / leftover)
+
+
+_CATCH_UP_WAIT_S = 60.0  # how long an opener waits for the writer lock to rebuild
+
+
+def open_index(store: PackStore, map_size: int, options: dict) -> None:
+    """Open ``store``'s index, rebuilding it from the packs (under the writer lock) when it
+    is missing, damaged (never handed to LMDB: a truncated map kills with SIGBUS) or
+    behind its packs. Read-only handles refuse such an index (StaleIndex) instead."""
+    if store.readonly:
+        _open_readonly(store, map_size, options)
+        return
+    try:
+        _open_writable(store, map_size, options, damaged=False)
+    except ix.DamagedIndex:
+        # LMDB itself found pages it cannot use: derived data, rebuilt from the packs.
+        _open_writable(store, map_size, options, damaged=True)
+
+
+def _open_writable(store: PackStore, map_size: int, options: dict, *, damaged: bool) -> None:
+    p = store.path
+    data = p / "index" / "data.mdb"
+    locked = False
+    try:
+        if damaged or not data.exists() or ix.data_file_problem(data) is not None:
+            store._lock.acquire(None)  # a repair elsewhere may be between its renames
+            locked = True
+        elif (p / "index.new").exists() or (p / "index.old").exists():
+            try:
+                store._lock.acquire(0.0)
+                locked = True
+            except StoreLocked:
+                pass  # a repair is running: its leftovers are its own
+        if locked:
+            settle_index_swap(p)
+            if (p / "index").exists() and (damaged or not data.exists()
+                                           or ix.data_file_problem(data) is not None):
+                # Derived data we must not map: rebuilt from the packs below.
+                shutil.rmtree(p / "index")
+                fsync_dir(p)
+        needs_repair = not (p / "index").exists() and bool(list_pack_files(p))
+        store._index = ix.open_shared(p / "index", map_size=map_size, options=options)
+        store._readers = PackReaders(p)
+        store._closed = False
+        try:
+            if needs_repair:
+                _rebuild(store)
+            else:
+                _bring_up_to_date(store, locked)
+        except BaseException:
+            store.close()
+            raise
+    finally:
+        if locked:
+            store._lock.release()
+
+
+def _rebuild(store: PackStore) -> None:
+    from .repair import rebuild
+
+    store.opened_with_repair = rebuild(store)
+
+
+def _bring_up_to_date(store: PackStore, locked: bool) -> None:
+    problem = stale_problem(store)
+    if problem is None and not store._index.legacy_entries:
+        return
+    if not locked:
+        deadline = time.monotonic() + _CATCH_UP_WAIT_S
+        while True:
+            try:
+                store._lock.acquire(0.05 if problem else 0.0)
+                break
+            except StoreLocked:
+                if problem is None:
+                    return  # entries get their checksums at a later open
+                # A commit between its pack fsync and its index transaction looks just
+                # like this: once it lands, the index is up to date after all.
+                problem = stale_problem(store)
+                if problem is None:
+                    return
+                if time.monotonic() > deadline:
+                    raise StaleIndex(f"store {store.path}: {problem}; the writer lock "
+                                     "stayed taken, so it could not be rebuilt") from None
+    try:
+        store._index.refresh_if_replaced()
+        if stale_problem(store) is not None:
+            _rebuild(store)
+        store._index.upgrade_entries()
+    finally:
+        if not locked:
+            store._lock.release()
+
+
+def _open_readonly(store: PackStore, map_size: int, options: dict) -> None:
+    p = store.path
+    data = p / "index" / "data.mdb"
+    if not data.exists():
+        raise StaleIndex(f"store {p} has no index; open it writable once to rebuild it "
+                         "from the packs")
+    problem = ix.data_file_problem(data)
+    if problem is not None:
+        raise StaleIndex(f"store {p}: {problem}; open it writable to rebuild the index")
+    store._index = ix.open_shared(p / "index", map_size=map_size, options=options,
+                                  readonly=True)
+    store._readers = PackReaders(p)
+    store._closed = False
+    try:
+        problem = stale_problem(store)
+    except BaseException:
+        store.close()
+        raise
+    if problem is not None:
+        store.close()
+        raise StaleIndex(f"store {p}: {problem}; open it writable to bring the index up "
+                         "to date")
+
+
+def stale_problem(store: PackStore, *, full: bool = True) -> str | None:
+    """Why the index must not be trusted (behind its packs, empty beside sealed packs, or
+    roots failing their checksum), or None. Reads no pack on a healthy store.
+
+    ``full=False`` (before each writer, the index already checked at open) looks only at
+    the run of pack files from ``next_pack`` on: a writer or gc that died after sealing
+    left its packs there, numbered consecutively from the ``next_pack`` it read."""
+    index = store._index
+    if not full:
+        next_pack, seq = index.read(lambda t: (ix.get_u64(t, index.meta, ix.META_NEXT_PACK),
+                                               ix.get_u64(t, index.meta, ix.META_SEQ)))
+        n = next_pack
+        while (store.path / "packs" / pack_name(n)).exists():
+            newest = _newest_seq(store, n)
+            if newest is not None and newest > seq:
+                return (f"pack {pack_name(n)} holds commit {newest}, the index only "
+                        f"reaches commit {seq} (a commit or gc that died after sealing)")
+            n += 1
+        return None
+
+    def state(txn):
+        listed = {ix.unpack_pack_key(k) for k in txn.cursor(db=index.packs).iternext(values=False)}
+        return listed, ix.get_u64(txn, index.meta, ix.META_SEQ), ix.roots_problem(txn, index)
+
+    listed, seq, roots_problem = index.read(state)
+    if roots_problem is not None:
+        return roots_problem
+    unlisted = sorted(pack_numbers(store.path) - listed, reverse=True)
+    for n in unlisted:
+        newest = _newest_seq(store, n)
+        if newest is None:
+            continue  # unsealed or damaged: a crash leftover, never a published pack
+        if not listed:
+            return (f"the index lists no pack but sealed pack {pack_name(n)} exists "
+                    "(index emptied or lost)")
+        if newest > seq:
+            return (f"pack {pack_name(n)} holds commit {newest}, the index only reaches "
+                    f"commit {seq} (an older or damaged index)")
+    return None
+
+
+def _newest_seq(store: PackStore, n: int) -> int | None:
+    """Highest roots-record sequence in sealed pack ``n`` (-1: sealed, none there), or
+    None when the pack is not sealed or cannot be read."""
+    path = store.path / "packs" / pack_name(n)
+    try:
+        entries = read_trailer(path, name=pack_name(n))
+    except (CorruptObject, OSError):
+        return None
+    newest = -1
+    roots = [e for e in entries if e.rtype in fmt.ROOTS_RECORDS]
+    if not roots:
+        return newest
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        for e in roots:
+            data = os.pread(fd, e.length, e.offset)
+            try:
+                rec = fmt.decode_record(data, 0, pack=pack_name(n))
+                seq = fmt.decode_roots_record(rec.payload, rec.header.rtype, pack=pack_name(n)).seq
+            except CorruptObject:
+                continue
+            newest = max(newest, seq)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return newest

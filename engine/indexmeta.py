@@ -1,0 +1,83 @@
+"""Helpers for the index's ``meta`` database, used inside transactions (docs/FORMAT.md
+"Index"): counters, the roots chain, and the roots checksum."""
+
+from __future__ import annotations
+
+import struct
+
+import msgpack
+import xxhash
+
+U64 = struct.Struct("<Q")
+I64 = struct.Struct("<q")
+META_SEQ = b"commit_seq"
+META_SNAPSHOT_PACK = b"snapshot_pack"
+META_CHAIN = b"roots_chain"  # msgpack [packs of the current roots chain, delta bytes, full]
+META_ROOTS_SUM = b"roots_checksum"  # u64 roots_digest of the roots db
+
+
+def get_u64(txn, db, key: bytes) -> int:
+    raw = txn.get(key, db=db)
+    return U64.unpack(raw)[0] if raw is not None else 0
+
+
+def get_snapshot_pack(txn, db) -> int:
+    raw = txn.get(META_SNAPSHOT_PACK, db=db)
+    return I64.unpack(raw)[0] if raw is not None else -1
+
+
+def get_chain(txn, db) -> tuple[list[int], int, int]:
+    """(packs holding the current roots chain: its full snapshot and the deltas since,
+    payload bytes of those deltas, payload bytes of that full snapshot). An empty list
+    demands a full snapshot next."""
+    raw = txn.get(META_CHAIN, db=db)
+    if raw is None:  # an index from before roots deltas: every snapshot was full
+        n = get_snapshot_pack(txn, db)
+        return ([n] if n >= 0 else []), 0, 0
+    try:
+        packs, delta_bytes, full_bytes = msgpack.unpackb(raw)
+        return [int(n) for n in packs], int(delta_bytes), int(full_bytes)
+    except Exception:  # damaged: a fresh full snapshot repairs it
+        return [], 0, 0
+
+
+_MASK = (1 << 64) - 1
+
+
+def root_hash(name, oid: bytes) -> int:
+    key = name.encode("utf-8") if isinstance(name, str) else bytes(name)
+    return xxhash.xxh3_64_intdigest(b"".join((U64.pack(len(key)), key, bytes(oid))))
+
+
+def roots_digest(roots: dict) -> bytes:
+    """Checksum of a whole root map (keys str or utf-8 bytes): the sum mod 2^64 of each
+    root's ``root_hash``, so a commit updates it from the roots it changes alone. A flipped
+    bit in the roots db could otherwise hide roots from gc, which would sweep their DAGs."""
+    return U64.pack(sum(root_hash(k, v) for k, v in roots.items()) & _MASK)
+
+
+def updated_digest(digest: bytes, old: dict, new: dict) -> bytes:
+    """``digest`` after the roots in ``old`` (name -> id, or None: absent) became ``new``."""
+    (value,) = U64.unpack(digest)
+    for name, oid in old.items():
+        if oid is not None:
+            value -= root_hash(name, oid)
+    for name, oid in new.items():
+        if oid is not None:
+            value += root_hash(name, oid)
+    return U64.pack(value & _MASK)
+
+
+def roots_problem(txn, index) -> str | None:
+    """Why the roots db cannot be trusted (it fails its checksum), or None."""
+    stored = txn.get(META_ROOTS_SUM, db=index.meta)
+    if stored is None:
+        return None  # an index from before roots checksums: upgraded on open
+    roots = {bytes(k): bytes(v) for k, v in txn.cursor(db=index.roots)}
+    if roots_digest(roots) != bytes(stored):
+        return "the index's roots fail their checksum (damaged roots table)"
+    return None
+
+
+def chain_value(packs, delta_bytes: int, full_bytes: int) -> bytes:
+    return msgpack.packb([sorted(set(packs)), int(delta_bytes), int(full_bytes)])
