@@ -97,6 +97,15 @@ def test_target_raises_only_corrupt_object(name, data):
     _run_bounded(target, buf)
 
 
+def _rss_limit_mb(budget: int = 1024) -> int:
+    """libFuzzer's limit reads the child's peak RSS, which Linux carries over from this
+    process across fork and exec: after a memory-heavy test in the same run, every fuzz
+    run 'ran out of memory' before its first input. Allow the budget above that floor."""
+    import resource
+
+    return budget + resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
+
+
 @pytest.mark.parametrize(
     "name, runs",
     [
@@ -115,7 +124,7 @@ def test_atheris_run(name, runs, tmp_path):
         str(ROOT / "fuzz" / f"fuzz_{name}.py"),
         f"-runs={runs}",
         "-max_len=4096",
-        "-rss_limit_mb=1024",
+        f"-rss_limit_mb={_rss_limit_mb()}",
         "-timeout=5",
         "-seed=1",
         str(corpus),
