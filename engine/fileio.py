@@ -50,7 +50,7 @@ def atomic_write(path: str | os.PathLike, data: bytes) -> None:
     fsync_dir(path.parent)
 
 
-def write_all(fd: int, data: bytes | memoryview) -> None:
+def write_all(fd: int, data: bytes | bytearray | memoryview) -> None:
     view = memoryview(data)
     while view:
         n = os.write(fd, view)

@@ -13,7 +13,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import lmdb
 import msgpack
@@ -140,8 +140,8 @@ class Index:
         self._checked = time.monotonic()
 
     def _lmdb_open(self, map_size: int, create: bool) -> lmdb.Environment:
-        kw = dict(map_size=map_size, subdir=True, max_dbs=4, readahead=False,
-                  meminit=False, max_spare_txns=0)
+        kw: dict[str, Any] = dict(map_size=map_size, subdir=True, max_dbs=4,
+                                  readahead=False, meminit=False, max_spare_txns=0)
         if not self.readonly:
             return lmdb.open(os.fspath(self.path), create=create, **kw)
         try:

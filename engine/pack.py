@@ -35,7 +35,7 @@ def pack_path(root: pathlib.Path, n: int) -> pathlib.Path:
 
 def list_pack_files(root: pathlib.Path) -> dict[int, pathlib.Path]:
     """Every ``packs/XX/NNNNNNNN.pack`` on disk, by number (index or not)."""
-    found = {}
+    found: dict[int, pathlib.Path] = {}
     packs = root / "packs"
     if not packs.is_dir():
         return found
@@ -93,7 +93,7 @@ class PackFile:
         self.sealed = False
         self._write(fmt.PackHeader(fmt.FORMAT_VERSION, meta, n).pack())
 
-    def _write(self, data: bytes) -> None:
+    def _write(self, data: bytes | bytearray | memoryview) -> None:
         write_all(self._fd, data)
         self.size += len(data)
 
