@@ -79,9 +79,9 @@ class StoreCore:
             )
 
     # -- reads ----------------------------------------------------------------------------
-    def entry(self, txn: object, oid: bytes) -> ix.ObjectEntry:
+    def entry(self, txn: ix.Txn, oid: bytes) -> ix.ObjectEntry:
         index = self.index
-        raw = txn.get(oid, db=index.objects)  # type: ignore[attr-defined]
+        raw = txn.get(oid, db=index.objects)
         if raw is None:
             raise ObjectNotFound(f"object {hexid(oid)} not found", oid=oid)
         return index.entry(oid, raw)

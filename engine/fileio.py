@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+from collections.abc import Sequence
 
 from .errors import StoreError
 
@@ -57,7 +58,7 @@ def write_all(fd: int, data: bytes | bytearray | memoryview) -> None:
         view = view[n:]
 
 
-def writev_all(fd: int, parts) -> int:
+def writev_all(fd: int, parts: Sequence[bytes | bytearray | memoryview]) -> int:
     """Write ``parts`` back to back with as few syscalls as the kernel allows; return the
     bytes written. Saves joining large payloads into one buffer first."""
     views = [memoryview(p).cast("B") for p in parts if len(p)]

@@ -76,7 +76,7 @@ def mark(index: ix.Index) -> dict[bytes, int]:
 def sweep(index: ix.Index, live: dict[bytes, int]) -> int:
     """Drop every unmarked object entry; return how many were dropped."""
 
-    def apply(txn):
+    def apply(txn: ix.Txn) -> int:
         dead: dict[int, list[int]] = {}
         keys = []
         for key, raw in txn.cursor(db=index.objects):
@@ -122,7 +122,7 @@ def _plan(store: StoreCore, threshold: float, live_packs: set[int]) -> _Plan:
     dropped, whatever its (unchecksummed) counters say: at worst it is rewritten."""
     index = store.index
 
-    def read(txn):
+    def read(txn: ix.Txn) -> _Plan:
         plan = _Plan()
         plan.next_pack = ix.get_u64(txn, index.meta, ix.META_NEXT_PACK)
         plan.seq = ix.get_u64(txn, index.meta, ix.META_SEQ)
@@ -258,7 +258,8 @@ def collect(store: StoreCore, *, threshold: float, progress: ProgressFn | None) 
     )
 
 
-def _publish(txn, index, moves, gone, out: PackSet, seq: int, snap: int,
+def _publish(txn: ix.Txn, index: ix.Index, moves: dict[bytes, ix.ObjectEntry],
+             gone: set[int], out: PackSet, seq: int, snap: int,
              chain: bytes | None) -> None:
     for oid, entry in moves.items():
         txn.put(oid, entry.encode(oid), db=index.objects)
@@ -267,8 +268,8 @@ def _publish(txn, index, moves, gone, out: PackSet, seq: int, snap: int,
     for pf in out.files:
         live = [m for m in moves.values() if m.pack == pf.number]
         nbytes = sum(m.length for m in live)
-        entry = ix.PackEntry(pf.size, nbytes, nbytes, pf.meta, len(live))
-        txn.put(ix.pack_key(pf.number), entry.encode(), db=index.packs)
+        packed = ix.PackEntry(pf.size, nbytes, nbytes, pf.meta, len(live))
+        txn.put(ix.pack_key(pf.number), packed.encode(), db=index.packs)
     next_pack = max(out.next_number, ix.get_u64(txn, index.meta, ix.META_NEXT_PACK))
     txn.put(ix.META_NEXT_PACK, ix.U64.pack(next_pack), db=index.meta)
     txn.put(ix.META_SEQ, ix.U64.pack(seq), db=index.meta)

@@ -332,7 +332,8 @@ def scan_records(data: bytes, *, name: str, entries: list[fmt.TrailerEntry] | No
         offset = nxt
 
 
-def _decode_at(data: bytes, offset: int, name: str, dctx) -> ScannedRecord:
+def _decode_at(data: bytes, offset: int, name: str,
+               dctx: zstandard.ZstdDecompressor | None) -> ScannedRecord:
     try:
         return ScannedRecord(offset, fmt.decode_record(data, offset, pack=name, dctx=dctx),
                              None)

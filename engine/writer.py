@@ -203,7 +203,9 @@ class PackWriter(Writer):
         index = self._index
         delta = fmt.encode_delta(0, self._roots)  # sized once; re-encoded with its seq
 
-        def current(txn):
+        def current(txn: ix.Txn) -> tuple[
+                int, tuple[list[int], int, int], bytes | None, dict[str, bytes | None],
+                dict[str, bytes] | None]:
             seq = ix.get_u64(txn, index.meta, ix.META_SEQ)
             chain = ix.get_chain(txn, index.meta)
             digest = txn.get(ix.META_ROOTS_SUM, db=index.meta)
@@ -223,6 +225,7 @@ class PackWriter(Writer):
         seq, (chain, delta_bytes, full_bytes), digest, old, roots = index.read(current)
         seq += 1
         if roots is None:
+            assert digest is not None  # no digest demands a full snapshot (see current)
             payload, rtype = fmt.encode_delta(seq, self._roots), fmt.RECORD_ROOTS_DELTA
             self._roots_sum = ix.updated_digest(digest, old, self._roots)
         else:
@@ -244,7 +247,8 @@ class PackWriter(Writer):
                                          full_bytes)
         return seq, pack
 
-    def _publish(self, txn, seq: int | None, snapshot_pack: int | None) -> None:
+    def _publish(self, txn: ix.Txn, seq: int | None,
+                 snapshot_pack: int | None) -> None:
         index = self._index
         for name in sorted(self._creates):
             # Re-checked inside the publishing transaction: raising aborts it whole.
