@@ -19,20 +19,23 @@ def walk(starts: Iterable[tuple[bytes, str]], refs_of: RefsOf) -> set[bytes]:
     None when it is missing or cannot be trusted, after reporting that its own way (it
     may raise to stop the walk). Iterative, so a deep chain cannot hit the recursion
     limit."""
-    found: set[bytes] = set()
     seen: set[bytes] = set()
-    stack: list[tuple[bytes, Via]] = [(oid, name) for oid, name in starts]
+    missing: set[bytes] = set()
+    # Groups of sibling refs with the object they are refs of: one stack entry per object
+    # rather than one tuple per ref (gc marks whole stores through here).
+    stack: list[tuple[Sequence[bytes], Via]] = [((oid,), name) for oid, name in starts]
     while stack:
-        oid, via = stack.pop()
-        if oid in seen:
-            continue
-        seen.add(oid)
-        refs = refs_of(oid, via)
-        if refs is None:
-            continue
-        found.add(oid)
-        stack.extend((r, oid) for r in refs)
-    return found
+        oids, via = stack.pop()
+        for oid in oids:
+            if oid in seen:
+                continue
+            seen.add(oid)
+            refs = refs_of(oid, via)
+            if refs is None:
+                missing.add(oid)
+            elif refs:
+                stack.append((refs, oid))
+    return seen - missing if missing else seen
 
 
 def describe(via: Via) -> str:
