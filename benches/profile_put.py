@@ -64,7 +64,7 @@ STAGES = (
     ("engine.format", "_decompress", "decompress"),
     ("engine.format", "object_id", "hash: verify id on read"),
     ("engine.format", "check_record", "record checksum + header"),
-    ("engine.store", "PackStore._lookup", "index lookup"),
+    ("engine.core", "StoreCore.lookup", "index lookup"),
     ("cnrstore.core.restore", "decode_rows", "dequantize / decode rows"),
     ("cnrstore.format.blocks", "decode_full", "block decode"),
     ("cnrstore.format.blocks", "decode_patch", "block decode"),

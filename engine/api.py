@@ -138,7 +138,7 @@ class Writer(abc.ABC):
     def __enter__(self) -> Writer:
         return self
 
-    def __exit__(self, exc_type, exc, tb) -> None:
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
         if exc_type is None:
             self.commit()
         else:
@@ -209,5 +209,5 @@ class ObjectStore(abc.ABC):
     def __enter__(self) -> ObjectStore:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()

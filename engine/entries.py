@@ -96,7 +96,7 @@ def pack_key(n: int) -> bytes:
     return PACK_KEY.pack(n)
 
 
-def unpack_pack_key(key: bytes) -> int:
+def unpack_pack_key(key: bytes | memoryview) -> int:
     if len(key) != PACK_KEY.size:
         raise DamagedIndex(f"malformed pack key {bytes(key)!r} in index")
     return PACK_KEY.unpack(key)[0]

@@ -28,6 +28,7 @@ __all__ = [
     "StaleIndex",
     "RootExists",
     "ReadOnly",
+    "OptionsMismatch",
 ]
 
 
@@ -99,3 +100,14 @@ class RootExists(StoreError):
 
 class ReadOnly(StoreError):
     """A write (writer, gc, repair) on a store opened with ``readonly=True``."""
+
+
+class OptionsMismatch(StoreError):
+    """An open asked for a value of an option that describes stored data (engine/options.py)
+    other than the one the store was created with."""
+
+    def __init__(self, message: str, *, name: str, stored: object, asked: object):
+        super().__init__(message)
+        self.name = name
+        self.stored = stored
+        self.asked = asked

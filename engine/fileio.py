@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+from collections.abc import Sequence
 
 from .errors import StoreError
 
@@ -50,14 +51,14 @@ def atomic_write(path: str | os.PathLike, data: bytes) -> None:
     fsync_dir(path.parent)
 
 
-def write_all(fd: int, data: bytes | memoryview) -> None:
+def write_all(fd: int, data: bytes | bytearray | memoryview) -> None:
     view = memoryview(data)
     while view:
         n = os.write(fd, view)
         view = view[n:]
 
 
-def writev_all(fd: int, parts) -> int:
+def writev_all(fd: int, parts: Sequence[bytes | bytearray | memoryview]) -> int:
     """Write ``parts`` back to back with as few syscalls as the kernel allows; return the
     bytes written. Saves joining large payloads into one buffer first."""
     views = [memoryview(p).cast("B") for p in parts if len(p)]

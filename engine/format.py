@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
+from typing import Any
 
 import xxhash
 import zstandard
@@ -150,7 +151,7 @@ class Record:
     payload: bytes  # uncompressed
 
 
-def encode_record(*args, **kwargs) -> bytes:
+def encode_record(*args: Any, **kwargs: Any) -> bytes:
     """One record as bytes: ``encode_record_parts`` joined (same arguments)."""
     return b"".join(encode_record_parts(*args, **kwargs))
 
@@ -257,8 +258,9 @@ def decode_record(
     return Record(header, refs, payload)
 
 
-def _stream_check(stored, header: RecordHeader, kind: int, refs, dctx, where, pack,
-                  offset) -> None:
+def _stream_check(stored: bytes | memoryview, header: RecordHeader, kind: int,
+                  refs: tuple[bytes, ...], dctx: zstandard.ZstdDecompressor | None, where: str,
+                  pack: str | None, offset: int | None) -> None:
     """Decompress in bounded pieces through the id hash, keeping none of it: raises
     CorruptObject unless the payload is exactly raw_len bytes that hash to the id."""
     try:
@@ -280,7 +282,9 @@ def _stream_check(stored, header: RecordHeader, kind: int, refs, dctx, where, pa
                             offset=offset)
 
 
-def _decompress(stored, raw_len, dctx, where, oid, pack, offset) -> bytes:
+def _decompress(stored: bytes | memoryview, raw_len: int,
+                dctx: zstandard.ZstdDecompressor | None, where: str, oid: bytes,
+                pack: str | None, offset: int | None) -> bytes:
     try:
         # Our writer always records the content size; trusting only a size that matches
         # the header keeps the allocation bounded by the (already checked) raw_len.

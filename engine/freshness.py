@@ -20,16 +20,17 @@ import os
 import pathlib
 import shutil
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from . import format as fmt
 from . import index as ix
 from .errors import CorruptObject, StaleIndex, StoreLocked
 from .fileio import fsync_dir
-from .pack import PackReaders, list_pack_files, pack_name, pack_numbers, read_trailer
+from .pack import list_pack_files, pack_name, pack_numbers, read_trailer
 
 if TYPE_CHECKING:
-    from .store import PackStore
+    from .api import RepairReport
+    from .core import StoreCore
 
 
 def settle_index_swap(p: pathlib.Path) -> None:
@@ -50,31 +51,35 @@ def settle_index_swap(p: pathlib.Path) -> None:
 _CATCH_UP_WAIT_S = 60.0  # how long an opener waits for the writer lock to rebuild
 
 
-def open_index(store: PackStore, map_size: int, options: dict) -> None:
+def open_index(store: StoreCore) -> RepairReport | None:
     """Open ``store``'s index, rebuilding it from the packs (under the writer lock) when it
     is missing, damaged (never handed to LMDB: a truncated map kills with SIGBUS) or
-    behind its packs. Read-only handles refuse such an index (StaleIndex) instead."""
+    behind its packs. Read-only handles refuse such an index (StaleIndex) instead.
+    Returns the report of the rebuild open had to do, if any; closes what it opened when
+    it raises."""
     if store.readonly:
-        _open_readonly(store, map_size, options)
-        return
+        _open_readonly(store)
+        return None
     try:
-        _open_writable(store, map_size, options, damaged=False)
+        return _open_writable(store, damaged=False)
     except ix.DamagedIndex:
         # LMDB itself found pages it cannot use: derived data, rebuilt from the packs.
-        _open_writable(store, map_size, options, damaged=True)
+        return _open_writable(store, damaged=True)
 
 
-def _open_writable(store: PackStore, map_size: int, options: dict, *, damaged: bool) -> None:
+def _open_writable(store: StoreCore, *, damaged: bool) -> RepairReport | None:
     p = store.path
+    lock = store.lock
+    report = None
     data = p / "index" / "data.mdb"
     locked = False
     try:
         if damaged or not data.exists() or ix.data_file_problem(data) is not None:
-            store._lock.acquire(None)  # a repair elsewhere may be between its renames
+            lock.acquire(None)  # a repair elsewhere may be between its renames
             locked = True
         elif (p / "index.new").exists() or (p / "index.old").exists():
             try:
-                store._lock.acquire(0.0)
+                lock.acquire(0.0)
                 locked = True
             except StoreLocked:
                 pass  # a repair is running: its leftovers are its own
@@ -86,60 +91,62 @@ def _open_writable(store: PackStore, map_size: int, options: dict, *, damaged: b
                 shutil.rmtree(p / "index")
                 fsync_dir(p)
         needs_repair = not (p / "index").exists() and bool(list_pack_files(p))
-        store._index = ix.open_shared(p / "index", map_size=map_size, options=options)
-        store._readers = PackReaders(p)
-        store._closed = False
+        store.attach(ix.open_shared(p / "index", map_size=store.options.map_size,
+                                    options=store.options.persisted()))
         try:
             if needs_repair:
-                _rebuild(store)
+                report = _rebuild(store)
             else:
-                _bring_up_to_date(store, locked)
+                report = _bring_up_to_date(store, locked)
         except BaseException:
-            store.close()
+            store.close_files()
             raise
     finally:
         if locked:
-            store._lock.release()
+            lock.release()
+    return report
 
 
-def _rebuild(store: PackStore) -> None:
+def _rebuild(store: StoreCore) -> RepairReport:
     from .repair import rebuild
 
-    store.opened_with_repair = rebuild(store)
+    return rebuild(store)
 
 
-def _bring_up_to_date(store: PackStore, locked: bool) -> None:
+def _bring_up_to_date(store: StoreCore, locked: bool) -> RepairReport | None:
     problem = stale_problem(store)
-    if problem is None and not store._index.legacy_entries:
-        return
+    if problem is None and not store.index.legacy_entries:
+        return None
     if not locked:
         deadline = time.monotonic() + _CATCH_UP_WAIT_S
         while True:
             try:
-                store._lock.acquire(0.05 if problem else 0.0)
+                store.lock.acquire(0.05 if problem else 0.0)
                 break
             except StoreLocked:
                 if problem is None:
-                    return  # entries get their checksums at a later open
+                    return None  # entries get their checksums at a later open
                 # A commit between its pack fsync and its index transaction looks just
                 # like this: once it lands, the index is up to date after all.
                 problem = stale_problem(store)
                 if problem is None:
-                    return
+                    return None
                 if time.monotonic() > deadline:
                     raise StaleIndex(f"store {store.path}: {problem}; the writer lock "
                                      "stayed taken, so it could not be rebuilt") from None
+    report = None
     try:
-        store._index.refresh_if_replaced()
+        store.index.refresh_if_replaced()
         if stale_problem(store) is not None:
-            _rebuild(store)
-        store._index.upgrade_entries()
+            report = _rebuild(store)
+        store.index.upgrade_entries()
     finally:
         if not locked:
-            store._lock.release()
+            store.lock.release()
+    return report
 
 
-def _open_readonly(store: PackStore, map_size: int, options: dict) -> None:
+def _open_readonly(store: StoreCore) -> None:
     p = store.path
     data = p / "index" / "data.mdb"
     if not data.exists():
@@ -148,29 +155,27 @@ def _open_readonly(store: PackStore, map_size: int, options: dict) -> None:
     problem = ix.data_file_problem(data)
     if problem is not None:
         raise StaleIndex(f"store {p}: {problem}; open it writable to rebuild the index")
-    store._index = ix.open_shared(p / "index", map_size=map_size, options=options,
-                                  readonly=True)
-    store._readers = PackReaders(p)
-    store._closed = False
+    store.attach(ix.open_shared(p / "index", map_size=store.options.map_size,
+                                options=store.options.persisted(), readonly=True))
     try:
         problem = stale_problem(store)
     except BaseException:
-        store.close()
+        store.close_files()
         raise
     if problem is not None:
-        store.close()
+        store.close_files()
         raise StaleIndex(f"store {p}: {problem}; open it writable to bring the index up "
                          "to date")
 
 
-def stale_problem(store: PackStore, *, full: bool = True) -> str | None:
+def stale_problem(store: StoreCore, *, full: bool = True) -> str | None:
     """Why the index must not be trusted (behind its packs, empty beside sealed packs, or
     roots failing their checksum), or None. Reads no pack on a healthy store.
 
     ``full=False`` (before each writer, the index already checked at open) looks only at
     the run of pack files from ``next_pack`` on: a writer or gc that died after sealing
     left its packs there, numbered consecutively from the ``next_pack`` it read."""
-    index = store._index
+    index = store.index
     if not full:
         next_pack, seq = index.read(lambda t: (ix.get_u64(t, index.meta, ix.META_NEXT_PACK),
                                                ix.get_u64(t, index.meta, ix.META_SEQ)))
@@ -183,7 +188,7 @@ def stale_problem(store: PackStore, *, full: bool = True) -> str | None:
             n += 1
         return None
 
-    def state(txn):
+    def state(txn: Any) -> tuple[set[int], int, str | None]:
         listed = {ix.unpack_pack_key(k) for k in txn.cursor(db=index.packs).iternext(values=False)}
         return listed, ix.get_u64(txn, index.meta, ix.META_SEQ), ix.roots_problem(txn, index)
 
@@ -204,7 +209,7 @@ def stale_problem(store: PackStore, *, full: bool = True) -> str | None:
     return None
 
 
-def _newest_seq(store: PackStore, n: int) -> int | None:
+def _newest_seq(store: StoreCore, n: int) -> int | None:
     """Highest roots-record sequence in sealed pack ``n`` (-1: sealed, none there), or
     None when the pack is not sealed or cannot be read."""
     path = store.path / "packs" / pack_name(n)

@@ -14,8 +14,9 @@ Runs with the writer lock held. Each phase ends in a state a crash may leave beh
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from . import crashpoints
 from . import format as fmt
@@ -25,9 +26,10 @@ from .errors import CorruptObject, GCRefused
 from .fileio import allocated_bytes, fsync_dir, store_error
 from .ids import ID_SIZE, hexid
 from .pack import PackSet, list_pack_files, pack_name, pack_path, read_trailer
+from .walk import Via, describe, walk
 
 if TYPE_CHECKING:
-    from .store import PackStore
+    from .core import StoreCore
 
 
 def mark(index: ix.Index) -> dict[bytes, int]:
@@ -35,45 +37,46 @@ def mark(index: ix.Index) -> dict[bytes, int]:
     lives in. Raises GCRefused (nothing swept yet) when a reachable ref is missing or its
     entry fails its checksum: sweeping on a graph we cannot trust could delete live data."""
 
-    def walk(txn):
+    def read(txn: Any) -> dict[bytes, int]:
         live: dict[bytes, int] = {}
-        stack = []
         problem = ix.roots_problem(txn, index)
         if problem is not None:
             raise GCRefused(f"gc refused: {problem}; run repair first")
+        starts = []
         for key, value in txn.cursor(db=index.roots):
             try:
-                bytes(key).decode("utf-8")
+                name = bytes(key).decode("utf-8")
             except UnicodeDecodeError:
                 raise GCRefused(f"gc refused: root name {bytes(key)!r} is not utf-8 (a "
                                 "damaged index); run repair first") from None
             if len(value) != ID_SIZE:
                 raise GCRefused(f"gc refused: root {bytes(key)!r} holds a malformed id; "
                                 "run repair first")
-            stack.append(bytes(value))
-        while stack:
-            oid = stack.pop()
-            if oid in live:
-                continue
+            starts.append((bytes(value), name))
+
+        def refs_of(oid: bytes, via: Via) -> tuple[bytes, ...]:
             raw = txn.get(oid, db=index.objects)
             if raw is None:
-                raise GCRefused(f"gc refused: reachable object {hexid(oid)} is not in the "
-                                "index (missing or damaged entry); run repair first", oid=oid)
+                raise GCRefused(f"gc refused: reachable object {hexid(oid)} (ref of "
+                                f"{describe(via)}) is not in the index (missing or damaged "
+                                "entry); run repair first", oid=oid)
             try:
                 entry = index.entry(oid, raw)
             except CorruptObject as exc:
                 raise GCRefused(f"gc refused: {exc}", oid=oid) from exc
             live[oid] = entry.pack
-            stack.extend(entry.refs)
+            return entry.refs
+
+        walk(starts, refs_of)
         return live
 
-    return index.read(walk)
+    return index.read(read)
 
 
 def sweep(index: ix.Index, live: dict[bytes, int]) -> int:
     """Drop every unmarked object entry; return how many were dropped."""
 
-    def apply(txn):
+    def apply(txn: ix.Txn) -> int:
         dead: dict[int, list[int]] = {}
         keys = []
         for key, raw in txn.cursor(db=index.objects):
@@ -114,12 +117,12 @@ class _Plan:
     roots: dict[str, bytes] = field(default_factory=dict)
 
 
-def _plan(store: PackStore, threshold: float, live_packs: set[int]) -> _Plan:
+def _plan(store: StoreCore, threshold: float, live_packs: set[int]) -> _Plan:
     """Which packs to drop or rewrite. A pack that a live object lives in is never
     dropped, whatever its (unchecksummed) counters say: at worst it is rewritten."""
-    index = store._index
+    index = store.index
 
-    def read(txn):
+    def read(txn: ix.Txn) -> _Plan:
         plan = _Plan()
         plan.next_pack = ix.get_u64(txn, index.meta, ix.META_NEXT_PACK)
         plan.seq = ix.get_u64(txn, index.meta, ix.META_SEQ)
@@ -145,22 +148,22 @@ def _plan(store: PackStore, threshold: float, live_packs: set[int]) -> _Plan:
     return index.read(read)
 
 
-def _copy_live(store: PackStore, plan: _Plan, out: PackSet,
+def _copy_live(store: StoreCore, plan: _Plan, out: PackSet,
                unreadable: list[Problem]) -> dict[bytes, ix.ObjectEntry]:
     """Copy the live records of ``plan.rewrite`` into ``out``; packs that cannot be read
     cleanly are left in place (and out of the plan), listed in ``unreadable``."""
-    index = store._index
+    index = store.index
     moves: dict[bytes, ix.ObjectEntry] = {}
     kept = []
     for n in plan.rewrite:
         name = pack_name(n)
         try:
             entries = read_trailer(pack_path(store.path, n), name=name)
-            live = index.read(lambda txn, n=n, entries=entries: _live_entries(txn, index, n,
-                                                                            entries))
+            live = index.read(functools.partial(_live_entries, index=index, n=n,
+                                                entries=entries))
             records = []
             for oid, e in live:
-                data = store._readers.read(n, e.offset, e.length)
+                data = store.readers.read(n, e.offset, e.length)
                 fmt.check_record(data, 0, pack=name)
                 records.append((oid, e, data))
         except CorruptObject as exc:
@@ -179,7 +182,8 @@ def _copy_live(store: PackStore, plan: _Plan, out: PackSet,
     return moves
 
 
-def _live_entries(txn, index, n, entries):
+def _live_entries(txn: Any, index: ix.Index, n: int, entries: list[fmt.TrailerEntry]
+                  ) -> list[tuple[bytes, ix.ObjectEntry]]:
     live = []
     for t in entries:
         if t.rtype != fmt.RECORD_OBJECT:
@@ -193,8 +197,8 @@ def _live_entries(txn, index, n, entries):
     return live
 
 
-def collect(store: PackStore, *, threshold: float, progress: ProgressFn | None) -> GCReport:
-    index = store._index
+def collect(store: StoreCore, *, threshold: float, progress: ProgressFn | None) -> GCReport:
+    index = store.index
     before = {n: allocated_bytes(p) for n, p in list_pack_files(store.path).items()}
     live = mark(index)
     crashpoints.hit("gc.after_mark")
@@ -205,7 +209,7 @@ def collect(store: PackStore, *, threshold: float, progress: ProgressFn | None) 
 
     plan = _plan(store, threshold, set(live.values()))
     unreadable: list[Problem] = []
-    out = PackSet(store.path, plan.next_pack, store.pack_target_size)
+    out = PackSet(store.path, plan.next_pack, store.options.pack_target_size)
     published = False
     try:
         moves = _copy_live(store, plan, out, unreadable)
@@ -254,7 +258,8 @@ def collect(store: PackStore, *, threshold: float, progress: ProgressFn | None) 
     )
 
 
-def _publish(txn, index, moves, gone, out: PackSet, seq: int, snap: int,
+def _publish(txn: ix.Txn, index: ix.Index, moves: dict[bytes, ix.ObjectEntry],
+             gone: set[int], out: PackSet, seq: int, snap: int,
              chain: bytes | None) -> None:
     for oid, entry in moves.items():
         txn.put(oid, entry.encode(oid), db=index.objects)
@@ -263,8 +268,8 @@ def _publish(txn, index, moves, gone, out: PackSet, seq: int, snap: int,
     for pf in out.files:
         live = [m for m in moves.values() if m.pack == pf.number]
         nbytes = sum(m.length for m in live)
-        entry = ix.PackEntry(pf.size, nbytes, nbytes, pf.meta, len(live))
-        txn.put(ix.pack_key(pf.number), entry.encode(), db=index.packs)
+        packed = ix.PackEntry(pf.size, nbytes, nbytes, pf.meta, len(live))
+        txn.put(ix.pack_key(pf.number), packed.encode(), db=index.packs)
     next_pack = max(out.next_number, ix.get_u64(txn, index.meta, ix.META_NEXT_PACK))
     txn.put(ix.META_NEXT_PACK, ix.U64.pack(next_pack), db=index.meta)
     txn.put(ix.META_SEQ, ix.U64.pack(seq), db=index.meta)
@@ -273,11 +278,11 @@ def _publish(txn, index, moves, gone, out: PackSet, seq: int, snap: int,
         txn.put(ix.META_CHAIN, chain, db=index.meta)
 
 
-def _delete_unlisted(store: PackStore, live_packs: set[int]) -> int:
+def _delete_unlisted(store: StoreCore, live_packs: set[int]) -> int:
     """Unlink pack files the index does not list: compacted packs and crash leftovers.
     Safe only under the writer lock, when no writer has unpublished packs. A pack that a
     live object still lives in stays, even if the packs table lost it (damage)."""
-    index = store._index
+    index = store.index
     listed = set(index.read(
         lambda txn: [ix.unpack_pack_key(k) for k, _ in txn.cursor(db=index.packs)]
     ))
@@ -286,7 +291,7 @@ def _delete_unlisted(store: PackStore, live_packs: set[int]) -> int:
     for n, path in list_pack_files(store.path).items():
         if n in listed or n in live_packs:
             continue
-        store._readers.forget(n)
+        store.readers.forget(n)
         try:
             path.unlink()
         except FileNotFoundError:

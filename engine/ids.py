@@ -27,7 +27,7 @@ def object_id(kind: int, refs: Sequence[bytes], payload: bytes | bytearray | mem
     return h.digest()
 
 
-def id_hasher(kind: int, refs: Sequence[bytes], length: int):
+def id_hasher(kind: int, refs: Sequence[bytes], length: int) -> xxhash.xxh3_128:
     """The id hash fed up to the payload: ``update`` it with the payload's ``length``
     bytes (in pieces, if need be), then ``digest()`` is the object id."""
     check_kind(kind)

@@ -13,7 +13,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import lmdb
 import msgpack
@@ -33,6 +33,7 @@ from .indexmeta import (  # noqa: F401 - meta helpers, re-exported for index use
     META_SEQ,
     META_SNAPSHOT_PACK,
     U64,
+    Txn,
     chain_value,
     get_chain,
     get_snapshot_pack,
@@ -140,8 +141,8 @@ class Index:
         self._checked = time.monotonic()
 
     def _lmdb_open(self, map_size: int, create: bool) -> lmdb.Environment:
-        kw = dict(map_size=map_size, subdir=True, max_dbs=4, readahead=False,
-                  meminit=False, max_spare_txns=0)
+        kw: dict[str, Any] = dict(map_size=map_size, subdir=True, max_dbs=4,
+                                  readahead=False, meminit=False, max_spare_txns=0)
         if not self.readonly:
             return lmdb.open(os.fspath(self.path), create=create, **kw)
         try:
@@ -169,7 +170,7 @@ class Index:
         if now is None or now == self._identity:
             return False
 
-        def reopen():
+        def reopen() -> None:
             size = self.env.info()["map_size"]
             self.env.close()
             self._open_env(size, False)
@@ -181,7 +182,7 @@ class Index:
         """Close the environment, let ``swap`` replace its directory, and reopen it; every
         handle sharing this Index sees the new files (used by repair)."""
 
-        def action():
+        def action() -> None:
             size = self.env.info()["map_size"]
             self.env.close()
             try:
@@ -192,7 +193,7 @@ class Index:
         self._exclusive(action)
 
     def _init_meta(self, options: dict) -> None:
-        def init(txn):
+        def init(txn: Txn) -> int:
             raw = txn.get(META_VERSION, db=self.meta)
             if raw is None:
                 txn.put(META_VERSION, U64.pack(fmt.FORMAT_VERSION), db=self.meta)
@@ -231,7 +232,7 @@ class Index:
         if not self.legacy_entries:
             return 0
 
-        def upgrade(txn):
+        def upgrade(txn: Txn) -> int:
             done = 0
             for key, raw in list(txn.cursor(db=self.objects)):
                 entry = ObjectEntry.decode(raw, key, legacy_ok=True)
@@ -355,6 +356,6 @@ class Index:
 _DAMAGE = (ValueError, OverflowError, struct.error, TypeError)
 
 
-def _damaged(path, exc: BaseException) -> FormatError:
+def _damaged(path: object, exc: BaseException) -> FormatError:
     return DamagedIndex(f"index {path} is damaged ({type(exc).__name__}: {exc}); repair "
                        "rebuilds it from the packs")

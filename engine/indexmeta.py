@@ -4,29 +4,39 @@
 from __future__ import annotations
 
 import struct
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
+import lmdb
 import msgpack
 import xxhash
 
+if TYPE_CHECKING:
+    from .index import Index
+
 U64 = struct.Struct("<Q")
 I64 = struct.Struct("<q")
+# A transaction as our callbacks use it. lmdb's stubs type every value bytes | memoryview;
+# ours are bytes (no transaction is opened with buffers=True), hence Any over the stubs.
+Txn = Any
+
 META_SEQ = b"commit_seq"
 META_SNAPSHOT_PACK = b"snapshot_pack"
 META_CHAIN = b"roots_chain"  # msgpack [packs of the current roots chain, delta bytes, full]
 META_ROOTS_SUM = b"roots_checksum"  # u64 roots_digest of the roots db
 
 
-def get_u64(txn, db, key: bytes) -> int:
+def get_u64(txn: lmdb.Transaction, db: Any, key: bytes) -> int:
     raw = txn.get(key, db=db)
     return U64.unpack(raw)[0] if raw is not None else 0
 
 
-def get_snapshot_pack(txn, db) -> int:
+def get_snapshot_pack(txn: lmdb.Transaction, db: Any) -> int:
     raw = txn.get(META_SNAPSHOT_PACK, db=db)
     return I64.unpack(raw)[0] if raw is not None else -1
 
 
-def get_chain(txn, db) -> tuple[list[int], int, int]:
+def get_chain(txn: lmdb.Transaction, db: Any) -> tuple[list[int], int, int]:
     """(packs holding the current roots chain: its full snapshot and the deltas since,
     payload bytes of those deltas, payload bytes of that full snapshot). An empty list
     demands a full snapshot next."""
@@ -44,7 +54,7 @@ def get_chain(txn, db) -> tuple[list[int], int, int]:
 _MASK = (1 << 64) - 1
 
 
-def root_hash(name, oid: bytes) -> int:
+def root_hash(name: str | bytes, oid: bytes) -> int:
     key = name.encode("utf-8") if isinstance(name, str) else bytes(name)
     return xxhash.xxh3_64_intdigest(b"".join((U64.pack(len(key)), key, bytes(oid))))
 
@@ -68,7 +78,7 @@ def updated_digest(digest: bytes, old: dict, new: dict) -> bytes:
     return U64.pack(value & _MASK)
 
 
-def roots_problem(txn, index) -> str | None:
+def roots_problem(txn: lmdb.Transaction, index: Index) -> str | None:
     """Why the roots db cannot be trusted (it fails its checksum), or None."""
     stored = txn.get(META_ROOTS_SUM, db=index.meta)
     if stored is None:
@@ -79,5 +89,5 @@ def roots_problem(txn, index) -> str | None:
     return None
 
 
-def chain_value(packs, delta_bytes: int, full_bytes: int) -> bytes:
+def chain_value(packs: Iterable[int], delta_bytes: int, full_bytes: int) -> bytes:
     return msgpack.packb([sorted(set(packs)), int(delta_bytes), int(full_bytes)])

@@ -27,6 +27,7 @@ from .api import (
 )
 from .errors import CorruptObject, ObjectNotFound, RootExists, StoreClosed, StoreLocked
 from .ids import check_id, check_root_name, hexid, object_id
+from .walk import Via, walk
 
 
 class MemoryStore(ObjectStore):
@@ -85,26 +86,23 @@ class MemoryStore(ObjectStore):
 
     # -- maintenance -----------------------------------------------------------------
     def _reachable(self, names: Iterable[str] | None = None) -> tuple[set[bytes], list[Problem]]:
-        seen: set[bytes] = set()
         problems: list[Problem] = []
         wanted = self._roots if names is None else {n: self._roots.get(n) for n in names}
-        stack = []
+        starts = []
         for name, oid in wanted.items():
             if oid is None:
                 problems.append(Problem("missing-root", f"root {name!r} does not exist"))
             else:
-                stack.append(oid)
-        while stack:
-            oid = stack.pop()
-            if oid in seen:
-                continue
-            seen.add(oid)
+                starts.append((oid, name))
+
+        def refs_of(oid: bytes, via: Via) -> tuple[bytes, ...] | None:
             entry = self._objects.get(oid)
             if entry is None:
                 problems.append(Problem("missing", f"object {hexid(oid)} missing", oid=oid))
-                continue
-            stack.extend(entry[0].refs)
-        return seen, problems
+                return None
+            return entry[0].refs
+
+        return walk(starts, refs_of), problems
 
     def gc(
         self,

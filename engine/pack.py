@@ -35,7 +35,7 @@ def pack_path(root: pathlib.Path, n: int) -> pathlib.Path:
 
 def list_pack_files(root: pathlib.Path) -> dict[int, pathlib.Path]:
     """Every ``packs/XX/NNNNNNNN.pack`` on disk, by number (index or not)."""
-    found = {}
+    found: dict[int, pathlib.Path] = {}
     packs = root / "packs"
     if not packs.is_dir():
         return found
@@ -93,7 +93,7 @@ class PackFile:
         self.sealed = False
         self._write(fmt.PackHeader(fmt.FORMAT_VERSION, meta, n).pack())
 
-    def _write(self, data: bytes) -> None:
+    def _write(self, data: bytes | bytearray | memoryview) -> None:
         write_all(self._fd, data)
         self.size += len(data)
 
@@ -332,7 +332,8 @@ def scan_records(data: bytes, *, name: str, entries: list[fmt.TrailerEntry] | No
         offset = nxt
 
 
-def _decode_at(data: bytes, offset: int, name: str, dctx) -> ScannedRecord:
+def _decode_at(data: bytes, offset: int, name: str,
+               dctx: zstandard.ZstdDecompressor | None) -> ScannedRecord:
     try:
         return ScannedRecord(offset, fmt.decode_record(data, offset, pack=name, dctx=dctx),
                              None)

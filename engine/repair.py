@@ -11,9 +11,11 @@ beside the old one (``index.new``), synced, and swapped in by two renames that
 from __future__ import annotations
 
 import os
+import pathlib
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from . import format as fmt
 from . import index as ix
@@ -21,10 +23,12 @@ from .api import Problem, RepairReport
 from .errors import CorruptObject
 from .fileio import fsync_dir, store_error
 from .ids import hexid
+from .options import read_stored
 from .pack import list_pack_files, pack_name, read_trailer, scan_records
+from .walk import Via, walk
 
 if TYPE_CHECKING:
-    from .store import PackStore
+    from .core import StoreCore
 
 
 @dataclass
@@ -35,7 +39,7 @@ class _Found:
     damaged: list[Problem]
 
 
-def _scan(store: PackStore) -> tuple[_Found, int]:
+def _scan(store: StoreCore) -> tuple[_Found, int]:
     found = _Found({}, {}, [], [])
     files = list_pack_files(store.path)
     for n, path in sorted(files.items()):
@@ -63,7 +67,8 @@ def _scan(store: PackStore) -> tuple[_Found, int]:
             rec = scanned.record
             if rec is None:
                 err = scanned.error
-                found.damaged.append(Problem("corrupt", str(err), oid=err.oid, pack=name,
+                found.damaged.append(Problem("corrupt", str(err), pack=name,
+                                             oid=err.oid if err is not None else None,
                                              offset=scanned.offset))
             elif rec.header.rtype in fmt.ROOTS_RECORDS:
                 _add_snapshot(found, rec, n, name, scanned.offset)
@@ -95,18 +100,23 @@ def _add_snapshot(found: _Found, rec: fmt.Record, n: int, name: str, offset: int
 
 
 def _complete(objects: dict[bytes, ix.ObjectEntry], roots: dict[str, bytes]) -> bool:
-    seen: set[bytes] = set()
-    stack = list(roots.values())
-    while stack:
-        oid = stack.pop()
-        if oid in seen:
-            continue
+    """Whether every object the roots reach was found in the packs."""
+
+    def refs_of(oid: bytes, via: Via) -> tuple[bytes, ...] | None:
         entry = objects.get(oid)
         if entry is None:
-            return False
-        seen.add(oid)
-        stack.extend(entry.refs)
+            raise _Incomplete
+        return entry.refs
+
+    try:
+        walk(((oid, name) for name, oid in roots.items()), refs_of)
+    except _Incomplete:
+        return False
     return True
+
+
+class _Incomplete(Exception):
+    """Stops ``_complete``'s walk at the first missing object."""
 
 
 @dataclass
@@ -175,7 +185,7 @@ def _choose_roots(found: _Found) -> _Roots:
     return out
 
 
-def rebuild(store: PackStore) -> RepairReport:
+def rebuild(store: StoreCore) -> RepairReport:
     """Called by ``PackStore.repair`` with the writer lock held.
 
     The new index is written into a fresh environment beside the old one, which is never
@@ -185,7 +195,7 @@ def rebuild(store: PackStore) -> RepairReport:
     found, next_pack = _scan(store)
     chosen = _choose_roots(found)
     seq, snap_pack, roots = chosen.max_seq, chosen.newest_pack, chosen.roots
-    old = store._index
+    old = store.index
     try:
         old_next = old.read(lambda t: ix.get_u64(t, old.meta, ix.META_NEXT_PACK))
         old_seq = old.read(lambda t: ix.get_u64(t, old.meta, ix.META_SEQ))
@@ -201,14 +211,14 @@ def rebuild(store: PackStore) -> RepairReport:
         ix.META_ROOTS_SUM: ix.roots_digest(roots),
     }
 
-    def fill(index: ix.Index, txn, *, drop: bool) -> None:
+    def fill(index: ix.Index, txn: Any, *, drop: bool) -> None:
         if drop:
             for db in (index.objects, index.packs, index.roots):
                 txn.drop(db, delete=False)
         for oid, entry in found.objects.items():
             txn.put(oid, entry.encode(oid), db=index.objects)
-        for n, entry in found.packs.items():
-            txn.put(ix.pack_key(n), entry.encode(), db=index.packs)
+        for n, packed in found.packs.items():
+            txn.put(ix.pack_key(n), packed.encode(), db=index.packs)
         for name, oid in roots.items():
             txn.put(name.encode("utf-8"), oid, db=index.roots)
         for key, value in meta.items():
@@ -217,14 +227,14 @@ def rebuild(store: PackStore) -> RepairReport:
     # Always into a fresh environment: the old one may be the damaged thing (a flipped
     # page pointer or a short map can SIGBUS the process that writes into it).
     _rebuild_beside(store, lambda new, txn: fill(new, txn, drop=False))
-    store._index.legacy_entries = False
-    store._readers.close()
+    store.index.legacy_entries = False
+    store.readers.close()
     return RepairReport(len(found.packs), len(found.objects), len(roots),
                         tuple(found.damaged))
 
 
-def _rebuild_beside(store: PackStore, fill) -> None:
-    old = store._index
+def _rebuild_beside(store: StoreCore, fill: Callable[[ix.Index, Any], None]) -> None:
+    old = store.index
     new_path = store.path / "index.new"
     if new_path.exists():
         shutil.rmtree(new_path)
@@ -232,9 +242,11 @@ def _rebuild_beside(store: PackStore, fill) -> None:
         map_size = old.map_size
     except Exception:  # a damaged environment may not even report its size
         map_size = 1 << 30
-    new = ix.Index(new_path, map_size=map_size, create=True,
-                   options={"compression_level": store.compression_level,
-                            "pack_target_size": store.pack_target_size})
+    try:  # the store's recorded options outlive the rebuild when they can still be read
+        options = read_stored(old) or store.options.persisted()
+    except Exception:
+        options = store.options.persisted()
+    new = ix.Index(new_path, map_size=map_size, create=True, options=options)
     try:
         new.write(lambda txn: fill(new, txn))
         new.sync()
@@ -243,7 +255,7 @@ def _rebuild_beside(store: PackStore, fill) -> None:
     old.replace_files(lambda: _swap(store.path))
 
 
-def _swap(p) -> None:
+def _swap(p: pathlib.Path) -> None:
     """index.new -> index, keeping the old one as index.old until the swap is durable
     (PackStore finishes an interrupted swap on open)."""
     try:

@@ -52,7 +52,7 @@ class RootsRecord:
         return out
 
 
-def _is_roots(value) -> bool:
+def _is_roots(value: object) -> bool:
     return isinstance(value, dict) and all(
         isinstance(k, str) and isinstance(v, bytes) and len(v) == ID_SIZE
         for k, v in value.items())

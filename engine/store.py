@@ -16,14 +16,12 @@ import contextlib
 import functools
 import os
 import pathlib
-import threading
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, TypeVar
 
 import lmdb
-import zstandard
 
-from . import format as fmt
 from . import index as ix
 from .api import (
     GCReport,
@@ -37,47 +35,51 @@ from .api import (
     VerifyReport,
     Writer,
 )
+from .core import StoreCore
 from .errors import (
     CorruptObject,
     FormatError,
-    ObjectNotFound,
     ReadOnly,
-    StoreClosed,
     StoreError,
 )
 from .fileio import allocated_bytes, makedirs_durable, store_error
-from .ids import check_id, hexid
+from .freshness import open_index, stale_problem
+from .ids import check_id
 from .lock import WriterLock
-from .pack import pack_name, pack_path
+from .options import EngineOptions, read_stored, resolve
+from .pack import pack_path
 from .writer import PackWriter, check_root_name
 
-_READ_RETRIES = 4
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 def open(  # noqa: A001 - mirrors the builtin on purpose: engine.open(path)
     path: str | os.PathLike,
     *,
     create: bool = True,
-    compression_level: int = 3,
-    map_size: int = 1 << 30,
-    pack_target_size: int = 256 << 20,
+    compression_level: int | None = None,
+    map_size: int | None = None,
+    pack_target_size: int | None = None,
     readonly: bool = False,
 ) -> PackStore:
     """Open (or with ``create=True`` create) the pack store at ``path``.
 
     ``readonly=True`` never takes the writer lock and never writes (docs/FORMAT.md
     "Read-only access"): writer, gc and repair raise ReadOnly, and an index that is
-    missing or behind its packs raises StaleIndex instead of being rebuilt."""
+    missing or behind its packs raises StaleIndex instead of being rebuilt.
+
+    An option not given takes the value the store was created with, else the default
+    (engine/options.py: all three are tuning, free to differ between opens)."""
     return PackStore(path, create=create, compression_level=compression_level,
                      map_size=map_size, pack_target_size=pack_target_size, readonly=readonly)
 
 
-def _translated(method):
+def _translated(method: F) -> F:
     """Map OSError and lmdb errors escaping a maintenance method to StoreError, so none
     leaves the engine untranslated (the hot read path translates its own)."""
 
     @functools.wraps(method)
-    def wrapper(self, *args, **kwargs):
+    def wrapper(self: PackStore, *args: Any, **kwargs: Any) -> Any:
         try:
             return method(self, *args, **kwargs)
         except OSError as exc:
@@ -85,38 +87,46 @@ def _translated(method):
         except lmdb.Error as exc:
             raise StoreError(f"{method.__name__} on {self.path} failed: {exc}") from exc
 
-    return wrapper
-
-
-def _check_int(name: str, value, lo: int, hi: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
-        raise ValueError(f"{name} must be an int in {lo}..{hi}, got {value!r}")
+    return wrapper  # type: ignore[return-value]
 
 
 class PackStore(ObjectStore):
     def __init__(self, path: str | os.PathLike, *, create: bool = True,
-                 compression_level: int = 3, map_size: int = 1 << 30,
-                 pack_target_size: int = 256 << 20, readonly: bool = False) -> None:
-        _check_int("compression_level", compression_level, -7, 22)
-        _check_int("map_size", map_size, 1 << 16, 1 << 50)
-        _check_int("pack_target_size", pack_target_size, 1 << 10, 1 << 40)
+                 compression_level: int | None = None, map_size: int | None = None,
+                 pack_target_size: int | None = None, readonly: bool = False) -> None:
+        asked = {"compression_level": compression_level, "map_size": map_size,
+                 "pack_target_size": pack_target_size}
+        first = resolve(asked, None)  # checks what was given before anything is touched
         self.path = pathlib.Path(path).absolute()
-        self.compression_level = compression_level
-        self.pack_target_size = pack_target_size
         self.readonly = bool(readonly)
         self.opened_with_repair: RepairReport | None = None  # set when open had to rebuild
-        self._pid = os.getpid()
-        self._closed = True
         # Weak, so a writer dropped without commit/abort is collected and unlocks.
         self._writer: weakref.ref[Writer] | None = None
-        self._local = threading.local()
         try:
             self._prepare_dir(create and not self.readonly)
-            self._lock = WriterLock(self.path / "lock")
-            self._open_index(map_size, {"compression_level": compression_level,
-                                        "pack_target_size": pack_target_size})
+            self._core = StoreCore(self.path, first, readonly=self.readonly,
+                                   lock=WriterLock(self.path / "lock"))
+            self.opened_with_repair = open_index(self._core)
         except OSError as exc:
             raise store_error(f"cannot open store {self.path}", exc) from exc
+        try:
+            self._core.options = resolve(asked, read_stored(self._core.index))
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def options(self) -> EngineOptions:
+        """The options this handle writes with (engine/options.py)."""
+        return self._core.options
+
+    @property
+    def compression_level(self) -> int:
+        return self._core.options.compression_level
+
+    @property
+    def pack_target_size(self) -> int:
+        return self._core.options.pack_target_size
 
     def _prepare_dir(self, create: bool) -> None:
         """Create the directory, or check that it is a store (before writing anything)."""
@@ -135,85 +145,18 @@ class PackStore(ObjectStore):
         if not self.readonly:
             makedirs_durable(p / "packs")
 
-    def _open_index(self, map_size: int, options: dict) -> None:
-        """Open the index, never trusting one that is missing, damaged or behind its
-        packs (engine/freshness.py; docs/FORMAT.md "Index freshness")."""
-        from .freshness import open_index
-
-        open_index(self, map_size, options)
-
     # -- handle state ---------------------------------------------------------------------
     def _check_open(self) -> None:
-        if self._closed:
-            raise StoreClosed(f"store {self.path} is closed")
-        if os.getpid() != self._pid:
-            raise StoreClosed(
-                f"store {self.path} was opened in process {self._pid}; LMDB handles do not "
-                "survive fork(): call engine.open() again in the child"
-            )
-
-    def _dctx(self) -> zstandard.ZstdDecompressor:
-        dctx = getattr(self._local, "dctx", None)
-        if dctx is None:
-            dctx = self._local.dctx = zstandard.ZstdDecompressor()
-        return dctx
+        self._core.check_open()
 
     # -- read side ------------------------------------------------------------------------
-    def _entry(self, txn, oid: bytes) -> ix.ObjectEntry:
-        raw = txn.get(oid, db=self._index.objects)
-        if raw is None:
-            raise ObjectNotFound(f"object {hexid(oid)} not found", oid=oid)
-        return self._index.entry(oid, raw)
-
     def _lookup(self, oid: bytes) -> ix.ObjectEntry:
-        return self._index.read(lambda txn: self._entry(txn, oid))
-
-    def _read_entry(self, oid: bytes, entry: ix.ObjectEntry) -> Object | None:
-        """Read and check one record; None when its pack vanished (gc moved it: look up
-        again in a fresh transaction)."""
-        name = pack_name(entry.pack)
-        try:
-            data = self._readers.read(entry.pack, entry.offset, entry.length)
-        except FileNotFoundError:
-            return None
-        except OSError as exc:
-            raise store_error(f"cannot read pack {name}", exc) from exc
-        except (OverflowError, ValueError) as exc:  # an offset no file can have
-            raise CorruptObject(f"object {hexid(oid)}: index entry points at offset "
-                                f"{entry.offset} of pack {name}: {exc}", oid=oid, pack=name,
-                                offset=entry.offset) from exc
-        except CorruptObject as exc:  # a short read: the pack was truncated
-            raise CorruptObject(f"object {hexid(oid)}: {exc}", oid=oid, pack=name,
-                                offset=entry.offset) from exc
-        try:
-            rec = fmt.decode_record(data, 0, pack=name, dctx=self._dctx())
-        except CorruptObject as exc:
-            raise CorruptObject(
-                f"object {hexid(oid)} in pack {name} at offset {entry.offset} is corrupt: {exc}",
-                oid=oid, pack=name, offset=entry.offset,
-            ) from exc
-        h = rec.header
-        if h.oid != oid or h.rtype != fmt.RECORD_OBJECT or h.kind != entry.kind:
-            raise CorruptObject(
-                f"object {hexid(oid)}: pack {name} offset {entry.offset} holds "
-                f"{h.oid.hex()} instead", oid=oid, pack=name, offset=entry.offset,
-            )
-        return Object(h.kind, rec.refs, rec.payload)
+        return self._core.lookup(oid)
 
     def get(self, oid: bytes) -> Object:
         self._check_open()
         check_id(oid)
-        oid = bytes(oid)
-        entry = None
-        for _ in range(_READ_RETRIES):
-            entry = self._lookup(oid)
-            obj = self._read_entry(oid, entry)
-            if obj is not None:
-                return obj
-            self._readers.forget(entry.pack)
-        name = pack_name(entry.pack)
-        raise CorruptObject(f"object {hexid(oid)}: pack {name} is missing", oid=oid,
-                            pack=name, offset=entry.offset)
+        return self._core.read(bytes(oid))
 
     def get_many(self, oids: Iterable[bytes]) -> Iterator[Object]:
         """Objects in the order asked; index lookups batched into one read txn per chunk."""
@@ -229,9 +172,10 @@ class PackStore(ObjectStore):
             yield from self._get_chunk(chunk)
 
     def _get_chunk(self, oids: list[bytes]) -> Iterator[Object]:
-        entries = self._index.read(lambda txn: [self._entry(txn, o) for o in oids])
+        core = self._core
+        entries = core.index.read(lambda txn: [core.entry(txn, o) for o in oids])
         for oid, entry in zip(oids, entries):
-            obj = self._read_entry(oid, entry)
+            obj = core.read_entry(oid, entry)
             yield obj if obj is not None else self.get(oid)
 
     def info(self, oid: bytes) -> ObjectInfo:
@@ -243,22 +187,25 @@ class PackStore(ObjectStore):
     def has(self, oid: bytes) -> bool:
         self._check_open()
         check_id(oid)
-        return self._index.read(lambda t: t.get(bytes(oid), db=self._index.objects)) is not None
+        index = self._core.index
+        return index.read(lambda t: t.get(bytes(oid), db=index.objects)) is not None
 
     def root(self, name: str) -> bytes | None:
         self._check_open()
         key = check_root_name(name)
         # Roots are where a reader enters newer state: one stat() tells whether a repair
         # elsewhere swapped in a new index directory since.
-        self._index.refresh_if_replaced()
-        return self._index.read(lambda t: t.get(key, db=self._index.roots))
+        index = self._core.index
+        index.refresh_if_replaced()
+        value = index.read(lambda t: t.get(key, db=index.roots))
+        return None if value is None else bytes(value)
 
     def roots(self) -> dict[str, bytes]:
         self._check_open()
-        self._index.refresh_if_replaced()
-        return self._index.read(
-            lambda t: {k.decode("utf-8"): v for k, v in t.cursor(db=self._index.roots)}
-        )
+        index = self._core.index
+        index.refresh_if_replaced()
+        return index.read(lambda t: {bytes(k).decode("utf-8"): bytes(v)
+                                     for k, v in t.cursor(db=index.roots)})
 
     # -- writes ---------------------------------------------------------------------------
     def _check_writable(self, what: str) -> None:
@@ -269,27 +216,27 @@ class PackStore(ObjectStore):
         """With the writer lock held: rebuild an index that fell behind its packs (a
         commit on it would get a sequence below theirs and lose to them on repair; a gc
         would delete their packs as unlisted)."""
-        from .freshness import stale_problem
         from .repair import rebuild
 
         try:
-            stale = stale_problem(self, full=full) is not None
+            stale = stale_problem(self._core, full=full) is not None
         except ix.DamagedIndex:
             stale = True  # LMDB cannot read its own pages: rebuilt from the packs
         if stale:
-            rebuild(self)
+            rebuild(self._core)
 
     @_translated
     def writer(self, *, timeout: float | None = 0.0) -> Writer:
         self._check_open()
         self._check_writable("writer()")
-        self._lock.acquire(timeout)
+        lock = self._core.lock
+        lock.acquire(timeout)
         try:
-            replaced = self._index.refresh_if_replaced()
+            replaced = self._core.index.refresh_if_replaced()
             self._catch_up(full=replaced)  # full check at open, and for a swapped index
-            w = PackWriter(self)
+            w = PackWriter(self._core, self, self._writer_done)
         except BaseException:
-            self._lock.release()
+            lock.release()
             raise
         self._writer = weakref.ref(w)
         return w
@@ -298,7 +245,7 @@ class PackStore(ObjectStore):
         # A dead reference is this very writer being finalized (weakrefs clear first).
         if self._writer is not None and self._writer() in (w, None):
             self._writer = None
-            self._lock.release()
+            self._core.lock.release()
 
     # -- maintenance (phases live in gc.py, verify.py, repair.py) -------------------------
     @_translated
@@ -312,7 +259,7 @@ class PackStore(ObjectStore):
             raise ValueError(f"threshold must be a number in 0..1, got {threshold!r}")
         with self._locked(timeout):
             self._catch_up(full=True)  # gc never runs on an index behind its packs
-            return collect(self, threshold=float(threshold), progress=progress)
+            return collect(self._core, threshold=float(threshold), progress=progress)
 
     @_translated
     def verify(self, *, deep: bool = False, roots: Iterable[str] | None = None,
@@ -321,7 +268,7 @@ class PackStore(ObjectStore):
 
         self._check_open()
         try:
-            return verify(self, deep=deep, roots=roots, progress=progress)
+            return verify(self._core, deep=deep, roots=roots, progress=progress)
         except (CorruptObject, FormatError) as exc:
             # verify reports damage, it does not raise it: an index it cannot even walk
             # is one more problem.
@@ -334,23 +281,23 @@ class PackStore(ObjectStore):
         self._check_open()
         self._check_writable("repair()")
         with self._locked(None):
-            return rebuild(self)
+            return rebuild(self._core)
 
     @contextlib.contextmanager
     def _locked(self, timeout: float | None) -> Iterator[None]:
-        self._lock.acquire(timeout)
+        self._core.lock.acquire(timeout)
         try:
-            self._index.refresh_if_replaced()
+            self._core.index.refresh_if_replaced()
             yield
         finally:
-            self._lock.release()
+            self._core.lock.release()
 
     @_translated
     def stats(self) -> Stats:
         self._check_open()
-        index = self._index
+        index = self._core.index
 
-        def collect(txn):
+        def collect(txn: Any) -> tuple[int, int, list[int], int]:
             logical = sum(index.entry(k, v).raw_len
                           for k, v in txn.cursor(db=index.objects))
             packs = [ix.unpack_pack_key(k) for k, _ in txn.cursor(db=index.packs)]
@@ -362,17 +309,16 @@ class PackStore(ObjectStore):
         return Stats(nobj, logical, stored, len(packs), nroots)
 
     def close(self) -> None:
-        if self._closed:
+        core = getattr(self, "_core", None)
+        if core is None or core.closed:
             return
-        if os.getpid() != self._pid:
-            self._closed = True  # the parent owns the LMDB handle; do not touch it here
+        if os.getpid() != core.pid:
+            core.closed = True  # the parent owns the LMDB handle; do not touch it here
             return
         w = self._writer() if self._writer is not None else None
         if w is not None:
             w.abort()
-        self._closed = True
-        self._readers.close()
-        self._index.close()
+        core.close_files()
 
     def __repr__(self) -> str:
         return f"PackStore({os.fspath(self.path)!r})"

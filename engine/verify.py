@@ -9,24 +9,26 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from . import index as ix
 from .api import Problem, ProgressFn, VerifyReport
 from .errors import CorruptObject, ObjectNotFound, StoreError
 from .ids import ID_SIZE, hexid
 from .pack import pack_name, pack_path
+from .walk import Via, describe, walk
 from .writer import check_root_name
 
 if TYPE_CHECKING:
-    from .store import PackStore
+    from .core import StoreCore
 
 
-def _walk(store: PackStore, names: list[str] | None):
+def _walk(store: StoreCore, names: list[str] | None
+          ) -> tuple[dict[bytes, ix.ObjectEntry], list[Problem], set[int]]:
     """Reachable entries and the structural problems met on the way (one read txn)."""
-    index = store._index
+    index = store.index
 
-    def walk(txn):
+    def read(txn: Any) -> tuple[dict[bytes, ix.ObjectEntry], list[Problem], set[int]]:
         problems: list[Problem] = []
         found: dict[bytes, ix.ObjectEntry] = {}
         roots_problem = ix.roots_problem(txn, index)
@@ -42,7 +44,7 @@ def _walk(store: PackStore, names: list[str] | None):
                 continue
             all_roots[name] = bytes(v)
         wanted = all_roots if names is None else {n: all_roots.get(n) for n in names}
-        stack: list[tuple[bytes, str]] = []
+        starts = []
         for name, oid in wanted.items():
             if oid is None:
                 problems.append(Problem("missing-root", f"root {name!r} does not exist"))
@@ -51,32 +53,31 @@ def _walk(store: PackStore, names: list[str] | None):
                                         f"root {name!r} points at missing object {hexid(oid)}",
                                         oid=oid))
             else:
-                stack.append((oid, f"root {name!r}"))
-        seen: set[bytes] = set()
-        while stack:
-            oid, via = stack.pop()
-            if oid in seen:
-                continue
-            seen.add(oid)
+                starts.append((oid, name))
+
+        def refs_of(oid: bytes, via: Via) -> tuple[bytes, ...] | None:
             raw = txn.get(oid, db=index.objects)
             if raw is None:
-                problems.append(Problem("missing", f"object {hexid(oid)} (ref of {via}) is "
-                                        "not in the index", oid=oid))
-                continue
+                problems.append(Problem("missing", f"object {hexid(oid)} (ref of "
+                                        f"{describe(via)}) is not in the index", oid=oid))
+                return None
             try:
                 entry = index.entry(oid, raw)
             except CorruptObject as exc:
-                problems.append(Problem("corrupt-entry", f"{exc} (ref of {via})", oid=oid))
-                continue
+                problems.append(Problem("corrupt-entry", f"{exc} (ref of {describe(via)})",
+                                        oid=oid))
+                return None
             found[oid] = entry
-            stack.extend((r, f"object {hexid(oid)}") for r in entry.refs)
+            return entry.refs
+
+        walk(starts, refs_of)
         packs = {ix.unpack_pack_key(k) for k, _ in txn.cursor(db=index.packs)}
         return found, problems, packs
 
-    return index.read(walk)
+    return index.read(read)
 
 
-def _pack_problem(store: PackStore, oid: bytes, e: ix.ObjectEntry, packs: set[int],
+def _pack_problem(store: StoreCore, oid: bytes, e: ix.ObjectEntry, packs: set[int],
                   sizes: dict[int, int]) -> Problem | None:
     name = pack_name(e.pack)
     if e.pack not in packs:
@@ -97,7 +98,7 @@ def _pack_problem(store: PackStore, oid: bytes, e: ix.ObjectEntry, packs: set[in
     return None
 
 
-def verify(store: PackStore, *, deep: bool, roots: Iterable[str] | None,
+def verify(store: StoreCore, *, deep: bool, roots: Iterable[str] | None,
            progress: ProgressFn | None) -> VerifyReport:
     names = None
     if roots is not None:
@@ -125,9 +126,9 @@ def verify(store: PackStore, *, deep: bool, roots: Iterable[str] | None,
     return VerifyReport(not problems, tuple(problems), total, nbytes)
 
 
-def _recheck(store: PackStore, oid: bytes, problem: Problem) -> Problem | None:
+def _recheck(store: StoreCore, oid: bytes, problem: Problem) -> Problem | None:
     try:
-        entry = store._lookup(oid)
+        entry = store.lookup(oid)
     except ObjectNotFound:
         # Indexed during the walk, gone now: a concurrent gc swept it (its root was
         # dropped after the walk). Nothing reachable is damaged.
@@ -138,14 +139,14 @@ def _recheck(store: PackStore, oid: bytes, problem: Problem) -> Problem | None:
     return fresh
 
 
-def _listed(store: PackStore) -> set[int]:
-    index = store._index
+def _listed(store: StoreCore) -> set[int]:
+    index = store.index
     return set(index.read(lambda t: [ix.unpack_pack_key(k) for k, _ in t.cursor(db=index.packs)]))
 
 
-def _deep_check(store: PackStore, oid: bytes) -> Problem | None:
+def _deep_check(store: StoreCore, oid: bytes) -> Problem | None:
     try:
-        store.get(oid)
+        store.read(oid)
     except CorruptObject as exc:
         return Problem("corrupt", str(exc), oid=oid, pack=exc.pack, offset=exc.offset)
     except ObjectNotFound:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import zstandard
@@ -19,26 +19,30 @@ from . import crashpoints
 from . import format as fmt
 from . import index as ix
 from . import pack as pk
-from .api import CommitInfo, Writer
+from .api import CommitInfo, ObjectStore, Writer
 from .errors import CorruptObject, ObjectNotFound, RootExists, StoreClosed, StoreError
 from .fileio import store_error
 from .ids import MAX_ROOT_NAME, check_id, check_kind, check_root_name, hexid, object_id  # noqa: F401
 from .pack import PackSet
 
 if TYPE_CHECKING:
-    from .store import PackStore
-
+    from .core import StoreCore
 
 
 class PackWriter(Writer):
-    """Created by ``PackStore.writer`` with the writer lock held; releases it when done."""
+    """Created by ``PackStore.writer`` with the writer lock held; ``done(self)`` releases
+    it when the writer commits or aborts. ``owner`` answers ``has`` and ``root`` for what
+    is already published."""
 
-    def __init__(self, store: PackStore) -> None:
-        self._store = store
-        self._index = store._index
+    def __init__(self, core: StoreCore, owner: ObjectStore,
+                 done: Callable[[Writer], None]) -> None:
+        self._core = core
+        self._store = owner
+        self._done_cb = done
+        self._index = core.index
         next_pack = self._index.read(lambda t: ix.get_u64(t, self._index.meta, ix.META_NEXT_PACK))
-        self._packs = PackSet(store.path, next_pack, store.pack_target_size)
-        self._level = store.compression_level
+        self._packs = PackSet(core.path, next_pack, core.options.pack_target_size)
+        self._level = core.options.compression_level
         self._local = threading.local()  # zstd compressors are not thread-safe
         self._lock = threading.Lock()  # puts from several threads append one at a time
         self._new: dict[bytes, ix.ObjectEntry] = {}
@@ -55,7 +59,7 @@ class PackWriter(Writer):
     def _check(self) -> None:
         if self._done:
             raise StoreClosed("writer already committed or aborted")
-        self._store._check_open()
+        self._core.check_open()
         if self._broken is not None:
             raise StoreError(f"writer failed earlier and must be aborted: {self._broken}")
 
@@ -167,7 +171,7 @@ class PackWriter(Writer):
             self._done = True
         published = False
         try:  # from here on, any failure discards the packs and releases the lock
-            self._store._check_open()
+            self._core.check_open()
             if self._broken is not None:
                 raise StoreError(f"cannot commit: a put failed earlier: {self._broken}")
             if not self._new and not self._roots:
@@ -186,7 +190,7 @@ class PackWriter(Writer):
             self._packs.close()
             if not published:
                 self._packs.discard()
-            self._store._writer_done(self)
+            self._done_cb(self)
 
     def _append_snapshot(self) -> tuple[int | None, int | None]:
         """Append a roots record to the meta pack when this commit moves roots
@@ -199,7 +203,9 @@ class PackWriter(Writer):
         index = self._index
         delta = fmt.encode_delta(0, self._roots)  # sized once; re-encoded with its seq
 
-        def current(txn):
+        def current(txn: ix.Txn) -> tuple[
+                int, tuple[list[int], int, int], bytes | None, dict[str, bytes | None],
+                dict[str, bytes] | None]:
             seq = ix.get_u64(txn, index.meta, ix.META_SEQ)
             chain = ix.get_chain(txn, index.meta)
             digest = txn.get(ix.META_ROOTS_SUM, db=index.meta)
@@ -219,6 +225,7 @@ class PackWriter(Writer):
         seq, (chain, delta_bytes, full_bytes), digest, old, roots = index.read(current)
         seq += 1
         if roots is None:
+            assert digest is not None  # no digest demands a full snapshot (see current)
             payload, rtype = fmt.encode_delta(seq, self._roots), fmt.RECORD_ROOTS_DELTA
             self._roots_sum = ix.updated_digest(digest, old, self._roots)
         else:
@@ -240,7 +247,8 @@ class PackWriter(Writer):
                                          full_bytes)
         return seq, pack
 
-    def _publish(self, txn, seq: int | None, snapshot_pack: int | None) -> None:
+    def _publish(self, txn: ix.Txn, seq: int | None,
+                 snapshot_pack: int | None) -> None:
         index = self._index
         for name in sorted(self._creates):
             # Re-checked inside the publishing transaction: raising aborts it whole.
@@ -250,14 +258,14 @@ class PackWriter(Writer):
         for oid, entry in self._new.items():
             txn.put(oid, entry.encode(oid), db=index.objects)
         for pf in self._packs.files:
-            entry = ix.PackEntry(pf.size, pf.live, pf.live, pf.meta, pf.objects)
-            txn.put(ix.pack_key(pf.number), entry.encode(), db=index.packs)
-        for name, oid in self._roots.items():
+            packed = ix.PackEntry(pf.size, pf.live, pf.live, pf.meta, pf.objects)
+            txn.put(ix.pack_key(pf.number), packed.encode(), db=index.packs)
+        for name, target in self._roots.items():
             key = name.encode("utf-8")
-            if oid is None:
+            if target is None:
                 txn.delete(key, db=index.roots)
             else:
-                txn.put(key, oid, db=index.roots)
+                txn.put(key, target, db=index.roots)
         next_pack = max(self._packs.next_number, ix.get_u64(txn, index.meta, ix.META_NEXT_PACK))
         txn.put(ix.META_NEXT_PACK, ix.U64.pack(next_pack), db=index.meta)
         if seq is not None:
@@ -269,7 +277,7 @@ class PackWriter(Writer):
     def __del__(self) -> None:
         # A writer dropped without commit or abort must not keep the store locked.
         try:
-            if not self._done and os.getpid() == self._store._pid:
+            if not self._done and os.getpid() == self._core.pid:
                 self.abort()
         except Exception:
             pass
@@ -285,4 +293,4 @@ class PackWriter(Writer):
             raise store_error("abort could not delete its packs (gc reclaims them)",
                               exc) from exc
         finally:
-            self._store._writer_done(self)
+            self._done_cb(self)

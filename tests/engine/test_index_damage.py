@@ -168,7 +168,7 @@ def test_legacy_entries_without_checksums_are_upgraded_on_open(store_path):
     finally:
         env.close()
     with open_store(store_path) as store:
-        assert not store._index.legacy_entries
+        assert not store._core.index.legacy_entries
         for i in ROOTS:
             check_dag(store, i)
     with open_store(store_path) as store:

@@ -66,7 +66,7 @@ def test_reader_with_a_stale_location_retries_after_gc(tmp_path):
         with a.writer() as w:
             w.delete_root("j")
         a.gc()
-        assert b._read_entry(keep, stale) is None  # its pack is gone
+        assert b._core.read_entry(keep, stale) is None  # its pack is gone
         assert b.get(keep) == a.get(keep)
 
 def test_verify_and_get_report_a_flipped_byte(tmp_path):

@@ -232,7 +232,7 @@ def test_map_grows_past_a_tiny_initial_size(tmp_path):
     with engine.open(path, map_size=1 << 16) as store:
         with store.writer() as w:
             ids = [w.put(1, b"%d" % i) for i in range(3000)]
-        assert store._index.map_size > 1 << 16
+        assert store._core.index.map_size > 1 << 16
         assert store.stats().objects == 3000
     with engine.open(path, map_size=1 << 16) as store:
         assert store.get(ids[-1]).payload == b"2999"
@@ -240,7 +240,7 @@ def test_map_grows_past_a_tiny_initial_size(tmp_path):
 
 def test_concurrent_reads_from_threads(tmp_path):
     pack_store = engine.open(tmp_path / "s", pack_target_size=4096)
-    pack_store._readers._max = 3  # far fewer descriptors than packs: constant eviction
+    pack_store._core.readers._max = 3  # far fewer descriptors than packs: constant eviction
     with pack_store.writer() as w:
         ids = [w.put(1, os.urandom(3000)) for _ in range(40)]
     assert len(list_pack_files(pack_store.path)) == 40

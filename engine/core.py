@@ -1,0 +1,143 @@
+"""``StoreCore``: what the maintenance and write phases of a ``PackStore`` work on.
+
+The store owns one and hands it to freshness, writer, gc, verify and repair, so none of
+them reaches into the store's private fields: the seam is this typed object (path,
+options, lock, index, pack readers, the id lookup and the checked record read). The read
+path lives here because every phase and the store's ``get`` share it.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import threading
+from typing import cast
+
+import zstandard
+
+from . import format as fmt
+from . import index as ix
+from .api import Object
+from .errors import CorruptObject, ObjectNotFound, StoreClosed
+from .fileio import store_error
+from .ids import hexid
+from .lock import WriterLock
+from .options import EngineOptions
+from .pack import PackReaders, pack_name
+
+_READ_RETRIES = 4
+
+
+class StoreCore:
+    """One open store's state. ``index`` and ``readers`` exist once ``attach`` ran (the
+    index is opened, checked and maybe rebuilt by engine/freshness.py)."""
+
+    def __init__(self, path: pathlib.Path, options: EngineOptions, *, readonly: bool,
+                 lock: WriterLock) -> None:
+        self.path = path
+        self.options = options
+        self.readonly = readonly
+        self.lock = lock
+        self.pid = os.getpid()
+        self.closed = True
+        self._index: ix.Index | None = None
+        self._readers: PackReaders | None = None
+        self._local = threading.local()
+
+    @property
+    def index(self) -> ix.Index:
+        if self._index is None:
+            raise StoreClosed(f"store {self.path} has no open index")
+        return self._index
+
+    @property
+    def readers(self) -> PackReaders:
+        if self._readers is None:
+            raise StoreClosed(f"store {self.path} has no open index")
+        return self._readers
+
+    def attach(self, index: ix.Index) -> None:
+        """Take ``index`` (one ``open_shared`` reference) and open the pack readers."""
+        self._index = index
+        self._readers = PackReaders(self.path)
+        self.closed = False
+
+    def close_files(self) -> None:
+        self.closed = True
+        if self._readers is not None:
+            self._readers.close()
+        if self._index is not None:
+            self._index.close()
+
+    def check_open(self) -> None:
+        if self.closed:
+            raise StoreClosed(f"store {self.path} is closed")
+        if os.getpid() != self.pid:
+            raise StoreClosed(
+                f"store {self.path} was opened in process {self.pid}; LMDB handles do not "
+                "survive fork(): call engine.open() again in the child"
+            )
+
+    # -- reads ----------------------------------------------------------------------------
+    def entry(self, txn: ix.Txn, oid: bytes) -> ix.ObjectEntry:
+        index = self.index
+        raw = txn.get(oid, db=index.objects)
+        if raw is None:
+            raise ObjectNotFound(f"object {hexid(oid)} not found", oid=oid)
+        return index.entry(oid, raw)
+
+    def lookup(self, oid: bytes) -> ix.ObjectEntry:
+        """The index entry of ``oid`` (ObjectNotFound when it has none)."""
+        return self.index.read(lambda txn: self.entry(txn, oid))
+
+    def _dctx(self) -> zstandard.ZstdDecompressor:
+        dctx = getattr(self._local, "dctx", None)
+        if dctx is None:
+            dctx = self._local.dctx = zstandard.ZstdDecompressor()
+        return cast(zstandard.ZstdDecompressor, dctx)
+
+    def read_entry(self, oid: bytes, entry: ix.ObjectEntry) -> Object | None:
+        """Read and check one record; None when its pack vanished (gc moved it: look up
+        again in a fresh transaction)."""
+        name = pack_name(entry.pack)
+        try:
+            data = self.readers.read(entry.pack, entry.offset, entry.length)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise store_error(f"cannot read pack {name}", exc) from exc
+        except (OverflowError, ValueError) as exc:  # an offset no file can have
+            raise CorruptObject(f"object {hexid(oid)}: index entry points at offset "
+                                f"{entry.offset} of pack {name}: {exc}", oid=oid, pack=name,
+                                offset=entry.offset) from exc
+        except CorruptObject as exc:  # a short read: the pack was truncated
+            raise CorruptObject(f"object {hexid(oid)}: {exc}", oid=oid, pack=name,
+                                offset=entry.offset) from exc
+        try:
+            rec = fmt.decode_record(data, 0, pack=name, dctx=self._dctx())
+        except CorruptObject as exc:
+            raise CorruptObject(
+                f"object {hexid(oid)} in pack {name} at offset {entry.offset} is corrupt: {exc}",
+                oid=oid, pack=name, offset=entry.offset,
+            ) from exc
+        h = rec.header
+        if h.oid != oid or h.rtype != fmt.RECORD_OBJECT or h.kind != entry.kind:
+            raise CorruptObject(
+                f"object {hexid(oid)}: pack {name} offset {entry.offset} holds "
+                f"{h.oid.hex()} instead", oid=oid, pack=name, offset=entry.offset,
+            )
+        return Object(h.kind, rec.refs, rec.payload)
+
+    def read(self, oid: bytes) -> Object:
+        """The checked object ``oid``, looked up again when a gc moved it meanwhile."""
+        entry = None
+        for _ in range(_READ_RETRIES):
+            entry = self.lookup(oid)
+            obj = self.read_entry(oid, entry)
+            if obj is not None:
+                return obj
+            self.readers.forget(entry.pack)
+        assert entry is not None
+        name = pack_name(entry.pack)
+        raise CorruptObject(f"object {hexid(oid)}: pack {name} is missing", oid=oid,
+                            pack=name, offset=entry.offset)
