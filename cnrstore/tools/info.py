@@ -28,7 +28,6 @@ from cnrstore.format.manifest import (
     TableNode,
     load_step,
     load_table_manifest,
-    root_name,
 )
 from cnrstore.tools.access import objects_of, opened, tick
 from engine import ObjectStore
@@ -180,7 +179,7 @@ def python_values(doc: dict) -> dict[str, object]:
             for key, child in node["d"]:
                 walk(child, f"{path}/{key}" if path else str(key))
         elif "l" in node or "t" in node:
-            for i, child in enumerate(node.get("l", node.get("t"))):
+            for i, child in enumerate(node["l"] if "l" in node else node["t"]):
                 walk(child, f"{path}/{i}" if path else str(i))
 
     walk(doc, "")
@@ -191,7 +190,7 @@ def disk_bytes(path: str | os.PathLike) -> int:
     """Bytes allocated on disk by the files under ``path`` (st_blocks, as ``du`` counts;
     sparse and preallocated files count what they occupy), 0 if it is gone."""
     total = 0
-    for root, _dirs, files in os.walk(path):
+    for root, _dirs, files in os.walk(os.fspath(path)):
         total += sum(allocated_bytes(os.path.join(root, name)) for name in files)
     return total
 
@@ -297,10 +296,10 @@ def gc_plan(store, *, keep_last: int | None, keep: Iterable[int] = ()) -> GCPlan
         drop = [s for s in have if s not in set(kept)]
         live: set[bytes] = set()
         for s in kept:
-            sizes.reach(objects.root(root_name(s)), live)
+            sizes.reach(load_step(objects, s)[0], live)
         dead: set[bytes] = set()
         for s in drop:
-            sizes.reach(objects.root(root_name(s)), dead)
+            sizes.reach(load_step(objects, s)[0], dead)
         dead -= live
         stats = objects.stats()
         garbage = max(stats.objects - len(live) - len(dead), 0)
