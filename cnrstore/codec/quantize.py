@@ -28,6 +28,7 @@ from cnrstore.codec.layout import (
 )
 from cnrstore.codec.layout import (
     HEADER_NBYTES,
+    LOSSY_DTYPE_NAMES,
     SCHEMES,
     WIDE_HEADER_NBYTES,
     check_scheme_name,
@@ -64,7 +65,7 @@ __all__ = [
 ]
 
 # SCHEMES, the header sizes and row sizes come from cnrstore.codec.layout (torch-free).
-LOSSY_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+LOSSY_DTYPES = tuple(getattr(torch, name) for name in LOSSY_DTYPE_NAMES)
 _CASTS = {"fp16": torch.float16, "bf16": torch.bfloat16}
 # Default range search per row: Check-N-Run's adaptive clipping ("greedy",
 # cnrstore.codec.qsearch) up to GREEDY_MAX_BITS, plain "minmax" above. Measured on 4000x64 rows
