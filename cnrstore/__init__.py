@@ -11,41 +11,68 @@ The user guide is docs/GUIDE.md (API, quantization schemes and their error bound
 retention and gc, async puts, partial restores); docs/MANIFEST.md and docs/FORMAT.md say
 what is stored on disk. ``cnrstore.tools.info`` lists, shows, diffs and sizes steps from
 Python; the ``cnrstore`` command (``python -m cnrstore``) does the same from a shell.
+
+Every error cnrstore raises derives from ``cnrstore.CheckpointError`` (the tree is drawn in
+cnrstore/errors.py). The store API is imported on first use (PEP 562), so ``import
+cnrstore`` and the read-only commands do not pay for torch.
 """
 
-from cnrstore.codec.quantize import SCHEMES
-from cnrstore.core.maintenance import GCReport, StoreStats, VerifyReport
-from cnrstore.core.store import CheckpointStore, open
-from cnrstore.core.writer import StepInfo
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from cnrstore.codec.layout import SCHEMES
 from cnrstore.errors import (
+    BadPath,
     CheckpointError,
+    CorruptData,
     InvalidInput,
     InvalidType,
     ManifestError,
+    MissingExtra,
+    MissingObject,
     NonFiniteValues,
+    NotFound,
+    ReadOnlyStore,
     StepExists,
     StepNotFound,
     StepOrderError,
+    StorageError,
+    StoreBusy,
     TableNotFound,
     UnknownScheme,
     ValueOutOfRange,
     WriteFailed,
 )
 
+if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and IDEs
+    from cnrstore.core.maintenance import GCReport, StoreStats, VerifyReport
+    from cnrstore.core.store import CheckpointStore, open
+    from cnrstore.core.writer import StepInfo
+
 __all__ = [
     "SCHEMES",
+    "BadPath",
     "CheckpointError",
     "CheckpointStore",
+    "CorruptData",
     "GCReport",
     "InvalidInput",
     "InvalidType",
     "ManifestError",
+    "MissingExtra",
+    "MissingObject",
     "NonFiniteValues",
+    "NotFound",
+    "ReadOnlyStore",
     "ValueOutOfRange",
     "StepExists",
     "StepInfo",
     "StepNotFound",
     "StepOrderError",
+    "StorageError",
+    "StoreBusy",
     "StoreStats",
     "TableNotFound",
     "UnknownScheme",
@@ -53,3 +80,27 @@ __all__ = [
     "WriteFailed",
     "open",
 ]
+
+# Public name -> the module that defines it; imported on first access. These modules
+# import torch, which costs a second or more: a command that only lists steps never pays it.
+_LAZY = {
+    "GCReport": "cnrstore.core.maintenance",
+    "StoreStats": "cnrstore.core.maintenance",
+    "VerifyReport": "cnrstore.core.maintenance",
+    "CheckpointStore": "cnrstore.core.store",
+    "open": "cnrstore.core.store",
+    "StepInfo": "cnrstore.core.writer",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'cnrstore' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later accesses skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -1,27 +1,59 @@
-"""The checkpoint layer's exceptions: one tree under ``CheckpointError``.
+"""The exceptions of cnrstore: one tree under ``CheckpointError``, exit codes on the classes.
 
-    CheckpointError              any failure of the checkpoint layer
-    ├── InvalidInput (ValueError)        bad arguments; raised before anything is written
-    │   ├── InvalidType (TypeError)      a value of the wrong type (e.g. not a tensor)
-    │   ├── StepExists                   put of a step the store already holds
-    │   ├── StepOrderError               put of a step below the highest (roll back first)
-    │   ├── UnknownScheme                a quant scheme cnrstore does not know
-    │   ├── NonFiniteValues              NaN/Inf under a lossy scheme (.table, .row)
-    │   └── ValueOutOfRange              finite values the scheme cannot hold (.table, .row)
-    ├── StepNotFound (KeyError)          a step the store does not hold
-    ├── TableNotFound (KeyError)         a table the step does not hold
-    ├── ManifestError                    a manifest node or block that cannot be decoded
-    └── WriteFailed                      a background put failed (cause in __cause__)
+    CheckpointError                  any failure of cnrstore (exit 1)
+    ├── InvalidInput (ValueError)    bad arguments; raised before anything is written (exit 2)
+    │   ├── InvalidType (TypeError)  a value of the wrong type (e.g. not a tensor)
+    │   ├── StepExists               put of a step the store already holds
+    │   ├── StepOrderError           put of a step below the highest (roll back first)
+    │   ├── UnknownScheme            a quant scheme cnrstore does not know
+    │   ├── NonFiniteValues          NaN/Inf under a lossy scheme (.table, .row)
+    │   ├── ValueOutOfRange          finite values the scheme cannot hold (.table, .row)
+    │   ├── ReadOnlyStore            a write on a store opened with readonly=True
+    │   ├── BadPath                  a file or store path that is missing, taken, a folder
+    │   └── UsageError               bad command-line input (the ``cnrstore`` command)
+    ├── NotFound (KeyError)          something the store does not hold (exit 2)
+    │   ├── StepNotFound             a step (.step)
+    │   └── TableNotFound            a table of a step (.table, .step)
+    ├── CorruptData                  stored bytes that fail their checks (.oid, .pack, .offset)
+    │   ├── ManifestError            a manifest node or block that cannot be decoded
+    │   └── MissingObject            an object a step refers to is not in the store
+    ├── StorageError                 the storage engine failed: I/O, format, closed handle
+    │   └── StoreBusy                another writer held the store past lock_timeout
+    ├── MissingExtra (ImportError)   an optional dependency is not installed (exit 2)
+    └── WriteFailed                  a background put failed (cause in __cause__)
 
-Errors of the storage engine (``engine.StoreError`` and its subclasses: ObjectNotFound,
-CorruptObject, StoreLocked, ...) pass through unchanged, so callers catching storage
-failures catch one engine base class. A put that fails in the background writer surfaces
-on its Future as ``WriteFailed`` chained to the original error.
+Catching ``CheckpointError`` catches all of them: corrupt data, a missing step and bad input
+alike. The storage engine keeps its own tree (``engine.StoreError``); its errors are
+translated where cnrstore calls it (``translate``, ``engine_errors``), with the engine's
+error as ``__cause__`` (``raise ... from exc``), so nothing of the engine's tree escapes the
+public API untranslated:
+
+    engine error                     cnrstore error
+    CorruptObject, GCRefused         CorruptData
+    ObjectNotFound                   MissingObject
+    StoreLocked                      StoreBusy
+    ReadOnly                         ReadOnlyStore
+    any other StoreError             StorageError
+
+A put that fails in the background writer surfaces on its Future as ``WriteFailed`` chained
+to the original error. ``exit_code`` is what the ``cnrstore`` command exits with for an
+error of the class (borg's way): 2 for the caller's mistakes, 1 for problems of the store.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from engine.errors import StoreError
+
 __all__ = [
+    "EXIT_OK",
+    "EXIT_PROBLEMS",
+    "EXIT_USAGE",
     "CheckpointError",
     "InvalidInput",
     "InvalidType",
@@ -30,19 +62,39 @@ __all__ = [
     "UnknownScheme",
     "NonFiniteValues",
     "ValueOutOfRange",
+    "ReadOnlyStore",
+    "BadPath",
+    "UsageError",
+    "NotFound",
     "StepNotFound",
     "TableNotFound",
+    "CorruptData",
     "ManifestError",
+    "MissingObject",
+    "StorageError",
+    "StoreBusy",
+    "MissingExtra",
     "WriteFailed",
+    "translate",
+    "engine_errors",
+    "translating",
 ]
+
+EXIT_OK = 0
+EXIT_PROBLEMS = 1  # the store (or a check of it) failed
+EXIT_USAGE = 2     # the caller's mistake: bad arguments, a missing store, step or file
 
 
 class CheckpointError(Exception):
-    """Base class of every error raised by the checkpoint layer."""
+    """Base class of every error cnrstore raises."""
+
+    exit_code: int = EXIT_PROBLEMS
 
 
 class InvalidInput(CheckpointError, ValueError):
     """Bad arguments. Raised before anything is written; the store is left as it was."""
+
+    exit_code = EXIT_USAGE
 
 
 class InvalidType(InvalidInput, TypeError):
@@ -106,12 +158,34 @@ class ValueOutOfRange(InvalidInput):
         self.scheme = scheme
 
 
-class _KeyLike(CheckpointError, KeyError):
+class ReadOnlyStore(InvalidInput):
+    """A write (put, delete, rollback, gc) on a store opened with ``readonly=True``."""
+
+
+class BadPath(InvalidInput):
+    """A path that cannot be used as asked: no store or file there, a file that exists and
+    may not be overwritten, a folder where a file is wanted. Nothing was created."""
+
+    def __init__(self, message: str, *, path: str | None = None):
+        super().__init__(message)
+        self.path = path
+
+
+class UsageError(InvalidInput):
+    """Bad input from the command line that argparse cannot see (a missing store, a
+    malformed ``--quant``)."""
+
+
+class NotFound(CheckpointError, KeyError):
+    """Something the store does not hold: a step, or a table of a step."""
+
+    exit_code = EXIT_USAGE
+
     def __str__(self) -> str:  # KeyError would repr() the message
-        return str(self.args[0])
+        return str(self.args[0]) if self.args else ""
 
 
-class StepNotFound(_KeyLike):
+class StepNotFound(NotFound):
     """The store holds no such step."""
 
     def __init__(self, step: int, message: str | None = None):
@@ -119,7 +193,7 @@ class StepNotFound(_KeyLike):
         self.step = step
 
 
-class TableNotFound(_KeyLike):
+class TableNotFound(NotFound):
     """The step holds no table of that name."""
 
     def __init__(self, table: str, step: int):
@@ -128,12 +202,41 @@ class TableNotFound(_KeyLike):
         self.step = step
 
 
-class ManifestError(CheckpointError):
-    """A manifest node or block payload is malformed or of an unknown version."""
+class CorruptData(CheckpointError):
+    """Stored bytes that fail their checks: a checksum or id mismatch, a node or block that
+    cannot be decoded, an object a step refers to that is gone. ``cnrstore verify`` lists
+    what is damaged; ``oid``, ``pack`` and ``offset`` say where, when known."""
 
-    def __init__(self, message: str, *, oid: bytes | None = None):
+    def __init__(self, message: str, *, oid: bytes | None = None, pack: str | None = None,
+                 offset: int | None = None):
         super().__init__(message)
         self.oid = oid
+        self.pack = pack
+        self.offset = offset
+
+
+class ManifestError(CorruptData):
+    """A manifest node or block payload is malformed or of an unknown version."""
+
+
+class MissingObject(CorruptData):
+    """An object that a step (or a patch chain) refers to is not in the store."""
+
+
+class StorageError(CheckpointError):
+    """The storage engine failed for a reason other than damaged data: I/O, an unknown
+    format version, an index that cannot be brought up to date, a closed handle.
+    ``__cause__`` holds the engine's error."""
+
+
+class StoreBusy(StorageError):
+    """Another writer (this or another process) held the store past ``lock_timeout``."""
+
+
+class MissingExtra(CheckpointError, ImportError):
+    """An optional dependency is not installed (``pip install 'cnrstore[...]'``)."""
+
+    exit_code = EXIT_USAGE
 
 
 class WriteFailed(CheckpointError):
@@ -142,3 +245,48 @@ class WriteFailed(CheckpointError):
     def __init__(self, step: int, message: str):
         super().__init__(f"put of step {step} failed: {message}")
         self.step = step
+
+
+# -- the boundary with the storage engine ---------------------------------------------------
+
+def translate(exc: StoreError) -> CheckpointError:
+    """The cnrstore error that stands for the engine error ``exc`` (see the table in the
+    module docstring). The caller raises it ``from exc``; ids, packs and offsets carry over."""
+    from engine import errors as e
+
+    message = str(exc)
+    if isinstance(exc, e.CorruptObject):
+        return CorruptData(message, oid=exc.oid, pack=exc.pack, offset=exc.offset)
+    if isinstance(exc, e.ObjectNotFound):
+        return MissingObject(message, oid=exc.oid)
+    if isinstance(exc, e.StoreLocked):
+        return StoreBusy(message)
+    if isinstance(exc, e.ReadOnly):
+        return ReadOnlyStore(message)
+    return StorageError(message)
+
+
+@contextlib.contextmanager
+def engine_errors() -> Iterator[None]:
+    """Translate the engine errors raised in the block (``raise translate(exc) from exc``).
+    cnrstore's own errors and everything else pass through unchanged."""
+    from engine.errors import StoreError
+
+    try:
+        yield
+    except StoreError as exc:
+        raise translate(exc) from exc
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def translating(fn: _F) -> _F:
+    """Decorator form of ``engine_errors`` for the public methods of the store."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with engine_errors():
+            return fn(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]

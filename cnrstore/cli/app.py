@@ -1,9 +1,16 @@
-"""The ``cnrstore`` command: a thin argparse layer over cnrstore.tools.info and the store API.
+"""The ``cnrstore`` command: a thin argparse layer over cnrstore.tools and the store API.
 
 Every subcommand prints a human-readable table by default and one JSON document with
 ``--json``. Exit codes: 0 ok, 1 problems found (verify, repair damage, a store error),
-2 usage (bad arguments, a missing store or step). Errors are one line on stderr;
-``--debug`` shows the traceback instead.
+2 usage (bad arguments, a missing store or step); an error's code is its class's
+``exit_code`` (cnrstore/errors.py). Errors are one line on stderr; ``--debug`` shows the
+traceback instead.
+
+Start-up is part of the interface: ``--help`` imports no more than argparse and the error
+classes, and the read-only commands (ls, show, du, diff, verify) open the engine store
+directly and never import torch (tests/test_cli_imports.py; figures in docs/PERFORMANCE.md).
+Only the commands that put or get tables (import, export, gc, rm, rollback, demo) load
+the store API.
 """
 
 from __future__ import annotations
@@ -13,16 +20,16 @@ import json
 import os
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from cnrstore.cli import fmt
+from cnrstore.errors import EXIT_OK, EXIT_PROBLEMS, CheckpointError, UsageError, engine_errors
 
-EXIT_OK = 0
-EXIT_PROBLEMS = 1
-EXIT_USAGE = 2
+if TYPE_CHECKING:
+    from cnrstore.core.store import CheckpointStore
+    from cnrstore.tools.progress import Progress
+    from engine import ObjectStore
 
-
-class UsageError(Exception):
-    """Bad input from the command line (exit code 2)."""
+__all__ = ["build_parser", "main"]
 
 
 def _common(*, suppress: bool) -> argparse.ArgumentParser:
@@ -147,32 +154,56 @@ def _require_store(path: str) -> None:
         raise UsageError(f"no store at {path!r} (no index/ or packs/ inside)")
 
 
-_READ_COMMANDS = frozenset({"ls", "show", "diff", "du", "verify", "export"})
+# Commands served by cnrstore.tools on the engine store alone (no torch).
+_VIEW_COMMANDS = frozenset({"ls", "show", "diff", "du", "verify"})
+
+
+def _stale(exc: BaseException) -> bool:
+    from engine import StaleIndex
+
+    return isinstance(exc, StaleIndex) or isinstance(exc.__cause__, StaleIndex)
+
+
+def _open_objects(path: str):
+    """The engine store at ``path`` for a read-only view: opened read-only (no writer lock,
+    no writes: a store that cannot be written can still be inspected). An index behind its
+    packs cannot be brought up to date read-only; where the store is writable it is then
+    opened writable to do so."""
+    import engine
+
+    _require_store(path)
+    try:
+        return engine.open(path, create=False, readonly=True)
+    except engine.StaleIndex:
+        if not os.access(path, os.W_OK):
+            raise
+    return engine.open(path, create=False)
 
 
 def _open(path: str, *, create: bool = False, readonly: bool = False):
-    """Read commands open read-only (no writer lock, no writes: a store that cannot be
-    written can still be inspected). An index behind its packs cannot be brought up to
-    date read-only; where the store is writable it is then opened writable to do so."""
+    """The checkpoint store at ``path`` (the store API, for commands that need it)."""
     from cnrstore.core.store import open as open_store
-    from engine import StaleIndex
 
     if not create:
         _require_store(path)
     if readonly:
         try:
             return open_store(path, create=False, readonly=True)
-        except StaleIndex:
-            if not os.access(path, os.W_OK):
+        except Exception as exc:  # StaleIndex, or what the store translated it into
+            if not _stale(exc) or not os.access(path, os.W_OK):
                 raise
     return open_store(path, create=create)
 
 
-def _progress(args: argparse.Namespace, label: str):
-    return fmt.Progress(label, enabled=not args.no_progress and sys.stderr.isatty())
+def _progress(args: argparse.Namespace, label: str) -> Progress:
+    from cnrstore.tools.progress import Progress
+
+    return Progress(label, enabled=not args.no_progress and sys.stderr.isatty())
 
 
-def _emit(args: argparse.Namespace, data, human: str) -> None:
+def _emit(args: argparse.Namespace, data: object, human: str) -> None:
+    from cnrstore.cli import fmt
+
     if args.json:
         json.dump(fmt.jsonable(data), sys.stdout, indent=2, sort_keys=False)
         sys.stdout.write("\n")
@@ -181,8 +212,7 @@ def _emit(args: argparse.Namespace, data, human: str) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from cnrstore.tools import info as inspect
-    from cnrstore.tools import transfer
+    from cnrstore.cli import fmt
 
     cmd = args.command
     if cmd == "demo":
@@ -192,59 +222,82 @@ def _run(args: argparse.Namespace) -> int:
 
         return int(demo.main(args) or 0)
     if cmd == "repair":
+        from cnrstore.tools import info
+
         _require_store(args.store)
-        report = inspect.repair(args.store)
+        report = info.repair(args.store)
         _emit(args, report, fmt.repair_text(report))
         return EXIT_PROBLEMS if report.damaged else EXIT_OK
-    with _open(args.store, create=cmd == "import", readonly=cmd in _READ_COMMANDS) as store:
-        if cmd == "ls":
-            with _progress(args, "ls") as bar:
-                steps = inspect.list_steps(store, progress=bar)
-            _emit(args, steps, fmt.steps_text(steps))
-        elif cmd == "show":
-            detail = inspect.show_step(store, args.step)
-            _emit(args, detail, fmt.step_text(detail))
-        elif cmd == "diff":
-            diff = inspect.diff_steps(store, args.a, args.b, rows=not args.no_rows)
-            _emit(args, diff, fmt.diff_text(diff, max_rows=args.max_rows))
-        elif cmd == "du":
-            with _progress(args, "du") as bar:
-                usage = inspect.disk_usage(store, progress=bar)
-            _emit(args, usage, fmt.usage_text(usage))
-        elif cmd == "verify":
-            with _progress(args, "verify") as bar:
-                report = inspect.verify(store, deep=not args.shallow, steps=args.steps,
-                                        progress=bar)
-            _emit(args, report, fmt.verify_text(report))
-            return EXIT_OK if report.ok else EXIT_PROBLEMS
-        elif cmd == "gc":
-            # Neither --keep-last nor --keep: drop no step, reclaim only unreachable bytes.
-            if args.dry_run:
-                plan = inspect.gc_plan(store, keep_last=args.keep_last, keep=args.keep)
-                _emit(args, plan, fmt.gc_plan_text(plan))
-            else:
-                result = inspect.collect(store, keep_last=args.keep_last, keep=args.keep)
-                _emit(args, result, fmt.gc_text(result))
-        elif cmd in ("rm", "rollback"):
-            from cnrstore.core import lineage
+    if cmd in _VIEW_COMMANDS:
+        with _open_objects(args.store) as objects:
+            return _view(args, objects)
+    with _open(args.store, create=cmd == "import", readonly=cmd == "export") as store:
+        return _change(args, store)
 
-            if cmd == "rm":
-                deleted = lineage.delete_steps(store, args.steps)
-            else:
-                deleted = store.rollback(args.step)
-            steps = ", ".join(map(str, deleted)) or "none"
-            _emit(args, {"deleted": deleted, "steps": store.steps()},
-                  f"deleted steps: {steps}\n(`cnrstore gc {args.store}` reclaims their bytes)")
-        elif cmd == "export":
-            with _progress(args, "export") as bar:
-                result = transfer.export_step(store, args.step, args.path, names=args.names,
-                                              overwrite=args.force, progress=bar)
-            _emit(args, result, fmt.transfer_text(result))
-        elif cmd == "import":
-            with _progress(args, "import") as bar:
-                result = transfer.import_step(store, args.step, args.path,
-                                              quant=_quant(args.quant), progress=bar)
-            _emit(args, result, fmt.transfer_text(result))
+
+def _view(args: argparse.Namespace, objects: ObjectStore) -> int:
+    """The read-only commands, on the engine store."""
+    from cnrstore.cli import fmt
+    from cnrstore.tools import info
+
+    cmd = args.command
+    if cmd == "ls":
+        with _progress(args, "ls") as bar:
+            steps = info.list_steps(objects, progress=bar)
+        _emit(args, steps, fmt.steps_text(steps))
+    elif cmd == "show":
+        detail = info.show_step(objects, args.step)
+        _emit(args, detail, fmt.step_text(detail))
+    elif cmd == "diff":
+        diff = info.diff_steps(objects, args.a, args.b, rows=not args.no_rows)
+        _emit(args, diff, fmt.diff_text(diff, max_rows=args.max_rows))
+    elif cmd == "du":
+        with _progress(args, "du") as bar:
+            usage = info.disk_usage(objects, progress=bar)
+        _emit(args, usage, fmt.usage_text(usage))
+    elif cmd == "verify":
+        with _progress(args, "verify") as bar:
+            report = info.verify(objects, deep=not args.shallow, steps=args.steps,
+                                 progress=bar)
+        _emit(args, report, fmt.verify_text(report))
+        return EXIT_OK if report.ok else EXIT_PROBLEMS
+    return EXIT_OK
+
+
+def _change(args: argparse.Namespace, store: CheckpointStore) -> int:
+    """The commands that need the store API: gc, rm, rollback, export, import."""
+    from cnrstore.cli import fmt
+    from cnrstore.tools import info, transfer
+
+    cmd = args.command
+    if cmd == "gc":
+        # Neither --keep-last nor --keep: drop no step, reclaim only unreachable bytes.
+        if args.dry_run:
+            plan = info.gc_plan(store, keep_last=args.keep_last, keep=args.keep)
+            _emit(args, plan, fmt.gc_plan_text(plan))
+        else:
+            result = info.collect(store, keep_last=args.keep_last, keep=args.keep)
+            _emit(args, result, fmt.gc_text(result))
+    elif cmd in ("rm", "rollback"):
+        from cnrstore.core import lineage
+
+        if cmd == "rm":
+            deleted = lineage.delete_steps(store, args.steps)
+        else:
+            deleted = store.rollback(args.step)
+        steps = ", ".join(map(str, deleted)) or "none"
+        _emit(args, {"deleted": deleted, "steps": store.steps()},
+              f"deleted steps: {steps}\n(`cnrstore gc {args.store}` reclaims their bytes)")
+    elif cmd == "export":
+        with _progress(args, "export") as bar:
+            result = transfer.export_step(store, args.step, args.path, names=args.names,
+                                          overwrite=args.force, progress=bar)
+        _emit(args, result, fmt.transfer_text(result))
+    elif cmd == "import":
+        with _progress(args, "import") as bar:
+            result = transfer.import_step(store, args.step, args.path,
+                                          quant=_quant(args.quant), progress=bar)
+        _emit(args, result, fmt.transfer_text(result))
     return EXIT_OK
 
 
@@ -263,25 +316,20 @@ def _quant(items: list[str] | None) -> str | dict | None:
 
 
 def _exit_code(exc: BaseException) -> int:
-    from engine.errors import StoreError
-
-    if isinstance(exc, StoreError):
-        return EXIT_PROBLEMS
-    if isinstance(exc, (UsageError, ValueError, KeyError, LookupError, TypeError,
-                        FileNotFoundError, FileExistsError, IsADirectoryError)):
-        return EXIT_USAGE
-    return EXIT_PROBLEMS
+    # The class says (borg's way). Anything else is a fault of ours or of the system (an
+    # OSError the engine let through, a bug): a problem, not the user's usage.
+    return exc.exit_code if isinstance(exc, CheckpointError) else EXIT_PROBLEMS
 
 
 def _message(exc: BaseException, store: str | None) -> str:
-    from engine.errors import CorruptObject, ObjectNotFound
+    from cnrstore.errors import CorruptData
 
-    text = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)
+    text = str(exc)
     text = " ".join(text.split()) or type(exc).__name__
     if isinstance(exc, UsageError):
         return text
     hint = ""
-    if isinstance(exc, (CorruptObject, ObjectNotFound)) and store:
+    if isinstance(exc, CorruptData) and store:
         hint = f"; `cnrstore verify {store}` lists what is damaged"
     return f"{text} ({type(exc).__name__}{hint})"
 
@@ -295,7 +343,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exc:  # argparse: --help exits 0, bad usage 2
         return int(exc.code or 0)
     try:
-        return _run(args)
+        with engine_errors():  # the last boundary: engine errors leave as cnrstore's
+            return _run(args)
     except KeyboardInterrupt:
         print("cnrstore: interrupted", file=sys.stderr)
         return 130

@@ -1,6 +1,7 @@
-"""Output of the ``cnrstore`` command: human sizes, aligned tables, JSON, progress bars.
+"""Output of the ``cnrstore`` command: human sizes, aligned tables, JSON. The progress bar
+is cnrstore.tools.progress.Progress (re-exported here).
 
-Kept apart from cli.py so the argument layer stays thin and these helpers can be tested
+Kept apart from app.py so the argument layer stays thin and these helpers can be tested
 without a subprocess. Nothing here touches a store.
 """
 
@@ -9,9 +10,9 @@ from __future__ import annotations
 import dataclasses
 import datetime as _dt
 import enum
-import sys
-import time
 from collections.abc import Iterable, Sequence
+
+from cnrstore.tools.progress import Progress as Progress  # the CLI's bars
 
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
 STATE_SHOWN = 12  # Python values of a put_state step shown by `show` (all with --json)
@@ -80,46 +81,6 @@ def jsonable(value):
     if hasattr(value, "item"):  # numpy / torch scalars
         return value.item()
     return str(value)
-
-
-class Progress:
-    """A one-line progress bar on stderr, usable as an engine ``ProgressFn(done, total)``.
-
-    Draws at most ten times a second, and only when ``enabled`` (the CLI enables it when
-    stderr is a terminal), so scripts and logs get no control characters.
-    """
-
-    def __init__(self, label: str, *, enabled: bool, stream=None):
-        self.label = label
-        self.enabled = enabled
-        self.stream = stream if stream is not None else sys.stderr
-        self._last = 0.0
-        self._drawn = False
-
-    def __call__(self, done: int, total: int) -> None:
-        if not self.enabled:
-            return
-        now = time.monotonic()
-        if now - self._last < 0.1 and done != total:
-            return
-        self._last = now
-        if total > 0:
-            frac = min(max(done / total, 0.0), 1.0)
-            bar = "#" * int(frac * 30)
-            text = f"{self.label} [{bar:<30}] {frac:6.1%} {done}/{total}"
-        else:
-            text = f"{self.label} {done}"
-        self.stream.write("\r" + text)
-        self.stream.flush()
-        self._drawn = True
-
-    def __enter__(self) -> Progress:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self._drawn:
-            self.stream.write("\r\033[K")
-            self.stream.flush()
 
 
 # -- one renderer per command: each takes the object --json would print ------------------

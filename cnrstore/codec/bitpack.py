@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from cnrstore.codec.layout import packed_nbytes
+
 __all__ = ["packed_nbytes", "pack_codes", "unpack_codes"]
 
 _BITS = range(1, 9)
@@ -20,14 +22,6 @@ _BITS = range(1, 9)
 def _check_bits(bits: int) -> None:
     if not isinstance(bits, int) or bits not in _BITS:
         raise ValueError(f"bits must be an int in 1..8, got {bits!r}")
-
-
-def packed_nbytes(width: int, bits: int) -> int:
-    """Bytes that `width` codes of `bits` bits take in a packed row."""
-    _check_bits(bits)
-    if width < 0:
-        raise ValueError(f"width must be >= 0, got {width}")
-    return (width * bits + 7) // 8
 
 
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:

@@ -22,7 +22,19 @@ import math
 
 import torch
 
-from cnrstore.codec.bitpack import pack_codes, packed_nbytes, unpack_codes
+from cnrstore.codec.bitpack import pack_codes, unpack_codes
+from cnrstore.codec.layout import (
+    BITS as _BITS,
+)
+from cnrstore.codec.layout import (
+    HEADER_NBYTES,
+    LOSSY_DTYPE_NAMES,
+    SCHEMES,
+    WIDE_HEADER_NBYTES,
+    check_scheme_name,
+    dtype_name,
+    row_nbytes_of,
+)
 from cnrstore.codec.qparams import (
     FP16_MAX,
     FP32_MAX,
@@ -52,14 +64,9 @@ __all__ = [
     "auto_scheme",
 ]
 
-SCHEMES = ("exact", "fp16", "bf16", "int8", "int4", "int3", "int2")
-LOSSY_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
-_BITS = {"int8": 8, "int4": 4, "int3": 3, "int2": 2}
+# SCHEMES, the header sizes and row sizes come from cnrstore.codec.layout (torch-free).
+LOSSY_DTYPES = tuple(getattr(torch, name) for name in LOSSY_DTYPE_NAMES)
 _CASTS = {"fp16": torch.float16, "bf16": torch.bfloat16}
-# fp16 scale then fp16 offset, little-endian, ahead of the packed codes.
-HEADER_NBYTES = 4
-# fp32 scale then fp32 offset: "wide" rows (docs/QUANTIZATION.md, "Wide rows").
-WIDE_HEADER_NBYTES = 8
 # Default range search per row: Check-N-Run's adaptive clipping ("greedy",
 # cnrstore.codec.qsearch) up to GREEDY_MAX_BITS, plain "minmax" above. Measured on 4000x64 rows
 # (docs/QUANTIZATION.md): greedy cuts the L2^2 error by 16-48% at 2-4 bits but only by
@@ -93,16 +100,7 @@ class NeedsWideQparams(ValueError):
 
 def check_scheme(scheme: str, dtype: torch.dtype, *, table: str) -> None:
     """Raise ValueError (naming table, scheme and dtype) unless `scheme` can encode `dtype`."""
-    if not isinstance(scheme, str) or scheme not in SCHEMES:
-        raise ValueError(
-            f"table {table!r}: unknown quantization scheme {scheme!r}; "
-            f"expected one of {', '.join(SCHEMES)}"
-        )
-    if scheme != "exact" and dtype not in LOSSY_DTYPES:
-        raise ValueError(
-            f"table {table!r}: scheme {scheme!r} is lossy and needs a float32, float16, "
-            f"bfloat16 or float64 table, but the table is {dtype}; use 'exact'"
-        )
+    check_scheme_name(scheme, dtype_name(dtype), table=table)
 
 
 def scheme_bits(scheme: str) -> int | None:
@@ -113,15 +111,7 @@ def scheme_bits(scheme: str) -> int | None:
 def row_nbytes(scheme: str, dtype: torch.dtype, width: int, *, wide: bool = False) -> int:
     """Bytes of one encoded row of `width` elements of `dtype` under `scheme` (``wide``:
     intN rows with fp32 scale/offset)."""
-    check_scheme(scheme, dtype, table="<row_nbytes>")
-    if not isinstance(width, int) or width < 0:
-        raise ValueError(f"width must be an int >= 0, got {width!r}")
-    if scheme == "exact":
-        return width * _itemsize(dtype)
-    if scheme in _CASTS:
-        return 2 * width
-    head = WIDE_HEADER_NBYTES if wide else HEADER_NBYTES
-    return head + packed_nbytes(width, _BITS[scheme])
+    return row_nbytes_of(scheme, dtype_name(dtype), width, itemsize=_itemsize(dtype), wide=wide)
 
 
 def row_nbytes_options(scheme: str, dtype: torch.dtype, width: int) -> tuple[int, ...]:

@@ -27,7 +27,7 @@ import torch
 
 from cnrstore.errors import InvalidInput, InvalidType, ManifestError
 
-__all__ = ["FlatState", "flatten", "unflatten", "fill", "check_structure", "python_values"]
+__all__ = ["FlatState", "flatten", "unflatten", "fill", "check_structure"]
 
 _SCALARS = (type(None), bool, int, float, str, bytes)
 SEP = "/"
@@ -196,22 +196,3 @@ def fill(given, doc: dict, *, strict: bool, path: str = ""):
     if strict:
         raise InvalidInput(f"state entry {path!r} does not match the stored structure")
     return given
-
-
-def python_values(doc: dict) -> dict[str, object]:
-    """The Python leaves of a structure document by "/"-joined path (for ``cnrstore show``);
-    tuples and lists of them come back as lists."""
-    out: dict[str, object] = {}
-
-    def walk(node, path: str) -> None:
-        if "p" in node:
-            out[path] = node["p"]
-        elif "d" in node:
-            for key, child in node["d"]:
-                walk(child, f"{path}{SEP}{key}" if path else str(key))
-        elif "l" in node or "t" in node:
-            for i, child in enumerate(node.get("l", node.get("t"))):
-                walk(child, f"{path}{SEP}{i}" if path else str(i))
-
-    walk(doc, "")
-    return out

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from cnrstore.core import lineage, statestore
+from cnrstore.errors import translating
 
 __all__ = ["StateMethods"]
 
@@ -14,6 +15,7 @@ __all__ = ["StateMethods"]
 class StateMethods:
     """put_state / get_state / load_state / rollback; mixed into CheckpointStore."""
 
+    @translating
     def put_state(self, step: int, state, *, quant=None, metadata: Mapping | None = None,
                   blocking: bool = True, touched: Mapping | None = None):
         """Store a training state as ``step``: any nesting of dicts (str or int keys),
@@ -26,12 +28,14 @@ class StateMethods:
         return statestore.put_state(self, step, state, quant=quant, metadata=metadata,
                                     blocking=blocking, touched=touched)
 
+    @translating
     def get_state(self, step: int | None = None, *, device="cpu"):
         """The nesting put with ``step`` (None: the highest), with fresh tensors on
         ``device``; key types, lists, tuples and dict order as put. A put_tables step
         gives its tables."""
         return statestore.get_state(self, step, device=device)
 
+    @translating
     def load_state(self, step: int | None, state, *, strict: bool = True):
         """Restore ``step`` (None: the highest) into the tensors of ``state`` in place (no
         second copy of a table) and return ``state`` with its Python leaves as stored.
@@ -40,6 +44,7 @@ class StateMethods:
         does not name are left alone."""
         return statestore.load_state(self, step, state, strict=strict)
 
+    @translating
     def rollback(self, step: int) -> list[int]:
         """Delete every step after ``step`` in one atomic commit, so ``step`` is the latest
         again and the next put (which must be above it) is incremental against it. Returns

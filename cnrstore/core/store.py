@@ -39,6 +39,7 @@ from cnrstore.errors import (
     StepNotFound,
     StepOrderError,
     WriteFailed,
+    translating,
 )
 from cnrstore.format.manifest import list_steps, root_name
 from engine import ObjectStore
@@ -136,6 +137,7 @@ class CheckpointStore(StateMethods):
         if os.getpid() != self._pid:
             raise CheckpointError("store handle used across fork(); open the store again")
 
+    @translating
     def close(self) -> None:
         """Wait for pending puts, stop the writer and close the engine store (if owned)."""
         with self._lock:
@@ -160,6 +162,7 @@ class CheckpointStore(StateMethods):
         self.close()
 
     # -- put -----------------------------------------------------------------------------
+    @translating
     def put_tables(
         self,
         step: int,
@@ -319,6 +322,7 @@ class CheckpointStore(StateMethods):
             if exc is not None:
                 raise StepNotFound(step, f"step {step} was not written: {exc}") from exc
 
+    @translating
     def get_tables(
         self,
         step: int | None = None,
@@ -336,21 +340,25 @@ class CheckpointStore(StateMethods):
             return statestore.get_into(self, step, out, names=names, rows=rows)
         return maintenance.get_tables(self, step, names=names, rows=rows, device=device)
 
+    @translating
     def metadata(self, step: int | None = None) -> dict:
         """The ``metadata`` mapping put with ``step`` (None: the highest step)."""
         return maintenance.metadata(self, step)
 
+    @translating
     def steps(self) -> list[int]:
         """Ascending list of the steps the store holds (waits for pending puts)."""
         self._check_open()
         self._writer.drain()
         return list_steps(self._objects)
 
+    @translating
     def delete_step(self, step: int) -> None:
         """Delete a step (its bytes are reclaimed by the next gc). Waits if it is pending."""
         self._check_writable("delete_step")
         maintenance.delete_step(self, step)
 
+    @translating
     def gc(
         self,
         keep_last: int | None = None,
@@ -363,10 +371,12 @@ class CheckpointStore(StateMethods):
         self._check_writable("gc")
         return maintenance.gc(self, keep_last, keep, threshold=threshold)
 
+    @translating
     def verify(self, *, deep: bool = True) -> maintenance.VerifyReport:
         """Check every step's manifest and blocks (deep: decode every block). VerifyReport."""
         return maintenance.verify(self, deep=deep)
 
+    @translating
     def stats(self) -> maintenance.StoreStats:
         """Logical vs stored bytes, objects and dedup ratio. StoreStats."""
         return maintenance.stats(self)
@@ -379,6 +389,7 @@ class CheckpointStore(StateMethods):
         return f"CheckpointStore({self._objects!r}, block_rows={self._opt.block_rows})"
 
 
+@translating
 def open(  # noqa: A001 - the public name is cnrstore.open, like engine.open
     path: str | os.PathLike,
     *,

@@ -10,9 +10,9 @@ from collections.abc import Mapping
 import msgpack
 import torch
 
+from cnrstore.codec.layout import DTYPES, dtype_name
 from cnrstore.core.quantspec import resolve_quant  # noqa: F401 - re-exported: patterns live there
 from cnrstore.errors import InvalidInput, InvalidType
-from cnrstore.format.manifest import DTYPES, dtype_name
 
 __all__ = [
     "check_step", "check_name", "check_device", "check_tables", "resolve_quant",

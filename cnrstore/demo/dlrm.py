@@ -26,7 +26,9 @@ import hashlib
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import torch
@@ -34,6 +36,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from cnrstore.demo.metrics import auc, evaluate, teacher_floor  # noqa: F401 - part of this module's API
+
+if TYPE_CHECKING:
+    from cnrstore import StepInfo
 
 __all__ = [
     "Batch",
@@ -183,6 +188,10 @@ def _mlp(widths: list[int], *, last_relu: bool) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
+def _bags(model: DLRM) -> list[nn.EmbeddingBag]:
+    return cast("list[nn.EmbeddingBag]", list(model.embs))
+
+
 class DLRM(nn.Module):
     """Embedding bags + bottom MLP, pairwise dot interaction, top MLP -> one logit."""
 
@@ -221,12 +230,12 @@ class RowWiseAdagrad:
     def __init__(self, model: DLRM, *, lr: float, dense_lr: float, eps: float = 1e-8) -> None:
         self.model = model
         self.lr, self.dense_lr, self.eps = lr, dense_lr, eps
-        self.emb_acc = [bag.weight.new_zeros(bag.weight.shape[0]) for bag in model.embs]
+        self.emb_acc = [bag.weight.new_zeros(bag.weight.shape[0]) for bag in _bags(model)]
         self.dense_acc = {name: torch.zeros_like(p) for name, p in _dense_params(model)}
 
     @torch.no_grad()
     def step(self) -> None:
-        for bag, acc in zip(self.model.embs, self.emb_acc):
+        for bag, acc in zip(_bags(self.model), self.emb_acc):
             grad = bag.weight.grad
             if grad is None:
                 continue
@@ -265,7 +274,7 @@ def make_optimizer(model: DLRM, config: DLRMConfig):
     if config.optimizer == "rowwise":
         return RowWiseAdagrad(model, lr=config.lr, dense_lr=config.dense_lr)
     return torch.optim.Adagrad([
-        {"params": [bag.weight for bag in model.embs], "lr": config.lr},
+        {"params": [bag.weight for bag in _bags(model)], "lr": config.lr},
         {"params": [p for _, p in _dense_params(model)], "lr": config.dense_lr},
     ], lr=config.lr)
 
@@ -318,7 +327,7 @@ class Trainer:
 
     def __init__(self, config: DLRMConfig, *, store=None, every: int = 25, device: str = "cpu",
                  quant: str | Mapping[str, str] = "exact",
-                 on_checkpoint: Callable[[object, float], None] | None = None) -> None:
+                 on_checkpoint: Callable[[StepInfo, float], None] | None = None) -> None:
         if every < 1:
             raise ValueError(f"every must be >= 1; got {every}")
         self.config, self.store, self.every, self.quant = config, store, every, quant
@@ -330,7 +339,7 @@ class Trainer:
         self.opt = make_optimizer(self.model, config)
         self.step = 0
         self.on_checkpoint = on_checkpoint
-        self._pending: list[tuple[object, float]] = []
+        self._pending: list[tuple[Future, float]] = []
 
     def state(self) -> dict:
         """The whole training state; its tensors are the live ones (no copies)."""

@@ -34,8 +34,10 @@ from cnrstore.demo.dlrm import (
     evaluate,
     teacher_floor,
 )
+from cnrstore.tools.info import disk_bytes
+from cnrstore.tools.progress import Progress
 
-__all__ = ["add_arguments", "disk_bytes", "main", "resolve_quant"]
+__all__ = ["add_arguments", "main", "resolve_quant"]
 
 SCHEMES = ("exact", "fp16", "bf16", "int8", "int4", "int3", "int2", "auto")
 EVAL_BATCHES = 16
@@ -110,18 +112,6 @@ def resolve_quant(scheme: str, config: DLRMConfig, *,
     return {EMBEDDINGS: scheme}
 
 
-def disk_bytes(path: str | os.PathLike) -> int:
-    """Bytes allocated on disk under ``path`` (st_blocks, not apparent sizes)."""
-    total = 0
-    for root, _dirs, files in os.walk(path):
-        for name in files:
-            try:
-                total += os.stat(os.path.join(root, name)).st_blocks * 512
-            except FileNotFoundError:
-                pass  # a file gc removed while we walked
-    return total
-
-
 def _config(args: argparse.Namespace) -> DLRMConfig:
     return DLRMConfig(seed=args.seed, optimizer=args.optimizer).scaled(args.scale)
 
@@ -174,26 +164,13 @@ def _worker(args: argparse.Namespace) -> int:
 # -- the driver ------------------------------------------------------------------------
 
 
-class _Bar:
-    """A carriage-return progress bar on a terminal; silent otherwise."""
-
-    def __init__(self, label: str, total: int, *, enabled: bool) -> None:
-        self.label, self.total, self.enabled = label, total, enabled
-
-    def update(self, done: int, note: str = "") -> None:
-        if self.enabled:
-            filled = int(30 * done / max(1, self.total))
-            sys.stderr.write(f"\r{self.label:<12} [{'#' * filled}{'.' * (30 - filled)}] "
-                             f"{done}/{self.total} {note}  ")
-            sys.stderr.flush()
-
-    def close(self) -> None:
-        if self.enabled:
-            sys.stderr.write("\n")
+def _bar(label: str, total: int, show: bool) -> Progress:
+    # keep=True: each run's last line (its final loss) stays on screen.
+    return Progress(f"{label:<9}", total=total, enabled=show, keep=True)
 
 
 def _spawn(args: argparse.Namespace, *, kill_at: int | None, events: list[dict],
-           bar: _Bar) -> int:
+           bar: Progress) -> int:
     cmd = [sys.executable, "-m", "cnrstore.demo.driver", "--worker", "--store", args.store,
            "--steps", str(args.steps), "--scale", str(args.scale), "--every", str(args.every),
            "--scheme", args.scheme, "--seed", str(args.seed), "--device", args.device,
@@ -216,7 +193,7 @@ def _spawn(args: argparse.Namespace, *, kill_at: int | None, events: list[dict],
     return proc.wait()
 
 
-def _reference(args: argparse.Namespace, bar: _Bar) -> tuple[float, float, int, float]:
+def _reference(args: argparse.Namespace, bar: Progress) -> tuple[float, float, int, float]:
     """The uninterrupted run: (eval loss, AUC, torch.save bytes, torch.save seconds)."""
     config = _config(args)
     with deterministic():
@@ -331,16 +308,16 @@ def _drive(args: argparse.Namespace) -> int:
     say(f"training with checkpoints; the trainer is killed at step {args.fail_at}")
     run1: list[dict] = []
     code = _spawn(args, kill_at=args.fail_at, events=run1,
-                  bar=_Bar("train", args.steps, enabled=show))
+                  bar=_bar("train", args.steps, show))
     if code != -signal.SIGKILL:
         raise _Failed(f"the trainer exited with {code} before the kill", code=1)
     say("killed; a new process restores the latest step and finishes")
     run2: list[dict] = []
-    code = _spawn(args, kill_at=None, events=run2, bar=_Bar("resume", args.steps, enabled=show))
+    code = _spawn(args, kill_at=None, events=run2, bar=_bar("resume", args.steps, show))
     if code != 0:
         raise _Failed(f"the resumed trainer failed with exit code {code}", code=1)
     say("uninterrupted reference run")
-    ref = _reference(args, _Bar("reference", args.steps, enabled=show))
+    ref = _reference(args, _bar("reference", args.steps, show))
     floor = teacher_floor(SyntheticCTR(_config(args)).eval_batches(EVAL_BATCHES))
     with cnrstore.open(args.store) as store:
         before = disk_bytes(args.store)

@@ -15,8 +15,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import msgpack
-import torch
 
+from cnrstore.codec.layout import DTYPE_SIZES, dtype_name, parse_dtype
 from cnrstore.errors import ManifestError, StepNotFound, TableNotFound
 from cnrstore.format.blocks import KIND_BLOCK_FULL, KIND_BLOCK_PATCH
 from engine import Object, ObjectStore
@@ -41,7 +41,7 @@ __all__ = [
     "load_table_manifest",
     "load_manifest",
     "changed_blocks",
-    "DTYPES",
+    "DTYPE_SIZES",
     "parse_dtype",
     "dtype_name",
     "MAX_BLOCK_ROWS",
@@ -57,33 +57,12 @@ KIND_SEGMENT = 3
 
 ROOT_PREFIX = "step/"
 
-# The table dtypes a node may name (docs/MANIFEST.md, "Table node"). Names are looked up
-# here, never with getattr on torch: a crafted node naming "__class__" got a type back, and
-# one naming "_dynamo" imported a torch submodule.
-_DTYPE_NAMES = (
-    "float64", "float32", "float16", "bfloat16",
-    "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
-    "int64", "int32", "int16", "int8", "uint64", "uint32", "uint16", "uint8", "bool",
-)
-DTYPES: dict[str, torch.dtype] = {
-    n: getattr(torch, n) for n in _DTYPE_NAMES if isinstance(getattr(torch, n, None), torch.dtype)
-}
+# The table dtypes a node may name: DTYPE_SIZES (cnrstore.codec.layout), which also maps
+# them to torch dtypes on first use, so decoding a node does not import torch.
 # Largest block_rows / fanout a writer uses (CheckpointStore refuses more); bigger values
 # in a node only come from damage or crafting.
 MAX_BLOCK_ROWS = 1 << 31
 _MAX_TABLE_BYTES = 1 << 62
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def parse_dtype(name: str) -> torch.dtype:
-    """The torch dtype a node names; ManifestError for names outside the allow-list."""
-    dtype = DTYPES.get(name) if isinstance(name, str) else None
-    if dtype is None:
-        raise ManifestError(f"unknown table dtype {name!r}")
-    return dtype
 
 
 def root_name(step: int) -> str:
@@ -205,7 +184,7 @@ class TableNode:
 
     def _check_geometry(self, oid: bytes | None) -> None:
         """Everything a reader sizes buffers by, checked before anything is allocated."""
-        from cnrstore.codec.quantize import SCHEMES, check_scheme, row_nbytes_options
+        from cnrstore.codec.layout import SCHEMES, check_scheme_name, row_nbytes_options_of
 
         def bad(why: str) -> ManifestError:
             return ManifestError(f"table node {self.name!r}: {why}", oid=oid)
@@ -214,16 +193,17 @@ class TableNode:
             raise bad(f"invalid shape {self.shape}")
         if not 1 <= self.block_rows <= MAX_BLOCK_ROWS or not 1 <= self.fanout <= MAX_BLOCK_ROWS:
             raise bad(f"invalid block_rows {self.block_rows} or fanout {self.fanout}")
-        dtype = parse_dtype(self.dtype)
+        if not isinstance(self.dtype, str) or self.dtype not in DTYPE_SIZES:
+            raise ManifestError(f"unknown table dtype {self.dtype!r}", oid=oid)
         if self.scheme not in SCHEMES:
             raise bad(f"unknown scheme {self.scheme!r}")
         try:
-            check_scheme(self.scheme, dtype, table=self.name)
+            check_scheme_name(self.scheme, self.dtype, table=self.name)
         except ValueError as exc:
             raise bad(str(exc)) from None
-        if math.prod(self.shape) * dtype.itemsize > _MAX_TABLE_BYTES:
+        if math.prod(self.shape) * DTYPE_SIZES[self.dtype] > _MAX_TABLE_BYTES:
             raise bad(f"shape {self.shape} is too large to be a table")
-        options = row_nbytes_options(self.scheme, dtype, self.width)
+        options = row_nbytes_options_of(self.scheme, self.dtype, self.width)
         if self.row_nbytes not in options:
             raise bad(
                 f"row_nbytes {self.row_nbytes} does not match scheme {self.scheme!r} with "

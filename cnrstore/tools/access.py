@@ -8,7 +8,7 @@ import os
 from collections.abc import Iterable, Iterator
 
 import engine
-from cnrstore.errors import StepNotFound
+from cnrstore.errors import BadPath, InvalidType, StepNotFound
 from cnrstore.format import manifest as mf
 from engine import ObjectStore
 
@@ -23,7 +23,7 @@ def objects_of(store) -> ObjectStore:
         inner = getattr(store, attr, None)
         if isinstance(inner, ObjectStore):
             return inner
-    raise TypeError(f"expected a CheckpointStore, an engine ObjectStore or a path, got "
+    raise InvalidType(f"expected a CheckpointStore, an engine ObjectStore or a path, got "
                     f"{type(store).__name__}")
 
 
@@ -32,7 +32,7 @@ def opened(store) -> Iterator[ObjectStore]:
     """Yield the engine store of ``store``; a path is opened (never created) and closed."""
     if isinstance(store, (str, os.PathLike)):
         if not os.path.isdir(store):
-            raise FileNotFoundError(f"no store at {os.fspath(store)!r}")
+            raise BadPath(f"no store at {os.fspath(store)!r}", path=os.fspath(store))
         objects = engine.open(store, create=False)
         try:
             yield objects

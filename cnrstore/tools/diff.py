@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from cnrstore.errors import InvalidInput
 from cnrstore.format.blocks import decode_patch, resolve
 from cnrstore.format.manifest import (
     KIND_BLOCK_PATCH,
@@ -120,12 +121,12 @@ def diff_tables(objects: ObjectStore, name: str, a_id: bytes | None, b_id: bytes
                 rows: bool = True) -> TableDiff:
     """Diff one table given its table-node ids in A and B (None where it is absent)."""
     if a_id is None or b_id is None:
-        if a_id is None and b_id is None:
-            raise ValueError(f"table {name!r} is in neither step")
-        if b_id is None:
+        if a_id is not None:  # only in A
             t = load_table(objects, a_id)
             return TableDiff(name, "removed", t.shape, None, t.scheme, None, False, 0, 0, (),
                              0, None, None, 0, t.rows, 0, 0)
+        if b_id is None:
+            raise InvalidInput(f"table {name!r} is in neither step")
         t = load_table(objects, b_id)
         return TableDiff(name, "added", None, t.shape, None, t.scheme, False, 0, 0,
                          tuple(range(t.nblocks)), 0, None, None, t.rows, 0, 0, 0)

@@ -21,12 +21,18 @@ from dataclasses import dataclass, field
 
 import engine
 from cnrstore.core.retention import kept_steps
-from cnrstore.core.state import python_values
+from cnrstore.errors import translating
 from cnrstore.format import manifest as mf
-from cnrstore.format.manifest import TableNode, load_step, load_table_manifest, root_name
+from cnrstore.format.manifest import (
+    DTYPE_SIZES,
+    TableNode,
+    load_step,
+    load_table_manifest,
+)
 from cnrstore.tools.access import objects_of, opened, tick
 from engine import ObjectStore
 from engine.api import ProgressFn
+from engine.fileio import allocated_bytes
 
 __all__ = [
     "StepSummary",
@@ -46,6 +52,7 @@ __all__ = [
     "diff_steps",
     "verify",
     "repair",
+    "disk_bytes",
 ]
 
 
@@ -155,18 +162,40 @@ class _Sizes:
         return sum(self.info(o).stored_len for o in oids)
 
 
-def _itemsize(dtype: str) -> int:
-    import torch
-
-    from cnrstore.core.tablestate import parse_dtype
-
-    return torch.empty((), dtype=parse_dtype(dtype)).element_size()
-
-
 def table_logical_bytes(node: TableNode) -> int:
-    return node.rows * node.width * _itemsize(node.dtype)
+    # A decoded node names an allow-listed dtype (TableNode.decode checks it).
+    return node.rows * node.width * DTYPE_SIZES[node.dtype]
 
 
+def python_values(doc: dict) -> dict[str, object]:
+    """The Python leaves of a put_state structure document (docs/MANIFEST.md, "State") by
+    "/"-joined path; tuples and lists of them come back as lists."""
+    out: dict[str, object] = {}
+
+    def walk(node: dict, path: str) -> None:
+        if "p" in node:
+            out[path] = node["p"]
+        elif "d" in node:
+            for key, child in node["d"]:
+                walk(child, f"{path}/{key}" if path else str(key))
+        elif "l" in node or "t" in node:
+            for i, child in enumerate(node["l"] if "l" in node else node["t"]):
+                walk(child, f"{path}/{i}" if path else str(i))
+
+    walk(doc, "")
+    return out
+
+
+def disk_bytes(path: str | os.PathLike) -> int:
+    """Bytes allocated on disk by the files under ``path`` (st_blocks, as ``du`` counts;
+    sparse and preallocated files count what they occupy), 0 if it is gone."""
+    total = 0
+    for root, _dirs, files in os.walk(os.fspath(path)):
+        total += sum(allocated_bytes(os.path.join(root, name)) for name in files)
+    return total
+
+
+@translating
 def list_steps(store, *, progress: ProgressFn | None = None) -> list[StepSummary]:
     """Every kept step, ascending, with its sizes. ``new_bytes`` counts the records that
     no lower step reaches: what keeping this step costs on top of the earlier ones."""
@@ -186,6 +215,7 @@ def list_steps(store, *, progress: ProgressFn | None = None) -> list[StepSummary
         return out
 
 
+@translating
 def show_step(store, step: int) -> StepDetail:
     """The tables of one step: geometry, scheme, block chains and sizes (no block reads)."""
     with opened(store) as objects:
@@ -215,6 +245,7 @@ def _ratio(a: int, b: int) -> float | None:
     return a / b if b else None
 
 
+@translating
 def disk_usage(store, *, progress: ProgressFn | None = None) -> Usage:
     """Logical vs stored bytes of the kept steps, overall and per table name."""
     with opened(store) as objects:
@@ -255,6 +286,7 @@ def disk_usage(store, *, progress: ProgressFn | None = None) -> Usage:
         )
 
 
+@translating
 def gc_plan(store, *, keep_last: int | None, keep: Iterable[int] = ()) -> GCPlan:
     """What ``gc(keep_last=..., keep=...)`` would drop and free, changing nothing."""
     with opened(store) as objects:
@@ -264,10 +296,10 @@ def gc_plan(store, *, keep_last: int | None, keep: Iterable[int] = ()) -> GCPlan
         drop = [s for s in have if s not in set(kept)]
         live: set[bytes] = set()
         for s in kept:
-            sizes.reach(objects.root(root_name(s)), live)
+            sizes.reach(load_step(objects, s)[0], live)
         dead: set[bytes] = set()
         for s in drop:
-            sizes.reach(objects.root(root_name(s)), dead)
+            sizes.reach(load_step(objects, s)[0], dead)
         dead -= live
         stats = objects.stats()
         garbage = max(stats.objects - len(live) - len(dead), 0)
@@ -280,6 +312,7 @@ def collect(store, *, keep_last: int | None, keep: Iterable[int] = ()):
     return store.gc(keep_last=keep_last, keep=list(keep))
 
 
+@translating
 def diff_steps(store, a: int, b: int, *, rows: bool = True):
     """Which tables, blocks and rows differ between steps ``a`` and ``b``
     (cnrstore.tools.diff.StepDiff): ids compared top-down, only differing blocks read."""
@@ -291,6 +324,7 @@ def diff_steps(store, a: int, b: int, *, rows: bool = True):
 
 # Integrity checks live in cnrstore.tools.check (which builds on this module); these wrappers
 # give the CLI and users one entry point without a circular import.
+@translating
 def verify(store, *, deep: bool = True, steps: Iterable[int] | None = None,
            progress: ProgressFn | None = None):
     """cnrstore.tools.check.verify: engine and manifest checks; returns a VerifyResult."""
@@ -299,6 +333,7 @@ def verify(store, *, deep: bool = True, steps: Iterable[int] | None = None,
     return _verify(store, deep=deep, steps=steps, progress=progress)
 
 
+@translating
 def repair(path: str | os.PathLike):
     """cnrstore.tools.check.repair: rebuild the index of the store at ``path`` from its packs."""
     from cnrstore.tools.check import repair as _repair

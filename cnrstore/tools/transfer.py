@@ -12,23 +12,19 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from cnrstore.errors import CheckpointError, InvalidInput, InvalidType
+from cnrstore.errors import BadPath, InvalidInput, InvalidType, MissingExtra, translating
 from cnrstore.format.manifest import load_step, load_table
-from engine.fileio import fsync_dir
+from cnrstore.tools.access import tick
+from engine.fileio import atomic_write
 
 __all__ = ["MissingExtra", "TransferResult", "export_step", "import_step"]
 
 _KEY_STEP = "cnrstore.step"
 _KEY_METADATA = "cnrstore.metadata"
 _KEY_SCHEMES = "cnrstore.schemes"
-
-
-class MissingExtra(CheckpointError, ImportError):
-    """An optional dependency is not installed."""
 
 
 @dataclass(frozen=True)
@@ -61,25 +57,21 @@ def _check_store(store) -> None:
                           f"{type(store).__name__}")
 
 
-def _tick(progress, done: int, total: int) -> None:
-    if progress is not None:
-        progress(done, total)
-
-
+@translating
 def export_step(store, step: int, path: str | os.PathLike, *,
                 names: Iterable[str] | None = None, overwrite: bool = False,
                 progress=None) -> TransferResult:
     """Write the tables of ``step`` (all, or ``names``) to the safetensors file ``path``.
 
-    The file appears complete or not at all (written to a temporary file, fsync'ed, then
-    renamed). An existing ``path`` is an error unless ``overwrite``."""
+    The file appears complete or not at all (engine.fileio.atomic_write: a temporary file,
+    fsync'ed, renamed). An existing ``path`` is BadPath unless ``overwrite``."""
     _check_store(store)
     st = _safetensors()
     path = os.fspath(path)
     if os.path.isdir(path):
-        raise IsADirectoryError(f"{path!r} is a directory; give a file name")
+        raise BadPath(f"{path!r} is a directory; give a file name", path=path)
     if os.path.exists(path) and not overwrite:
-        raise FileExistsError(f"{path!r} exists; remove it or pass overwrite")
+        raise BadPath(f"{path!r} exists; remove it or pass overwrite", path=path)
     _, node = load_step(store.objects, step)
     wanted = list(node.tables) if names is None else list(dict.fromkeys(names))
     tables = store.get_tables(step, names=wanted)
@@ -92,21 +84,9 @@ def export_step(store, step: int, path: str | os.PathLike, *,
     }
     # safetensors refuses views sharing storage and non-contiguous tensors.
     tensors = {n: t.detach().to("cpu").contiguous().clone() for n, t in tables.items()}
-    _tick(progress, 1, 2)
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".cnrstore-export-", suffix=".tmp", dir=directory)
-    os.close(fd)
-    try:
-        st.save_file(tensors, tmp, metadata=meta)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        fsync_dir(directory)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    _tick(progress, 2, 2)
+    tick(progress, 1, 2)
+    atomic_write(path, st.save(tensors, metadata=meta))
+    tick(progress, 2, 2)
     logical = sum(t.numel() * t.element_size() for t in tensors.values())
     return TransferResult("export", step, path, tuple(tensors), logical, schemes,
                           os.path.getsize(path))
@@ -132,6 +112,7 @@ def _schemes(quant, tensors: dict, stored: dict) -> dict[str, str]:
             for n, t in tensors.items()}
 
 
+@translating
 def import_step(store, step: int, path: str | os.PathLike, *, quant=None,
                 progress=None) -> TransferResult:
     """Store the tensors of the safetensors file ``path`` as ``step``.
@@ -145,7 +126,7 @@ def import_step(store, step: int, path: str | os.PathLike, *, quant=None,
     st = _safetensors()
     path = os.fspath(path)
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"no file {path!r}")
+        raise BadPath(f"no file {path!r}", path=path)
     try:
         meta = _file_metadata(path)
         tensors = st.load_file(path)
@@ -153,7 +134,7 @@ def import_step(store, step: int, path: str | os.PathLike, *, quant=None,
         raise InvalidInput(f"{path!r} is not a readable safetensors file: {exc}") from exc
     if not tensors:
         raise InvalidInput(f"{path!r} holds no tensors")
-    _tick(progress, 1, 2)
+    tick(progress, 1, 2)
     try:
         metadata = json.loads(meta.get(_KEY_METADATA, "{}"))
         stored_schemes = json.loads(meta.get(_KEY_SCHEMES, "{}"))
@@ -161,7 +142,7 @@ def import_step(store, step: int, path: str | os.PathLike, *, quant=None,
         raise InvalidInput(f"{path!r} has malformed cnrstore metadata: {exc}") from exc
     quant = _schemes(quant, tensors, stored_schemes)
     info = store.put_tables(step, tensors, quant=quant, metadata=metadata)
-    _tick(progress, 2, 2)
+    tick(progress, 2, 2)
     # Read the schemes back: "auto" and "*" resolve inside put_tables.
     _, node = load_step(store.objects, step)
     schemes = {n: load_table(store.objects, t).scheme

@@ -225,8 +225,11 @@ def test_export_import_round_trip(three_steps, tmp_path):
         assert res.tables == ("user", "item") and res.schemes == {"user": "exact",
                                                                   "item": "int8"}
         want = s.get_tables(1)
-        with pytest.raises(FileExistsError):
+        with pytest.raises(cnrstore.BadPath, match="exists"):
             transfer.export_step(s, 1, out)
+        with pytest.raises(cnrstore.BadPath, match="directory"):
+            transfer.export_step(s, 1, tmp_path)
+        assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
         imp = transfer.import_step(s, 5, out)
         assert imp.schemes == {"user": "exact", "item": "int8"}
         got = s.get_tables(5)
@@ -247,6 +250,7 @@ def test_export_import_round_trip(three_steps, tmp_path):
 def test_transfer_without_safetensors_says_what_to_install(three_steps, tmp_path,
                                                           monkeypatch):
     monkeypatch.setitem(sys.modules, "safetensors.torch", None)
-    with _open(three_steps) as s, pytest.raises(transfer.MissingExtra, match="pip install"):
+    assert transfer.MissingExtra is cnrstore.MissingExtra
+    with _open(three_steps) as s, pytest.raises(cnrstore.MissingExtra, match="pip install"):
         transfer.export_step(s, 1, tmp_path / "x.safetensors")
     assert not (tmp_path / "x.safetensors").exists()

@@ -17,10 +17,10 @@ RANK = {
     "format": 2,
     "core": 3,
     "tools": 4,
-    "demo": 4,
-    "cli": 5,
-    "__init__": 6,   # the public facade
-    "__main__": 7,
+    "demo": 5,       # an application: the public facade and the tools (progress, sizes)
+    "cli": 6,
+    "__init__": 7,   # the public facade
+    "__main__": 8,
 }
 
 
