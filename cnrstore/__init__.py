@@ -15,6 +15,7 @@ Python; the ``cnrstore`` command (``python -m cnrstore``) does the same from a s
 
 from cnrstore.codec.quantize import SCHEMES
 from cnrstore.core.maintenance import GCReport, StoreStats, VerifyReport
+from cnrstore.core.options import Options, OptionsMismatch
 from cnrstore.core.store import CheckpointStore, open
 from cnrstore.core.writer import StepInfo
 from cnrstore.errors import (
@@ -41,6 +42,8 @@ __all__ = [
     "InvalidType",
     "ManifestError",
     "NonFiniteValues",
+    "Options",
+    "OptionsMismatch",
     "ValueOutOfRange",
     "StepExists",
     "StepInfo",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -57,7 +58,7 @@ class TablePlan:
     rows_changed: int           # rows that differ from the diff base (all without one)
     logical_bytes: int
     base_slots: list | None = None  # the diff base's slots (patch bases), when compatible
-    release: object = None      # callable returning the host buffer to its pool
+    release: Callable[[], None] | None = None  # returns the host buffer to its pool
     # Blocks whose stored base could not be read (written full, never deduplicated onto
     # the damaged record), and how many blocks the writer wrote full for want of a base.
     damaged_blocks: frozenset[int] = frozenset()

@@ -33,7 +33,7 @@ from cnrstore.format.manifest import (
     TableNode,
     root_name,
 )
-from engine import ObjectStore, RootExists, StoreError, object_id
+from engine import ObjectStore, RootExists, StoreError, Writer, object_id
 
 __all__ = ["StepInfo", "BackgroundWriter", "write_step"]
 
@@ -182,16 +182,17 @@ def write_step(
     stall_seconds: float,
     lock_timeout: float | None,
     state: dict | None = None,
-    check: Callable[[], None] | None = None,
+    check: Callable[[Writer], None] | None = None,
 ) -> StepInfo:
     """Write one step in one engine transaction; return its StepInfo. ``state`` is the
-    structure of a put_state step; ``check()`` runs once the writer lock is held (another
-    process may have committed meanwhile) and raises to refuse the step."""
+    structure of a put_state step; ``check(w)`` runs once the writer lock is held (another
+    process may have committed meanwhile), may add to the transaction ``w``, and raises
+    to refuse the step."""
     t0 = time.perf_counter()
     w = objects.writer(timeout=lock_timeout)
     try:
         if check is not None:
-            check()
+            check(w)
         table_ids = [_write_table(w, plan, objects.get) for plan in plans]
         node = StepNode(
             step=step,

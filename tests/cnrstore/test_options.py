@@ -1,0 +1,94 @@
+"""One options object (issue 9): cnrstore.Options lists the options once; block_rows and
+fanout describe the stored data, so the first put stores them and an open reads them back:
+left out they are the store's, given and different the open says so (OptionsMismatch).
+Stores written before options were stored keep opening."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import cnrstore
+import engine
+from cnrstore.core.options import OPTIONS_ROOT, Options, OptionsMismatch
+
+
+def _put(path, **opts):
+    with cnrstore.open(path, **opts) as s:
+        s.put_tables(1, {"t": torch.arange(64 * 4, dtype=torch.float32).view(64, 4)})
+
+
+def test_open_without_options_takes_the_stored_ones(tmp_path):
+    _put(tmp_path / "c", block_rows=8, fanout=4)
+    with cnrstore.open(tmp_path / "c") as s:
+        assert (s.options.block_rows, s.options.fanout) == (8, 4)
+        t = s.get_tables(1)["t"]
+        t[3] += 1
+        info = s.put_tables(2, {"t": t})
+        assert info.rewritten_blocks == 0 and info.rows_written == {"t": 1}  # incremental
+    with cnrstore.open(tmp_path / "c", block_rows=8, fanout=4, max_chain=3) as s:
+        assert s.options.max_chain == 3  # not data-describing: never stored, never checked
+
+
+@pytest.mark.parametrize("given", [{"block_rows": 16}, {"fanout": 8},
+                                   {"options": Options(block_rows=16)}])
+def test_conflicting_stored_options_are_refused_clearly(tmp_path, given):
+    _put(tmp_path / "c", block_rows=8, fanout=4)
+    with pytest.raises(OptionsMismatch, match="written with") as err:
+        cnrstore.open(tmp_path / "c", **given)
+    assert isinstance(err.value, cnrstore.InvalidInput)
+    with cnrstore.open(tmp_path / "c", readonly=True) as s:  # nothing was changed
+        assert s.steps() == [1]
+
+
+def test_the_options_object_and_keywords_agree(tmp_path):
+    opts = Options(block_rows=8, fanout=4, max_inflight=3)
+    with cnrstore.open(tmp_path / "c", opts, max_chain=2) as s:
+        assert s.options == dataclasses.replace(opts, max_chain=2,
+                                                decode_threads=s.options.decode_threads)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        opts.block_rows = 3  # type: ignore[misc]
+    with pytest.raises(cnrstore.InvalidType, match="unknown store option"):
+        cnrstore.open(tmp_path / "c", block_row=8)
+    for bad in ({"block_rows": 0}, {"fanout": "4"}, {"max_chain": -1}, {"lock_timeout": -1},
+                {"block_rows": 2**32}, {"seed_from_store": 1}):
+        with pytest.raises(cnrstore.InvalidInput):
+            Options(**bad)
+
+
+def test_a_store_without_stored_options_keeps_opening(tmp_path):
+    """A store written before options were stored has no options root: it opens with the
+    given (or default) options, and its next put stores them."""
+    _put(tmp_path / "c", block_rows=8, fanout=4)
+    with engine.open(tmp_path / "c") as objects, objects.writer() as w:
+        w.delete_root(OPTIONS_ROOT)  # as the older code left it
+    with cnrstore.open(tmp_path / "c", block_rows=8, fanout=4) as s:
+        assert s.objects.root(OPTIONS_ROOT) is None
+        assert s.get_tables(1)["t"].shape == (64, 4)
+        s.put_tables(2, {"t": torch.zeros(64, 4)})
+        assert s.objects.root(OPTIONS_ROOT) is not None
+        assert s.verify().ok
+    with pytest.raises(OptionsMismatch):
+        cnrstore.open(tmp_path / "c", block_rows=16)
+
+
+def test_the_memory_twin_stores_options_too():
+    objects = engine.MemoryStore()
+    with cnrstore.CheckpointStore(objects, block_rows=8) as s:
+        s.put_tables(1, {"t": torch.zeros(16, 2)})
+    with cnrstore.CheckpointStore(objects) as s:
+        assert s.options.block_rows == 8 and s.options.fanout == 256
+    with pytest.raises(OptionsMismatch):
+        cnrstore.CheckpointStore(objects, block_rows=4)
+
+
+def test_gc_keeps_the_options(tmp_path):
+    _put(tmp_path / "c", block_rows=8, fanout=4)
+    with cnrstore.open(tmp_path / "c") as s:
+        s.delete_step(1)
+        s.gc()
+        assert s.steps() == [] and s.verify().ok
+    with cnrstore.open(tmp_path / "c") as s:
+        assert s.options.block_rows == 8
