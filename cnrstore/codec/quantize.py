@@ -35,21 +35,9 @@ from cnrstore.codec.qparams import (
 from cnrstore.codec.qsearch import SEARCHES, choose_ranges, choose_row_ranges
 
 __all__ = [
-    "SCHEMES",
-    "LOSSY_DTYPES",
-    "GREEDY_MAX_BITS",
-    "check_scheme",
-    "scheme_bits",
-    "row_nbytes",
-    "row_nbytes_options",
-    "is_wide",
-    "encode_rows",
-    "decode_rows",
-    "first_nonfinite_row",
-    "RangeError",
-    "NeedsWideQparams",
-    "max_abs_error",
-    "auto_scheme",
+    "SCHEMES", "LOSSY_DTYPES", "GREEDY_MAX_BITS", "check_scheme", "scheme_bits", "row_nbytes",
+    "row_nbytes_options", "is_wide", "encode_rows", "decode_rows", "first_nonfinite_row",
+    "RangeError", "NeedsWideQparams", "max_abs_error", "auto_scheme",
 ]
 
 SCHEMES = ("exact", "fp16", "bf16", "int8", "int4", "int3", "int2")

@@ -134,7 +134,7 @@ def resolve_stored(objects: ObjectStore, options: Options) -> Options:
     a store that holds none); OptionsMismatch when a given value differs from the stored
     one. ``decode_threads`` is resolved too."""
     stored = _read_stored(objects) or {}
-    resolved = {}
+    resolved: dict[str, int] = {}
     for name in DATA_OPTIONS:
         given, have = getattr(options, name), stored.get(name)
         if given is not None and have is not None and given != have:
@@ -143,7 +143,8 @@ def resolve_stored(objects: ObjectStore, options: Options) -> Options:
                 f"leave {name} out to use the store's")
         resolved[name] = given or have or _DEFAULT_GEOMETRY[name]
     threads = options.decode_threads or min(8, os.cpu_count() or 1)
-    return dataclasses.replace(options, decode_threads=threads, **resolved)
+    return dataclasses.replace(options, decode_threads=threads,
+                               block_rows=resolved["block_rows"], fanout=resolved["fanout"])
 
 
 def ensure_stored(objects: ObjectStore, w: Writer, options: Options) -> None:

@@ -139,7 +139,11 @@ def _queued(core: StoreCore, step: int, plans: list[TablePlan], fut: Future) -> 
         core.states[p.name] = p.state
         p.state.planned_root = root_name(step)
     core.pending[step] = fut
-    fut.add_done_callback(lambda f, s=step: core.pending.pop(s, None))
+
+    def done(_: Future) -> None:
+        core.pending.pop(step, None)
+
+    fut.add_done_callback(done)
 
 
 def _write(core: StoreCore, step: int, plans: list[TablePlan], metadata: dict, stall: float,
