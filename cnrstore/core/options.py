@@ -22,7 +22,7 @@ from cnrstore.errors import InvalidInput, InvalidType, ManifestError
 from engine import ObjectStore, StoreError, Writer
 
 __all__ = ["Options", "OptionsMismatch", "DATA_OPTIONS", "OPTIONS_ROOT", "KIND_OPTIONS",
-           "positive", "make_options", "resolve_stored", "ensure_stored"]
+           "positive", "make_options", "read_stored", "resolve_stored", "ensure_stored"]
 
 OPTIONS_ROOT = "cnrstore/options"
 KIND_OPTIONS = 6
@@ -111,7 +111,9 @@ def make_options(options: Options | None, overrides: Mapping[str, object]) -> Op
     return dataclasses.replace(options or Options(), **overrides)  # type: ignore[arg-type]
 
 
-def _read_stored(objects: ObjectStore) -> dict[str, int] | None:
+def read_stored(objects: ObjectStore) -> dict[str, int] | None:
+    """The stored data-describing options, None when the store holds none; ManifestError
+    (or the engine's error) when the options object is damaged."""
     oid = objects.root(OPTIONS_ROOT)
     if oid is None:
         return None  # a store written before options were stored, or an empty one
@@ -133,7 +135,12 @@ def resolve_stored(objects: ObjectStore, options: Options) -> Options:
     """``options`` with the data-describing values the store holds filled in (defaults for
     a store that holds none); OptionsMismatch when a given value differs from the stored
     one. ``decode_threads`` is resolved too."""
-    stored = _read_stored(objects) or {}
+    try:
+        stored = read_stored(objects) or {}
+    except (ManifestError, StoreError):
+        # A damaged options object must not stop a checkpoint (verify reports it): the
+        # handle uses the given or default geometry, at worst writing tables in full.
+        stored = {}
     resolved: dict[str, int] = {}
     for name in DATA_OPTIONS:
         given, have = getattr(options, name), stored.get(name)

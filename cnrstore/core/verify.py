@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from cnrstore.core.options import OPTIONS_ROOT, read_stored
 from cnrstore.errors import CheckpointError, StepNotFound
 from cnrstore.format.blocks import resolve
 from cnrstore.format.manifest import StepManifest, list_steps, load_manifest, root_name
@@ -60,6 +61,11 @@ def verify_objects(objects: ObjectStore, *, deep: bool = True,
         roots = [root_name(s) for s in chosen]
     report = objects.verify(deep=deep, roots=roots, progress=progress)
     problems: list[Problem] = list(report.problems)
+    try:
+        read_stored(objects)
+    except (CheckpointError, StoreError) as exc:
+        problems.append(StepProblem("bad-options", f"{OPTIONS_ROOT}: {type(exc).__name__}: "
+                                    f"{exc}", oid=getattr(exc, "oid", None)))
     manifests: list[tuple[int, StepManifest]] = []
     for step in chosen:
         try:

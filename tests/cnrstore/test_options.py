@@ -92,3 +92,15 @@ def test_gc_keeps_the_options(tmp_path):
         assert s.steps() == [] and s.verify().ok
     with cnrstore.open(tmp_path / "c") as s:
         assert s.options.block_rows == 8
+
+
+def test_a_damaged_options_object_never_stops_a_checkpoint_and_verify_reports_it():
+    objects = engine.MemoryStore()
+    with objects.writer() as w:  # an options object of the right kind, holding garbage
+        w.set_root(OPTIONS_ROOT, w.put(6, b"\xc1not msgpack", meta=True))
+    with cnrstore.CheckpointStore(objects, block_rows=8) as s:
+        s.put_tables(1, {"t": torch.zeros(16, 2)})
+        assert s.get_tables(1)["t"].shape == (16, 2)
+        report = s.verify()
+        assert not report.ok
+        assert [p.what for p in report.records] == ["bad-options"]
