@@ -104,3 +104,34 @@ def test_a_damaged_options_object_never_stops_a_checkpoint_and_verify_reports_it
         report = s.verify()
         assert not report.ok
         assert [p.what for p in report.records] == ["bad-options"]
+
+
+RACE = """
+import sys, torch, cnrstore
+try:
+    with cnrstore.open(sys.argv[1], block_rows=8, fanout=4, lock_timeout=60) as s:
+        s.put_tables(1, {"t": torch.full((32, 4), float(sys.argv[2]))})
+    print("put")
+except cnrstore.StepExists:
+    print("exists")
+"""
+
+
+def test_two_processes_racing_the_first_put_store_the_options_once(tmp_path):
+    """Both first puts write the options in their step's transaction: the loser of the
+    step race fails with StepExists only, and the store holds the winner's step."""
+    import subprocess
+    import sys
+
+    path = str(tmp_path / "c")
+    with cnrstore.open(path, block_rows=8, fanout=4):
+        pass  # create it, holding no step and no options
+    procs = [subprocess.Popen([sys.executable, "-c", RACE, path, str(v)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for v in (1, 2)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [e[-2000:] for _, e in outs]
+    assert sorted(o.strip() for o, _ in outs) == ["exists", "put"]
+    with cnrstore.open(path) as s:
+        assert (s.options.block_rows, s.options.fanout) == (8, 4)
+        assert s.steps() == [1] and s.verify().ok
