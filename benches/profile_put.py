@@ -50,7 +50,7 @@ STAGES = (
     ("cnrstore.core.snapshot", "plan_table", "plan blocks (other)"),
     ("cnrstore.core.writer", "encode_full", "block payload (full)"),
     ("cnrstore.core.writer", "encode_patch", "block payload (patch)"),
-    ("cnrstore.core.store", "write_step", "manifest + writer glue (other)"),
+    ("cnrstore.core.put", "write_step", "manifest + writer glue (other)"),
     ("engine.writer", "object_id", "hash: object id (engine put)"),
     ("engine.writer", "PackWriter.has", "dedup lookups (has)"),
     ("engine.format", "encode_record", "record framing (other)"),
@@ -58,7 +58,7 @@ STAGES = (
     ("engine.pack", "PackFile.sync", "fsync"),
     ("engine.pack", "fsync_dir", "fsync"),
     ("engine.writer", "PackWriter.commit", "commit: index txn + roots (other)"),
-    ("cnrstore.core.store", "CheckpointStore._seed_from_newest", "seed diff base from store"),
+    ("cnrstore.core.put", "seed_state", "seed diff base from store"),
     # get
     ("engine.pack", "pread_exact", "read (pread)"),
     ("engine.format", "_decompress", "decompress"),

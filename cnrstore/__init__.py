@@ -49,6 +49,7 @@ from cnrstore.errors import (
 if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and IDEs
     from cnrstore.core.maintenance import GCReport, StoreStats, VerifyReport
     from cnrstore.core.store import CheckpointStore, open
+    from cnrstore.core.options import Options, OptionsMismatch
     from cnrstore.core.writer import StepInfo
 
 __all__ = [
@@ -66,6 +67,8 @@ __all__ = [
     "NonFiniteValues",
     "NotFound",
     "ReadOnlyStore",
+    "Options",
+    "OptionsMismatch",
     "ValueOutOfRange",
     "StepExists",
     "StepInfo",
@@ -88,6 +91,8 @@ _LAZY = {
     "StoreStats": "cnrstore.core.maintenance",
     "VerifyReport": "cnrstore.core.maintenance",
     "CheckpointStore": "cnrstore.core.store",
+    "Options": "cnrstore.core.options",
+    "OptionsMismatch": "cnrstore.core.options",
     "open": "cnrstore.core.store",
     "StepInfo": "cnrstore.core.writer",
 }

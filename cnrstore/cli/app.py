@@ -279,10 +279,8 @@ def _change(args: argparse.Namespace, store: CheckpointStore) -> int:
             result = info.collect(store, keep_last=args.keep_last, keep=args.keep)
             _emit(args, result, fmt.gc_text(result))
     elif cmd in ("rm", "rollback"):
-        from cnrstore.core import lineage
-
         if cmd == "rm":
-            deleted = lineage.delete_steps(store, args.steps)
+            deleted = store.delete_steps(args.steps)
         else:
             deleted = store.rollback(args.step)
         steps = ", ".join(map(str, deleted)) or "none"

@@ -272,10 +272,10 @@ def _hash_words(table: torch.Tensor, words: int, out: torch.Tensor) -> None:
             # Chunk before flattening: a non-contiguous table is copied a chunk at a time.
             chunk = table[start : start + chunk_rows]
             n = chunk.shape[0]
-            w = _as_words(chunk, words, pad)
+            wt = _as_words(chunk, words, pad)
             x = work[: n * words].view(n, words)
             y = tmp[: n * words].view(n, words)
-            torch.bitwise_xor(w, a, out=x)
+            torch.bitwise_xor(wt, a, out=x)
             x *= c
             torch.bitwise_right_shift(x, 32, out=y)
             y &= mask32

@@ -47,21 +47,9 @@ from cnrstore.codec.qparams import (
 from cnrstore.codec.qsearch import SEARCHES, choose_ranges, choose_row_ranges
 
 __all__ = [
-    "SCHEMES",
-    "LOSSY_DTYPES",
-    "GREEDY_MAX_BITS",
-    "check_scheme",
-    "scheme_bits",
-    "row_nbytes",
-    "row_nbytes_options",
-    "is_wide",
-    "encode_rows",
-    "decode_rows",
-    "first_nonfinite_row",
-    "RangeError",
-    "NeedsWideQparams",
-    "max_abs_error",
-    "auto_scheme",
+    "SCHEMES", "LOSSY_DTYPES", "GREEDY_MAX_BITS", "check_scheme", "scheme_bits", "row_nbytes",
+    "row_nbytes_options", "is_wide", "encode_rows", "decode_rows", "first_nonfinite_row",
+    "RangeError", "NeedsWideQparams", "max_abs_error", "auto_scheme",
 ]
 
 # SCHEMES, the header sizes and row sizes come from cnrstore.codec.layout (torch-free).

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
+from cnrstore.core.handle import StoreCore
 from cnrstore.core.validate import check_step
 from cnrstore.errors import InvalidType, StepNotFound, StepOrderError
 from cnrstore.format.manifest import list_steps, root_name
@@ -20,11 +21,11 @@ from engine import ObjectStore
 __all__ = ["check_order", "commit_check", "rollback", "delete_steps"]
 
 
-def check_order(store, step: int) -> None:
+def check_order(core: StoreCore, step: int) -> None:
     """Refuse a put of ``step`` below the highest stored or pending step. Call with the
     handle's lock held (pending puts are part of the order)."""
-    known = list_steps(store._objects)
-    highest = max([*known[-1:], *store._pending], default=None)
+    known = list_steps(core.objects)
+    highest = max([*known[-1:], *core.pending], default=None)
     if highest is not None and step < highest:
         raise StepOrderError(step, highest)
 
@@ -40,21 +41,21 @@ def commit_check(objects: ObjectStore, step: int) -> Callable[[], None]:
     return check
 
 
-def _forget_bases(store) -> None:
+def _forget_bases(core: StoreCore) -> None:
     # The handle's diff bases describe the rolled-back (or deleted) branch; the next put
     # seeds from the newest stored step (seed_from_store) or a restore seeds it.
-    with store._lock:
-        store._states.clear()
+    with core.lock:
+        core.states.clear()
 
 
-def rollback(store, step: int) -> list[int]:
+def rollback(core: StoreCore, step: int) -> list[int]:
     """Delete every step after ``step`` in one engine commit; return them (ascending)."""
-    store._check_open()
+    core.check_open()
     check_step(step)
-    objects = store._objects
+    objects = core.objects
 
     def job() -> list[int]:
-        with objects.writer(timeout=store._opt.lock_timeout) as w:
+        with objects.writer(timeout=core.options.lock_timeout) as w:
             if objects.root(root_name(step)) is None:
                 raise StepNotFound(step)
             later = [s for s in list_steps(objects) if s > step]
@@ -62,25 +63,25 @@ def rollback(store, step: int) -> list[int]:
                 w.delete_root(root_name(s))
         return later
 
-    with store._lock:
-        store._wait_step(step)
-        deleted = store._writer.run(job)  # after every put queued before it
+    with core.lock:
+        core.wait_step(step)
+        deleted = core.writer.run(job)  # after every put queued before it
         if deleted:  # nothing deleted: the bases describe ``step`` or an older one
-            _forget_bases(store)
+            _forget_bases(core)
     return deleted
 
 
-def delete_steps(store, steps: Iterable[int]) -> list[int]:
+def delete_steps(core: StoreCore, steps: Iterable[int]) -> list[int]:
     """Delete the named steps in one engine commit (all or none: StepNotFound if any is
     missing). Returns them sorted. Their bytes are reclaimed by the next gc."""
-    store._check_open()
+    core.check_open()
     if isinstance(steps, (str, bytes)) or not isinstance(steps, Iterable):
         raise InvalidType("steps must be an iterable of steps")
     wanted = sorted({check_step(s) for s in steps})
-    objects = store._objects
+    objects = core.objects
 
     def job() -> list[int]:
-        with objects.writer(timeout=store._opt.lock_timeout) as w:
+        with objects.writer(timeout=core.options.lock_timeout) as w:
             for s in wanted:
                 if objects.root(root_name(s)) is None:
                     raise StepNotFound(s)
@@ -88,7 +89,7 @@ def delete_steps(store, steps: Iterable[int]) -> list[int]:
                 w.delete_root(root_name(s))
         return wanted
 
-    with store._lock:
+    with core.lock:
         for s in wanted:
-            store._wait_step(s)
-        return store._writer.run(job)
+            core.wait_step(s)
+        return core.writer.run(job)

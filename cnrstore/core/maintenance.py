@@ -1,29 +1,22 @@
 """The read and maintenance side of CheckpointStore: get_tables, delete_step, gc, verify,
-stats, and their report types. Functions take the store handle; writes (delete, gc) run on
-its writer thread, after every put queued before them."""
+stats, and their report types. Functions take the handle's StoreCore; writes (delete, gc)
+run on its writer thread, after every put queued before them."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
-import torch
-
+from cnrstore.core.handle import StoreCore
 from cnrstore.core.restore import check_slice, read_table
 from cnrstore.core.retention import check_retention, kept_steps
-from cnrstore.core.tablestate import TableState
 from cnrstore.core.validate import check_device, check_step
-from cnrstore.errors import (
-    CheckpointError,
-    InvalidInput,
-    InvalidType,
-    StepNotFound,
-    TableNotFound,
-)
-from cnrstore.format.blocks import resolve
+from cnrstore.core.verify import StepProblem, verify_objects
+from cnrstore.errors import InvalidInput, InvalidType, StepNotFound, TableNotFound
 from cnrstore.format.manifest import list_steps, load_manifest, load_step, root_name
 from engine import GCReport as EngineGCReport
-from engine import StoreError
+from engine import Problem
 from engine import VerifyReport as EngineVerifyReport
 
 __all__ = ["GCReport", "VerifyReport", "StoreStats"]
@@ -45,13 +38,15 @@ class GCReport:
 @dataclass(frozen=True)
 class VerifyReport:
     """Result of ``CheckpointStore.verify``: ``ok`` and one message per problem found in
-    the engine (missing/corrupt objects) or the manifest (undecodable nodes or blocks)."""
+    the engine (missing/corrupt objects) or the manifest (undecodable nodes or blocks). The
+same check as ``cnrstore verify`` (cnrstore/core/verify.py)."""
 
     ok: bool
-    problems: tuple[str, ...]
+    problems: tuple[str, ...]  # "what: message" of each record
     steps_checked: int
     blocks_checked: int
     engine: EngineVerifyReport | None = None
+    records: tuple[Problem, ...] = ()  # the problems as records (StepProblem: step, table, block)
 
 
 @dataclass(frozen=True)
@@ -65,45 +60,18 @@ class StoreStats:
     dedup_ratio: float      # logical / stored
 
 
-def _resolve_step(store, step) -> int:
-    """``step`` itself once it is written, or the highest step when None."""
+def metadata(core: StoreCore, step: int | None) -> dict:
+    core.check_open()
+    return core.latest(step, lambda s: dict(load_step(core.objects, core.resolve_step(s))[1]
+                                            .metadata))
+
+
+def get_tables(core: StoreCore, step: int | None, *, names: Any, rows: Any,
+               device: Any) -> dict:
+    core.check_open()
     if step is None:
-        store._writer.drain()
-        steps = list_steps(store._objects)
-        if not steps:
-            raise StepNotFound(-1, "the store holds no steps")
-        return steps[-1]
-    check_step(step)
-    store._wait_step(step)
-    return step
-
-
-def latest(store, step, fn):
-    """``fn(step)``; with ``step`` None, ``fn(highest step)``, resolved again when another
-    handle or process deleted that step (rollback, gc) between resolving and reading it."""
-    if step is not None:
-        return fn(step)
-    for attempt in range(16):
-        resolved = _resolve_step(store, None)
-        try:
-            return fn(resolved)
-        except StepNotFound as exc:
-            if exc.step != resolved or attempt == 15:
-                raise
-
-
-def metadata(store, step) -> dict:
-    store._check_open()
-    if step is None:
-        return latest(store, None, lambda s: metadata(store, s))
-    return dict(load_step(store._objects, _resolve_step(store, step))[1].metadata)
-
-
-def get_tables(store, step, *, names, rows, device) -> dict:
-    store._check_open()
-    if step is None:
-        return latest(store, None, lambda s: get_tables(store, s, names=names, rows=rows,
-                                                           device=device))
+        return core.latest(None, lambda s: get_tables(core, s, names=names, rows=rows,
+                                                      device=device))
     if names is not None:
         if isinstance(names, str) or not isinstance(names, Iterable):
             raise InvalidType("names must be an iterable of table names (not a str)")
@@ -112,70 +80,58 @@ def get_tables(store, step, *, names, rows, device) -> dict:
         raise InvalidType("rows must be a mapping table name -> slice")
     rows = dict(rows or {})
     device = check_device(device)
-    step = _resolve_step(store, step)
-    manifest = load_manifest(store._objects, step, names=names)
+    step = core.resolve_step(step)
+    manifest = load_manifest(core.objects, step, names=names)
     for name, sel in rows.items():
         if name not in manifest.tables:
             raise TableNotFound(name, step)
         check_slice(sel, manifest.tables[name].node.rows, name=name)
     out = {}
     for name, tm in manifest.tables.items():
-        whole = rows.get(name) is None
-        with store._lock:
-            seed = whole and name not in store._states and not store._closed
+        seed = rows.get(name) is None and core.wants_seed(name)
         lossy = tm.node.scheme != "exact"
         tensor, codes, fps = read_table(
-            store._objects, tm, store._pool, rows=rows.get(name),
+            core.objects, tm, core.pool, rows=rows.get(name),
             keep_codes=seed and lossy, fingerprints=seed and not lossy,
         )
         if seed:
-            _seed(store, name, tm, fps, codes, (root_name(step), manifest.oid))
+            core.seed(name, tm, fps, codes, (root_name(step), manifest.oid))
         out[name] = tensor.to(device)
     return out
 
 
-def _seed(store, name, tm, fps, codes, anchor) -> None:
-    """Seed the diff base of a table this handle has no base of (DESIGN.md: a restarted
-    job's next put is incremental again; a table the handle put keeps its base)."""
-    if codes is not None:
-        state = TableState.from_manifest(tm, seed_codes=torch.from_numpy(codes), anchor=anchor)
-    else:
-        state = TableState.from_manifest(tm, fingerprints=fps, anchor=anchor)
-    with store._lock:
-        store._states.setdefault(name, state)
-
-
-def delete_step(store, step: int) -> None:
-    store._check_open()
+def delete_step(core: StoreCore, step: int) -> None:
+    core.check_open()
     check_step(step)
-    with store._lock:
-        store._wait_step(step)
+    with core.lock:
+        core.wait_step(step)
 
         def job() -> None:
-            with store._objects.writer(timeout=store._opt.lock_timeout) as w:
-                if store._objects.root(root_name(step)) is None:
+            with core.objects.writer(timeout=core.options.lock_timeout) as w:
+                if core.objects.root(root_name(step)) is None:
                     raise StepNotFound(step)
                 w.delete_root(root_name(step))
 
-        store._writer.run(job)
+        core.writer.run(job)
 
 
-def gc(store, keep_last, keep, *, threshold) -> GCReport:
-    store._check_open()
+def gc(core: StoreCore, keep_last: int | None, keep: Iterable[int], *,
+       threshold: float) -> GCReport:
+    core.check_open()
     keep_last, keep = check_retention(keep_last, keep)
     if not isinstance(threshold, (int, float)) or not 0.0 <= threshold <= 1.0:
         raise InvalidInput(f"threshold must be in [0, 1], got {threshold!r}")
 
     def job() -> GCReport:
-        steps = list_steps(store._objects)
+        steps = list_steps(core.objects)
         kept = set(kept_steps(steps, keep_last=keep_last, keep=keep))
         dropped = [s for s in steps if s not in kept]
         if dropped:
-            with store._objects.writer(timeout=store._opt.lock_timeout) as w:
+            with core.objects.writer(timeout=core.options.lock_timeout) as w:
                 for s in dropped:
                     w.delete_root(root_name(s))
-        rep: EngineGCReport = store._objects.gc(
-            threshold=threshold, timeout=store._opt.lock_timeout
+        rep: EngineGCReport = core.objects.gc(
+            threshold=threshold, timeout=core.options.lock_timeout
         )
         return GCReport(
             steps_deleted=tuple(dropped),
@@ -187,70 +143,29 @@ def gc(store, keep_last, keep, *, threshold) -> GCReport:
             packs_deleted=rep.packs_deleted,
         )
 
-    with store._lock:
-        report = store._writer.run(job)
+    with core.lock:
+        report = core.writer.run(job)
         # Blocks of dropped steps may be gone: the diff base must not refer to them.
-        for state in store._states.values():
-            state.drop_missing(store._objects.has)
+        for state in core.states.values():
+            state.drop_missing(core.objects.has)
     return report
 
 
-def verify(store, *, deep: bool) -> VerifyReport:
-    store._check_open()
-    store._writer.drain()
-    objects = store._objects
-    eng = objects.verify(deep=deep)
-    problems = [f"{p.what}: {p.message}" for p in eng.problems]
-    # Decoded shape of each block (None: undecodable), decoded once however many tables
-    # refer to it, but checked against every referring table's geometry: a crafted table
-    # node may list a small block as a huge one.
-    seen: dict[bytes, tuple | None] = {}
-    steps = list_steps(objects)
-    for step in steps:
-        try:
-            manifest = load_manifest(objects, step)
-            if manifest.node.step != step:
-                problems.append(f"step {step}: root holds step node of step {manifest.node.step}")
-        except (CheckpointError, StoreError) as exc:
-            if not _still_there(objects, step):
-                continue  # dropped by a gc in another process since it was listed
-            problems.append(f"step {step}: {type(exc).__name__}: {exc}")
-            continue
-        if not deep:
-            continue
-        for name, tm in manifest.tables.items():
-            for i, oid in enumerate(tm.block_ids):
-                where = f"step {step} table {name!r} block {i} ({oid.hex()})"
-                if oid not in seen:
-                    try:
-                        seen[oid] = resolve(objects.get, oid).shape
-                    except (CheckpointError, StoreError) as exc:
-                        seen[oid] = None
-                        if not _still_there(objects, step):
-                            break  # dropped by a gc in another process since it was listed
-                        problems.append(f"{where}: {type(exc).__name__}: {exc}")
-                        continue
-                start, stop = tm.node.block_range(i)
-                shape = seen[oid]
-                if shape is not None and shape != (stop - start, tm.node.row_nbytes):
-                    problems.append(
-                        f"{where}: shape {shape} != {(stop - start, tm.node.row_nbytes)}"
-                    )
-    return VerifyReport(not problems, tuple(problems), len(steps), len(seen), eng)
+def verify(core: StoreCore, *, deep: bool) -> VerifyReport:
+    core.check_open()
+    core.writer.drain()
+    r = verify_objects(core.objects, deep=deep)
+    eng = EngineVerifyReport(not any(not isinstance(p, StepProblem) for p in r.problems),
+                             tuple(p for p in r.problems if not isinstance(p, StepProblem)),
+                             r.objects_checked, r.bytes_checked)
+    return VerifyReport(r.ok, tuple(f"{p.what}: {p.message}" for p in r.problems),
+                        r.steps_checked, r.blocks_checked, eng, r.problems)
 
 
-def _still_there(objects, step: int) -> bool:
-    """False when ``step`` was dropped (by another process) after verify listed it."""
-    try:
-        return objects.root(root_name(step)) is not None
-    except StoreError:
-        return True
-
-
-def stats(store) -> StoreStats:
-    store._check_open()
-    store._writer.drain()
-    objects = store._objects
+def stats(core: StoreCore) -> StoreStats:
+    core.check_open()
+    core.writer.drain()
+    objects = core.objects
     steps = list_steps(objects)
     logical = sum(load_step(objects, s)[1].logical_bytes for s in steps)
     st = objects.stats()

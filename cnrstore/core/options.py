@@ -1,27 +1,169 @@
-"""Options of a store handle, validated once when the handle is created."""
+"""The options of a store handle: listed here once, validated once, and the data-describing
+ones persisted with the store (docs/MANIFEST.md, "Options object").
+
+``block_rows`` and ``fanout`` are the geometry of every table node a handle writes; a put
+can only diff against a stored table of the same geometry, so a handle opened with other
+values than the store's would silently write every table in full. They are stored in an
+options object (root ``cnrstore/options``) by the first put and read back on open: left
+out, they take the stored values; given and different, the open raises OptionsMismatch.
+The other options are how this handle works and are never stored.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 
-from cnrstore.errors import InvalidInput
+import msgpack
 
-__all__ = ["Options", "positive"]
+from cnrstore.errors import InvalidInput, InvalidType, ManifestError
+from engine import ObjectStore, StoreError, Writer
+
+__all__ = ["Options", "OptionsMismatch", "DATA_OPTIONS", "OPTIONS_ROOT", "KIND_OPTIONS",
+           "positive", "make_options", "read_stored", "resolve_stored", "ensure_stored"]
+
+OPTIONS_ROOT = "cnrstore/options"
+KIND_OPTIONS = 6
+# The options that describe stored data (persisted, checked on open).
+DATA_OPTIONS = ("block_rows", "fanout")
+_DEFAULT_GEOMETRY = {"block_rows": 4096, "fanout": 256}
+
+
+class OptionsMismatch(InvalidInput):
+    """The store was written with other data-describing options than the ones given."""
 
 
 @dataclass(frozen=True)
 class Options:
-    block_rows: int
-    fanout: int
-    max_chain: int
-    max_inflight: int
-    decode_threads: int
-    expected_restores: int
-    seed_from_store: bool
-    lock_timeout: float | None
+    """Options of a store handle (``cnrstore.open(path, **options)`` takes the same names).
+
+    - ``block_rows`` (stored; new store 4096): rows per block, the unit of patching and of
+      partial restores. None: the store's.
+    - ``fanout`` (stored; new store 256): blocks per segment node. None: the store's.
+    - ``max_chain`` (16): patches allowed above a full block before it is rewritten full.
+    - ``max_inflight`` (2): non-blocking puts that may wait or run before a put blocks.
+    - ``decode_threads``: threads decoding blocks on restore (None: CPU count, <= 8).
+    - ``expected_restores`` (1): what ``quant="auto"`` bases its choice on.
+    - ``seed_from_store`` (True): a table's first put in this handle diffs against the
+      newest stored step holding it (same geometry), so it is incremental, not full.
+    - ``lock_timeout`` (60 s): how long a write waits for another process's writer.
+    - ``host_buffer_bytes`` (2 GiB): host staging buffers kept for reuse across puts.
+    """
+
+    block_rows: int | None = None
+    fanout: int | None = None
+    max_chain: int = 16
+    max_inflight: int = 2
+    decode_threads: int | None = None
+    expected_restores: int = 1
+    seed_from_store: bool = True
+    lock_timeout: float | None = 60.0
+    host_buffer_bytes: int = 2 << 30
+
+    def __post_init__(self) -> None:
+        for name in DATA_OPTIONS:
+            if getattr(self, name) is not None:
+                positive(name, getattr(self, name))
+        if self.block_rows is not None and self.block_rows > 1 << 31:
+            raise InvalidInput("block_rows must fit in 32 bits")
+        positive("max_chain", self.max_chain, lo=0)
+        positive("max_inflight", self.max_inflight)
+        if self.decode_threads is not None:
+            positive("decode_threads", self.decode_threads)
+        positive("expected_restores", self.expected_restores, lo=0)
+        positive("host_buffer_bytes", self.host_buffer_bytes, lo=0)
+        if not isinstance(self.seed_from_store, bool):
+            raise InvalidType(f"seed_from_store must be a bool, got {self.seed_from_store!r}")
+        if self.lock_timeout is not None and (
+            not isinstance(self.lock_timeout, (int, float)) or isinstance(self.lock_timeout, bool)
+            or self.lock_timeout < 0
+        ):
+            raise InvalidInput(f"lock_timeout must be None or >= 0, got {self.lock_timeout!r}")
+
+    @property
+    def rows(self) -> int:
+        """block_rows of a resolved options object (never None)."""
+        return self.block_rows or _DEFAULT_GEOMETRY["block_rows"]
+
+    @property
+    def segment_fanout(self) -> int:
+        """fanout of a resolved options object (never None)."""
+        return self.fanout or _DEFAULT_GEOMETRY["fanout"]
 
 
 def positive(name: str, value, *, lo: int = 1) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < lo:
         raise InvalidInput(f"{name} must be an int >= {lo}, got {value!r}")
     return value
+
+
+def make_options(options: Options | None, overrides: Mapping[str, object]) -> Options:
+    """``options`` (default Options()) with the keyword arguments of open() applied."""
+    if options is not None and not isinstance(options, Options):
+        raise InvalidType(f"options must be a cnrstore.Options, got {type(options).__name__}")
+    names = {f.name for f in dataclasses.fields(Options)}
+    unknown = sorted(set(overrides) - names)
+    if unknown:
+        raise InvalidType(f"unknown store option(s) {', '.join(unknown)}; the options are "
+                          f"{', '.join(sorted(names))}")
+    return dataclasses.replace(options or Options(), **overrides)  # type: ignore[arg-type]
+
+
+def read_stored(objects: ObjectStore) -> dict[str, int] | None:
+    """The stored data-describing options, None when the store holds none; ManifestError
+    (or the engine's error) when the options object is damaged."""
+    oid = objects.root(OPTIONS_ROOT)
+    if oid is None:
+        return None  # a store written before options were stored, or an empty one
+    obj = objects.get(oid)
+    try:
+        doc = msgpack.unpackb(obj.payload, raw=False)
+    except Exception as exc:  # msgpack raises several types on garbage
+        raise ManifestError(f"options object is not msgpack: {exc}", oid=oid) from exc
+    if obj.kind != KIND_OPTIONS or not isinstance(doc, dict) or doc.get("v") != 1:
+        raise ManifestError("options object has a bad kind or version", oid=oid)
+    stored = {k: doc.get(k) for k in DATA_OPTIONS}
+    for k, v in stored.items():
+        if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= 1 << 31:
+            raise ManifestError(f"options object holds {k}={v!r}", oid=oid)
+    return stored  # type: ignore[return-value]
+
+
+def resolve_stored(objects: ObjectStore, options: Options) -> Options:
+    """``options`` with the data-describing values the store holds filled in (defaults for
+    a store that holds none); OptionsMismatch when a given value differs from the stored
+    one. ``decode_threads`` is resolved too."""
+    try:
+        stored = read_stored(objects) or {}
+    except (ManifestError, StoreError):
+        # A damaged options object must not stop a checkpoint (verify reports it): the
+        # handle uses the given or default geometry, at worst writing tables in full.
+        stored = {}
+    resolved: dict[str, int] = {}
+    for name in DATA_OPTIONS:
+        given, have = getattr(options, name), stored.get(name)
+        if given is not None and have is not None and given != have:
+            raise OptionsMismatch(
+                f"{name}={given} was given, but the store was written with {name}={have}; "
+                f"leave {name} out to use the store's")
+        resolved[name] = given or have or _DEFAULT_GEOMETRY[name]
+    threads = options.decode_threads or min(8, os.cpu_count() or 1)
+    return dataclasses.replace(options, decode_threads=threads,
+                               block_rows=resolved["block_rows"], fanout=resolved["fanout"])
+
+
+def ensure_stored(objects: ObjectStore, w: Writer, options: Options) -> None:
+    """Store ``options``' data-describing values in the transaction ``w`` (writer lock
+    held) unless the store holds them already."""
+    try:
+        if objects.root(OPTIONS_ROOT) is not None:
+            return
+    except StoreError:
+        return  # never let the options record stop a checkpoint
+    doc = {"v": 1, "block_rows": options.rows, "fanout": options.segment_fanout}
+    oid = w.put(KIND_OPTIONS, msgpack.packb(doc, use_bin_type=True), (), meta=True)
+    # set_root, not create_root: the check above ran under the writer lock, and a lost
+    # race must not turn into a refused step (create_root's RootExists).
+    w.set_root(OPTIONS_ROOT, oid)

@@ -61,7 +61,7 @@ def resolve_quant(quant, tables: Mapping, *, expected_restores: int) -> dict[str
                 f"quant names tables that are not in this put: {unknown + unmatched} "
                 f"(tables: {sorted(tables)[:20]})"
             )
-    chosen: dict[str, tuple[str, object]] = {}
+    chosen: dict[str, tuple[str | None, object]] = {}
     for name in tables:
         if name in exact_keys:
             chosen[name] = (name, exact_keys[name])
@@ -74,7 +74,7 @@ def resolve_quant(quant, tables: Mapping, *, expected_restores: int) -> dict[str
     effective: dict[str, bool] = {}
     out = {}
     for name, table in tables.items():
-        key, scheme = chosen.get(name, (None, "exact"))
+        ckey, scheme = chosen.get(name, (None, "exact"))
         if not isinstance(scheme, str) or (scheme not in SCHEMES and scheme != "auto"):
             raise UnknownScheme(
                 f"unknown quant scheme {scheme!r} for table {name!r}; known: "
@@ -82,11 +82,11 @@ def resolve_quant(quant, tables: Mapping, *, expected_restores: int) -> dict[str
             )
         small = table.ndim < 2
         eligible = not small and table.dtype in _LOSSY_OK
-        if key is not None:
-            effective[key] = effective.get(key, False) or eligible or scheme in ("exact", "auto")
+        if ckey is not None:
+            effective[ckey] = effective.get(ckey, False) or eligible or scheme in ("exact", "auto")
         if scheme == "auto":
             scheme = auto_scheme(expected_restores) if table.dtype in _LOSSY_OK else "exact"
-        if key is not None and explicit and is_pattern(key) and not eligible:
+        if ckey is not None and explicit and is_pattern(ckey) and not eligible:
             scheme = "exact"  # a wildcard skips int tensors (e.g. BatchNorm's counters)
         try:  # a lossy scheme named for an integer table is refused (DESIGN.md)
             check_scheme(scheme, table.dtype, table=name)

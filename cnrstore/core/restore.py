@@ -185,7 +185,7 @@ def read_into(
 
     def one(i: int) -> None:
         start, stop = node.block_range(i)
-        if direct:
+        if direct and rows2d is not None:
             part = rows2d[start:stop]
             codes = _block_codes(objects, tm, i, out=part.view(torch.uint8).numpy())
         else:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -57,7 +58,7 @@ class TablePlan:
     rows_changed: int           # rows that differ from the diff base (all without one)
     logical_bytes: int
     base_slots: list | None = None  # the diff base's slots (patch bases), when compatible
-    release: object = None      # callable returning the host buffer to its pool
+    release: Callable[[], None] | None = None  # returns the host buffer to its pool
     # Blocks whose stored base could not be read (written full, never deduplicated onto
     # the damaged record), and how many blocks the writer wrote full for want of a base.
     damaged_blocks: frozenset[int] = frozenset()
@@ -127,6 +128,7 @@ def _changed_old_rows(
             if bad is not None:
                 raise NonFiniteValues(name, bad, scheme)
         codes = _encode(name, x[:common], scheme, wide, None)
+        assert base.seed_codes is not None  # a base has fingerprints or seed codes
         seed = base.seed_codes[:common].to(codes.device)
         if codes.shape[1]:
             mask = (codes != seed).any(dim=1)
@@ -198,19 +200,20 @@ def _plan_table(
     x = _as_rows(table)
     rows, width = x.shape
     rnb = row_nbytes(scheme, table.dtype, width, wide=wide)
-    compatible = (
+    cbase = base if (
         base is not None
         and base.has_diff()
         and base.compatible(tuple(table.shape), table.dtype, scheme, block_rows, fanout)
         and base.row_nbytes == rnb
-    )
-    common = min(rows, base.rows) if compatible else 0
+    ) else None  # the diff base, when this put can diff against it
+    compatible = cbase is not None
+    common = min(rows, cbase.rows) if cbase is not None else 0
 
-    if compatible and touched is not None and base.fingerprints is not None:
+    if cbase is not None and touched is not None and cbase.fingerprints is not None:
         # The caller tracked the touched rows: hash only those (and any new rows).
         t = touched[touched < common]
         fp = torch.empty(rows, dtype=torch.int64, device=x.device)
-        fp[:common] = base.fingerprints[:common].to(x.device)
+        fp[:common] = cbase.fingerprints[:common].to(x.device)
         if t.numel():
             fp[t] = row_fingerprints(x[t])
         if rows > common:
@@ -219,7 +222,7 @@ def _plan_table(
     else:
         fp = row_fingerprints(x)
         changed = (
-            _changed_old_rows(name, x, fp, base, common, scheme, wide) if compatible
+            _changed_old_rows(name, x, fp, cbase, common, scheme, wide) if cbase is not None
             else np.zeros(0, dtype=np.int64)
         )
 
@@ -230,7 +233,7 @@ def _plan_table(
     for i in range(nblocks):
         start = i * block_rows
         nr = min(start + block_rows, rows) - start
-        old = base.slots[i] if compatible and i < len(base.slots) else None
+        old = cbase.slots[i] if cbase is not None and i < len(cbase.slots) else None
         if old is not None and old.nrows == nr:
             k = int(counts[i]) if counts is not None else 0
             if k == 0:
@@ -251,7 +254,7 @@ def _plan_table(
     for i, kind in kinds:
         start = i * block_rows
         if kind == FULL:
-            n = slots[i].nrows
+            n = min(start + block_rows, rows) - start
             parts.append((start, start + n))
             writes.append(BlockWrite(i, kind, pos, pos + n, None))
         else:
@@ -277,10 +280,10 @@ def _plan_table(
         row_nbytes=rnb,
         slots=slots,
         fingerprints=fp,
-        segments=list(base.segments) if compatible else [],
+        segments=list(cbase.segments) if cbase is not None else [],
     )
     logical = table.numel() * table.element_size()
-    base_slots = base.slots if compatible else None
+    base_slots = cbase.slots if cbase is not None else None
     nchanged = len(changed) + rows - common if compatible else rows
     plan = TablePlan(name, state, writes, codes, nchanged, logical, base_slots, release)
     if keep_full and compatible and rows:
@@ -288,8 +291,8 @@ def _plan_table(
             plan.full_codes = codes
         else:
             plan.full_codes, _ = _gather_encode(name, x, None, scheme, rnb, None, wide)
-    if compatible and base.damaged_blocks:
-        plan.damaged_blocks = frozenset(i for i in base.damaged_blocks if i < nblocks)
+    if cbase is not None and cbase.damaged_blocks:
+        plan.damaged_blocks = frozenset(i for i in cbase.damaged_blocks if i < nblocks)
     return plan
 
 
@@ -301,12 +304,12 @@ def _gather_encode(
     rnb: int,
     buffers: HostBuffers | None,
     wide: bool = False,
-) -> tuple[np.ndarray, object]:
+) -> tuple[np.ndarray, Callable[[], None] | None]:
     """Gather rows ``idx`` (None: all) of ``x`` on its device, encode them, and copy the codes
     to host memory that nothing else references (the caller may mutate ``x`` right after)."""
     whole = idx is None
-    n = len(x) if whole else len(idx)
-    idx_t = None if whole else torch.from_numpy(idx).to(x.device)
+    n = len(x) if idx is None else len(idx)
+    idx_t = None if idx is None else torch.from_numpy(idx).to(x.device)
     nbytes = n * rnb
     if nbytes == 0:  # no rows to write, or zero-width rows: nothing to encode
         return np.zeros((n, rnb), dtype=np.uint8), None
@@ -314,16 +317,16 @@ def _gather_encode(
         # Exact codes are the raw row bytes: gather straight into a reused host buffer.
         buf = buffers.take(nbytes, pinned=False)
         dst = buf[:nbytes].view(x.dtype).view(n, x.shape[1])
-        if whole:
+        if idx_t is None:
             dst.copy_(x)
         else:
             torch.index_select(x, 0, idx_t, out=dst)
         return buf[:nbytes].numpy().reshape(n, rnb), lambda: buffers.give(buf)
-    sel = x if whole else x.index_select(0, idx_t)
+    sel = x if idx_t is None else x.index_select(0, idx_t)
     if scheme != "exact" and n:
         bad = first_nonfinite_row(sel)
         if bad is not None:
-            raise NonFiniteValues(name, bad if whole else int(idx[bad]), scheme)
+            raise NonFiniteValues(name, bad if idx is None else int(idx[bad]), scheme)
     codes = _encode(name, sel, scheme, wide, None if whole else idx)
     if not codes.is_cuda or buffers is None or nbytes == 0:
         # Codes may alias the table (exact bytes, or a cast to the table's own dtype): copy

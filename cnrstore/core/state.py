@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import msgpack
 import torch
@@ -174,7 +175,7 @@ def fill(given, doc: dict, *, strict: bool, path: str = ""):
         return given
     if isinstance(given, Mapping) and "d" in doc:
         stored = {key: child for key, child in doc["d"]}
-        out = copy.copy(given)  # keeps the mapping's type and attributes (state_dict metadata)
+        out: Any = copy.copy(given)  # keeps the mapping's type and attributes (state_dict metadata)
         for key, child in given.items():
             text = _key_text(key, path)
             sub = f"{path}{SEP}{text}" if path else text
@@ -184,12 +185,12 @@ def fill(given, doc: dict, *, strict: bool, path: str = ""):
                 raise InvalidInput(f"state entry {sub!r} is not in the stored state")
         return out
     if isinstance(given, (list, tuple)) and ("l" in doc or "t" in doc):
-        stored = doc.get("l", doc.get("t"))
-        if strict and len(given) > len(stored):
+        seq = doc.get("l", doc.get("t")) or []
+        if strict and len(given) > len(seq):
             raise InvalidInput(f"state entry {path!r} has {len(given)} items, the stored "
-                               f"state {len(stored)}")
-        items = [fill(c, stored[i], strict=strict, path=f"{path}{SEP}{i}" if path else str(i))
-                 if i < len(stored) else c for i, c in enumerate(given)]
+                               f"state {len(seq)}")
+        items = [fill(c, seq[i], strict=strict, path=f"{path}{SEP}{i}" if path else str(i))
+                 if i < len(seq) else c for i, c in enumerate(given)]
         return tuple(items) if isinstance(given, tuple) else items
     if "p" in doc:
         return doc["p"]

@@ -2,7 +2,7 @@
 load_state and ``get_tables(out=...)`` (DESIGN.md, "Next"; cnrstore/core/state.py says how a
 state is split into tables and a structure).
 
-Functions take the store handle, like maintenance.py. Restores into existing tensors decode
+Functions take the handle's StoreCore, like maintenance.py. Restores into existing tensors decode
 block by block into the destination rows (restore.read_into), so no second copy of a table
 is ever allocated, and every destination's shape and dtype is checked before the first
 byte is written.
@@ -16,16 +16,18 @@ from collections.abc import Mapping
 import torch
 
 from cnrstore.core import maintenance
+from cnrstore.core.handle import StoreCore
+from cnrstore.core.put import put
 from cnrstore.core.restore import read_into
 from cnrstore.core.state import check_structure, fill, flatten, unflatten
 from cnrstore.core.tablestate import parse_dtype
 from cnrstore.errors import InvalidInput, InvalidType, ManifestError, TableNotFound
-from cnrstore.format.manifest import load_manifest, load_step, root_name
+from cnrstore.format.manifest import StepNode, load_manifest, load_step, root_name
 
 __all__ = ["put_state", "get_state", "load_state", "get_into"]
 
 
-def put_state(store, step, state, *, quant, metadata, blocking, touched):
+def put_state(core: StoreCore, step, state, *, quant, metadata, blocking, touched):
     flat = flatten(state)
     if quant is None:
         quant = "exact"
@@ -33,14 +35,14 @@ def put_state(store, step, state, *, quant, metadata, blocking, touched):
         # A state mixes float weights with int tensors (RNG state, BatchNorm counters):
         # one scheme for "everything" means every float tensor of ndim >= 2.
         quant = {"*": quant}
-    return store._put(step, flat.tables, quant=quant,
-                      metadata=metadata, blocking=blocking, touched=touched, state=flat.doc)
+    return put(core, step, flat.tables, quant=quant,
+               metadata=metadata, blocking=blocking, touched=touched, state=flat.doc)
 
 
-def _stored(store, step) -> tuple[int, object, dict[str, tuple[int, ...]]]:
+def _stored(core: StoreCore, step) -> tuple[int, StepNode, dict[str, tuple[int, ...]]]:
     """(step, step node, table name -> shape as put) of a step."""
-    step = maintenance._resolve_step(store, step)
-    _, node = load_step(store._objects, step)
+    step = core.resolve_step(step)
+    _, node = load_step(core.objects, step)
     if node.state is None:
         return step, node, {}
     shapes = check_structure(node.state)
@@ -49,12 +51,12 @@ def _stored(store, step) -> tuple[int, object, dict[str, tuple[int, ...]]]:
     return step, node, shapes
 
 
-def get_state(store, step, *, device):
-    store._check_open()
+def get_state(core: StoreCore, step, *, device):
+    core.check_open()
     if step is None:
-        return maintenance.latest(store, None, lambda s: get_state(store, s, device=device))
-    step, node, shapes = _stored(store, step)
-    tables = maintenance.get_tables(store, step, names=None, rows=None, device=device)
+        return core.latest(None, lambda s: get_state(core, s, device=device))
+    step, node, shapes = _stored(core, step)
+    tables = maintenance.get_tables(core, step, names=None, rows=None, device=device)
     if node.state is None:  # a put_tables step: its tables are its state
         return tables
 
@@ -68,13 +70,12 @@ def get_state(store, step, *, device):
     return unflatten(node.state, leaf)
 
 
-def load_state(store, step, state, *, strict: bool):
-    store._check_open()
+def load_state(core: StoreCore, step, state, *, strict: bool):
+    core.check_open()
     if step is None:
-        return maintenance.latest(store, None,
-                                  lambda s: load_state(store, s, state, strict=strict))
+        return core.latest(None, lambda s: load_state(core, s, state, strict=strict))
     flat = flatten(state)
-    step, node, shapes = _stored(store, step)
+    step, node, shapes = _stored(core, step)
     present = set(node.tables)
     missing = [n for n in flat.tables if n not in present]
     if missing and strict:  # the first one; strict=False skips them all
@@ -90,7 +91,7 @@ def load_state(store, step, state, *, strict: bool):
                            "pass only tensors or strict=False")
     else:
         result = state
-    get_into(store, step, {n: t for n, t in flat.tables.items() if n in present})
+    get_into(core, step, {n: t for n, t in flat.tables.items() if n in present})
     return result
 
 
@@ -101,13 +102,13 @@ def _has_python_leaves(doc) -> bool:
     return any(_has_python_leaves(c) for c in children)
 
 
-def get_into(store, step, out: Mapping, *, names=None, rows=None) -> dict:
+def get_into(core: StoreCore, step, out: Mapping, *, names=None, rows=None) -> dict:
     """Decode the tables of ``step`` named by ``out`` into ``out``'s tensors; return them."""
-    store._check_open()
+    core.check_open()
     if names is not None or rows is not None:
         raise InvalidInput("get_tables: out= names the tables; not with names= or rows=")
     if step is None:
-        return maintenance.latest(store, None, lambda s: get_into(store, s, out))
+        return core.latest(None, lambda s: get_into(core, s, out))
     if not isinstance(out, Mapping):
         raise InvalidType("out must be a mapping table name -> tensor")
     for name, t in out.items():
@@ -115,8 +116,8 @@ def get_into(store, step, out: Mapping, *, names=None, rows=None) -> dict:
             raise InvalidType(f"out[{name!r}] must be a torch.Tensor, got {type(t).__name__}")
         if t.is_sparse or t.is_quantized or t.layout != torch.strided:
             raise InvalidInput(f"out[{name!r}] must be a dense strided tensor")
-    step = maintenance._resolve_step(store, step)
-    manifest = load_manifest(store._objects, step, names=list(out))
+    step = core.resolve_step(step)
+    manifest = load_manifest(core.objects, step, names=list(out))
     for name, tm in manifest.tables.items():
         t, node = out[name], tm.node
         if tuple(t.shape) != node.shape or t.dtype != parse_dtype(node.dtype):
@@ -126,12 +127,11 @@ def get_into(store, step, out: Mapping, *, names=None, rows=None) -> dict:
             )
     anchor = (root_name(step), manifest.oid)
     for name, tm in manifest.tables.items():
-        with store._lock:
-            seed = name not in store._states and not store._closed
+        seed = core.wants_seed(name)
         lossy = tm.node.scheme != "exact"
         # detach: restoring into a parameter is not an autograd operation
-        codes, fps = read_into(store._objects, tm, store._pool, out[name].detach(),
+        codes, fps = read_into(core.objects, tm, core.pool, out[name].detach(),
                                fingerprints=seed and not lossy, keep_codes=seed and lossy)
         if seed:
-            maintenance._seed(store, name, tm, fps, codes, anchor)
+            core.seed(name, tm, fps, codes, anchor)
     return dict(out)

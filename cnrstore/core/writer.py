@@ -15,11 +15,12 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import numpy as np
 
 from cnrstore.core.snapshot import FULL, TablePlan
-from cnrstore.core.tablestate import dtype_name
+from cnrstore.core.tablestate import BlockSlot, dtype_name
 from cnrstore.errors import StepExists, WriteFailed
 from cnrstore.format.blocks import encode_full, encode_patch, plane_width
 from cnrstore.format.manifest import (
@@ -33,7 +34,9 @@ from cnrstore.format.manifest import (
     TableNode,
     root_name,
 )
-from engine import ObjectStore, RootExists, StoreError, object_id
+from engine import ObjectStore, RootExists, StoreError, Writer, object_id
+
+T = TypeVar("T")
 
 __all__ = ["StepInfo", "BackgroundWriter", "write_step"]
 
@@ -104,10 +107,12 @@ def _write_table(w, plan: TablePlan, get) -> bytes:
     elem = plane_width(state.scheme, state.dtype.itemsize, state.row_nbytes)
     for bw in plan.writes:
         slot = state.slots[bw.index]
+        assert slot is not None  # plan_table gives every block of a new state a slot
         codes = plan.codes[bw.start:bw.stop]
         if bw.kind == FULL:
             _write_full(w, get, plan, slot, codes, elem, bw.index)
         else:
+            assert plan.base_slots is not None and bw.rows is not None  # a patch has both
             base = plan.base_slots[bw.index]
             if (base.oid is None or not w.has(base.oid)) and plan.full_codes is not None:
                 # Checked under the writer lock: gc in another process dropped the base
@@ -130,7 +135,11 @@ def _write_table(w, plan: TablePlan, get) -> bytes:
     # every block it refers to exists, and an existing segment implies its blocks exist.
     # Unless the base may have vanished (full codes kept): then each is checked.
     written = {bw.index for bw in plan.writes}
-    for i, slot in enumerate(state.slots):
+    slots: list[BlockSlot] = []
+    for i, maybe in enumerate(state.slots):
+        assert maybe is not None
+        slot = maybe
+        slots.append(slot)
         if plan.full_codes is not None and i not in written and (
             slot.oid is None or not w.has(slot.oid)
         ):
@@ -143,11 +152,12 @@ def _write_table(w, plan: TablePlan, get) -> bytes:
             plan.rewritten_blocks += 1
         if slot.oid is None:
             raise _MissingBase(f"table {plan.name!r} block {i} refers to a missing block")
+    oids = [s.oid for s in slots if s.oid is not None]  # all of them, checked above
     seg_ids = []
     fan = state.fanout
     for j in range(0, len(state.slots), fan):
-        part = state.slots[j:j + fan]
-        ids = tuple(s.oid for s in part)
+        part = slots[j:j + fan]
+        ids = tuple(oids[j:j + fan])
         k = j // fan
         cached = state.segments[k] if k < len(state.segments) else None
         if cached is not None and cached[0] == ids and w.has(cached[1]):
@@ -157,7 +167,7 @@ def _write_table(w, plan: TablePlan, get) -> bytes:
         payload, refs = node.encode()
         sid = w.put(KIND_SEGMENT, payload, refs, meta=True)
         seg_ids.append(sid)
-    state.segments = [(tuple(s.oid for s in state.slots[j:j + fan]), sid)
+    state.segments = [(tuple(oids[j:j + fan]), sid)
                       for j, sid in zip(range(0, len(state.slots), fan), seg_ids)]
     tnode = TableNode(
         name=plan.name,
@@ -182,16 +192,17 @@ def write_step(
     stall_seconds: float,
     lock_timeout: float | None,
     state: dict | None = None,
-    check: Callable[[], None] | None = None,
+    check: Callable[[Writer], None] | None = None,
 ) -> StepInfo:
     """Write one step in one engine transaction; return its StepInfo. ``state`` is the
-    structure of a put_state step; ``check()`` runs once the writer lock is held (another
-    process may have committed meanwhile) and raises to refuse the step."""
+    structure of a put_state step; ``check(w)`` runs once the writer lock is held (another
+    process may have committed meanwhile), may add to the transaction ``w``, and raises
+    to refuse the step."""
     t0 = time.perf_counter()
     w = objects.writer(timeout=lock_timeout)
     try:
         if check is not None:
-            check()
+            check(w)
         table_ids = [_write_table(w, plan, objects.get) for plan in plans]
         node = StepNode(
             step=step,
@@ -321,7 +332,7 @@ class BackgroundWriter:
                 self._cond.notify_all()
             entry = fut = result = error = cleanup = None
 
-    def run(self, job: Callable[[], object]) -> object:
+    def run(self, job: Callable[[], T]) -> T:
         """Run ``job`` on the writer thread after everything queued before it; return its
         result or raise its error."""
         return self.submit(job).result()

@@ -119,7 +119,7 @@ def encode_full(codes: np.ndarray, *, elem: int = 1) -> bytes:
     n, rnb = codes.shape
     _check_elem(elem, rnb)
     head = _FULL.pack(_FULL_MAGIC, BLOCK_VERSION, LAYOUT_ELEMENT_PLANES, elem, n, rnb)
-    return b"".join((head, _planes(codes, elem)))
+    return b"".join((head, _planes(codes, elem).data))
 
 
 def encode_patch(nrows: int, index: np.ndarray, codes: np.ndarray, *, elem: int = 1) -> bytes:
@@ -133,7 +133,7 @@ def encode_patch(nrows: int, index: np.ndarray, codes: np.ndarray, *, elem: int 
     head = _PATCH.pack(
         _PATCH_MAGIC, BLOCK_VERSION, idt.itemsize, elem, nrows, codes.shape[1], len(idx)
     )
-    return b"".join((head, idx.tobytes(), _planes(codes, elem)))
+    return b"".join((head, idx.tobytes(), _planes(codes, elem).data))
 
 
 def patch_nbytes(nrows: int, nchanged: int, row_nbytes: int) -> int:

@@ -295,6 +295,9 @@ def gc_plan(store, *, keep_last: int | None, keep: Iterable[int] = ()) -> GCPlan
         kept = kept_steps(have, keep_last=keep_last, keep=keep)
         drop = [s for s in have if s not in set(kept)]
         live: set[bytes] = set()
+        for name, oid in objects.roots().items():  # roots of no step (cnrstore/options)
+            if mf.step_of_root(name) is None:
+                sizes.reach(oid, live)
         for s in kept:
             sizes.reach(load_step(objects, s)[0], live)
         dead: set[bytes] = set()

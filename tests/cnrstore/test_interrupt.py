@@ -132,7 +132,7 @@ def test_interrupt_before_the_job_is_queued_keeps_the_diff_base_and_writer_slots
     t = torch.randn(64, 4, generator=g)
     s.put_tables(1, {"t": t})
     t[5] += 1
-    s._writer._jobs = _InterruptingJobs(s._writer._jobs, after=False)
+    s._core.writer._jobs = _InterruptingJobs(s._core.writer._jobs, after=False)
     with pytest.raises(KeyboardInterrupt):
         s.put_tables(2, {"t": t})
     # Absent, and the writer slot was given back: a leaked slot hung every later write.
@@ -152,7 +152,7 @@ def test_interrupt_just_after_the_job_is_queued_commits_it_and_keeps_the_writer_
     t = torch.randn(64, 4, generator=g)
     s.put_tables(1, {"t": t})
     t[5] += 1
-    s._writer._jobs = _InterruptingJobs(s._writer._jobs, after=True)
+    s._core.writer._jobs = _InterruptingJobs(s._core.writer._jobs, after=True)
     with pytest.raises(KeyboardInterrupt):
         s.put_tables(2, {"t": t})
     assert _steps_within(s, 20) == [1, 2]  # whole: it was queued

@@ -40,7 +40,7 @@ class CheckpointMachine(RuleBasedStateMachine):
 
     def teardown(self):
         try:
-            if not self.store._closed:
+            if not self.store._core.closed:
                 assert self.store.verify().ok
                 self.store.close()
         finally:

@@ -1,0 +1,164 @@
+"""The put path of a store handle: validate, plan every table against its diff base, and
+queue the step on the handle's writer (DESIGN.md, "Public API"; docs/MANIFEST.md, "Write
+rules"). ``put`` is CheckpointStore.put_tables and put_state."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from concurrent.futures import Future
+from typing import Any
+
+from cnrstore.core import lineage
+from cnrstore.core.handle import StoreCore
+from cnrstore.core.options import ensure_stored
+from cnrstore.core.seed import seed_state
+from cnrstore.core.snapshot import TablePlan, plan_table
+from cnrstore.core.tablestate import TableState
+from cnrstore.core.validate import (
+    check_step,
+    check_tables,
+    check_touched,
+    pack_metadata,
+    resolve_quant,
+)
+from cnrstore.core.writer import StepInfo, write_step
+from cnrstore.errors import StepExists, StepOrderError, WriteFailed
+from cnrstore.format.manifest import list_steps, root_name
+
+__all__ = ["put"]
+
+
+def put(core: StoreCore, step: int, tables: Mapping, *, quant: Any, metadata: Mapping | None,
+        blocking: bool, touched: Mapping | None, state: dict | None = None
+        ) -> StepInfo | Future:
+    core.check_open()
+    core.check_writable("put_tables")
+    check_step(step)
+    check_tables(tables)
+    opt = core.options
+    schemes = resolve_quant(quant, tables, expected_restores=opt.expected_restores)
+    meta_doc = pack_metadata(metadata)
+    rows_touched = check_touched(touched, tables)
+    with core.lock:
+        core.check_open()
+        if core.failed:  # a background put failed: its diff base cannot be trusted
+            core.states.clear()
+            core.failed = False
+        if step in core.pending or core.objects.root(root_name(step)) is not None:
+            raise StepExists(step)
+        lineage.check_order(core, step)
+        t0 = time.perf_counter()
+        plans: list[TablePlan] = []
+        try:
+            roots: dict[str, bytes | None] = {}
+
+            def root(name: str) -> bytes | None:  # one lookup per anchor step per put
+                if name not in roots:
+                    roots[name] = core.objects.root(name)
+                return roots[name]
+
+            newest: list[str] = []
+
+            def at_risk(base: TableState | None) -> bool:
+                # A base on a step that will not be the newest when this put is written
+                # may be dropped by another process's gc before the writer holds the
+                # lock (issue 8); a base on a pending put has no anchor yet.
+                if base is None:
+                    return False
+                anchor = base.anchor[0] if base.anchor else base.planned_root
+                if anchor == core.last_root:
+                    # This handle's latest put (every table in every put: the common
+                    # case) is the newest step unless another process puts too.
+                    return False
+                if not newest:
+                    steps = list_steps(core.objects) + list(core.pending)
+                    newest.append(root_name(max(steps)) if steps else "")
+                return anchor != newest[0]
+
+            for name, table in tables.items():
+                base = core.states.get(name)
+                if base is not None:
+                    base.revalidate(root, core.objects.has)
+                elif opt.seed_from_store:
+                    # Diff base of a table's first put in this handle: the newest stored
+                    # step that holds it with the same geometry and encoding.
+                    core.writer.drain()
+                    base = seed_state(core.objects, name, table, schemes[name],
+                                      block_rows=opt.rows, fanout=opt.segment_fanout,
+                                      pool=core.pool)
+                plans.append(
+                    plan_table(
+                        name,
+                        table,
+                        scheme=schemes[name],
+                        base=base,
+                        block_rows=opt.rows,
+                        fanout=opt.segment_fanout,
+                        max_chain=opt.max_chain,
+                        touched=rows_touched.get(name),
+                        buffers=core.buffers,
+                        keep_full=at_risk(base),
+                    )
+                )
+        except BaseException:
+            _release(plans)
+            raise
+        stall = time.perf_counter() - t0
+        fut: Future = Future()
+        try:
+            core.writer.submit(
+                lambda: _write(core, step, plans, meta_doc, stall, state),
+                cleanup=lambda: _release(plans),
+                future=fut,
+            )
+        except BaseException:
+            if not core.writer.queued(fut):
+                # Not queued (e.g. Ctrl-C while waiting for a writer slot): as for a
+                # refused put, the diff bases stay those of the last put.
+                _release(plans)
+                raise
+            _queued(core, step, plans, fut)  # interrupted just after: it will be written
+            raise
+        _queued(core, step, plans, fut)
+    return fut.result() if blocking else fut
+
+
+def _release(plans: list[TablePlan]) -> None:
+    for p in plans:
+        if p.release:
+            p.release()
+
+
+def _queued(core: StoreCore, step: int, plans: list[TablePlan], fut: Future) -> None:
+    # The step will be written, so the next put diffs against it. A Ctrl-C while the
+    # caller waits leaves it to finish; steps() tells whether it committed. A diff base
+    # left on an older committed step stays correct (its blocks exist), only larger.
+    core.last_root = root_name(step)
+    for p in plans:
+        core.states[p.name] = p.state
+        p.state.planned_root = root_name(step)
+    core.pending[step] = fut
+
+    def done(_: Future) -> None:
+        core.pending.pop(step, None)
+
+    fut.add_done_callback(done)
+
+
+def _write(core: StoreCore, step: int, plans: list[TablePlan], metadata: dict, stall: float,
+           state: dict | None) -> StepInfo:
+    order = lineage.commit_check(core.objects, step)
+
+    def check(w) -> None:  # under the engine's writer lock, in the step's transaction
+        order()
+        ensure_stored(core.objects, w, core.options)
+
+    try:
+        return write_step(core.objects, step, plans, metadata=metadata, stall_seconds=stall,
+                          lock_timeout=core.options.lock_timeout, state=state, check=check)
+    except BaseException as exc:
+        core.failed = True
+        if isinstance(exc, (WriteFailed, StepOrderError, StepExists)):
+            raise
+        raise WriteFailed(step, f"{type(exc).__name__}: {exc}") from exc

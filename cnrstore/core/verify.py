@@ -1,0 +1,130 @@
+"""Integrity check of a checkpoint store: the one implementation behind
+``CheckpointStore.verify`` and ``cnrstore verify``.
+
+The engine's check runs first (structure; with ``deep`` a re-hash of every object), then the
+manifest of every step asked for is decoded and, with ``deep``, every block's patch chain is
+resolved and its shape checked against the geometry of EVERY table that refers to it (a
+crafted table node may list a small block as a huge one); a block is decoded once however
+many tables refer to it. Problems are engine ``Problem`` records, those of this layer
+``StepProblem`` records that also say the step, table and block. A step that is gone when
+it is read (dropped by a gc in another process since it was listed) is not a problem.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from cnrstore.core.options import OPTIONS_ROOT, read_stored
+from cnrstore.errors import CheckpointError, StepNotFound
+from cnrstore.format.blocks import resolve
+from cnrstore.format.manifest import StepManifest, list_steps, load_manifest, root_name
+from engine import ObjectStore, Problem, StoreError
+from engine.api import ProgressFn
+
+__all__ = ["StepProblem", "VerifyResult", "verify_objects"]
+
+
+@dataclass(frozen=True)
+class StepProblem(Problem):
+    """A problem the checkpoint layer found: an engine Problem plus where it is."""
+
+    step: int | None = None
+    table: str | None = None
+    block: int | None = None
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    ok: bool
+    problems: tuple[Problem, ...]
+    steps_checked: int
+    objects_checked: int
+    bytes_checked: int
+    blocks_decoded: int
+    blocks_checked: int = 0  # distinct blocks tried (decoded or not)
+
+
+def verify_objects(objects: ObjectStore, *, deep: bool = True,
+                   steps: Iterable[int] | None = None,
+                   progress: ProgressFn | None = None) -> VerifyResult:
+    """Verify the store ``objects``: all steps, or those in ``steps`` (StepNotFound if one
+    is missing). ``progress(done, total)`` hears of the engine's pass, then of the blocks."""
+    have = list_steps(objects)
+    if steps is None:
+        chosen, roots = have, None
+    else:
+        chosen = sorted(set(steps))
+        for s in chosen:
+            if s not in have:
+                raise StepNotFound(s)
+        roots = [root_name(s) for s in chosen]
+    report = objects.verify(deep=deep, roots=roots, progress=progress)
+    problems: list[Problem] = list(report.problems)
+    try:
+        read_stored(objects)
+    except (CheckpointError, StoreError) as exc:
+        problems.append(StepProblem("bad-options", f"{OPTIONS_ROOT}: {type(exc).__name__}: "
+                                    f"{exc}", oid=getattr(exc, "oid", None)))
+    manifests: list[tuple[int, StepManifest]] = []
+    for step in chosen:
+        try:
+            manifest = load_manifest(objects, step)
+        except (CheckpointError, StoreError) as exc:
+            if _still_there(objects, step):
+                problems.append(StepProblem("bad-manifest", f"step {step}: "
+                                            f"{type(exc).__name__}: {exc}",
+                                            oid=getattr(exc, "oid", None), step=step))
+            continue
+        if manifest.node.step != step:
+            problems.append(StepProblem("bad-manifest", f"step {step}: root holds the step "
+                                        f"node of step {manifest.node.step}",
+                                        oid=manifest.oid, step=step))
+        manifests.append((step, manifest))
+    shapes: dict[bytes, tuple[int, ...] | None] = {}  # decoded shape; None: undecodable
+    if deep:
+        problems += _check_blocks(objects, manifests, shapes, progress)
+    decoded = sum(1 for s in shapes.values() if s is not None)
+    return VerifyResult(not problems, tuple(problems), len(chosen), report.objects_checked,
+                        report.bytes_checked, decoded, len(shapes))
+
+
+def _check_blocks(objects: ObjectStore, manifests: list[tuple[int, StepManifest]],
+                  shapes: dict[bytes, tuple[int, ...] | None],
+                  progress: ProgressFn | None) -> list[Problem]:
+    problems: list[Problem] = []
+    total = sum(len(tm.block_ids) for _, m in manifests for tm in m.tables.values())
+    done = 0
+    for step, manifest in manifests:
+        for name, tm in manifest.tables.items():
+            for i, oid in enumerate(tm.block_ids):
+                done += 1
+                if progress is not None and (done % 64 == 0 or done == total):
+                    progress(done, total)
+                where = f"step {step} table {name!r} block {i} ({oid.hex()})"
+                if oid not in shapes:
+                    try:
+                        shapes[oid] = resolve(objects.get, oid).shape
+                    except (CheckpointError, StoreError) as exc:
+                        shapes[oid] = None
+                        if not _still_there(objects, step):
+                            break  # dropped by a gc in another process since it was listed
+                        problems.append(StepProblem("bad-block", f"{where}: "
+                                                    f"{type(exc).__name__}: {exc}", oid=oid,
+                                                    step=step, table=name, block=i))
+                        continue
+                start, stop = tm.node.block_range(i)
+                shape, want = shapes[oid], (stop - start, tm.node.row_nbytes)
+                if shape is not None and shape != want:
+                    problems.append(StepProblem("bad-block", f"{where}: holds {shape} codes, "
+                                                f"expected {want}", oid=oid, step=step,
+                                                table=name, block=i))
+    return problems
+
+
+def _still_there(objects: ObjectStore, step: int) -> bool:
+    """False when ``step`` was dropped (by another process) after verify listed it."""
+    try:
+        return objects.root(root_name(step)) is not None
+    except StoreError:
+        return True
