@@ -167,13 +167,15 @@ def gc(store, keep_last, keep, *, threshold) -> GCReport:
         raise InvalidInput(f"threshold must be in [0, 1], got {threshold!r}")
 
     def job() -> GCReport:
-        steps = list_steps(store._objects)
-        kept = set(kept_steps(steps, keep_last=keep_last, keep=keep))
-        dropped = [s for s in steps if s not in kept]
-        if dropped:
-            with store._objects.writer(timeout=store._opt.lock_timeout) as w:
-                for s in dropped:
-                    w.delete_root(root_name(s))
+        # The steps are listed under the writer lock: listed before it, another process's
+        # delete, rollback or gc could drop one first and this gc then failed on the missing
+        # root (or kept by a stale rule). A writer that drops nothing commits nothing.
+        with store._objects.writer(timeout=store._opt.lock_timeout) as w:
+            steps = list_steps(store._objects)
+            kept = set(kept_steps(steps, keep_last=keep_last, keep=keep))
+            dropped = [s for s in steps if s not in kept]
+            for s in dropped:
+                w.delete_root(root_name(s))
         rep: EngineGCReport = store._objects.gc(
             threshold=threshold, timeout=store._opt.lock_timeout
         )
