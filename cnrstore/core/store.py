@@ -113,7 +113,6 @@ class CheckpointStore(StateMethods):
         self._states: dict[str, TableState] = {}
         self._pending: dict[int, Future] = {}
         self._failed = False
-        self._last_root: str | None = None  # root of this handle's latest queued put
         self._buffers = HostBuffers(
             keep=max_inflight + 1,
             max_bytes=_positive("host_buffer_bytes", host_buffer_bytes, lo=0),
@@ -218,10 +217,8 @@ class CheckpointStore(StateMethods):
                     if base is None:
                         return False
                     anchor = base.anchor[0] if base.anchor else base.planned_root
-                    if anchor == self._last_root:
-                        # This handle's latest put (every table in every put: the common
-                        # case) is the newest step unless another process puts too.
-                        return False
+                    # Even this handle's latest put is checked: another process may have put
+                    # a newer step since, and a gc keeping that one drops ours (issue 8).
                     if not newest:
                         steps = list_steps(self._objects) + list(self._pending)
                         newest.append(root_name(max(steps)) if steps else "")
@@ -277,7 +274,6 @@ class CheckpointStore(StateMethods):
         # The step will be written, so the next put diffs against it. A Ctrl-C while the
         # caller waits leaves it to finish; steps() tells whether it committed. A diff base
         # left on an older committed step stays correct (its blocks exist), only larger.
-        self._last_root = root_name(step)
         for p in plans:
             self._states[p.name] = p.state
             p.state.planned_root = root_name(step)
