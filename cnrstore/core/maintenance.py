@@ -113,6 +113,17 @@ def get_tables(store, step, *, names, rows, device) -> dict:
     rows = dict(rows or {})
     device = check_device(device)
     step = _resolve_step(store, step)
+    try:
+        return _read_step(store, step, names, rows, device)
+    except StoreError as exc:
+        # Another handle or process deleted the step and a gc swept its objects while they
+        # were read: the step is gone, not damaged (the engine's ObjectNotFound escaped).
+        if not _still_there(store._objects, step):
+            raise StepNotFound(step, f"step {step} was deleted while it was read") from exc
+        raise
+
+
+def _read_step(store, step: int, names, rows: dict, device) -> dict:
     manifest = load_manifest(store._objects, step, names=names)
     for name, sel in rows.items():
         if name not in manifest.tables:

@@ -98,3 +98,46 @@ def test_put_diffing_on_its_own_last_step_survives_gc_after_another_process_put(
         assert store.steps() == [2, 3]
         assert torch.equal(store.get_tables(3)["t"], _tables(3, seed=1)["t"])
         assert store.verify().ok
+
+
+def _delete_and_gc_child(path: str) -> None:
+    with cnrstore.open(path, lock_timeout=60.0) as store:
+        store.delete_step(1)
+        store.gc()
+
+
+def test_get_of_a_step_deleted_and_swept_meanwhile_is_step_not_found(tmp_path):
+    """A reader that had loaded a step's manifest while another process deleted the step
+    and ran gc got the engine's ObjectNotFound from the block reads (not a CheckpointError).
+    The step is gone, so the get is StepNotFound. Here the reader's decode pool is held
+    until the other process has deleted and swept the step."""
+    path = str(tmp_path / "ckpt")
+    with cnrstore.open(path, block_rows=8) as store:
+        store.put_tables(1, {"t": torch.randn(32, 4)})
+        store.put_tables(2, {"t": torch.randn(32, 4) + 10})
+    with cnrstore.open(path, decode_threads=1) as reader:
+        gate = threading.Event()
+        held = reader._pool.submit(gate.wait, 120)  # the block reads queue behind this
+        result: list = []
+
+        def get() -> None:
+            try:
+                result.append(reader.get_tables(1))
+            except Exception as exc:  # noqa: BLE001 - checked below
+                result.append(exc)
+
+        t = threading.Thread(target=get)
+        t.start()
+        deadline = time.monotonic() + 60
+        while reader._pool._work_queue.qsize() == 0:  # manifest loaded, blocks queued
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        p = mp.get_context("spawn").Process(target=_delete_and_gc_child, args=(path,))
+        p.start()
+        p.join(120)
+        assert p.exitcode == 0
+        gate.set()
+        held.result()
+        t.join(60)
+        assert isinstance(result[0], cnrstore.StepNotFound), result
+        assert reader.steps() == [2]

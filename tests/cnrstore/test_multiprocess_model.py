@@ -117,6 +117,10 @@ def expect(model: dict[int, int], cmd: tuple) -> tuple[tuple, dict[int, int]]:
         return ("ok", dropped), m
     if op == "steps":
         return ("ok", sorted(m)), m
+    if op == "get" and cmd[1] is None:  # the latest step
+        if not m:
+            return ("err", "StepNotFound"), m
+        return ("ok", ("tables", max(m), m[max(m)])), m
     if op == "get":
         if cmd[1] not in m:
             return ("err", "StepNotFound"), m
@@ -163,33 +167,39 @@ def matches(want: tuple, got: tuple) -> bool:
 
 
 # -- programs --------------------------------------------------------------------------
-class RandomDraw:
+class _Draw:
+    """Draws for a program. Which race wins is up to the processes, so the model (and the
+    steps to pick from) varies between runs of one Hypothesis example: every draw has fixed
+    bounds and happens whatever the model holds, and choices index into the sequence."""
+
+    def choice(self, seq):
+        i = self.int(0, 63)
+        seq = list(seq)
+        return seq[i % len(seq)] if seq else None
+
+
+class RandomDraw(_Draw):
     def __init__(self, rng: random.Random):
         self.rng = rng
 
     def int(self, lo: int, hi: int) -> int:
         return self.rng.randint(lo, hi)
 
-    def choice(self, seq):
-        return self.rng.choice(list(seq))
 
-
-class DataDraw:
+class DataDraw(_Draw):
     def __init__(self, data):
         self.data = data
 
     def int(self, lo: int, hi: int) -> int:
         return self.data.draw(st.integers(lo, hi))
 
-    def choice(self, seq):
-        return self.data.draw(st.sampled_from(list(seq)))
-
 
 def _some_step(d, model: dict[int, int]) -> int:
     """A kept step mostly, sometimes one that is not kept."""
-    if model and d.int(0, 4):
-        return d.choice(sorted(model))
-    return d.int(0, max(model, default=0) + 2)
+    pick, kept, other = d.int(0, 4), d.choice(sorted(model)), d.int(0, 63)
+    if model and pick:
+        return kept
+    return other % (max(model, default=0) + 3)
 
 
 def _new_step(d, model: dict[int, int]) -> int:
@@ -241,7 +251,8 @@ def draw_ops(d, model: dict[int, int]) -> list[tuple[int, tuple]]:
     assert kind == "race_read"
     writer_op = d.choice([_gc_cmd(d, model), ("delete", _some_step(d, model)),
                           ("rollback", _some_step(d, model)), ("put", fresh, SEEDS[w])])
-    return [(READER, ("get", _some_step(d, model))), (w, writer_op)]
+    step = d.choice([_some_step(d, model), None])
+    return [(READER, ("get", step)), (w, writer_op)]
 
 
 # -- the harness -----------------------------------------------------------------------
@@ -277,7 +288,7 @@ class Harness:
         for (who, cmd), g in zip(ops, got):
             shown = g if g[0] == "err" or not isinstance(g[1], dict) else "tables"
             if g[0] == "ok" and isinstance(g[1], dict):
-                step = cmd[1]
+                step = cmd[1] if cmd[1] is not None else max(self.model, default=-1)
                 shown = ("tables", tables_match(g[1], step, self.model.get(step, -1)))
             lines.append(f"process {who} {cmd} -> {shown}")
         lines.append(f"history (last 10): {self.log[-10:]}")
@@ -290,9 +301,9 @@ class Harness:
 
     def check_read(self, step: int | None = None) -> None:
         if step is None:
-            if not self.model:
-                return
             step = self.d.choice(sorted(self.model))
+            if step is None:
+                return
         reply = self.p.call(READER, (0.0, ("get", step)))
         assert reply[0] == "ok", (step, reply)
         why = tables_match(reply[1], step, self.model[step])
