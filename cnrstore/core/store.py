@@ -30,7 +30,7 @@ from cnrstore.core.validate import (
     pack_metadata,
     resolve_quant,
 )
-from cnrstore.core.writer import BackgroundWriter, StepInfo, write_step
+from cnrstore.core.writer import BackgroundWriter, BaseGone, StepInfo, write_step
 from cnrstore.errors import (
     CheckpointError,
     InvalidInput,
@@ -182,7 +182,8 @@ class CheckpointStore(StateMethods):
         return self._put(step, tables, quant=quant, metadata=metadata, blocking=blocking,
                          touched=touched)
 
-    def _put(self, step, tables, *, quant, metadata, blocking, touched, state=None):
+    def _put(self, step, tables, *, quant, metadata, blocking, touched, state=None,
+             keep_full=False):
         self._check_open()
         self._check_writable("put_tables")
         check_step(step)
@@ -216,6 +217,8 @@ class CheckpointStore(StateMethods):
                     # lock (issue 8); a base on a pending put has no anchor yet.
                     if base is None:
                         return False
+                    if keep_full:
+                        return True
                     anchor = base.anchor[0] if base.anchor else base.planned_root
                     # Even this handle's latest put is checked: another process may have put
                     # a newer step since, and a gc keeping that one drops ours (issue 8).
@@ -268,7 +271,19 @@ class CheckpointStore(StateMethods):
                 self._queued(step, plans, fut)  # interrupted just after: it will be written
                 raise
             self._queued(step, plans, fut)
-        return fut.result() if blocking else fut
+        if not blocking:
+            return fut
+        try:
+            return fut.result()
+        except BaseGone:
+            if keep_full:
+                raise
+        # A gc in another process swept the base this put diffed against. The caller's
+        # tables are still as they were (the put blocks), so plan it again, keeping every
+        # row's codes: blocks whose base is gone are then written in full. ``touched`` is
+        # dropped: the failure cleared the bases it was relative to.
+        return self._put(step, tables, quant=quant, metadata=metadata, blocking=True,
+                         touched=None, state=state, keep_full=True)
 
     def _queued(self, step: int, plans, fut: Future) -> None:
         # The step will be written, so the next put diffs against it. A Ctrl-C while the

@@ -141,3 +141,53 @@ def test_get_of_a_step_deleted_and_swept_meanwhile_is_step_not_found(tmp_path):
         t.join(60)
         assert isinstance(result[0], cnrstore.StepNotFound), result
         assert reader.steps() == [2]
+
+
+def _gc_keep_child(path: str, keep: int) -> None:
+    with cnrstore.open(path, lock_timeout=60.0) as store:
+        store.gc(keep=[keep])
+
+
+def test_blocking_put_survives_gc_dropping_the_newest_step_it_diffs_against(tmp_path):
+    """A put diffing against the newest step kept no full codes (the newest step was taken
+    as safe from gc), but ``gc(keep=[older])`` in another process drops the newest step
+    too: its blocks were swept before the put committed and the put failed with WriteFailed
+    "base block is missing". A blocking put now plans again with full codes kept. Here the
+    handle's writer is held back until the other process's gc is done."""
+    path = str(tmp_path / "ckpt")
+    t0 = torch.randn(32, 4, generator=torch.Generator().manual_seed(0))
+    t1 = t0.clone()
+    t1[::8] += 1  # one row per block: step 1's blocks are patches of step 0's
+    t2 = t1.clone()
+    t2[1::8] += 1
+    with cnrstore.open(path, block_rows=8) as store:
+        store.put_tables(0, {"t": t0})
+        store.put_tables(1, {"t": t1})
+        gate = threading.Event()
+        held = store._writer.submit(lambda: gate.wait(120))
+        result: list = []
+
+        def put() -> None:
+            try:
+                result.append(store.put_tables(2, {"t": t2}))
+            except Exception as exc:  # noqa: BLE001 - checked below
+                result.append(exc)
+
+        t = threading.Thread(target=put)
+        t.start()
+        deadline = time.monotonic() + 60
+        while 2 not in store._pending:  # planned on step 1, queued behind the gate
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        p = mp.get_context("spawn").Process(target=_gc_keep_child, args=(path, 0))
+        p.start()
+        p.join(120)
+        assert p.exitcode == 0
+        gate.set()
+        held.result()
+        t.join(60)
+        assert isinstance(result[0], cnrstore.StepInfo), result
+        assert store.steps() == [0, 2]
+        assert torch.equal(store.get_tables(2)["t"], t2)
+        assert torch.equal(store.get_tables(0)["t"], t0)
+        assert store.verify().ok
