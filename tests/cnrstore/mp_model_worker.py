@@ -63,7 +63,7 @@ def _run(store, cmd: tuple):
 def serve(conn) -> None:
     """Command loop: ("open", path) / ("close",) / ("exit",) / (at, cmd) where ``at`` is
     a time.time() to start at (so two processes start a racing pair together)."""
-    store = None
+    store = path = None
     while True:
         msg = conn.recv()
         try:
@@ -73,7 +73,8 @@ def serve(conn) -> None:
                 conn.send(("ok", None))
                 return
             if msg[0] == "open":
-                store = cnrstore.open(msg[1], **OPTS)
+                path = msg[1]
+                store = cnrstore.open(path, **OPTS)
                 conn.send(("ok", None))
                 continue
             if msg[0] == "close":
@@ -86,6 +87,11 @@ def serve(conn) -> None:
             delay = at - time.time()
             if delay > 0:
                 time.sleep(delay)
+            if cmd[0] == "reopen":  # a restarted job: its next put seeds from the store
+                store.close()
+                store = cnrstore.open(path, **OPTS)
+                conn.send(("ok", None))
+                continue
             conn.send(("ok", _run(store, cmd)))
         except Exception as exc:  # noqa: BLE001 - every outcome goes back to the model
             conn.send(("err", type(exc).__name__, f"{exc}\n{traceback.format_exc()}"))
