@@ -338,8 +338,8 @@ def run_program(procs: Procs, path: str, seed: int, n_steps: int) -> Harness:
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_random_program_two_writers_and_a_reader(procs, tmp_path, seed):
-    h = run_program(procs, str(tmp_path / "ckpt"), seed, n_steps=25)
-    assert len(h.log) == 25
+    h = run_program(procs, str(tmp_path / "ckpt"), seed, n_steps=40)
+    assert len(h.log) == 40
 
 
 @pytest.mark.slow
@@ -379,7 +379,7 @@ _SETTINGS = {"deadline": None, "derandomize": True,
 def test_state_machine_two_writers_and_a_reader(procs, tmp_path_factory):
     run_state_machine_as_test(
         _machine(procs, tmp_path_factory),
-        settings=settings(max_examples=3, stateful_step_count=12, **_SETTINGS),
+        settings=settings(max_examples=5, stateful_step_count=15, **_SETTINGS),
     )
 
 
