@@ -256,7 +256,8 @@ def draw_ops(d, model: dict[int, int]) -> list[tuple[int, tuple]]:
     writer_op = d.choice([_gc_cmd(d, model), ("delete", _some_step(d, model)),
                           ("rollback", _some_step(d, model)), ("put", fresh, SEEDS[w])])
     step = d.choice([_some_step(d, model), None])
-    return [(READER, ("get", step)), (w, writer_op)]
+    reader_op = d.choice([("get", step), ("get", step), ("verify",)])
+    return [(READER, reader_op), (w, writer_op)]
 
 
 # -- the harness -----------------------------------------------------------------------
