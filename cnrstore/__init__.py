@@ -48,8 +48,8 @@ from cnrstore.errors import (
 
 if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and IDEs
     from cnrstore.core.maintenance import GCReport, StoreStats, VerifyReport
-    from cnrstore.core.store import CheckpointStore, open
     from cnrstore.core.options import Options, OptionsMismatch
+    from cnrstore.core.store import CheckpointStore, open
     from cnrstore.core.writer import StepInfo
 
 __all__ = [

@@ -16,7 +16,7 @@ from cnrstore.core.verify import StepProblem, verify_objects
 from cnrstore.errors import InvalidInput, InvalidType, StepNotFound, TableNotFound
 from cnrstore.format.manifest import list_steps, load_manifest, load_step, root_name
 from engine import GCReport as EngineGCReport
-from engine import Problem
+from engine import Problem, StoreError
 from engine import VerifyReport as EngineVerifyReport
 
 __all__ = ["GCReport", "VerifyReport", "StoreStats"]
@@ -81,6 +81,17 @@ def get_tables(core: StoreCore, step: int | None, *, names: Any, rows: Any,
     rows = dict(rows or {})
     device = check_device(device)
     step = core.resolve_step(step)
+    try:
+        return _read_step(core, step, names, rows, device)
+    except StoreError as exc:
+        # Another handle or process deleted the step and a gc swept its objects while they
+        # were read: the step is gone, not damaged (the engine's ObjectNotFound escaped).
+        if not _step_still_there(core.objects, step):
+            raise StepNotFound(step, f"step {step} was deleted while it was read") from exc
+        raise
+
+
+def _read_step(core: StoreCore, step: int, names: Any, rows: dict, device: Any) -> dict:
     manifest = load_manifest(core.objects, step, names=names)
     for name, sel in rows.items():
         if name not in manifest.tables:
@@ -123,13 +134,15 @@ def gc(core: StoreCore, keep_last: int | None, keep: Iterable[int], *,
         raise InvalidInput(f"threshold must be in [0, 1], got {threshold!r}")
 
     def job() -> GCReport:
-        steps = list_steps(core.objects)
-        kept = set(kept_steps(steps, keep_last=keep_last, keep=keep))
-        dropped = [s for s in steps if s not in kept]
-        if dropped:
-            with core.objects.writer(timeout=core.options.lock_timeout) as w:
-                for s in dropped:
-                    w.delete_root(root_name(s))
+        # The steps are listed under the writer lock: listed before it, another process's
+        # delete, rollback or gc could drop one first and this gc then failed on the missing
+        # root (or kept by a stale rule). A writer that drops nothing commits nothing.
+        with core.objects.writer(timeout=core.options.lock_timeout) as w:
+            steps = list_steps(core.objects)
+            kept = set(kept_steps(steps, keep_last=keep_last, keep=keep))
+            dropped = [s for s in steps if s not in kept]
+            for s in dropped:
+                w.delete_root(root_name(s))
         rep: EngineGCReport = core.objects.gc(
             threshold=threshold, timeout=core.options.lock_timeout
         )
@@ -172,3 +185,11 @@ def stats(core: StoreCore) -> StoreStats:
     stored = st.stored_bytes or st.logical_bytes  # the memory twin allocates no disk
     ratio = logical / stored if stored else 0.0
     return StoreStats(len(steps), logical, stored, st.objects, ratio)
+
+
+def _step_still_there(objects: Any, step: int) -> bool:
+    """False when ``step`` was dropped (by another process) after it was resolved."""
+    try:
+        return objects.root(root_name(step)) is not None
+    except StoreError:
+        return True

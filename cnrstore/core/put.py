@@ -22,7 +22,7 @@ from cnrstore.core.validate import (
     pack_metadata,
     resolve_quant,
 )
-from cnrstore.core.writer import StepInfo, write_step
+from cnrstore.core.writer import BaseGone, StepInfo, write_step
 from cnrstore.errors import StepExists, StepOrderError, WriteFailed
 from cnrstore.format.manifest import list_steps, root_name
 
@@ -30,8 +30,8 @@ __all__ = ["put"]
 
 
 def put(core: StoreCore, step: int, tables: Mapping, *, quant: Any, metadata: Mapping | None,
-        blocking: bool, touched: Mapping | None, state: dict | None = None
-        ) -> StepInfo | Future:
+        blocking: bool, touched: Mapping | None, state: dict | None = None,
+        keep_full: bool = False) -> StepInfo | Future:
     core.check_open()
     core.check_writable("put_tables")
     check_step(step)
@@ -66,11 +66,11 @@ def put(core: StoreCore, step: int, tables: Mapping, *, quant: Any, metadata: Ma
                 # lock (issue 8); a base on a pending put has no anchor yet.
                 if base is None:
                     return False
+                if keep_full:
+                    return True
                 anchor = base.anchor[0] if base.anchor else base.planned_root
-                if anchor == core.last_root:
-                    # This handle's latest put (every table in every put: the common
-                    # case) is the newest step unless another process puts too.
-                    return False
+                # Even this handle's latest put is checked: another process may have put
+                # a newer step since, and a gc keeping that one drops ours (issue 8).
                 if not newest:
                     steps = list_steps(core.objects) + list(core.pending)
                     newest.append(root_name(max(steps)) if steps else "")
@@ -121,7 +121,19 @@ def put(core: StoreCore, step: int, tables: Mapping, *, quant: Any, metadata: Ma
             _queued(core, step, plans, fut)  # interrupted just after: it will be written
             raise
         _queued(core, step, plans, fut)
-    return fut.result() if blocking else fut
+    if not blocking:
+        return fut
+    try:
+        return fut.result()
+    except BaseGone:
+        if keep_full:
+            raise
+    # A gc in another process swept the base this put diffed against. The caller's tables
+    # are still as they were (the put blocks), so plan it again, keeping every row's codes:
+    # blocks whose base is gone are then written in full. ``touched`` is dropped: the
+    # failure cleared the bases it was relative to.
+    return put(core, step, tables, quant=quant, metadata=metadata, blocking=True,
+               touched=None, state=state, keep_full=True)
 
 
 def _release(plans: list[TablePlan]) -> None:

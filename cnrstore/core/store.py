@@ -23,9 +23,8 @@ from cnrstore.core.options import Options, make_options, resolve_stored
 from cnrstore.core.put import put
 from cnrstore.core.snapshot import HostBuffers
 from cnrstore.core.writer import BackgroundWriter, StepInfo
-from cnrstore.errors import InvalidType
+from cnrstore.errors import InvalidType, translating
 from cnrstore.format.manifest import list_steps
-from cnrstore.errors import translating
 from engine import ObjectStore
 
 __all__ = ["CheckpointStore", "open"]

@@ -67,6 +67,13 @@ class _MissingBase(Exception):
     pass
 
 
+class BaseGone(WriteFailed):
+    """A put's diff base was gone under the writer lock and the put kept no full codes to
+    write the blocks in full (a gc in another process dropped a step the put did not take
+    to be at risk, e.g. ``gc(keep=[older])`` dropping the newest step). A blocking put
+    retries with full codes kept (CheckpointStore._put)."""
+
+
 def _readable(get, oid: bytes) -> bool:
     try:
         get(oid)
@@ -229,7 +236,7 @@ def write_step(
         raise StepExists(step) from None
     except _MissingBase as exc:
         w.abort()
-        raise WriteFailed(step, str(exc)) from None
+        raise BaseGone(step, str(exc)) from None
     except BaseException:
         w.abort()
         raise
