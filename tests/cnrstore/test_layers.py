@@ -157,3 +157,14 @@ def test_the_cycle_check_sees_a_cycle(monkeypatch):
         assert "['a', 'b', 'c']" in str(exc)
     else:
         raise AssertionError("a cycle went unseen")
+
+
+def test_the_type_checker_passes_on_the_checkpoint_layer(tmp_path):
+    # mypy is in the test extra (CI installs it); configured in pyproject.toml [tool.mypy].
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "mypy", "cnrstore", "--cache-dir",
+                           str(tmp_path / "cache")], cwd=PKG.parent, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
