@@ -33,6 +33,7 @@ from cnrstore.tools.access import objects_of, opened, tick
 from engine import ObjectStore
 from engine.api import ProgressFn
 from engine.fileio import allocated_bytes
+from engine.walk import walk
 
 __all__ = [
     "StepSummary",
@@ -144,15 +145,10 @@ class _Sizes:
         return got
 
     def reach(self, oid: bytes, into: set[bytes] | None = None) -> set[bytes]:
-        """Ids reachable from ``oid`` (itself included), added to ``into``."""
-        seen = set() if into is None else into
-        stack = [oid]
-        while stack:
-            cur = stack.pop()
-            if cur in seen:
-                continue
-            seen.add(cur)
-            stack.extend(self.info(cur).refs)
+        """Ids reachable from ``oid`` (itself included), added to ``into``; objects already
+        in ``into`` are not walked again. The engine's one DAG walk (engine/walk.py)."""
+        seen: set[bytes] = set() if into is None else into
+        seen |= walk([(oid, "")], lambda o, _via: () if o in seen else self.info(o).refs)
         return seen
 
     def raw(self, oids: Iterable[bytes]) -> int:
