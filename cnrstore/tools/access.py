@@ -19,10 +19,9 @@ def objects_of(store) -> ObjectStore:
     """The engine object store behind ``store`` (a CheckpointStore or an ObjectStore)."""
     if isinstance(store, ObjectStore):
         return store
-    for attr in ("objects", "engine", "_objects", "_engine"):
-        inner = getattr(store, attr, None)
-        if isinstance(inner, ObjectStore):
-            return inner
+    inner = getattr(store, "objects", None)  # CheckpointStore.objects
+    if isinstance(inner, ObjectStore):
+        return inner
     raise InvalidType(f"expected a CheckpointStore, an engine ObjectStore or a path, got "
                     f"{type(store).__name__}")
 
