@@ -51,9 +51,11 @@ if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and
     from cnrstore.core.options import Options, OptionsMismatch
     from cnrstore.core.store import CheckpointStore, open
     from cnrstore.core.writer import StepInfo
+    from cnrstore.dist.shard import Shard
 
 __all__ = [
     "SCHEMES",
+    "Shard",
     "BadPath",
     "CheckpointError",
     "CheckpointStore",
@@ -95,6 +97,7 @@ _LAZY = {
     "OptionsMismatch": "cnrstore.core.options",
     "open": "cnrstore.core.store",
     "StepInfo": "cnrstore.core.writer",
+    "Shard": "cnrstore.dist.shard",
 }
 
 

@@ -1,0 +1,1 @@
+"""Many ranks: the distributed store over torch.distributed (DESIGN.md, "Next")."""
