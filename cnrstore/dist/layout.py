@@ -137,7 +137,7 @@ def global_tables(specs: list[dict[str, tuple]]) -> dict[str, GlobalTable]:
         if plain:  # replicated: stored once, by one of the ranks that give it
             ranks = [r for r, _ in given]
             owner = ranks[plain_names.index(name) % len(ranks)]
-            pieces = ((owner, 0, rows),) if rows else ()
+            pieces: tuple[tuple[int, int, int], ...] = ((owner, 0, rows),) if rows else ()
         else:
             found = sorted((lo, hi, r) for r, s in given for lo, hi in s[4])
             pos, last = 0, None

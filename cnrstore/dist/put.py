@@ -303,8 +303,20 @@ def _write_round(ds: DistributedStore, job: _Step) -> StepInfo:
             per.append(mine)
             size = dict(oids)
             sizes.append(sum(size[o] for o in mine))
-        return list(zip(per, transfer.grants(objects, sizes)))
+        given = transfer.grants(objects, sizes)
+        granted.extend(given)
+        return list(zip(per, given))
 
+    granted: list = []  # the coordinator's leases, ended whatever the outcome
+    try:
+        return _write_rest(ds, job, comm, coll, decide)
+    finally:
+        if granted:
+            transfer.release(ds.local.objects, granted)
+
+
+def _write_rest(ds: DistributedStore, job: _Step, comm: Any, coll: Any, decide: Any
+                ) -> StepInfo:
     assigned, grant = ds.from_coordinator(comm, "put: assign", decide)
     err, report, up = None, None, None
     try:
@@ -316,9 +328,9 @@ def _write_round(ds: DistributedStore, job: _Step) -> StepInfo:
         crashpoints.hit("dist.rank_before_seal")
         sealed = up.seal()
         crashpoints.hit("dist.rank_after_seal")
-        slots = {(n, b0): [(s.oid, s.depth, s.chain_bytes) for s in p.state.slots]
-                 for n, b0, p in job.plans}
-        changed = {}
+        slots = {(n, b0): [(s.oid, s.depth, s.chain_bytes) for s in p.state.slots
+                           if s is not None] for n, b0, p in job.plans}
+        changed: dict[str, int] = {}
         for n, _, p in job.plans:
             changed[n] = changed.get(n, 0) + p.rows_changed
         report = (sealed, slots, changed)

@@ -99,7 +99,7 @@ def _collective_read(ds: DistributedStore, step: Any, request: Any, what: str,
     if ds.is_coordinator:
         objects: Any = ds.local.objects
     else:
-        objects = transfer.reader(where) if where is not None else None
+        objects = ds.readers.source(where) if where is not None else None
     return s, doc, tables, objects
 
 

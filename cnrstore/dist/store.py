@@ -26,7 +26,7 @@ from cnrstore.core.store import CheckpointStore
 from cnrstore.core.store import open as open_plain
 from cnrstore.core.writer import BackgroundWriter, StepInfo
 from cnrstore.dist import put as dput
-from cnrstore.dist import read
+from cnrstore.dist import read, transfer
 from cnrstore.dist.comm import Comm, rebuild_error, wire_error
 from cnrstore.errors import CheckpointError, InvalidInput, translating
 
@@ -87,6 +87,7 @@ class DistributedStore:
         self.failed = False
         self.closed = False
         self.shard_leaf = _shard_leaf()
+        self.readers = transfer.Readers()   # pack files this rank reads by location
 
     # -- plumbing ------------------------------------------------------------------------
     @property
@@ -127,7 +128,15 @@ class DistributedStore:
         error on every rank."""
         self.check_open()
         self.drain()
-        return self.from_coordinator(self.comm, what, lambda: fn(self.local), scatter=False)
+        return self.from_coordinator(self.comm, what, lambda: fn(self.coordinator_store),
+                                     scatter=False)
+
+    @property
+    def coordinator_store(self) -> CheckpointStore:
+        """The coordinator's plain store (only the coordinator has one)."""
+        if self.local is None:
+            raise CheckpointError("only the coordinator opens the store's index")
+        return self.local
 
     def drain(self) -> None:
         """Wait for this rank's queued puts (their rounds are collective: every rank's
@@ -145,6 +154,7 @@ class DistributedStore:
             self.writer.close()
         finally:
             self.pool.shutdown(wait=True)
+            self.readers.close()
             if self.local is not None:
                 self.local.close()
             self.wcomm.close()
@@ -235,13 +245,11 @@ class DistributedStore:
 
     def _drop_missing(self) -> None:
         """After gc: forget base slots whose blocks are gone (written full next time)."""
-        from cnrstore.dist import transfer
-
         oids = sorted({s.oid for st in self.states.values() for s in st.slots
                        if s is not None and s.oid is not None})
         got = self.comm.all_gather(oids, "gc: bases")
         gone = self.from_coordinator(self.comm, "gc: bases", lambda: sorted(
-            transfer.missing(self.local.objects, sorted({o for g in got for o in g}))),
+            transfer.missing(self.coordinator_store.objects, sorted({o for g in got for o in g}))),
             scatter=False)
         if gone:
             gone_set = set(gone)

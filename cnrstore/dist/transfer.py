@@ -1,13 +1,13 @@
-"""How objects travel between ranks and the coordinator's store.
+"""How objects travel between ranks and the coordinator's store (docs/FORMAT.md,
+"Distributed commit").
 
 A rank never opens the LMDB index: it writes the objects of its blocks into pack files
 whose numbers the coordinator reserved (``engine.PackSink``) and reports their locations;
-the coordinator adopts them into its commit. For a read, the coordinator sends the
-locations of the records a rank needs and the rank reads them from the pack files
-(``engine.LocatedObjects``), so core/restore.py runs unchanged on it.
-
-While the engine lacks those (``_LOCATED`` false) the bytes themselves travel through the
-process group: same protocol, same objects, only slower.
+the coordinator adopts them into its one commit (``Writer.adopt``). For a read, the
+coordinator sends the locations of the records a rank needs (``locate_closure``) and the
+rank reads them from the pack files (``engine.LocatedObjects``), so core/restore.py runs
+unchanged on it. A store that is not a pack store (no ``reserve_packs``) gets the bytes
+themselves through the process group instead: same protocol, only slower.
 """
 
 from __future__ import annotations
@@ -16,35 +16,44 @@ import os
 from typing import Any
 
 import engine
-from engine import Object, ObjectStore, object_id
+from engine import EngineOptions, Object, ObjectStore, RecordLocation, object_id
 
-__all__ = ["Uploader", "grants", "adopt", "missing", "locate", "reader"]
+__all__ = ["Uploader", "grants", "release", "adopt", "missing", "locate", "reader"]
 
-_LOCATED = all(hasattr(engine, n) for n in ("PackSink", "LocatedReader", "LocatedObjects",
-                                              "RecordLocation"))
-_PACK_BYTES = 64 << 20   # reservation estimate per pack (the engine's target size or less)
+
+def _located(objects: ObjectStore) -> bool:
+    return isinstance(objects, engine.PackStore)
 
 
 def missing(objects: ObjectStore, oids: list[bytes]) -> set[bytes]:
     """Those of ``oids`` the coordinator's store lacks."""
-    fn = getattr(objects, "missing", None)
-    if _LOCATED and fn is not None:
-        return set(fn(oids))
+    if isinstance(objects, engine.PackStore):
+        return set(objects.missing(oids))
     return {o for o in oids if not objects.has(o)}
 
 
 def grants(objects: ObjectStore, nbytes: list[int]) -> list[Any]:
-    """Per rank, what its Uploader may write into: reserved pack numbers, or inline."""
-    if not _LOCATED or not hasattr(objects, "reserve_packs"):
+    """Per rank, what its Uploader may write into: reserved (leased) pack numbers, enough
+    for ``nbytes`` of records, or inline. Call before the coordinator's writer opens."""
+    if not isinstance(objects, engine.PackStore):
         return [("inline",) for _ in nbytes]
-    target = getattr(getattr(objects, "options", None), "pack_target_size", _PACK_BYTES)
-    out = []
+    target = objects.pack_target_size
+    wire = objects.options.to_wire()
+    path = os.fspath(objects.path)
+    out: list[Any] = []
     for n in nbytes:
-        k = (n // max(1, target) + 2) if n else 0
-        packs = objects.reserve_packs(k) if k else range(0)
-        out.append(("packs", os.fspath(objects.path), packs,
-                    getattr(objects, "options", None)))
+        # Records may be a little larger than payloads (incompressible data): one spare.
+        k = n // target + 2 if n else 0
+        out.append(("packs", path, objects.reserve_packs(k) if k else range(0), wire))
     return out
+
+
+def release(objects: ObjectStore, given: list[Any]) -> None:
+    """End the leases of ``grants`` whose put failed (their packs become gc's orphans)."""
+    if isinstance(objects, engine.PackStore):
+        for g in given:
+            if g[0] == "packs" and len(g[2]):
+                objects.release_packs(g[2])
 
 
 class Uploader:
@@ -52,12 +61,11 @@ class Uploader:
     the coordinator adopts (locations, or the objects inline)."""
 
     def __init__(self, grant: Any):
-        self._grant = grant
         self._inline: list[tuple[int, tuple[bytes, ...], bytes]] = []
-        self._sink = None
+        self._sink: engine.PackSink | None = None
         if grant[0] == "packs" and len(grant[2]):
-            _, path, packs, options = grant
-            self._sink = engine.PackSink(path, packs, options)
+            _, path, packs, wire = grant
+            self._sink = engine.PackSink(path, packs, EngineOptions.from_wire(wire))
 
     def put(self, kind: int, payload: bytes, refs: tuple[bytes, ...]) -> None:
         if self._sink is not None:
@@ -83,7 +91,7 @@ def adopt(w: Any, sealed: list[Any]) -> tuple[int, int]:
     for kind, data in sealed:
         if kind == "locs":
             for wire in data:
-                loc = engine.RecordLocation.from_wire(wire)
+                loc = RecordLocation.from_wire(wire)
                 locs.append(loc)
                 written += loc.length
                 payload += loc.raw_len
@@ -98,9 +106,9 @@ def adopt(w: Any, sealed: list[Any]) -> tuple[int, int]:
 
 def locate(objects: ObjectStore, oids: list[bytes]) -> Any:
     """What a rank needs to read ``oids`` and the patch chains under them."""
-    if _LOCATED and hasattr(objects, "locate_closure"):
+    if isinstance(objects, engine.PackStore):
         return ("locs", os.fspath(objects.path),
-                [loc.to_wire() for loc in objects.locate_closure(oids)])
+                [loc.to_wire() for loc in objects.locate_closure(oids).values()])
     seen: dict[bytes, tuple] = {}
     todo = list(oids)
     while todo:
@@ -120,22 +128,34 @@ class _Inline:
         self._objs = objs
 
     def get(self, oid: bytes) -> Object:
-        from cnrstore.errors import MissingObject
+        from cnrstore.errors import CorruptData, MissingObject
 
         if oid not in self._objs:
             raise MissingObject(f"object {oid.hex()} was not sent to this rank", oid=oid)
         kind, refs, payload = self._objs[oid]
         if object_id(kind, refs, payload) != oid:
-            from cnrstore.errors import CorruptData
-
             raise CorruptData(f"object {oid.hex()} arrived damaged", oid=oid)
         return Object(kind, tuple(refs), payload)
 
 
-def reader(answer: Any) -> Any:
-    """An object source (``get``) for a rank from ``locate``'s answer."""
-    if answer[0] == "locs":
-        _, path, wires = answer
-        locs = [engine.RecordLocation.from_wire(w) for w in wires]
-        return engine.LocatedObjects(engine.LocatedReader(path), locs)
-    return _Inline(answer[1])
+class Readers:
+    """One ``LocatedReader`` per store directory, kept open across reads of a handle."""
+
+    def __init__(self) -> None:
+        self._readers: dict[str, engine.LocatedReader] = {}
+
+    def source(self, answer: Any) -> Any:
+        """An object source (``get``) for a rank from ``locate``'s answer."""
+        if answer[0] == "locs":
+            _, path, wires = answer
+            r = self._readers.get(path)
+            if r is None:
+                r = self._readers[path] = engine.LocatedReader(path)
+            locs = [RecordLocation.from_wire(w) for w in wires]
+            return engine.LocatedObjects(r, {loc.oid: loc for loc in locs})
+        return _Inline(answer[1])
+
+    def close(self) -> None:
+        for r in self._readers.values():
+            r.close()
+        self._readers.clear()
