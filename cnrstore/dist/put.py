@@ -44,7 +44,18 @@ from engine import RootExists, crashpoints, object_id
 # so the layers test sees no import cycle.
 DistributedStore = Any
 
-__all__ = ["put"]
+__all__ = ["put", "CRASH_POINTS"]
+
+# Named points of the distributed commit where crash tests SIGKILL a rank
+# (CNRSTORE_CRASH_AT, engine/crashpoints.py; docs/FORMAT.md "Distributed commit"). With
+# the engine's sink.*, adopt.* and writer.* points they cover every step of the protocol.
+CRASH_POINTS = (
+    "dist.rank_after_encode",     # blocks encoded and ids known; nothing written
+    "dist.rank_before_seal",      # a rank's records appended to its packs, not sealed
+    "dist.rank_after_seal",       # a rank's packs sealed, locations not yet reported
+    "dist.coord_before_commit",   # nodes built, records adopted; nothing published
+    "dist.coord_after_commit",    # the step is committed; ranks not yet told
+)
 
 
 def _touched(touched: Mapping | None, local: dict[str, layout.LocalTable]
