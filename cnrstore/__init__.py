@@ -34,6 +34,7 @@ from cnrstore.errors import (
     MissingObject,
     NonFiniteValues,
     NotFound,
+    RankFailed,
     ReadOnlyStore,
     StepExists,
     StepNotFound,
@@ -49,9 +50,11 @@ from cnrstore.errors import (
 if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and IDEs
     from cnrstore.core.maintenance import GCReport, StoreStats, VerifyReport
     from cnrstore.core.options import Options, OptionsMismatch
-    from cnrstore.core.store import CheckpointStore, open
+    from cnrstore.core.store import CheckpointStore
     from cnrstore.core.writer import StepInfo
+    from cnrstore.dist.opener import open
     from cnrstore.dist.shard import Shard
+    from cnrstore.dist.store import DistributedStore
 
 __all__ = [
     "SCHEMES",
@@ -60,6 +63,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointStore",
     "CorruptData",
+    "DistributedStore",
     "GCReport",
     "InvalidInput",
     "InvalidType",
@@ -68,6 +72,7 @@ __all__ = [
     "MissingObject",
     "NonFiniteValues",
     "NotFound",
+    "RankFailed",
     "ReadOnlyStore",
     "Options",
     "OptionsMismatch",
@@ -95,7 +100,8 @@ _LAZY = {
     "CheckpointStore": "cnrstore.core.store",
     "Options": "cnrstore.core.options",
     "OptionsMismatch": "cnrstore.core.options",
-    "open": "cnrstore.core.store",
+    "open": "cnrstore.dist.opener",  # dispatches: plain, group= (and later s3://)
+    "DistributedStore": "cnrstore.dist.store",
     "StepInfo": "cnrstore.core.writer",
     "Shard": "cnrstore.dist.shard",
 }

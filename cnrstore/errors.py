@@ -20,7 +20,8 @@
     ├── StorageError                 the storage engine failed: I/O, format, closed handle
     │   └── StoreBusy                another writer held the store past lock_timeout
     ├── MissingExtra (ImportError)   an optional dependency is not installed (exit 2)
-    └── WriteFailed                  a background put failed (cause in __cause__)
+    ├── WriteFailed                  a background put failed (cause in __cause__)
+    └── RankFailed                   a rank of a distributed store died or timed out
 
 Catching ``CheckpointError`` catches all of them: corrupt data, a missing step and bad input
 alike. The storage engine keeps its own tree (``engine.StoreError``); its errors are
@@ -75,6 +76,7 @@ __all__ = [
     "StoreBusy",
     "MissingExtra",
     "WriteFailed",
+    "RankFailed",
     "translate",
     "engine_errors",
     "translating",
@@ -245,6 +247,19 @@ class WriteFailed(CheckpointError):
     def __init__(self, step: int, message: str):
         super().__init__(f"put of step {step} failed: {message}")
         self.step = step
+
+
+class RankFailed(CheckpointError):
+    """A collective operation of a distributed store (cnrstore/dist/) failed because a rank
+    died, hung past the store's ``timeout`` or lost its connection: nothing of the
+    operation became visible (unless the coordinator's commit already had, which
+    ``steps()`` of a reopened store tells). The handle's process group is then broken:
+    close it and open the store again (the job restarts, as after any rank failure).
+    ``rank`` is the group rank that failed, when known."""
+
+    def __init__(self, message: str, *, rank: int | None = None):
+        super().__init__(message)
+        self.rank = rank
 
 
 # -- the boundary with the storage engine ---------------------------------------------------

@@ -23,8 +23,10 @@ from .errors import (
     CorruptObject,
     FormatError,
     GCRefused,
+    NotSupported,
     ObjectNotFound,
     OptionsMismatch,
+    PackMoved,
     ReadOnly,
     RootExists,
     StaleIndex,
@@ -33,24 +35,36 @@ from .errors import (
     StoreLocked,
 )
 from .ids import object_id
+from .located import LocatedObjects, LocatedReader
+from .location import RecordLocation, decode_locations, encode_locations
 from .memory import MemoryStore
+from .options import EngineOptions
+from .sink import PacksExhausted, PackSink
 from .store import PackStore, open  # noqa: A004 - engine.open(path) is the entry point
 
 __all__ = [
     "CommitInfo",
     "CorruptObject",
+    "EngineOptions",
     "FormatError",
     "GCRefused",
     "GCReport",
+    "LocatedObjects",
+    "LocatedReader",
     "MemoryStore",
     "Object",
     "ObjectInfo",
     "ObjectNotFound",
     "ObjectStore",
     "OptionsMismatch",
+    "NotSupported",
+    "PackMoved",
+    "PackSink",
     "PackStore",
+    "PacksExhausted",
     "Problem",
     "ReadOnly",
+    "RecordLocation",
     "RepairReport",
     "RootExists",
     "StaleIndex",
@@ -60,6 +74,8 @@ __all__ = [
     "StoreLocked",
     "VerifyReport",
     "Writer",
+    "decode_locations",
+    "encode_locations",
     "object_id",
     "open",
 ]

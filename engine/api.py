@@ -4,6 +4,13 @@ An object is (kind, refs, payload); its id is ``engine.ids.object_id``. A store 
 objects and named roots (name -> id). All changes go through a ``Writer`` (one at a time
 per store, across processes), which commits its puts and root moves atomically.
 Reports are frozen dataclasses so tests can compare them.
+
+Distributed put (docs/FORMAT.md "Distributed commit"): the coordinator's store reserves
+pack numbers (``reserve_packs``), answers ``missing`` / ``locate`` / ``locate_closure``,
+and its writer ``adopt``s the records ranks wrote with ``engine.PackSink``; ranks read by
+location with ``engine.LocatedReader`` / ``LocatedObjects``. The in-memory twin has no
+packs: there ``reserve_packs``, ``locate``, ``locate_closure`` and ``Writer.adopt`` raise
+``NotSupported`` (``missing`` works on every store).
 """
 
 from __future__ import annotations
@@ -11,6 +18,12 @@ from __future__ import annotations
 import abc
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from .errors import NotSupported
+
+if TYPE_CHECKING:
+    from .location import RecordLocation
 
 ProgressFn = Callable[[int, int], None]  # (done, total); total may be 0 when unknown
 
@@ -129,6 +142,11 @@ class Writer(abc.ABC):
     def delete_root(self, name: str) -> None:
         """Remove a root (visible at commit). Missing names raise ObjectNotFound."""
 
+    def adopt(self, locs: Sequence[RecordLocation]) -> None:
+        """Publish in this commit records another process wrote into packs reserved with
+        ``reserve_packs`` (pack stores only; engine/adopt.py lists the checks)."""
+        raise NotSupported(f"{type(self).__name__} cannot adopt records written elsewhere")
+
     @abc.abstractmethod
     def commit(self) -> CommitInfo: ...
 
@@ -162,6 +180,26 @@ class ObjectStore(abc.ABC):
 
     @abc.abstractmethod
     def has(self, oid: bytes) -> bool: ...
+
+    def missing(self, oids: Iterable[bytes]) -> set[bytes]:
+        """Which of ``oids`` the store does not hold."""
+        return {bytes(o) for o in oids if not self.has(o)}
+
+    def reserve_packs(self, n: int, *, timeout: float | None = None) -> range:
+        """Reserve ``n`` pack numbers for ranks' sinks (pack stores only)."""
+        raise NotSupported(f"{type(self).__name__} has no packs to reserve")
+
+    def release_packs(self, packs: range) -> None:
+        """End the lease of a ``reserve_packs`` range (pack stores only)."""
+        raise NotSupported(f"{type(self).__name__} has no packs to release")
+
+    def locate(self, oids: Iterable[bytes]) -> dict[bytes, RecordLocation]:
+        """Where the records of ``oids`` lie (pack stores only); absent ids are left out."""
+        raise NotSupported(f"{type(self).__name__} has no record locations")
+
+    def locate_closure(self, oids: Iterable[bytes]) -> dict[bytes, RecordLocation]:
+        """``locate`` of ``oids`` and of all they reach by refs (pack stores only)."""
+        raise NotSupported(f"{type(self).__name__} has no record locations")
 
     @abc.abstractmethod
     def root(self, name: str) -> bytes | None: ...

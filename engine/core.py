@@ -99,34 +99,8 @@ class StoreCore:
     def read_entry(self, oid: bytes, entry: ix.ObjectEntry) -> Object | None:
         """Read and check one record; None when its pack vanished (gc moved it: look up
         again in a fresh transaction)."""
-        name = pack_name(entry.pack)
-        try:
-            data = self.readers.read(entry.pack, entry.offset, entry.length)
-        except FileNotFoundError:
-            return None
-        except OSError as exc:
-            raise store_error(f"cannot read pack {name}", exc) from exc
-        except (OverflowError, ValueError) as exc:  # an offset no file can have
-            raise CorruptObject(f"object {hexid(oid)}: index entry points at offset "
-                                f"{entry.offset} of pack {name}: {exc}", oid=oid, pack=name,
-                                offset=entry.offset) from exc
-        except CorruptObject as exc:  # a short read: the pack was truncated
-            raise CorruptObject(f"object {hexid(oid)}: {exc}", oid=oid, pack=name,
-                                offset=entry.offset) from exc
-        try:
-            rec = fmt.decode_record(data, 0, pack=name, dctx=self._dctx())
-        except CorruptObject as exc:
-            raise CorruptObject(
-                f"object {hexid(oid)} in pack {name} at offset {entry.offset} is corrupt: {exc}",
-                oid=oid, pack=name, offset=entry.offset,
-            ) from exc
-        h = rec.header
-        if h.oid != oid or h.rtype != fmt.RECORD_OBJECT or h.kind != entry.kind:
-            raise CorruptObject(
-                f"object {hexid(oid)}: pack {name} offset {entry.offset} holds "
-                f"{h.oid.hex()} instead", oid=oid, pack=name, offset=entry.offset,
-            )
-        return Object(h.kind, rec.refs, rec.payload)
+        return read_checked(self.readers, oid, entry.pack, entry.offset, entry.length,
+                            entry.kind, self._dctx())
 
     def read(self, oid: bytes) -> Object:
         """The checked object ``oid``, looked up again when a gc moved it meanwhile."""
@@ -141,3 +115,38 @@ class StoreCore:
         name = pack_name(entry.pack)
         raise CorruptObject(f"object {hexid(oid)}: pack {name} is missing", oid=oid,
                             pack=name, offset=entry.offset)
+
+
+def read_checked(readers: PackReaders, oid: bytes, pack: int, offset: int, length: int,
+                 kind: int, dctx: zstandard.ZstdDecompressor) -> Object | None:
+    """Read the record of ``oid`` at (pack, offset, length) and check checksum, id and
+    kind: the one checked read of the store and of ranks reading by location
+    (engine/located.py). None when the pack file is gone (gc moved the record)."""
+    name = pack_name(pack)
+    try:
+        data = readers.read(pack, offset, length)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise store_error(f"cannot read pack {name}", exc) from exc
+    except (OverflowError, ValueError) as exc:  # an offset no file can have
+        raise CorruptObject(f"object {hexid(oid)}: index entry points at offset "
+                            f"{offset} of pack {name}: {exc}", oid=oid, pack=name,
+                            offset=offset) from exc
+    except CorruptObject as exc:  # a short read: the pack was truncated
+        raise CorruptObject(f"object {hexid(oid)}: {exc}", oid=oid, pack=name,
+                            offset=offset) from exc
+    try:
+        rec = fmt.decode_record(data, 0, pack=name, dctx=dctx)
+    except CorruptObject as exc:
+        raise CorruptObject(
+            f"object {hexid(oid)} in pack {name} at offset {offset} is corrupt: {exc}",
+            oid=oid, pack=name, offset=offset,
+        ) from exc
+    h = rec.header
+    if h.oid != oid or h.rtype != fmt.RECORD_OBJECT or h.kind != kind:
+        raise CorruptObject(
+            f"object {hexid(oid)}: pack {name} offset {offset} holds "
+            f"{h.oid.hex()} instead", oid=oid, pack=name, offset=offset,
+        )
+    return Object(h.kind, rec.refs, rec.payload)

@@ -21,6 +21,14 @@ POINTS = (
     "gc.after_delete",            # old pack files deleted
 )
 
+# The distributed commit's own points (docs/FORMAT.md "Distributed commit"); the writer's
+# points above apply to the coordinator's commit too. Covered by tests/engine/test_dist*.
+DIST_POINTS = (
+    "sink.after_pack_write",      # a rank's records appended, its packs not sealed
+    "sink.after_seal",            # a rank's packs sealed and fsync'ed, not yet reported
+    "adopt.after_check",          # coordinator checked the adopted records, nothing published
+)
+
 _counts: dict[str, int] = {}
 
 

@@ -2,6 +2,7 @@
 
     StoreError                 any failure of the object store
     ├── ObjectNotFound         an id (or root) that the index does not hold
+    │   └── PackMoved          a located record's pack is gone (gc moved it): locate again
     ├── CorruptObject          bytes that fail their checksum or id (names pack + offset)
     │   └── GCRefused          gc met a reachable ref it cannot trust and deleted nothing
     ├── StoreLocked            another writer holds the store
@@ -9,7 +10,9 @@
     │   └── StaleIndex         an index behind its packs that could not be brought up to date
     ├── RootExists             create_root of a name that exists at commit (nothing published)
     ├── ReadOnly               a write on a store opened with readonly=True
-    └── StoreClosed            use of a closed store, or of a store across fork()
+    ├── StoreClosed            use of a closed store, or of a store across fork()
+    └── NotSupported           an operation this kind of store cannot do (the memory twin
+                               has no packs to reserve, locate or adopt)
 
 Third-party errors (lmdb, zstandard, OSError) are translated at the boundary with
 ``raise ... from exc``; none escape the engine untranslated.
@@ -29,6 +32,8 @@ __all__ = [
     "RootExists",
     "ReadOnly",
     "OptionsMismatch",
+    "PackMoved",
+    "NotSupported",
 ]
 
 
@@ -46,6 +51,15 @@ class ObjectNotFound(StoreError, KeyError):
 
     def __str__(self) -> str:  # KeyError would repr() the message
         return str(self.args[0])
+
+
+class PackMoved(ObjectNotFound):
+    """A record read by location (engine/located.py) is no longer in its pack: the pack
+    file is gone (a gc compacted it). Ask the coordinator for the object's location again."""
+
+
+class NotSupported(StoreError):
+    """The store cannot do this at all (e.g. reserve_packs on the in-memory twin)."""
 
 
 class CorruptObject(StoreError):

@@ -200,7 +200,10 @@ def stale_problem(store: StoreCore, *, full: bool = True) -> str | None:
         newest = _newest_seq(store, n)
         if newest is None:
             continue  # unsealed or damaged: a crash leftover, never a published pack
-        if not listed:
+        if not listed and newest >= 0:
+            # Only a pack with a roots record proves a lost index: a sealed pack without
+            # one is a rank's pack of a distributed put that never committed (or data no
+            # root reached), which gc reclaims.
             return (f"the index lists no pack but sealed pack {pack_name(n)} exists "
                     "(index emptied or lost)")
         if newest > seq:

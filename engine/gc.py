@@ -25,6 +25,7 @@ from .api import GCReport, Problem, ProgressFn
 from .errors import CorruptObject, GCRefused
 from .fileio import allocated_bytes, fsync_dir, store_error
 from .ids import ID_SIZE, hexid
+from .lease import leased
 from .pack import PackSet, list_pack_files, pack_name, pack_path, read_trailer
 from .walk import Via, describe, walk
 
@@ -208,6 +209,11 @@ def collect(store: StoreCore, *, threshold: float, progress: ProgressFn | None) 
         progress(1, 3)
 
     plan = _plan(store, threshold, set(live.values()))
+    # Packs of a distributed put in flight (a live lease, engine/lease.py): unlisted until
+    # its commit adopts them, so neither dropped, rewritten nor deleted as leftovers.
+    held = leased(store.path)
+    plan.rewrite = [n for n in plan.rewrite if n not in held]
+    plan.drop = [n for n in plan.drop if n not in held]
     unreadable: list[Problem] = []
     out = PackSet(store.path, plan.next_pack, store.options.pack_target_size)
     published = False
@@ -243,7 +249,7 @@ def collect(store: StoreCore, *, threshold: float, progress: ProgressFn | None) 
     if progress:
         progress(2, 3)
 
-    deleted = _delete_unlisted(store, in_use)
+    deleted = _delete_unlisted(store, in_use | held)
     crashpoints.hit("gc.after_delete")
     if progress:
         progress(3, 3)

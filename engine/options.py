@@ -59,6 +59,19 @@ class EngineOptions:
         for f in fields(self):
             check_int(f.name, getattr(self, f.name), *_RANGES[f.name])
 
+    def to_wire(self) -> dict[str, int]:
+        """A plain dict (picklable, msgpack-able), for a coordinator to send to ranks."""
+        return asdict(self)
+
+    @classmethod
+    def from_wire(cls, wire: Mapping[str, Any]) -> EngineOptions:
+        """Inverse of ``to_wire``; unknown keys (a newer engine's) are ignored, missing
+        ones take the defaults; ValueError for values out of range."""
+        if not isinstance(wire, Mapping):
+            raise ValueError(f"engine options must be a mapping, got {type(wire).__name__}")
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in wire.items() if k in names})
+
     def persisted(self) -> dict[str, int]:
         """The map written to ``meta.options``."""
         return {k: v for k, v in asdict(self).items() if k in PERSISTED}

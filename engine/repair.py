@@ -23,6 +23,7 @@ from .api import Problem, RepairReport
 from .errors import CorruptObject
 from .fileio import fsync_dir, store_error
 from .ids import hexid
+from .lease import live_ranges
 from .options import read_stored
 from .pack import list_pack_files, pack_name, read_trailer, scan_records
 from .walk import Via, walk
@@ -203,7 +204,9 @@ def rebuild(store: StoreCore) -> RepairReport:
         old_next = old_seq = 0
     meta = {
         ix.META_VERSION: ix.U64.pack(fmt.FORMAT_VERSION),
-        ix.META_NEXT_PACK: ix.U64.pack(max(next_pack, old_next)),
+        # Past live leases too: their ranks may not have created every reserved pack yet.
+        ix.META_NEXT_PACK: ix.U64.pack(max(next_pack, old_next, *(
+            r.stop for r in live_ranges(store.path, clean=False)))),
         ix.META_SEQ: ix.U64.pack(max(seq, old_seq)),
         ix.META_SNAPSHOT_PACK: ix.I64.pack(snap_pack),
         ix.META_CHAIN: ix.chain_value(chosen.chain, chosen.delta_bytes, chosen.full_bytes),

@@ -41,10 +41,13 @@ from .errors import (
     FormatError,
     ReadOnly,
     StoreError,
+    StoreLocked,
 )
 from .fileio import allocated_bytes, makedirs_durable, store_error
 from .freshness import open_index, stale_problem
 from .ids import check_id
+from .lease import Leases
+from .location import RecordLocation
 from .lock import WriterLock
 from .options import EngineOptions, read_stored, resolve
 from .pack import pack_path
@@ -102,6 +105,7 @@ class PackStore(ObjectStore):
         self.opened_with_repair: RepairReport | None = None  # set when open had to rebuild
         # Weak, so a writer dropped without commit/abort is collected and unlocks.
         self._writer: weakref.ref[Writer] | None = None
+        self._leases = Leases(self.path)  # pack ranges reserved by this handle
         try:
             self._prepare_dir(create and not self.readonly)
             self._core = StoreCore(self.path, first, readonly=self.readonly,
@@ -245,7 +249,55 @@ class PackStore(ObjectStore):
         # A dead reference is this very writer being finalized (weakrefs clear first).
         if self._writer is not None and self._writer() in (w, None):
             self._writer = None
-            self._core.lock.release()
+            try:  # the put that reserved them is over: unadopted rank packs are orphans
+                self._leases.release_covering(getattr(w, "adopted_packs", set()))
+            finally:
+                self._core.lock.release()
+
+    # -- distributed put, coordinator side (engine/coordinator.py, FORMAT.md) --------
+    @_translated
+    def reserve_packs(self, n: int, *, timeout: float | None = None) -> range:
+        """Durably reserve ``n`` pack numbers for ranks' ``PackSink``s and lease them:
+        gc leaves their packs alone until a writer that adopted from the range commits or
+        aborts, ``release_packs`` is called, this handle closes or its process dies.
+        Takes the writer lock briefly (waiting up to ``timeout``); call it before opening
+        this handle's writer (StoreLocked otherwise: it would wait on itself)."""
+        from .coordinator import reserve
+
+        self._check_open()
+        self._check_writable("reserve_packs()")
+        if self._writer is not None and self._writer() is not None:
+            raise StoreLocked(f"store {self.path}: reserve_packs while this handle has an "
+                              "open writer; reserve before opening the writer")
+        with self._locked(timeout):
+            self._catch_up(full=False)
+            return reserve(self._core, self._leases, n)
+
+    def release_packs(self, packs: range) -> None:
+        """End the lease of a ``reserve_packs`` range (the put failed): its packs that no
+        commit adopted become orphans for the next gc. Unknown ranges are ignored."""
+        self._leases.release(packs)
+
+    def locate(self, oids: Iterable[bytes]) -> dict[bytes, RecordLocation]:
+        """Where the records of ``oids`` lie (one read txn); ids not held are absent."""
+        from .coordinator import locate
+
+        self._check_open()
+        return locate(self._core, oids)
+
+    def locate_closure(self, oids: Iterable[bytes]) -> dict[bytes, RecordLocation]:
+        """``locate`` of ``oids`` and everything they reach by refs (one read txn)."""
+        from .coordinator import locate_closure
+
+        self._check_open()
+        return locate_closure(self._core, oids)
+
+    def missing(self, oids: Iterable[bytes]) -> set[bytes]:
+        """Which of ``oids`` the store does not hold (one read txn)."""
+        from .coordinator import missing
+
+        self._check_open()
+        return missing(self._core, oids)
 
     # -- maintenance (phases live in gc.py, verify.py, repair.py) -------------------------
     @_translated
@@ -318,6 +370,7 @@ class PackStore(ObjectStore):
         w = self._writer() if self._writer is not None else None
         if w is not None:
             w.abort()
+        self._leases.close()
         core.close_files()
 
     def __repr__(self) -> str:

@@ -19,10 +19,12 @@ from . import crashpoints
 from . import format as fmt
 from . import index as ix
 from . import pack as pk
+from .adopt import Adoption
 from .api import CommitInfo, ObjectStore, Writer
 from .errors import CorruptObject, ObjectNotFound, RootExists, StoreClosed, StoreError
 from .fileio import store_error
 from .ids import MAX_ROOT_NAME, check_id, check_kind, check_root_name, hexid, object_id  # noqa: F401
+from .location import RecordLocation
 from .pack import PackSet
 
 if TYPE_CHECKING:
@@ -55,6 +57,7 @@ class PackWriter(Writer):
         self._payload_new = 0
         self._done = False
         self._broken: BaseException | None = None
+        self._adoption: Adoption | None = None  # records ranks wrote (engine/adopt.py)
 
     def _check(self) -> None:
         if self._done:
@@ -65,7 +68,27 @@ class PackWriter(Writer):
 
     def has(self, oid: bytes) -> bool:
         check_id(oid)
-        return bytes(oid) in self._new or self._store.has(oid)
+        oid = bytes(oid)
+        return (oid in self._new or self._adopted(oid)) or self._store.has(oid)
+
+    def _adopted(self, oid: bytes) -> bool:
+        return self._adoption is not None and oid in self._adoption.locs
+
+    def adopt(self, locs: Sequence[RecordLocation]) -> None:
+        """Publish, in this writer's commit, records another process wrote and sealed into
+        reserved packs (docs/FORMAT.md "Distributed commit"; checks in engine/adopt.py).
+        All of ``locs`` or none are taken; ids already held count as reused."""
+        self._check()
+        with self._lock:
+            if self._adoption is None:
+                self._adoption = Adoption(self._core)
+            own = {pf.number for pf in self._packs.files}
+            self._adoption.add(locs, pending=self._new, own_packs=own)  # type: ignore[arg-type]
+        crashpoints.hit("adopt.after_check")
+
+    @property
+    def adopted_packs(self) -> set[int]:
+        return set() if self._adoption is None else set(self._adoption.packs)
 
     def put(
         self,
@@ -101,7 +124,7 @@ class PackWriter(Writer):
         length = pk.record_length(record)
         with self._lock:
             self._check()
-            if oid in self._new:  # another thread put it meanwhile
+            if oid in self._new or self._adopted(oid):  # another thread put it meanwhile
                 self._reused += 1
                 return oid
             try:
@@ -118,11 +141,12 @@ class PackWriter(Writer):
 
     @property
     def payload_bytes_new(self) -> int:
-        return self._payload_new
+        adopted = 0 if self._adoption is None else self._adoption.payload_new
+        return self._payload_new + adopted
 
     def _absent(self, oids: tuple[bytes, ...]) -> set[bytes]:
         """Those of ``oids`` neither put in this writer nor indexed (one read txn)."""
-        pending = [o for o in oids if o not in self._new]
+        pending = [o for o in oids if o not in self._new and not self._adopted(o)]
         if not pending:
             return set()
         db = self._index.objects
@@ -174,8 +198,12 @@ class PackWriter(Writer):
             self._core.check_open()
             if self._broken is not None:
                 raise StoreError(f"cannot commit: a put failed earlier: {self._broken}")
-            if not self._new and not self._roots:
-                return CommitInfo(0, 0, self._reused)
+            adoption = self._adoption
+            if not self._new and not self._roots and not (adoption and adoption.locs):
+                return CommitInfo(0, 0, self._reused + (adoption.reused if adoption else 0))
+            if adoption is not None:
+                adoption.check_refs(self._new)  # type: ignore[arg-type]
+                adoption.sync()  # rank packs durable before this commit's roots record
             seq, snapshot_pack = self._append_snapshot()
             crashpoints.hit("writer.after_pack_write")
             self._packs.seal_and_sync()
@@ -183,6 +211,10 @@ class PackWriter(Writer):
             self._index.write(lambda txn: self._publish(txn, seq, snapshot_pack))
             published = True
             crashpoints.hit("writer.after_index_commit")
+            if adoption is not None:
+                return CommitInfo(self._bytes + adoption.bytes_new,
+                                  len(self._new) + len(adoption.locs),
+                                  self._reused + adoption.reused)
             return CommitInfo(self._bytes, len(self._new), self._reused)
         except OSError as exc:
             raise store_error("commit failed", exc) from exc
@@ -257,6 +289,8 @@ class PackWriter(Writer):
                                  "transaction was published", name=name)
         for oid, entry in self._new.items():
             txn.put(oid, entry.encode(oid), db=index.objects)
+        if self._adoption is not None:
+            self._adoption.publish(txn)
         for pf in self._packs.files:
             packed = ix.PackEntry(pf.size, pf.live, pf.live, pf.meta, pf.objects)
             txn.put(ix.pack_key(pf.number), packed.encode(), db=index.packs)

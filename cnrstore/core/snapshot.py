@@ -165,18 +165,20 @@ def _encode(name: str, rows: torch.Tensor, scheme: str, wide: bool, idx) -> torc
 
 
 def plan_table(name: str, table: torch.Tensor, *, scheme: str, base: TableState | None,
-               **kwargs) -> TablePlan:
+               wide: bool | None = None, **kwargs) -> TablePlan:
     """Plan the put of one table against its diff base (None: all blocks full).
     ``keep_full``: also keep every row's codes (TablePlan.full_codes).
 
     intN tables are encoded with fp16 scale/offset until a row needs fp32 ones (values
     beyond +-65504, docs/QUANTIZATION.md "Wide rows"); then the whole table is re-encoded
-    wide, and stays wide while its diff base is."""
+    wide, and stays wide while its diff base is. ``wide=True`` encodes wide from the
+    start (a distributed put whose other part of the table needed it)."""
     width = math.prod(table.shape[1:])
-    wide = (
-        base is not None and base.scheme == scheme and base.dtype == table.dtype
-        and is_wide(scheme, table.dtype, width, base.row_nbytes)
-    )
+    if wide is None:
+        wide = (
+            base is not None and base.scheme == scheme and base.dtype == table.dtype
+            and is_wide(scheme, table.dtype, width, base.row_nbytes)
+        )
     try:
         return _plan_table(name, table, scheme=scheme, base=base, wide=wide, **kwargs)
     except NeedsWideQparams:

@@ -20,7 +20,7 @@ from typing import TypeVar
 import numpy as np
 
 from cnrstore.core.snapshot import FULL, TablePlan
-from cnrstore.core.tablestate import BlockSlot, dtype_name
+from cnrstore.core.tablestate import BlockSlot, TableState, dtype_name
 from cnrstore.errors import StepExists, WriteFailed
 from cnrstore.format.blocks import encode_full, encode_patch, plane_width
 from cnrstore.format.manifest import (
@@ -38,7 +38,7 @@ from engine import ObjectStore, RootExists, StoreError, Writer, object_id
 
 T = TypeVar("T")
 
-__all__ = ["StepInfo", "BackgroundWriter", "write_step"]
+__all__ = ["StepInfo", "BackgroundWriter", "write_step", "write_blocks", "write_nodes", "BaseGone"]
 
 
 @dataclass(frozen=True)
@@ -110,6 +110,13 @@ def _write_full(w, get, plan: TablePlan, slot, codes, elem: int, index: int) -> 
 
 
 def _write_table(w, plan: TablePlan, get) -> bytes:
+    write_blocks(w, plan, get)
+    return write_nodes(w, plan.name, plan.state)
+
+
+def write_blocks(w, plan: TablePlan, get) -> None:
+    """Put the blocks ``plan`` writes and fill every slot's id (``w`` needs ``put`` and
+    ``has``: an engine Writer, or a rank's collector in a distributed put)."""
     state = plan.state
     elem = plane_width(state.scheme, state.dtype.itemsize, state.row_nbytes)
     for bw in plan.writes:
@@ -159,7 +166,15 @@ def _write_table(w, plan: TablePlan, get) -> bytes:
             plan.rewritten_blocks += 1
         if slot.oid is None:
             raise _MissingBase(f"table {plan.name!r} block {i} refers to a missing block")
-    oids = [s.oid for s in slots if s.oid is not None]  # all of them, checked above
+
+
+def write_nodes(w, name: str, state: TableState) -> bytes:
+    """Put the segment nodes and the table node of ``state`` (every slot's id filled);
+    return the table node's id. The same nodes, so the same ids, for the same slots."""
+    slots = [s for s in state.slots if s is not None]
+    oids = [s.oid for s in slots if s.oid is not None]
+    if len(oids) != len(state.slots):
+        raise _MissingBase(f"table {name!r} refers to a missing block")
     seg_ids = []
     fan = state.fanout
     for j in range(0, len(state.slots), fan):
@@ -177,7 +192,7 @@ def _write_table(w, plan: TablePlan, get) -> bytes:
     state.segments = [(tuple(oids[j:j + fan]), sid)
                       for j, sid in zip(range(0, len(state.slots), fan), seg_ids)]
     tnode = TableNode(
-        name=plan.name,
+        name=name,
         shape=state.shape,
         dtype=dtype_name(state.dtype),
         scheme=state.scheme,

@@ -1,0 +1,284 @@
+"""DistributedStore: one checkpoint store written and read by every rank of a process group
+(DESIGN.md, "Next"; docs/ARCHITECTURE.md, "Many ranks").
+
+The group's first rank is the coordinator: it alone opens the store's index (a plain
+CheckpointStore at ``path``). The other ranks write pack files of the same directory and
+read records by the locations the coordinator sends (cnrstore/dist/transfer.py). Every
+method is collective: every rank calls it, in the same order, and every rank returns the
+same result or raises the same error. The store runs its collectives on gloo groups of
+its own (one for the calling thread, one for the background writer), so they never
+interleave with the training's collectives or with each other.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch.distributed as dist
+
+from cnrstore.core.options import Options, make_options
+from cnrstore.core.snapshot import HostBuffers
+from cnrstore.core.store import CheckpointStore
+from cnrstore.core.store import open as open_plain
+from cnrstore.core.writer import BackgroundWriter, StepInfo
+from cnrstore.dist import put as dput
+from cnrstore.dist import read, transfer
+from cnrstore.dist.comm import Comm, rebuild_error, wire_error
+from cnrstore.errors import CheckpointError, InvalidInput, translating
+
+__all__ = ["DistributedStore", "open_distributed"]
+
+_DEFAULT_TIMEOUT = 300.0
+
+
+class DistributedStore:
+    """A checkpoint store shared by the ranks of a process group; open it with
+    ``cnrstore.open(path, group=pg)``. Same methods as CheckpointStore, all collective."""
+
+    def __init__(self, path: str | os.PathLike, options: Options | None, *, group: Any,
+                 timeout: float = _DEFAULT_TIMEOUT, **kwargs: Any):
+        if not dist.is_available() or not dist.is_initialized():
+            raise InvalidInput("cnrstore.open(group=...): torch.distributed is not "
+                               "initialized (call dist.init_process_group first)")
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+            raise InvalidInput(f"timeout must be a positive number of seconds, got {timeout!r}")
+        self.path = os.fspath(path)
+        ranks = dist.get_process_group_ranks(group)
+        self.comm = Comm(ranks, float(timeout))      # the calling thread's collectives
+        self.wcomm = Comm(ranks, float(timeout))     # the background writer's
+        self.local: CheckpointStore | None = None
+        err: BaseException | None = None
+        resolved = None
+        if self.comm.coordinator:
+            try:
+                self.local = open_plain(path, options, **kwargs)
+                resolved = self.local.options
+            except BaseException as exc:
+                err = exc
+        else:
+            try:
+                make_options(options, {k: v for k, v in kwargs.items()
+                                       if k not in ("create", "compression_level", "readonly")})
+            except BaseException as exc:
+                err = exc
+        try:
+            got = self.comm.agree(err, "open", resolved)
+        except BaseException:
+            if self.local is not None:
+                self.local.close()
+            self.comm.close()
+            self.wcomm.close()
+            raise
+        self.options: Options = got[0]
+        assert self.options.decode_threads is not None
+        self.lock = threading.RLock()
+        self.writer = BackgroundWriter(max_inflight=self.options.max_inflight)
+        self.pool = ThreadPoolExecutor(self.options.decode_threads,
+                                       thread_name_prefix="cnr-dist-decode")
+        self.buffers = HostBuffers(keep=self.options.max_inflight + 1,
+                                   max_bytes=self.options.host_buffer_bytes)
+        self.states: dict[tuple[str, int], Any] = {}
+        self.segments: dict[str, list] = {}      # coordinator's segment id cache per table
+        self.pending: dict[int, Future] = {}
+        self.failed = False
+        self.closed = False
+        self.shard_leaf = _shard_leaf()
+        self.readers = transfer.Readers()   # pack files this rank reads by location
+
+    # -- plumbing ------------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return self.comm.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.comm.world
+
+    @property
+    def is_coordinator(self) -> bool:
+        return self.comm.coordinator
+
+    def check_open(self) -> None:
+        if self.closed:
+            raise CheckpointError("store is closed")
+
+    def from_coordinator(self, comm: Comm, what: str, fn: Callable[[], Any], *,
+                         scatter: bool = True) -> Any:
+        """``fn()`` run on the coordinator: a list with one answer per rank (``scatter``)
+        or one answer for all; its error is raised on every rank."""
+        box: Any = None
+        if comm.coordinator:
+            try:
+                value = fn()
+                box = [("ok", v) for v in value] if scatter else ("ok", value)
+            except BaseException as exc:
+                wire = ("err", wire_error(exc))
+                box = [wire] * comm.world if scatter else wire
+        got = comm.scatter(box, what) if scatter else comm.bcast(box, what)
+        if got[0] == "err":
+            raise rebuild_error(got[1], 0)
+        return got[1]
+
+    def coordinated(self, what: str, fn: Callable[[CheckpointStore], Any]) -> Any:
+        """Run ``fn(store)`` on the coordinator after every queued put, same result or
+        error on every rank."""
+        self.check_open()
+        self.drain()
+        return self.from_coordinator(self.comm, what, lambda: fn(self.coordinator_store),
+                                     scatter=False)
+
+    @property
+    def coordinator_store(self) -> CheckpointStore:
+        """The coordinator's plain store (only the coordinator has one)."""
+        if self.local is None:
+            raise CheckpointError("only the coordinator opens the store's index")
+        return self.local
+
+    def drain(self) -> None:
+        """Wait for this rank's queued puts (their rounds are collective: every rank's
+        writer finishes them)."""
+        self.writer.drain()
+
+    # -- lifetime ------------------------------------------------------------------------
+    @translating
+    def close(self) -> None:
+        """Wait for pending puts and close (collective unless a rank failed)."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self.writer.close()
+        finally:
+            self.pool.shutdown(wait=True)
+            self.readers.close()
+            if self.local is not None:
+                self.local.close()
+            self.wcomm.close()
+            self.comm.close()
+
+    def __enter__(self) -> DistributedStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- put -----------------------------------------------------------------------------
+    @translating
+    def put_tables(self, step: int, tables: Mapping, *, quant: Any = "exact",
+                   metadata: Mapping | None = None, blocking: bool = True,
+                   touched: Mapping | None = None) -> StepInfo | Future:
+        """Collective put. ``tables`` on each rank: name -> plain tensor (the whole table;
+        given on several ranks it is replicated and stored once), ``cnrstore.Shard`` or a
+        list of Shards (the rows this rank holds; all ranks' shards tile the table), or a
+        DTensor/ShardedTensor. ``touched``: per table, GLOBAL row ids of this rank's own
+        rows changed since the last put. ``step``, ``quant`` and ``metadata`` are the same
+        on every rank. Every rank gets the same StepInfo (its own ``stall_seconds``) or
+        the same error, and no step appears unless every rank's part was written."""
+        return dput.put(self, step, tables, quant=quant, metadata=metadata,
+                        blocking=blocking, touched=touched)
+
+    @translating
+    def put_state(self, step: int, state: Any, *, quant: Any = None,
+                  metadata: Mapping | None = None, blocking: bool = True,
+                  touched: Mapping | None = None) -> StepInfo | Future:
+        """Collective put_state: tensor leaves may be plain (replicated), Shards, DTensor
+        or ShardedTensor; the structure and Python leaves stored are the coordinator's."""
+        return read.put_state(self, step, state, quant=quant, metadata=metadata,
+                              blocking=blocking, touched=touched)
+
+    # -- get -----------------------------------------------------------------------------
+    @translating
+    def get_tables(self, step: int | None = None, *, names: Iterable[str] | None = None,
+                   rows: Mapping[str, slice] | None = None, device: Any = "cpu",
+                   out: Mapping | None = None) -> dict:
+        """Collective read; each rank asks for its own names and rows and reads only the
+        blocks overlapping them. ``out`` values may be tensors (the whole table) or
+        Shards (their rows, filled in place)."""
+        return read.get_tables(self, step, names=names, rows=rows, device=device, out=out)
+
+    @translating
+    def get_state(self, step: int | None = None, *, device: Any = "cpu") -> Any:
+        return read.get_state(self, step, device=device)
+
+    @translating
+    def load_state(self, step: int | None, state: Any, *, strict: bool = True) -> Any:
+        """Restore into ``state`` in place: plain tensors get the whole table, Shards,
+        DTensor and ShardedTensor leaves their own rows."""
+        return read.load_state(self, step, state, strict=strict)
+
+    @translating
+    def metadata(self, step: int | None = None) -> dict:
+        return self.coordinated("metadata", lambda s: s.metadata(step))
+
+    # -- maintenance ---------------------------------------------------------------------
+    @translating
+    def steps(self) -> list[int]:
+        return self.coordinated("steps", lambda s: s.steps())
+
+    @translating
+    def delete_step(self, step: int) -> None:
+        return self.coordinated("delete_step", lambda s: s.delete_step(step))
+
+    @translating
+    def delete_steps(self, steps: Iterable[int]) -> list[int]:
+        steps = list(steps) if not isinstance(steps, (str, bytes)) else steps
+        return self.coordinated("delete_steps", lambda s: s.delete_steps(steps))
+
+    @translating
+    def rollback(self, step: int) -> list[int]:
+        deleted = self.coordinated("rollback", lambda s: s.rollback(step))
+        if deleted:  # the diff bases describe the rolled-back branch
+            self.states.clear()
+        return deleted
+
+    @translating
+    def gc(self, keep_last: int | None = None, keep: Iterable[int] = (), *,
+           threshold: float = 0.25) -> Any:
+        keep = list(keep) if not isinstance(keep, (str, bytes)) else keep
+        report = self.coordinated("gc", lambda s: s.gc(keep_last, keep, threshold=threshold))
+        self._drop_missing()
+        return report
+
+    def _drop_missing(self) -> None:
+        """After gc: forget base slots whose blocks are gone (written full next time)."""
+        oids = sorted({s.oid for st in self.states.values() for s in st.slots
+                       if s is not None and s.oid is not None})
+        got = self.comm.all_gather(oids, "gc: bases")
+        gone = self.from_coordinator(self.comm, "gc: bases", lambda: sorted(
+            transfer.missing(self.coordinator_store.objects, sorted({o for g in got for o in g}))),
+            scatter=False)
+        if gone:
+            gone_set = set(gone)
+            for st in self.states.values():
+                st.drop_missing(lambda oid: oid not in gone_set)
+
+    @translating
+    def verify(self, *, deep: bool = True) -> Any:
+        return self.coordinated("verify", lambda s: s.verify(deep=deep))
+
+    @translating
+    def stats(self) -> Any:
+        return self.coordinated("stats", lambda s: s.stats())
+
+    def __repr__(self) -> str:
+        return (f"DistributedStore({self.path!r}, rank={self.rank}/{self.world_size}, "
+                f"block_rows={self.options.rows})")
+
+
+def _shard_leaf() -> Callable[[Any], Any] | None:
+    try:
+        from cnrstore.dist.leaves import shard_leaf
+    except ImportError:
+        return None
+    return shard_leaf
+
+
+@translating
+def open_distributed(path: str | os.PathLike, options: Options | None = None, *, group: Any,
+                     **kwargs: Any) -> DistributedStore:
+    """Collective open (cnrstore.open with ``group``)."""
+    return DistributedStore(path, options, group=group, **kwargs)

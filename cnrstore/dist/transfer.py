@@ -1,0 +1,161 @@
+"""How objects travel between ranks and the coordinator's store (docs/FORMAT.md,
+"Distributed commit").
+
+A rank never opens the LMDB index: it writes the objects of its blocks into pack files
+whose numbers the coordinator reserved (``engine.PackSink``) and reports their locations;
+the coordinator adopts them into its one commit (``Writer.adopt``). For a read, the
+coordinator sends the locations of the records a rank needs (``locate_closure``) and the
+rank reads them from the pack files (``engine.LocatedObjects``), so core/restore.py runs
+unchanged on it. A store that is not a pack store (no ``reserve_packs``) gets the bytes
+themselves through the process group instead: same protocol, only slower.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import engine
+from engine import EngineOptions, Object, ObjectStore, RecordLocation, object_id
+
+__all__ = ["Uploader", "grants", "release", "adopt", "missing", "locate", "reader"]
+
+
+def _located(objects: ObjectStore) -> bool:
+    return isinstance(objects, engine.PackStore)
+
+
+def missing(objects: ObjectStore, oids: list[bytes]) -> set[bytes]:
+    """Those of ``oids`` the coordinator's store lacks."""
+    if isinstance(objects, engine.PackStore):
+        return set(objects.missing(oids))
+    return {o for o in oids if not objects.has(o)}
+
+
+def grants(objects: ObjectStore, nbytes: list[int]) -> list[Any]:
+    """Per rank, what its Uploader may write into: reserved (leased) pack numbers, enough
+    for ``nbytes`` of records, or inline. Call before the coordinator's writer opens."""
+    if not isinstance(objects, engine.PackStore):
+        return [("inline",) for _ in nbytes]
+    target = objects.pack_target_size
+    wire = objects.options.to_wire()
+    path = os.fspath(objects.path)
+    out: list[Any] = []
+    for n in nbytes:
+        # Records may be a little larger than payloads (incompressible data): one spare.
+        k = n // target + 2 if n else 0
+        out.append(("packs", path, objects.reserve_packs(k) if k else range(0), wire))
+    return out
+
+
+def release(objects: ObjectStore, given: list[Any]) -> None:
+    """End the leases of ``grants`` whose put failed (their packs become gc's orphans)."""
+    if isinstance(objects, engine.PackStore):
+        for g in given:
+            if g[0] == "packs" and len(g[2]):
+                objects.release_packs(g[2])
+
+
+class Uploader:
+    """A rank's side of one put: ``put`` the objects assigned to it, ``seal`` returns what
+    the coordinator adopts (locations, or the objects inline)."""
+
+    def __init__(self, grant: Any):
+        self._inline: list[tuple[int, tuple[bytes, ...], bytes]] = []
+        self._sink: engine.PackSink | None = None
+        if grant[0] == "packs" and len(grant[2]):
+            _, path, packs, wire = grant
+            self._sink = engine.PackSink(path, packs, EngineOptions.from_wire(wire))
+
+    def put(self, kind: int, payload: bytes, refs: tuple[bytes, ...]) -> None:
+        if self._sink is not None:
+            self._sink.put(kind, payload, refs)
+        else:
+            self._inline.append((kind, tuple(refs), bytes(payload)))
+
+    def seal(self) -> Any:
+        if self._sink is not None:
+            return ("locs", [loc.to_wire() for loc in self._sink.seal()])
+        return ("inline", self._inline)
+
+    def discard(self) -> None:
+        if self._sink is not None:
+            self._sink.discard()
+
+
+def adopt(w: Any, sealed: list[Any]) -> tuple[int, int]:
+    """Add every rank's sealed objects to the coordinator's transaction ``w``; return
+    (record bytes, payload bytes) the ranks wrote."""
+    written = payload = 0
+    locs = []
+    for kind, data in sealed:
+        if kind == "locs":
+            for wire in data:
+                loc = RecordLocation.from_wire(wire)
+                locs.append(loc)
+                written += loc.length
+                payload += loc.raw_len
+        else:
+            for k, refs, p in data:
+                w.put(k, p, refs)
+                payload += len(p)
+    if locs:
+        w.adopt(locs)
+    return written, payload
+
+
+def locate(objects: ObjectStore, oids: list[bytes]) -> Any:
+    """What a rank needs to read ``oids`` and the patch chains under them."""
+    if isinstance(objects, engine.PackStore):
+        return ("locs", os.fspath(objects.path),
+                [loc.to_wire() for loc in objects.locate_closure(oids).values()])
+    seen: dict[bytes, tuple] = {}
+    todo = list(oids)
+    while todo:
+        oid = todo.pop()
+        if oid in seen:
+            continue
+        obj = objects.get(oid)
+        seen[oid] = (obj.kind, obj.refs, obj.payload)
+        todo.extend(obj.refs)
+    return ("inline", seen)
+
+
+class _Inline:
+    """The objects of an inline answer, read like a store (``get``; ids re-checked)."""
+
+    def __init__(self, objs: dict[bytes, tuple]):
+        self._objs = objs
+
+    def get(self, oid: bytes) -> Object:
+        from cnrstore.errors import CorruptData, MissingObject
+
+        if oid not in self._objs:
+            raise MissingObject(f"object {oid.hex()} was not sent to this rank", oid=oid)
+        kind, refs, payload = self._objs[oid]
+        if object_id(kind, refs, payload) != oid:
+            raise CorruptData(f"object {oid.hex()} arrived damaged", oid=oid)
+        return Object(kind, tuple(refs), payload)
+
+
+class Readers:
+    """One ``LocatedReader`` per store directory, kept open across reads of a handle."""
+
+    def __init__(self) -> None:
+        self._readers: dict[str, engine.LocatedReader] = {}
+
+    def source(self, answer: Any) -> Any:
+        """An object source (``get``) for a rank from ``locate``'s answer."""
+        if answer[0] == "locs":
+            _, path, wires = answer
+            r = self._readers.get(path)
+            if r is None:
+                r = self._readers[path] = engine.LocatedReader(path)
+            locs = [RecordLocation.from_wire(w) for w in wires]
+            return engine.LocatedObjects(r, {loc.oid: loc for loc in locs})
+        return _Inline(answer[1])
+
+    def close(self) -> None:
+        for r in self._readers.values():
+            r.close()
+        self._readers.clear()

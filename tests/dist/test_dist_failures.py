@@ -1,0 +1,82 @@
+"""All or nothing: bad input on one rank fails the put on every rank before anything is
+written; a rank SIGKILLed at any point of the distributed commit fails it on every
+survivor with RankFailed within the timeout, and no step appears (unless the coordinator
+had committed it), earlier steps restore exactly, verify is clean, gc reclaims the rank
+packs nobody adopted."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dist_util import BLOCK_ROWS, FANOUT, Failed, run
+from dist_workers import _table, bad_input, killed
+
+import cnrstore
+from engine.pack import list_pack_files
+
+
+@pytest.mark.parametrize("how,error", [("nan", "NonFiniteValues"), ("gap", "InvalidInput"),
+                                       ("dtype", "InvalidInput"), ("type", "InvalidType")])
+def test_bad_input_on_one_rank_fails_the_put_everywhere(tmp_path, how, error):
+    res = run(2, bad_input, str(tmp_path / "s"), how)
+    with cnrstore.open(tmp_path / "oracle", block_rows=BLOCK_ROWS, fanout=FANOUT) as o:
+        o.put_tables(1, {"t": _table(1)}, quant="int8")
+        want = o.put_tables(3, {"t": _table(3)}, quant="int8").tables
+    for r, got in enumerate(res):
+        assert not isinstance(got, Failed), got.trace
+        err, steps, tables, after = got
+        assert err is not None and err[0] == error, (r, err)
+        assert "rank" in err[1] and "'t'" in err[1], err
+        assert steps == [1] and after == [1, 3]
+        assert tables == want
+    assert res[0][0] == res[1][0]  # the same error on every rank
+
+
+POINTS = [  # (victim, point, step committed)
+    (1, "dist.rank_after_encode", False),
+    (1, "sink.after_pack_write", False),
+    (1, "sink.after_seal", False),
+    (1, "dist.rank_after_seal", False),
+    (0, "dist.rank_after_seal", False),
+    (0, "adopt.after_check", False),
+    (0, "dist.coord_before_commit", False),
+    (0, "writer.after_pack_fsync", True),    # its roots record is durable: rolled forward
+    (0, "dist.coord_after_commit", True),
+]
+
+
+def _check_store(path, committed: bool) -> None:
+    with cnrstore.open(path) as s:
+        assert s.steps() == ([1, 2] if committed else [1])
+        assert torch.equal(s.get_tables(1)["t"], _table(1))
+        if committed:
+            assert torch.equal(s.get_tables(2)["t"], _table(2))
+        assert s.verify().ok
+        s.gc(threshold=0.0)
+        assert s.verify().ok
+        # Every pack file left is one the index lists: the orphans are gone.
+        assert len(list_pack_files(s.objects.path)) == s.objects.stats().packs
+
+
+@pytest.mark.parametrize("victim,point,committed", [POINTS[3], POINTS[6]])
+def test_a_killed_rank_fails_the_put_on_every_survivor(tmp_path, victim, point, committed):
+    _killed(tmp_path, victim, point, committed)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("victim,point,committed", POINTS)
+def test_a_killed_rank_at_each_point_of_the_commit(tmp_path, victim, point, committed):
+    _killed(tmp_path, victim, point, committed)
+
+
+def _killed(tmp_path, victim, point, committed):
+    path = tmp_path / "s"
+    res = run(2, killed, str(path), victim, point, timeout=90, expect_dead=(victim,))
+    for r, got in enumerate(res):
+        if r == victim:
+            continue
+        assert not isinstance(got, Failed), got.trace
+        err, seconds = got
+        assert err is not None and err[0] == "RankFailed", err
+        assert seconds < 15 + 10, seconds
+    _check_store(path, committed)
