@@ -167,11 +167,15 @@ def unflatten(doc: dict, tensor: Callable[[str, tuple[int, ...]], torch.Tensor])
     return build(doc)
 
 
-def fill(given, doc: dict, *, strict: bool, path: str = ""):
+def fill(given, doc: dict, *, strict: bool, path: str = "",
+         is_tensor: Callable[[Any], bool] | None = None):
     """``given`` with its Python leaves replaced by the stored ones of ``doc`` (tensors are
     kept: the caller restored them in place). Containers are rebuilt with the given types;
-    entries ``doc`` lacks are kept as they are (strict checking happens before)."""
-    if isinstance(given, torch.Tensor):
+    entries ``doc`` lacks are kept as they are (strict checking happens before).
+    ``is_tensor``: what else the caller restored in place as a tensor leaf (the
+    distributed store's Shards)."""
+    if isinstance(given, torch.Tensor) or (is_tensor is not None and "T" in doc
+                                           and is_tensor(given)):
         return given
     if isinstance(given, Mapping) and "d" in doc:
         stored = {key: child for key, child in doc["d"]}
@@ -180,7 +184,8 @@ def fill(given, doc: dict, *, strict: bool, path: str = ""):
             text = _key_text(key, path)
             sub = f"{path}{SEP}{text}" if path else text
             if key in stored:
-                out[key] = fill(child, stored[key], strict=strict, path=sub)
+                out[key] = fill(child, stored[key], strict=strict, path=sub,
+                                is_tensor=is_tensor)
             elif strict:
                 raise InvalidInput(f"state entry {sub!r} is not in the stored state")
         return out
@@ -189,7 +194,8 @@ def fill(given, doc: dict, *, strict: bool, path: str = ""):
         if strict and len(given) > len(seq):
             raise InvalidInput(f"state entry {path!r} has {len(given)} items, the stored "
                                f"state {len(seq)}")
-        items = [fill(c, seq[i], strict=strict, path=f"{path}{SEP}{i}" if path else str(i))
+        items = [fill(c, seq[i], strict=strict, path=f"{path}{SEP}{i}" if path else str(i),
+                      is_tensor=is_tensor)
                  if i < len(seq) else c for i, c in enumerate(given)]
         return tuple(items) if isinstance(given, tuple) else items
     if "p" in doc:

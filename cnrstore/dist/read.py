@@ -233,8 +233,14 @@ def put_state(ds: DistributedStore, step: Any, state: Any, *, quant: Any, metada
         quant = "exact"
     elif isinstance(quant, str) and quant != "exact":
         quant = {"*": quant}
-    return dput.put(ds, step, tables, quant=quant, metadata=metadata, blocking=blocking,
+    # touched= may be TorchRec's ModelDeltaTracker (cnrstore/dist/torchrec.py)
+    from cnrstore.dist.torchrec import resolve_touched
+
+    touched, done = resolve_touched(touched, state)
+    info = dput.put(ds, step, tables, quant=quant, metadata=metadata, blocking=blocking,
                     touched=touched, state=flat.doc)
+    done()
+    return info
 
 
 def get_state(ds: DistributedStore, step: Any, *, device: Any) -> Any:
@@ -297,7 +303,9 @@ def load_state(ds: DistributedStore, step: Any, state: Any, *, strict: bool) -> 
     try:
         flat, sharded = box["flat"], box["sharded"]
         if doc is not None:
-            result = fill(state, doc, strict=strict)
+            result = fill(state, doc, strict=strict,
+                          is_tensor=lambda v: isinstance(v, Shard) or (
+                              ds.shard_leaf is not None and ds.shard_leaf(v) is not None))
         for n, (tm, ranges) in tables.items():
             leaf = sharded.get(n)
             if leaf is None:

@@ -22,7 +22,7 @@ LAYOUTS = {"ebc": {"t0": "tw:1", "t1": "rw", "t2": "twrw"},
 
 
 def _leaves(m):
-    leaves = {f"model/{k}": v for k, v in m.state_dict().items()}
+    leaves = {f"model/{k}": v for k, v in m.state_dict().items() if k != "scale"}
     for fqn, st in m.fused_optimizer.state_dict()["state"].items():
         for k, v in st.items():
             leaves[f"optim/{fqn}/{k}"] = v
@@ -52,7 +52,8 @@ def _worker(rank, world):
         res = m(kjt)
         for i, n in enumerate((20, 18, 11)):
             d = 8 if kind == "ebc" and i == 2 else 4
-            want = table(f"xmodel/{'embedding_bags' if kind == 'ebc' else 'embeddings'}"
+            coll = "embedding_bags" if kind == "ebc" else "embeddings"
+            want = table(f"xmodel/sparse.{coll}"
                          f".t{i}.weight", (n, d))[ids]
             got = res.to_dict()[f"f{i}"] if kind == "ebc" else res[f"f{i}"].values()
             torch.testing.assert_close(got, want)
@@ -61,7 +62,7 @@ def _worker(rank, world):
         m = trmodels.dmp("ebc", {"t0": "cw", "t1": "rw", "t2": "rw"}, world, dtensor=dtensor,
                          dims=(64, 4, 4))
         with pytest.raises(InvalidInput, match="columns"):
-            shard_leaf(m.state_dict()["embedding_bags.t0.weight"])
+            shard_leaf(m.state_dict()["sparse.embedding_bags.t0.weight"])
     dist.barrier()
     return out
 
@@ -72,12 +73,13 @@ def test_torchrec_state_rows():
     # every leaf named on every rank that holds it; those only some ranks hold (the fused
     # optimizer state of a table-wise table) are tiled by those ranks alone
     assert {k[2] for k in names if k[:2] == (True, "ebc")} >= {
-        "model/embedding_bags.t0.weight", "optim/embedding_bags.t2.weight/t2.momentum1"}
+        "model/sparse.embedding_bags.t0.weight",
+        "optim/sparse.embedding_bags.t2.weight/t2.momentum1"}
     for key in names:
         _, kind, name, gshape = key
         check_tiling([r[key] for r in per_rank if key in r], gshape, "x" + name)
     # row-wise Adagrad's per-row state is 1-D and sharded like its table
     for dtensor in (False, True):
-        mom = (dtensor, "ebc", "optim/embedding_bags.t1.weight/t1.momentum1", (18,))
+        mom = (dtensor, "ebc", "optim/sparse.embedding_bags.t1.weight/t1.momentum1", (18,))
         assert [s[0] for r in per_rank for s in r[mom]] == [0, 9]
     assert len({k[0] for k in names}) == 2 and len({k[1] for k in names}) == 2

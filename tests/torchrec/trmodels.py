@@ -15,13 +15,28 @@ def tables(kind: str = "ebc", rows=(20, 18, 11), dims=None):
             for i, (n, d) in enumerate(zip(rows, dims))]
 
 
-def module(kind: str = "ebc", **kw):
+def module(kind: str = "ebc", device: str = "meta", **kw):
     import torchrec
 
     cfg = tables(kind, **kw)
     if kind == "ebc":
-        return torchrec.EmbeddingBagCollection(tables=cfg, device=torch.device("meta"))
-    return torchrec.EmbeddingCollection(tables=cfg, device=torch.device("meta"))
+        return torchrec.EmbeddingBagCollection(tables=cfg, device=torch.device(device))
+    return torchrec.EmbeddingCollection(tables=cfg, device=torch.device(device))
+
+
+class Sparse(torch.nn.Module):
+    """The collection under a parent module, as in a real model: state_dict keys read
+    ``sparse.embedding_bags.t0.weight`` and TorchRec's delta tracker finds it there."""
+
+    def __init__(self, coll):
+        super().__init__()
+        self.sparse = coll
+        # a dense parameter: DMP wraps the dense part in DDP, as in any real model (and
+        # the tracker expects that wrapper); replicated on every rank
+        self.scale = torch.nn.Parameter(torch.ones(1))
+
+    def forward(self, kjt):
+        return self.sparse(kjt)
 
 
 def plan_for(m, layout: dict, world: int):
@@ -41,9 +56,9 @@ def plan_for(m, layout: dict, world: int):
             gens[name] = sp.column_wise(ranks=list(range(world)))
         else:
             raise ValueError(how)
-    mp = sp.construct_module_sharding_plan(m, gens, local_size=world, world_size=world,
+    mp = sp.construct_module_sharding_plan(m.sparse, gens, local_size=world, world_size=world,
                                            device_type="cpu")
-    return ShardingPlan({"": mp})
+    return ShardingPlan({"sparse": mp})
 
 
 def dmp(kind: str, layout: dict, world: int, *, dtensor: bool = False, optim: str = "rowwise",
@@ -57,29 +72,33 @@ def dmp(kind: str, layout: dict, world: int, *, dtensor: bool = False, optim: st
     from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
     torch.manual_seed(seed)
-    m = module(kind, **kw)
+    m = Sparse(module(kind, **kw))
     if optim == "rowwise":
-        apply_optimizer_in_backward(RowWiseAdagrad, m.parameters(), {"lr": 0.1})
+        apply_optimizer_in_backward(RowWiseAdagrad, m.sparse.parameters(), {"lr": 0.1})
     elif optim == "full_adagrad":  # FBGEMM's CPU kernels have no Adam; this state is 2-D
-        apply_optimizer_in_backward(torch.optim.Adagrad, m.parameters(), {"lr": 0.05})
+        apply_optimizer_in_backward(torch.optim.Adagrad, m.sparse.parameters(), {"lr": 0.05})
     env = ShardingEnv(world, dist.get_rank(), dist.group.WORLD, output_dtensor=dtensor)
     return DistributedModelParallel(m, env=env, device=torch.device("cpu"),
                                     plan=plan_for(m, layout, world))
 
 
-def batch(kind: str, seed: int, batch_size: int = 8, rows=(20, 18, 11)):
-    """A KeyedJaggedTensor of random ids for every feature (the same on every rank when the
-    seed is)."""
+def batch(kind: str, seed: int, batch_size: int = 12, rows=(20, 18, 11), rank: int = 0,
+          world: int = 1):
+    """Rank ``rank``'s part of a global batch of ``batch_size`` samples of random ids (the
+    global batch depends on the seed only, so any world size trains on the same samples)."""
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
     g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(0, 3, (len(rows) * batch_size,), generator=g)
-    vals = []
-    for i, n in enumerate(rows):
-        k = int(lengths[i * batch_size:(i + 1) * batch_size].sum())
-        vals.append(torch.randint(0, n, (k,), generator=g))
+    lo, hi = rank * batch_size // world, (rank + 1) * batch_size // world
+    lengths, values = [], []
+    for n in rows:
+        ln = torch.randint(0, 3, (batch_size,), generator=g)
+        ids = torch.randint(0, n, (int(ln.sum()),), generator=g)
+        start = torch.cat([torch.zeros(1, dtype=torch.int64), ln.cumsum(0)])
+        lengths.append(ln[lo:hi])
+        values.append(ids[int(start[lo]):int(start[hi])])
     return KeyedJaggedTensor(keys=[f"f{i}" for i in range(len(rows))],
-                             values=torch.cat(vals), lengths=lengths)
+                             values=torch.cat(values), lengths=torch.cat(lengths))
 
 
 def train_step(model, kind: str, kjt):
@@ -88,5 +107,11 @@ def train_step(model, kind: str, kjt):
         loss = sum(v.sum() for v in out.to_dict().values())
     else:
         loss = sum(v.values().sum() for v in out.values())
+    loss = loss * model.module.scale if hasattr(model, "module") else loss
+    # TorchRec divides embedding gradients by the world size (as DDP averages): scaled back,
+    # a row's gradient is its lookup count, exactly, at any world size
+    import torch.distributed as dist
+
+    loss = loss * (dist.get_world_size() if dist.is_initialized() else 1)
     loss.backward()
     return float(loss)
