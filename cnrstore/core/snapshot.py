@@ -213,14 +213,17 @@ def _plan_table(
 
     if cbase is not None and touched is not None and cbase.fingerprints is not None:
         # The caller tracked the touched rows: hash only those (and any new rows).
-        t = touched[touched < common]
+        t = torch.unique(touched[touched < common]).to(x.device)
         fp = torch.empty(rows, dtype=torch.int64, device=x.device)
         fp[:common] = cbase.fingerprints[:common].to(x.device)
         if t.numel():
             fp[t] = row_fingerprints(x[t])
         if rows > common:
             fp[common:] = row_fingerprints(x[common:])
-        changed = torch.unique(t).cpu().numpy()
+        # A touched row that holds what it held is not written: a tracker (TorchRec's
+        # ModelDeltaTracker) reports lookups, and a looked-up row need not have changed.
+        was = cbase.fingerprints[t.to(cbase.fingerprints.device)].to(x.device)
+        changed = t[fp[t] != was].cpu().numpy()
     else:
         fp = row_fingerprints(x)
         changed = (

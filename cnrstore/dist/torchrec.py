@@ -158,7 +158,14 @@ def _tracked_ids(tracker, consumer) -> dict[str, torch.Tensor]:
     for m in ("get_unique_ids", "get_delta_ids"):
         fn = getattr(tracker, m, None)
         if callable(fn):
-            got = fn(consumer) if consumer is not None else fn()
+            try:
+                got = fn(consumer) if consumer is not None else fn()
+            except ValueError as exc:
+                # TorchRec 1.9 raises "torch.cat(): expected a non-empty list of Tensors"
+                # when nothing was looked up since the last read: no touched row
+                if "non-empty" not in str(exc):
+                    raise
+                got = {}
             break
     else:
         raise InvalidType(f"{type(tracker).__name__} has no get_unique_ids/get_delta_ids")
