@@ -18,7 +18,7 @@ from typing import Any
 import engine
 from engine import EngineOptions, Object, ObjectStore, RecordLocation, object_id
 
-__all__ = ["Uploader", "grants", "release", "adopt", "missing", "locate", "reader"]
+__all__ = ["Uploader", "grants", "release", "adopt", "missing", "locate", "Readers"]
 
 
 def _located(objects: ObjectStore) -> bool:

@@ -69,3 +69,81 @@ def killed(rank: int, world: int, path: str, victim: int, point: str):
         err = (type(exc).__name__, str(exc))
     # No close: the group is broken; the process exits without waiting on dead peers.
     return err, time.monotonic() - t0
+
+
+def maintain(rank: int, world: int, path: str):
+    """Every maintenance call is collective: the same result (or error) on every rank."""
+    out: dict = {}
+    with _open(path) as s:
+        for step in (1, 2, 3):
+            s.put_tables(step, {"t": _mine(_table(step), rank, world)},
+                         metadata={"lr": 0.1 * step})
+        out["steps"] = s.steps()
+        s.delete_step(2)
+        out["after_delete"] = s.steps()
+        try:
+            s.delete_step(2)
+        except cnrstore.CheckpointError as exc:
+            out["delete_again"] = type(exc).__name__
+        out["rollback"] = s.rollback(1)
+        info = s.put_tables(4, {"t": _mine(_table(4), rank, world)}, metadata={"lr": 0.4})
+        out["tables4"] = info.tables
+        rep = s.gc(keep_last=1)
+        out["gc"] = (rep.steps_deleted, rep.steps_kept)
+        out["verify"] = s.verify().ok
+        out["stats"] = s.stats().steps
+        out["metadata"] = s.metadata(4)
+        try:
+            s.rollback(99)
+        except cnrstore.CheckpointError as exc:
+            out["rollback_missing"] = type(exc).__name__
+        # after gc the bases of dropped blocks are forgotten; the next put still works
+        out["tables5"] = s.put_tables(5, {"t": _mine(_table(5), rank, world)}).tables
+        out["back"] = torch.equal(s.get_tables(5, names=["t"])["t"], _table(5))
+    return out
+
+
+def layouts(step: int) -> dict:
+    g = torch.Generator().manual_seed(100 + step)
+    return {"rw": torch.randn(333, 5, generator=g),
+            "tw": torch.randn(64, 3, generator=g),
+            "tw2": torch.randint(0, 9, (50, 2), generator=g),
+            "dense": torch.randn(7, generator=g)}
+
+
+def save_layouts(rank: int, world: int, path: str):
+    """Row-wise (uneven), table-wise (one table per rank) and replicated tables."""
+    with _open(path) as s:
+        for step in (1, 2):
+            t = layouts(step)
+            cut = [0, 100, 333]
+            tables = {"rw": cnrstore.Shard(t["rw"][cut[rank]:cut[rank + 1]],
+                                           row_offset=cut[rank], rows=333),
+                      "dense": t["dense"]}
+            tables["tw" if rank == 0 else "tw2"] = t["tw" if rank == 0 else "tw2"]
+            s.put_tables(step, tables)
+    return True
+
+
+def restore_layouts(rank: int, world: int, path: str):
+    """Each rank reads its even share of every table's rows, via rows=, out=Shard and
+    load_state with Shards; plus the whole of one table."""
+    full = layouts(2)
+    with _open(path) as s:
+        rows, outs = {}, {}
+        for name, t in full.items():
+            n = t.shape[0]
+            lo, hi = n * rank // world, n * (rank + 1) // world
+            rows[name] = slice(lo, hi)
+            outs[name] = cnrstore.Shard(torch.empty_like(t[lo:hi]), row_offset=lo, rows=n)
+        got = s.get_tables(2, names=list(full), rows=rows)
+        filled = s.get_tables(2, out=outs)
+        state = {n: cnrstore.Shard(torch.zeros_like(full[n][rows[n]]),
+                                   row_offset=rows[n].start, rows=full[n].shape[0])
+                 for n in full}
+        s.load_state(2, state)
+        whole = s.get_tables(None, names=["tw"])["tw"]
+        ok = {n: (torch.equal(got[n], full[n][rows[n]]),
+                  torch.equal(filled[n].local, full[n][rows[n]]),
+                  torch.equal(state[n].local, full[n][rows[n]])) for n in full}
+        return ok, torch.equal(whole, full["tw"])
