@@ -13,3 +13,10 @@ if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
   .venv/bin/python -m pip install -q torch==2.13.0
 fi
 .venv/bin/python -m pip install -q -e ".[test,safetensors,plots,fuzz]"
+# TorchRec (tests/torchrec, `cnrstore demo --torchrec`): a TorchRec the environment already has
+# is kept; otherwise torchrec 1.9.2 goes in with --no-deps (its metadata pulls the CUDA
+# fbgemm-gpu) and its real dependencies come from the `torchrec` extra.
+if ! .venv/bin/python -c "import torchrec" >/dev/null 2>&1; then
+  .venv/bin/python -m pip install -q -e ".[torchrec]"
+  .venv/bin/python -m pip install -q --no-deps torchrec==1.9.2
+fi

@@ -1,0 +1,187 @@
+"""Sharded state leaves (ShardedTensor, DTensor) as the store's unit: rows of a table.
+
+``shard_leaf(x)`` names the rows THIS rank holds of a sharded leaf as ``cnrstore.Shard``s on
+the table's global row grid; ``fill_leaf(x, read)`` writes a restored table's rows into the
+leaf's local shards, in place. The distributed put_state/load_state call both for every
+tensor leaf of a state (DESIGN.md, "Next").
+
+Where the rows of a rank are recorded:
+- ShardedTensor: ``local_shards()``, each with ``metadata.shard_offsets``/``shard_sizes``.
+- DTensor built by TorchRec (its local tensor is a ``LocalShardsWrapper``): the wrapper's
+  ``local_shards()`` and ``local_offsets()``. TorchRec's placements do NOT describe this
+  layout (a table-wise table says Replicate, a table-row-wise one Shard(1)), so they are
+  ignored whenever the local tensor carries its own offsets.
+- Any other DTensor: its placements over its mesh. Along a Replicate mesh dimension only the
+  coordinate-0 rank contributes rows, so a replicated table is stored once; every replica is
+  filled on restore.
+
+A rank that holds no row of the table still gets one zero-row Shard: the table's name, row
+count, dtype and trailing shape are then known on every rank. A shard that does not span all
+columns (column-wise or grid sharding) is refused: the store's unit is the whole row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from cnrstore.dist.shard import Shard
+from cnrstore.errors import InvalidInput, InvalidType
+
+__all__ = ["shard_leaf", "fill_leaf", "is_sharded_leaf"]
+
+
+def _types() -> tuple[Any, Any]:
+    """(ShardedTensor, DTensor) classes, None where this torch build lacks them."""
+    if not torch.distributed.is_available():  # pragma: no cover - builds without distributed
+        return None, None
+    st: Any = None
+    dt: Any = None
+    try:
+        from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+        st = ShardedTensor
+    except ImportError:  # pragma: no cover - removed in some future torch
+        pass
+    try:
+        from torch.distributed.tensor import DTensor
+
+        dt = DTensor
+    except ImportError:  # pragma: no cover - torch < 2.4 has it under _tensor
+        try:
+            from torch.distributed import _tensor
+
+            dt = _tensor.DTensor
+        except ImportError:
+            pass
+    return st, dt
+
+
+def is_sharded_leaf(x) -> bool:
+    st, dt = _types()
+    return (st is not None and isinstance(x, st)) or (dt is not None and isinstance(x, dt))
+
+
+def _check_rows_only(what: str, offsets, sizes, gshape) -> None:
+    """Refuse a piece that does not hold whole rows of the global tensor."""
+    if len(offsets) != len(gshape) or len(sizes) != len(gshape):
+        raise InvalidInput(f"{what}: a shard of rank {len(sizes)} in a tensor of shape "
+                           f"{tuple(gshape)}")
+    if any(int(o) != 0 for o in offsets[1:]) or tuple(int(s) for s in sizes[1:]) != tuple(
+            int(g) for g in gshape[1:]):
+        raise InvalidInput(
+            f"{what} is sharded by columns (a shard at offset {tuple(int(o) for o in offsets)} "
+            f"of size {tuple(int(s) for s in sizes)} in a {tuple(int(g) for g in gshape)} "
+            "tensor); cnrstore stores whole rows: use a table-wise, row-wise or "
+            "table-row-wise plan for this table"
+        )
+
+
+def _pieces(x, *, for_fill: bool) -> list[tuple[torch.Tensor, int]] | None:
+    """(local tensor, global row offset) of each piece of ``x`` on this rank, or None when
+    ``x`` is not sharded. ``for_fill``: every replica counts (all must be restored);
+    otherwise only one replica of a replicated piece does (it is stored once)."""
+    if isinstance(x, Shard):  # already named (a placeholder of a rank that holds no row)
+        return [(x.local, x.row_offset)]
+    st_cls, dt_cls = _types()
+    if st_cls is not None and isinstance(x, st_cls):
+        gshape = tuple(x.size())
+        out = []
+        for s in x.local_shards():
+            md = s.metadata
+            _check_rows_only("ShardedTensor", md.shard_offsets, md.shard_sizes, gshape)
+            if tuple(s.tensor.shape) != tuple(md.shard_sizes):
+                raise InvalidInput(f"ShardedTensor: a local shard of shape "
+                                   f"{tuple(s.tensor.shape)}, its metadata says "
+                                   f"{tuple(md.shard_sizes)}")
+            out.append((s.tensor, int(md.shard_offsets[0])))
+        return out
+    if dt_cls is not None and isinstance(x, dt_cls):
+        gshape = tuple(x.shape)
+        local = x._local_tensor  # to_local() is an autograd op; the storage is what we need
+        if hasattr(local, "local_shards") and hasattr(local, "local_offsets"):
+            # TorchRec's LocalShardsWrapper (torchrec's copy or torch's own)
+            out = []
+            for t, off in zip(local.local_shards(), local.local_offsets()):
+                _check_rows_only("DTensor", tuple(off), tuple(t.shape), gshape)
+                out.append((t, int(off[0])))
+            return out
+        return _placed_piece(x, local, gshape, for_fill=for_fill)
+    return None
+
+
+def _placed_piece(x, local: torch.Tensor, gshape, *, for_fill: bool):
+    from torch.distributed.tensor import Replicate, Shard as PShard  # noqa: N811
+
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    mesh, placements = x.device_mesh, x.placements
+    coords = mesh.get_coordinate()
+    if coords is None:  # this rank is not in the mesh
+        return []
+    for dim, p in enumerate(placements):
+        if isinstance(p, Replicate):
+            if not for_fill and coords[dim] != 0:
+                return []
+        elif not isinstance(p, PShard):
+            raise InvalidInput(f"DTensor with placement {type(p).__name__} {p} (mesh dimension {dim}): only "
+                               "Shard and Replicate placements hold plain rows")
+    shape, offset = compute_local_shape_and_global_offset(gshape, mesh, placements)
+    _check_rows_only("DTensor", tuple(offset), tuple(shape), gshape)
+    if tuple(local.shape) != tuple(shape):
+        raise InvalidInput(f"DTensor: local tensor of shape {tuple(local.shape)}, its "
+                           f"placements give {tuple(shape)}")
+    return [(local, int(offset[0]))]
+
+
+def _global_shape(x) -> tuple[int, ...]:
+    return tuple(int(d) for d in (x.size() if callable(getattr(x, "size", None)) else x.shape))
+
+
+def shard_leaf(x) -> list[Shard] | None:
+    """This rank's rows of ``x`` as Shards (sorted by row offset), or None when ``x`` is not
+    a ShardedTensor, DTensor or Shard. Raises InvalidInput for a column-wise layout or a scalar."""
+    if isinstance(x, Shard):
+        return [x]
+    pieces = _pieces(x, for_fill=False)
+    if pieces is None:
+        return None
+    gshape = _global_shape(x)
+    if len(gshape) == 0:
+        raise InvalidInput("a sharded tensor of ndim 0 has no rows")
+    rows = gshape[0]
+    shards = sorted((Shard(t.detach(), row_offset=off, rows=rows)
+                     for t, off in pieces if t.shape[0] > 0), key=lambda s: s.row_offset)
+    if not shards:  # name the table on every rank, with its dtype and trailing shape
+        empty = torch.empty((0, *gshape[1:]), dtype=x.dtype)
+        shards = [Shard(empty, row_offset=0, rows=rows)]
+    return shards
+
+
+def fill_leaf(x, read: Callable[[int, int], torch.Tensor]) -> None:
+    """Fill ``x``'s local rows in place: each local piece holding global rows [lo, hi) gets
+    ``read(lo, hi)``. A plain tensor is filled whole (rows [0, len)). Shapes are checked
+    for every piece before anything is written."""
+    pieces = _pieces(x, for_fill=True)
+    if pieces is None:
+        if not isinstance(x, torch.Tensor):
+            raise InvalidType(f"fill_leaf: a tensor is needed, got {type(x).__name__}")
+        pieces = [(x, 0)] if x.ndim > 0 else [(x.reshape(1), 0)]
+    todo = [(t, off) for t, off in pieces if t.shape[0] > 0]
+    data = []
+    for t, off in todo:
+        rows = read(off, off + int(t.shape[0]))
+        if not isinstance(rows, torch.Tensor):
+            raise InvalidType(f"fill_leaf: read returned a {type(rows).__name__}")
+        if tuple(rows.shape) != tuple(t.shape):
+            if rows.numel() != t.numel() or rows.shape[0] != t.shape[0]:
+                raise InvalidInput(f"fill_leaf: rows {off}..{off + t.shape[0]} read as "
+                                   f"{tuple(rows.shape)}, the local shard is "
+                                   f"{tuple(t.shape)}; nothing was written")
+            rows = rows.reshape(t.shape)  # a [rows, 1] state read into a 1-D shard, or back
+        data.append(rows)
+    with torch.no_grad():
+        for (t, _), rows in zip(todo, data):
+            t.copy_(rows)
