@@ -147,3 +147,89 @@ def restore_layouts(rank: int, world: int, path: str):
                   torch.equal(filled[n].local, full[n][rows[n]]),
                   torch.equal(state[n].local, full[n][rows[n]])) for n in full}
         return ok, torch.equal(whole, full["tw"])
+
+
+def state_of(step: int) -> dict:
+    g = torch.Generator().manual_seed(200 + step)
+    return {"model": {"emb.weight": torch.randn(90, 4, generator=g),
+                      "rep.weight": torch.randn(12, 3, generator=g),
+                      "bias": torch.randn(5, generator=g)},
+            "optim": {"state": {0: {"step": torch.tensor(float(step))}}},
+            "epoch": step}
+
+
+def dtensor_state(rank: int, world: int, path: str):
+    """put_state of DTensor leaves (row-sharded and replicated) and plain tensors, then
+    load_state into fresh zero DTensors, and get_state."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+
+    def wrap(st: dict) -> dict:
+        m = st["model"]
+        return {"model": {"emb.weight": distribute_tensor(m["emb.weight"], mesh, [Shard(0)]),
+                          "rep.weight": distribute_tensor(m["rep.weight"], mesh,
+                                                          [Replicate()]),
+                          "bias": m["bias"]},
+                "optim": st["optim"], "epoch": st["epoch"]}
+
+    ids = []
+    with cnrstore.open(path, group=dist.group.WORLD, block_rows=BLOCK_ROWS, fanout=FANOUT,
+                       timeout=30) as s:
+        for step in (1, 2):
+            ids.append(s.put_state(step, wrap(state_of(step)),
+                                   quant={"model/*": "int8"}).tables)
+        fresh = wrap(state_of(0))
+        for t in (fresh["model"]["emb.weight"], fresh["model"]["rep.weight"],
+                  fresh["model"]["bias"]):
+            t.to_local().zero_() if hasattr(t, "to_local") else t.zero_()
+        back = s.load_state(2, fresh)
+        whole = s.get_state(2)
+    m = back["model"]
+    return (ids, back["epoch"], m["emb.weight"].to_local().clone(),
+            m["rep.weight"].to_local().clone(), m["bias"].clone(), whole)
+
+
+def tiling_tables(rows: int, seed: int, step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randn(rows, 3, generator=g)
+    if step > 1 and rows:
+        idx = torch.randint(0, rows, (max(1, rows // 10),), generator=g)
+        t[idx] += 1.0
+    return t
+
+
+def tiling_put(rank: int, world: int, path: str, spec: dict):
+    """Puts of one table tiled as ``spec["pieces"][rank]`` (a list of (lo, hi))."""
+    import torch.distributed as dist
+
+    ids = []
+    with cnrstore.open(path, group=dist.group.WORLD, block_rows=spec["block_rows"],
+                       fanout=3, timeout=30) as s:
+        for step in (1, 2):
+            t = tiling_tables(spec["rows"], spec["seed"], step)
+            mine = [cnrstore.Shard(t[lo:hi], row_offset=lo, rows=spec["rows"])
+                    for lo, hi in spec["pieces"][rank]]
+            if not mine:
+                mine = [cnrstore.Shard(t[:0], row_offset=0, rows=spec["rows"])]
+            ids.append(s.put_tables(step, {"t": mine}, quant=spec["quant"]).tables)
+    return ids
+
+
+def hung(rank: int, world: int, path: str, victim: int):
+    """Rank ``victim`` stops answering (it never enters step 2's put): the others must
+    raise RankFailed once the store's timeout passes, not hang."""
+    s = _open(path, timeout=4.0)
+    s.put_tables(1, {"t": _mine(_table(1), rank, world)})
+    if rank == victim:
+        time.sleep(12)
+        return "slept"
+    t0 = time.monotonic()
+    try:
+        s.put_tables(2, {"t": _mine(_table(2), rank, world)})
+        err = None
+    except cnrstore.CheckpointError as exc:
+        err = type(exc).__name__
+    return err, time.monotonic() - t0
