@@ -178,7 +178,7 @@ def _commit(ds: DistributedStore, job: Step, reports: list) -> StepInfo:
     try:
         commit_check(objects, job.step)()
         ensure_stored(objects, w, opt)
-        rank_bytes, rank_payload = transfer.adopt(w, [r[0] for r in reports])
+        transfer.adopt(w, [r[0] for r in reports])  # counted in w's bytes from here on
         table_ids = []
         logical = 0
         for name, gt in job.tables.items():
@@ -199,12 +199,12 @@ def _commit(ds: DistributedStore, job: Step, reports: list) -> StepInfo:
         crashpoints.hit("dist.coord_before_commit")
         node = StepNode(step=job.step, time=time.time(), tables=tuple(job.tables),
                         table_ids=tuple(table_ids), metadata=job.metadata,
-                        logical_bytes=logical, bytes_new=rank_payload + w.payload_bytes_new,
+                        logical_bytes=logical, bytes_new=w.payload_bytes_new,
                         rows_changed={n: changed.get(n, 0) for n in job.tables},
                         state=job.state)
         payload, refs = node.encode()
         root = w.put(KIND_STEP, payload, refs, meta=True)
-        bytes_new = node.bytes_new
+        bytes_new = w.payload_bytes_new
         w.create_root(root_name(job.step), root)
         commit = w.commit()
     except RootExists:
@@ -217,7 +217,7 @@ def _commit(ds: DistributedStore, job: Step, reports: list) -> StepInfo:
         raise
     crashpoints.hit("dist.coord_after_commit")
     return StepInfo(
-        step=job.step, root=root.hex(), bytes_written=commit.bytes_written + rank_bytes,
+        step=job.step, root=root.hex(), bytes_written=commit.bytes_written,
         logical_bytes=logical, rows_changed=dict(node.rows_changed),
         objects_new=commit.objects_new, objects_reused=commit.objects_reused,
         bytes_new=bytes_new, stall_seconds=job.stall,
