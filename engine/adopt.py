@@ -17,7 +17,7 @@ the packs itself (a pack's ``total`` counts every object record its trailer list
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Container, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -60,7 +60,7 @@ class Adoption:
     def payload_new(self) -> int:
         return sum(loc.raw_len for loc in self.locs.values())
 
-    def add(self, locs: Iterable[RecordLocation], *, pending: dict[bytes, object],
+    def add(self, locs: Iterable[RecordLocation], *, pending: Container[bytes],
             own_packs: set[int]) -> int:
         """Check and take ``locs`` (all or none of them); ``pending`` are the writer's own
         new ids, ``own_packs`` its pack numbers. Returns how many became new."""
@@ -166,7 +166,7 @@ class Adoption:
         finally:
             os.close(fd)
 
-    def check_refs(self, pending: dict[bytes, object]) -> None:
+    def check_refs(self, pending: Container[bytes]) -> None:
         """Every ref of every adopted record resolves: indexed, put or adopted
         (ObjectNotFound otherwise; the writer then publishes nothing)."""
         wanted = {r for loc in self.locs.values() for r in loc.refs
