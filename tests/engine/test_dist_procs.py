@@ -33,8 +33,10 @@ def run_worker(*args: str, crash: str | None = None) -> tuple[int, list[str], st
     return proc.returncode, proc.stdout.splitlines(), proc.stderr
 
 
-def coord(path, step: int, *, rank_crash: str = "-", crash: str | None = None):
-    return run_worker("coord", path, 3, step, 3, rank_crash, crash=crash)
+def coord(path, step: int, *, rank_crash: str = "-", crash: str | None = None,
+          gc_during: bool = False):
+    return run_worker("coord", path, 3, step, 3, rank_crash, "yes" if gc_during else "no",
+                      crash=crash)
 
 
 def reserved(lines: list[str]) -> range:
@@ -82,6 +84,14 @@ def test_three_rank_processes_and_a_coordinator_commit_one_step(seeded):
         store.repair()
         assert (store.roots(), store.stats()) == before
         assert store.verify(deep=True).ok
+
+
+def test_a_gc_in_another_process_spares_a_put_in_flight(seeded):
+    rc, lines, err = coord(seeded, 2, gc_during=True)
+    assert rc == 0, err
+    assert any(ln.startswith("other-gc rc=0 gc ") for ln in lines), lines
+    assert any(ln.startswith("committed 2 ") for ln in lines), (lines, err)
+    check_clean(seeded, [1, 2])
 
 
 @pytest.mark.parametrize("point", ["sink.after_pack_write", "sink.after_seal"])
