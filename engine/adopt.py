@@ -156,7 +156,8 @@ class Adoption:
                 refs = tuple(buf[fmt.RECORD_HEADER.size + i * ID_SIZE:
                                  fmt.RECORD_HEADER.size + (i + 1) * ID_SIZE]
                              for i in range(h.nrefs)) if h.nrefs == len(loc.refs) else None
-                if (h.oid != loc.oid or h.kind != loc.kind or refs != loc.refs
+                if (h.oid != loc.oid or h.rtype != fmt.RECORD_OBJECT or h.kind != loc.kind
+                        or refs != loc.refs
                         or h.raw_len != loc.raw_len or h.length != loc.length):
                     raise CorruptObject(f"cannot adopt {where}: the record's header (kind, "
                                         "refs, lengths) differs from the location",
