@@ -50,6 +50,7 @@ class Adoption:
         self._core = core
         self.locs: dict[bytes, RecordLocation] = {}
         self.packs: dict[int, _Pack] = {}
+        self.named: set[int] = set()  # every pack a location named, adopted or not
         self.reused = 0
 
     @property
@@ -68,6 +69,7 @@ class Adoption:
         for loc in batch:
             if not isinstance(loc, RecordLocation):
                 raise TypeError(f"adopt takes RecordLocations, got {type(loc).__name__}")
+        self.named.update(loc.pack for loc in batch)
         index = self._core.index
         wanted = sorted({loc.pack for loc in batch} - set(self.packs))
 

@@ -88,7 +88,9 @@ class PackWriter(Writer):
 
     @property
     def adopted_packs(self) -> set[int]:
-        return set() if self._adoption is None else set(self._adoption.packs)
+        """Every pack a location given to ``adopt`` named (adopted, or skipped because
+        its ids were held already): the leases over them end with this writer."""
+        return set() if self._adoption is None else set(self._adoption.named)
 
     def put(
         self,

@@ -448,3 +448,18 @@ def test_property_packs_needed_is_enough(sizes, target):
         locs = sink.seal()
         assert sum(loc.length for loc in locs) <= bound
         assert len(sink.pack_numbers) <= n
+
+
+def test_a_range_whose_records_were_all_held_already_is_released_too(pack_store):
+    objs = objects_for(1)
+    _, first = sink_write(pack_store, objs)
+    _, dup = sink_write(pack_store, objs)  # another rank wrote the same objects
+    with pack_store.writer() as w:
+        w.adopt(first)
+        w.set_root("r", first[-1].oid)
+    with pack_store.writer() as w:
+        w.adopt(dup)  # nothing new: its packs are not adopted, but the put is over
+    pack_store.gc(threshold=0.0)
+    assert not any(pack_path(pack_store.path, loc.pack).exists() for loc in dup)
+    assert all(pack_path(pack_store.path, loc.pack).exists() for loc in first)
+    assert pack_store.verify(deep=True).ok
