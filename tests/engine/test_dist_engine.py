@@ -463,3 +463,19 @@ def test_a_range_whose_records_were_all_held_already_is_released_too(pack_store)
     assert not any(pack_path(pack_store.path, loc.pack).exists() for loc in dup)
     assert all(pack_path(pack_store.path, loc.pack).exists() for loc in first)
     assert pack_store.verify(deep=True).ok
+
+
+def test_adopted_refs_may_resolve_to_objects_the_coordinator_puts_later(pack_store):
+    leaf = b"coordinator's leaf"
+    leaf_id = object_id(1, (), leaf)
+    packs = pack_store.reserve_packs(2)
+    sink = PackSink(pack_store.path, packs, pack_store.options)
+    node = sink.put(2, b"node", [leaf_id], meta=True)
+    w = pack_store.writer()
+    w.adopt(sink.seal())
+    assert w.put(1, leaf) == leaf_id  # resolved at commit, not at adopt
+    w.set_root("r", node)
+    info = w.commit()
+    assert (info.objects_new, info.objects_reused) == (2, 0)
+    assert pack_store.verify(deep=True).ok
+    assert pack_store.get(node).refs == (leaf_id,)
