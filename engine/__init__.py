@@ -39,7 +39,7 @@ from .located import LocatedObjects, LocatedReader
 from .location import RecordLocation, decode_locations, encode_locations
 from .memory import MemoryStore
 from .options import EngineOptions
-from .sink import PacksExhausted, PackSink
+from .sink import PacksExhausted, PackSink, packs_needed, record_bound
 from .store import PackStore, open  # noqa: A004 - engine.open(path) is the entry point
 
 __all__ = [
@@ -77,5 +77,7 @@ __all__ = [
     "decode_locations",
     "encode_locations",
     "object_id",
+    "packs_needed",
+    "record_bound",
     "open",
 ]

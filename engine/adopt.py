@@ -17,7 +17,7 @@ the packs itself (a pack's ``total`` counts every object record its trailer list
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Container, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -50,6 +50,7 @@ class Adoption:
         self._core = core
         self.locs: dict[bytes, RecordLocation] = {}
         self.packs: dict[int, _Pack] = {}
+        self.named: set[int] = set()  # every pack a location named, adopted or not
         self.reused = 0
 
     @property
@@ -60,7 +61,7 @@ class Adoption:
     def payload_new(self) -> int:
         return sum(loc.raw_len for loc in self.locs.values())
 
-    def add(self, locs: Iterable[RecordLocation], *, pending: dict[bytes, object],
+    def add(self, locs: Iterable[RecordLocation], *, pending: Container[bytes],
             own_packs: set[int]) -> int:
         """Check and take ``locs`` (all or none of them); ``pending`` are the writer's own
         new ids, ``own_packs`` its pack numbers. Returns how many became new."""
@@ -68,6 +69,7 @@ class Adoption:
         for loc in batch:
             if not isinstance(loc, RecordLocation):
                 raise TypeError(f"adopt takes RecordLocations, got {type(loc).__name__}")
+        self.named.update(loc.pack for loc in batch)
         index = self._core.index
         wanted = sorted({loc.pack for loc in batch} - set(self.packs))
 
@@ -156,7 +158,8 @@ class Adoption:
                 refs = tuple(buf[fmt.RECORD_HEADER.size + i * ID_SIZE:
                                  fmt.RECORD_HEADER.size + (i + 1) * ID_SIZE]
                              for i in range(h.nrefs)) if h.nrefs == len(loc.refs) else None
-                if (h.oid != loc.oid or h.kind != loc.kind or refs != loc.refs
+                if (h.oid != loc.oid or h.rtype != fmt.RECORD_OBJECT or h.kind != loc.kind
+                        or refs != loc.refs
                         or h.raw_len != loc.raw_len or h.length != loc.length):
                     raise CorruptObject(f"cannot adopt {where}: the record's header (kind, "
                                         "refs, lengths) differs from the location",
@@ -166,7 +169,7 @@ class Adoption:
         finally:
             os.close(fd)
 
-    def check_refs(self, pending: dict[bytes, object]) -> None:
+    def check_refs(self, pending: Container[bytes]) -> None:
         """Every ref of every adopted record resolves: indexed, put or adopted
         (ObjectNotFound otherwise; the writer then publishes nothing)."""
         wanted = {r for loc in self.locs.values() for r in loc.refs

@@ -31,7 +31,31 @@ from .options import EngineOptions
 
 class PacksExhausted(StoreError):
     """The sink needs a pack number beyond its reserved range: reserve more (size the
-    range by bytes / pack_target_size, plus one per pack kind)."""
+    range with ``packs_needed``)."""
+
+
+# A record is its 44-byte header, 16 bytes per ref, the stored payload (never more than
+# the raw one: zstd output is kept only when smaller) and an 8-byte checksum.
+RECORD_OVERHEAD = fmt.RECORD_HEADER.size + fmt.CHECKSUM.size
+
+
+def record_bound(payload_len: int, nrefs: int = 0) -> int:
+    """The most bytes one object's record takes in a pack."""
+    return RECORD_OVERHEAD + 16 * nrefs + payload_len
+
+
+def packs_needed(records: int, record_bytes: int, options: EngineOptions) -> int:
+    """How many pack numbers a sink may need for ``records`` objects of one kind (data,
+    or meta) whose records take ``record_bytes`` in all (sum of ``record_bound``).
+
+    A pack is rolled only when its size plus the next record exceeds the target, so of
+    k packs each of the first k - 1 plus the record after it holds more than
+    target - 16 (the header) bytes; every record is counted at most twice:
+    k <= 2 * bytes / (target - 16) + 1, and never more than one pack per record."""
+    if records <= 0:
+        return 0
+    room = options.pack_target_size - fmt.PACK_HEADER.size
+    return min(records, 2 * record_bytes // room + 1)
 
 
 class PackSink:

@@ -258,8 +258,9 @@ class PackStore(ObjectStore):
     @_translated
     def reserve_packs(self, n: int, *, timeout: float | None = None) -> range:
         """Durably reserve ``n`` pack numbers for ranks' ``PackSink``s and lease them:
-        gc leaves their packs alone until a writer that adopted from the range commits or
-        aborts, ``release_packs`` is called, this handle closes or its process dies.
+        gc leaves their packs alone until a writer given locations in the range commits
+        or aborts, ``release_packs`` is called, this handle closes or its process dies
+        (a range no location named stays leased until one of the latter: release it).
         Takes the writer lock briefly (waiting up to ``timeout``); call it before opening
         this handle's writer (StoreLocked otherwise: it would wait on itself)."""
         from .coordinator import reserve

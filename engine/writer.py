@@ -69,7 +69,7 @@ class PackWriter(Writer):
     def has(self, oid: bytes) -> bool:
         check_id(oid)
         oid = bytes(oid)
-        return (oid in self._new or self._adopted(oid)) or self._store.has(oid)
+        return oid in self._new or self._adopted(oid) or self._store.has(oid)
 
     def _adopted(self, oid: bytes) -> bool:
         return self._adoption is not None and oid in self._adoption.locs
@@ -83,12 +83,14 @@ class PackWriter(Writer):
             if self._adoption is None:
                 self._adoption = Adoption(self._core)
             own = {pf.number for pf in self._packs.files}
-            self._adoption.add(locs, pending=self._new, own_packs=own)  # type: ignore[arg-type]
+            self._adoption.add(locs, pending=self._new, own_packs=own)
         crashpoints.hit("adopt.after_check")
 
     @property
     def adopted_packs(self) -> set[int]:
-        return set() if self._adoption is None else set(self._adoption.packs)
+        """Every pack a location given to ``adopt`` named (adopted, or skipped because
+        its ids were held already): the leases over them end with this writer."""
+        return set() if self._adoption is None else set(self._adoption.named)
 
     def put(
         self,
@@ -202,7 +204,7 @@ class PackWriter(Writer):
             if not self._new and not self._roots and not (adoption and adoption.locs):
                 return CommitInfo(0, 0, self._reused + (adoption.reused if adoption else 0))
             if adoption is not None:
-                adoption.check_refs(self._new)  # type: ignore[arg-type]
+                adoption.check_refs(self._new)
                 adoption.sync()  # rank packs durable before this commit's roots record
             seq, snapshot_pack = self._append_snapshot()
             crashpoints.hit("writer.after_pack_write")

@@ -49,9 +49,12 @@ class Comm:
     def __init__(self, ranks: list[int], timeout: float):
         self.ranks = ranks
         self.timeout = timeout
+        # Not use_local_synchronization: its group name is a hash of the ranks, the same
+        # for both groups of a handle and for a reopened handle, and their rendezvous
+        # keys then collide (a hang, seen in tests). So, as for dist.new_group, every
+        # process of the default group takes part in opening the store.
         self.pg = dist.new_group(ranks, backend="gloo",
-                                 timeout=datetime.timedelta(seconds=timeout),
-                                 use_local_synchronization=True)
+                                 timeout=datetime.timedelta(seconds=timeout))
         self.rank = dist.get_rank(self.pg)
         self.world = dist.get_world_size(self.pg)
         self.broken: str | None = None

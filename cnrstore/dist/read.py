@@ -282,10 +282,9 @@ def load_state(ds: DistributedStore, step: Any, state: Any, *, strict: bool) -> 
             if leaf is None:
                 req[n] = ("whole", tuple(t.shape), str(t.dtype).removeprefix("torch."))
             else:
-                shards = [leaf] if isinstance(leaf, Shard) else ds.shard_leaf(leaf)
-                req[n] = ("shards", [(s.row_offset, s.row_end, tuple(s.local.shape[1:]),
-                                      str(s.local.dtype).removeprefix("torch."))
-                                     for s in shards])
+                req[n] = ("shards", [(off, off + int(t.shape[0]), tuple(t.shape[1:]),
+                                      str(t.dtype).removeprefix("torch."))
+                                     for t, off in _fill_pieces(leaf)])
         box["req"] = req
         return req
 
@@ -323,6 +322,16 @@ def load_state(ds: DistributedStore, step: Any, state: Any, *, strict: bool) -> 
         err = exc
     _finish(ds, err, "load_state: read")
     return result
+
+
+def _fill_pieces(leaf: Any) -> list[tuple[torch.Tensor, int]]:
+    """(local tensor, first global row) of every piece ``fill_leaf`` will fill: each
+    replica too, where a put stores one."""
+    if isinstance(leaf, Shard):
+        return [(leaf.local, leaf.row_offset)]
+    from cnrstore.dist.leaves import _pieces
+
+    return _pieces(leaf, for_fill=True) or []
 
 
 def _table_names(ds: DistributedStore, step: Any) -> list[str]:

@@ -18,7 +18,7 @@ from typing import Any
 import engine
 from engine import EngineOptions, Object, ObjectStore, RecordLocation, object_id
 
-__all__ = ["Uploader", "grants", "release", "adopt", "missing", "locate", "reader"]
+__all__ = ["Uploader", "grants", "release", "adopt", "missing", "locate", "Readers"]
 
 
 def _located(objects: ObjectStore) -> bool:
@@ -83,25 +83,18 @@ class Uploader:
             self._sink.discard()
 
 
-def adopt(w: Any, sealed: list[Any]) -> tuple[int, int]:
-    """Add every rank's sealed objects to the coordinator's transaction ``w``; return
-    (record bytes, payload bytes) the ranks wrote."""
-    written = payload = 0
+def adopt(w: Any, sealed: list[Any]) -> None:
+    """Add every rank's sealed objects to the coordinator's transaction ``w`` (the writer
+    counts them in its commit's bytes and objects)."""
     locs = []
     for kind, data in sealed:
         if kind == "locs":
-            for wire in data:
-                loc = RecordLocation.from_wire(wire)
-                locs.append(loc)
-                written += loc.length
-                payload += loc.raw_len
+            locs.extend(RecordLocation.from_wire(wire) for wire in data)
         else:
             for k, refs, p in data:
                 w.put(k, p, refs)
-                payload += len(p)
     if locs:
         w.adopt(locs)
-    return written, payload
 
 
 def locate(objects: ObjectStore, oids: list[bytes]) -> Any:

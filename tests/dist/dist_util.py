@@ -33,7 +33,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _main(rank: int, world: int, port: int, out: str, env: dict, fn, args) -> None:
+def _main(rank: int, world: int, port: int, out: str, env: dict, fn, args,
+          hang_after: float) -> None:
+    import faulthandler
+
+    faulthandler.dump_traceback_later(hang_after, exit=True)  # a hang shows where it hung
     os.environ.update(env.get("*", {}))
     os.environ.update(env.get(rank, {}))
     os.environ["OMP_NUM_THREADS"] = "1"
@@ -60,7 +64,8 @@ def run(world: int, fn, *args, timeout: float = 90.0, env: dict | None = None,
     port = free_port()
     tmp = tempfile.mkdtemp(prefix="cnr-dist-")
     outs = [os.path.join(tmp, f"rank{r}.pkl") for r in range(world)]
-    procs = [ctx.Process(target=_main, args=(r, world, port, outs[r], env or {}, fn, args))
+    procs = [ctx.Process(target=_main, args=(r, world, port, outs[r], env or {}, fn, args,
+                                             max(1.0, timeout - 5)))
              for r in range(world)]
     for p in procs:
         p.start()
@@ -185,3 +190,38 @@ def put_sequence(rank: int, world: int, path: str, seed: int, steps: int = 3,
         for r in futs:
             ids.append((r if blocking else r.result()).tables)
     return ids
+
+
+def oracle_reopened(path: str, seed: int, steps: int = 4) -> list[dict]:
+    """Single-process ids (and bytes written) when the last step is put from a fresh
+    handle (seeded)."""
+    import cnrstore
+
+    seq = sequence(seed, steps)
+    ids, written = [], []
+    for part in (seq[:-1], seq[-1:]):
+        with cnrstore.open(path, block_rows=BLOCK_ROWS, fanout=FANOUT) as s:
+            for step, tables, quant in part:
+                info = s.put_tables(step, tables, quant=quant)
+                ids.append(info.tables)
+                written.append(info.bytes_written)
+    return ids, written
+
+
+def put_reopened(rank: int, world: int, path: str, seed: int, steps: int = 4):
+    """put_sequence with the last step put from a freshly opened distributed store;
+    returns (ids, bytes written by the last put)."""
+    import torch.distributed as dist
+
+    import cnrstore
+
+    seq = sequence(seed, steps)
+    ids = []
+    for part in (seq[:-1], seq[-1:]):
+        with cnrstore.open(path, group=dist.group.WORLD, block_rows=BLOCK_ROWS,
+                           fanout=FANOUT, timeout=30) as s:
+            for step, tables, quant in part:
+                info = s.put_tables(step, rank_tables(tables, rank, world, seed), quant=quant,
+                                    blocking=False).result()
+                ids.append(info.tables)
+    return ids, info.bytes_written, info.logical_bytes

@@ -69,3 +69,167 @@ def killed(rank: int, world: int, path: str, victim: int, point: str):
         err = (type(exc).__name__, str(exc))
     # No close: the group is broken; the process exits without waiting on dead peers.
     return err, time.monotonic() - t0
+
+
+def maintain(rank: int, world: int, path: str):
+    """Every maintenance call is collective: the same result (or error) on every rank."""
+    out: dict = {}
+    with _open(path) as s:
+        for step in (1, 2, 3):
+            s.put_tables(step, {"t": _mine(_table(step), rank, world)},
+                         metadata={"lr": 0.1 * step})
+        out["steps"] = s.steps()
+        s.delete_step(2)
+        out["after_delete"] = s.steps()
+        try:
+            s.delete_step(2)
+        except cnrstore.CheckpointError as exc:
+            out["delete_again"] = type(exc).__name__
+        out["rollback"] = s.rollback(1)
+        info = s.put_tables(4, {"t": _mine(_table(4), rank, world)}, metadata={"lr": 0.4})
+        out["tables4"] = info.tables
+        rep = s.gc(keep_last=1)
+        out["gc"] = (rep.steps_deleted, rep.steps_kept)
+        out["verify"] = s.verify().ok
+        out["stats"] = s.stats().steps
+        out["metadata"] = s.metadata(4)
+        try:
+            s.rollback(99)
+        except cnrstore.CheckpointError as exc:
+            out["rollback_missing"] = type(exc).__name__
+        # after gc the bases of dropped blocks are forgotten; the next put still works
+        out["tables5"] = s.put_tables(5, {"t": _mine(_table(5), rank, world)}).tables
+        out["back"] = torch.equal(s.get_tables(5, names=["t"])["t"], _table(5))
+    return out
+
+
+def layouts(step: int) -> dict:
+    g = torch.Generator().manual_seed(100 + step)
+    return {"rw": torch.randn(333, 5, generator=g),
+            "tw": torch.randn(64, 3, generator=g),
+            "tw2": torch.randint(0, 9, (50, 2), generator=g),
+            "dense": torch.randn(7, generator=g)}
+
+
+def save_layouts(rank: int, world: int, path: str):
+    """Row-wise (uneven), table-wise (one table per rank) and replicated tables."""
+    with _open(path) as s:
+        for step in (1, 2):
+            t = layouts(step)
+            cut = [0, 100, 333]
+            tables = {"rw": cnrstore.Shard(t["rw"][cut[rank]:cut[rank + 1]],
+                                           row_offset=cut[rank], rows=333),
+                      "dense": t["dense"]}
+            tables["tw" if rank == 0 else "tw2"] = t["tw" if rank == 0 else "tw2"]
+            s.put_tables(step, tables)
+    return True
+
+
+def restore_layouts(rank: int, world: int, path: str):
+    """Each rank reads its even share of every table's rows, via rows=, out=Shard and
+    load_state with Shards; plus the whole of one table."""
+    full = layouts(2)
+    with _open(path) as s:
+        rows, outs = {}, {}
+        for name, t in full.items():
+            n = t.shape[0]
+            lo, hi = n * rank // world, n * (rank + 1) // world
+            rows[name] = slice(lo, hi)
+            outs[name] = cnrstore.Shard(torch.empty_like(t[lo:hi]), row_offset=lo, rows=n)
+        got = s.get_tables(2, names=list(full), rows=rows)
+        filled = s.get_tables(2, out=outs)
+        state = {n: cnrstore.Shard(torch.zeros_like(full[n][rows[n]]),
+                                   row_offset=rows[n].start, rows=full[n].shape[0])
+                 for n in full}
+        s.load_state(2, state)
+        whole = s.get_tables(None, names=["tw"])["tw"]
+        ok = {n: (torch.equal(got[n], full[n][rows[n]]),
+                  torch.equal(filled[n].local, full[n][rows[n]]),
+                  torch.equal(state[n].local, full[n][rows[n]])) for n in full}
+        return ok, torch.equal(whole, full["tw"])
+
+
+def state_of(step: int) -> dict:
+    g = torch.Generator().manual_seed(200 + step)
+    return {"model": {"emb.weight": torch.randn(90, 4, generator=g),
+                      "rep.weight": torch.randn(12, 3, generator=g),
+                      "bias": torch.randn(5, generator=g)},
+            "optim": {"state": {0: {"step": torch.tensor(float(step))}}},
+            "epoch": step}
+
+
+def dtensor_state(rank: int, world: int, path: str):
+    """put_state of DTensor leaves (row-sharded and replicated) and plain tensors, then
+    load_state into fresh zero DTensors, and get_state."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+
+    def wrap(st: dict) -> dict:
+        m = st["model"]
+        return {"model": {"emb.weight": distribute_tensor(m["emb.weight"], mesh, [Shard(0)]),
+                          "rep.weight": distribute_tensor(m["rep.weight"], mesh,
+                                                          [Replicate()]),
+                          "bias": m["bias"]},
+                "optim": st["optim"], "epoch": st["epoch"]}
+
+    ids = []
+    with cnrstore.open(path, group=dist.group.WORLD, block_rows=BLOCK_ROWS, fanout=FANOUT,
+                       timeout=30) as s:
+        for step in (1, 2):
+            ids.append(s.put_state(step, wrap(state_of(step)),
+                                   quant={"model/*": "int8"}).tables)
+        fresh = wrap(state_of(0))
+        for t in (fresh["model"]["emb.weight"], fresh["model"]["rep.weight"],
+                  fresh["model"]["bias"]):
+            t.to_local().zero_() if hasattr(t, "to_local") else t.zero_()
+        back = s.load_state(2, fresh)
+        whole = s.get_state(2)
+    m = back["model"]
+    return (ids, back["epoch"], m["emb.weight"].to_local().clone(),
+            m["rep.weight"].to_local().clone(), m["bias"].clone(), whole)
+
+
+def tiling_tables(rows: int, seed: int, step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randn(rows, 3, generator=g)
+    if step > 1 and rows:
+        idx = torch.randint(0, rows, (max(1, rows // 10),), generator=g)
+        t[idx] += 1.0
+    return t
+
+
+def tiling_put(rank: int, world: int, path: str, spec: dict):
+    """Puts of one table tiled as ``spec["pieces"][rank]`` (a list of (lo, hi))."""
+    import torch.distributed as dist
+
+    ids = []
+    with cnrstore.open(path, group=dist.group.WORLD, block_rows=spec["block_rows"],
+                       fanout=3, timeout=30) as s:
+        for step in (1, 2):
+            t = tiling_tables(spec["rows"], spec["seed"], step)
+            mine = [cnrstore.Shard(t[lo:hi], row_offset=lo, rows=spec["rows"])
+                    for lo, hi in spec["pieces"][rank]]
+            if not mine:
+                mine = [cnrstore.Shard(t[:0], row_offset=0, rows=spec["rows"])]
+            ids.append(s.put_tables(step, {"t": mine}, quant=spec["quant"]).tables)
+    return ids
+
+
+def hung(rank: int, world: int, path: str, victim: int):
+    """Rank ``victim`` stops answering (it never enters step 2's put): the others must
+    raise RankFailed once the store's timeout passes, not hang."""
+    s = _open(path, timeout=4.0)
+    s.put_tables(1, {"t": _mine(_table(1), rank, world)})
+    if rank == victim:
+        time.sleep(12)
+        return "slept"
+    t0 = time.monotonic()
+    try:
+        s.put_tables(2, {"t": _mine(_table(2), rank, world)})
+        err = None
+    except cnrstore.CheckpointError as exc:
+        err = type(exc).__name__
+    return err, time.monotonic() - t0

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from dist_util import BLOCK_ROWS, FANOUT, Failed, run
-from dist_workers import _table, bad_input, killed
+from dist_workers import _table, bad_input, hung, killed
 
 import cnrstore
 from engine.pack import list_pack_files
@@ -80,3 +80,12 @@ def _killed(tmp_path, victim, point, committed):
         assert err is not None and err[0] == "RankFailed", err
         assert seconds < 15 + 10, seconds
     _check_store(path, committed)
+
+
+def test_a_hung_rank_is_detected_by_the_timeout(tmp_path):
+    res = run(2, hung, str(tmp_path / "s"), 1, timeout=60)
+    assert res[1] == "slept"
+    err, seconds = res[0]
+    assert err == "RankFailed" and 3.5 < seconds < 12, res[0]
+    with cnrstore.open(tmp_path / "s") as s:
+        assert s.steps() == [1]

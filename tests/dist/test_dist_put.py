@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dist_util import Failed, oracle, put_sequence, run, sequence
+from dist_util import Failed, oracle, oracle_reopened, put_reopened, put_sequence, run, sequence
 
 import cnrstore
 
@@ -31,3 +31,19 @@ def test_table_ids_equal_a_single_process_put(tmp_path, world):
             if quant.get(name, "exact") == "exact":
                 assert torch.equal(back[name], t), name
         assert s.verify().ok
+
+
+def test_a_fresh_handle_seeds_its_bases_and_nonblocking_puts_match(tmp_path):
+    """The first put of a reopened distributed store diffs against the stored step (like a
+    single-process fresh handle: same ids, a fraction of the bytes), and puts with
+    blocking=False store the same objects."""
+    seed = 3
+    want, sizes = oracle_reopened(str(tmp_path / "oracle"), seed)
+    got = run(2, put_reopened, str(tmp_path / "dist"), seed)
+    for r, res in enumerate(got):
+        assert not isinstance(res, Failed), res.trace
+        ids, written, logical = res
+        assert ids == want, f"rank {r}"
+        # Record bytes as the single-process put's, plus pack headers and trailers of
+        # the ranks' packs; far below the first (full) put.
+        assert written < sizes[-1] + 2048 and written < sizes[0] / 2, (written, sizes)

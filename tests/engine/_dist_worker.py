@@ -55,8 +55,10 @@ def _cmd_rank(path: str, start: str, stop: str, wire: str, rank: str, step: str,
     say("sealed " + engine.encode_locations(locs).hex())
 
 
-def _cmd_coord(path: str, ranks: str, step: str, n: str, rank_crash: str) -> None:
-    """``rank_crash``: "-" or "RANK:POINT" (that rank SIGKILLs itself at POINT)."""
+def _cmd_coord(path: str, ranks: str, step: str, n: str, rank_crash: str,
+               gc_during: str = "no") -> None:
+    """``rank_crash``: "-" or "RANK:POINT" (that rank SIGKILLs itself at POINT);
+    ``gc_during`` "yes": another process runs gc after the ranks sealed, before adopt."""
     nranks = int(ranks)
     with engine.open(path) as store:
         per = 2  # one data pack and one meta pack per rank
@@ -87,6 +89,10 @@ def _cmd_coord(path: str, ranks: str, step: str, n: str, rank_crash: str) -> Non
             say(f"failed {failed}")
             return
         say(f"gathered {len(locs)}")
+        if gc_during == "yes":
+            gc = subprocess.run([sys.executable, str(HERE.parent / "_helpers.py"), "gc", path,
+                                 "0.0"], capture_output=True, text=True, timeout=60)
+            say(f"other-gc rc={gc.returncode} {gc.stdout.strip()} {gc.stderr.strip()[-300:]}")
         w = store.writer(timeout=30)
         w.adopt(locs)  # crash point adopt.after_check
         say("adopted")

@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import os
 import pickle
+import tempfile
 
 import msgpack
 import pytest
 from _helpers import make_payload, pack_files
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import engine
 from engine import (
@@ -19,6 +22,8 @@ from engine import (
     LocatedReader,
     PackSink,
     RecordLocation,
+    packs_needed,
+    record_bound,
 )
 from engine.errors import (
     CorruptObject,
@@ -389,3 +394,88 @@ def test_missing_and_locate_on_the_pack_store(pack_store):
     assert (loc.kind, loc.refs, loc.meta, loc.raw_len) == (2, (a,), True, 1)
     assert set(pack_store.locate_closure([b])) == {a, b}
     assert os.path.exists(pack_path(pack_store.path, loc.pack))
+
+
+# -- properties ---------------------------------------------------------------------------
+_objects = st.lists(
+    st.tuples(st.integers(1, 5), st.integers(0, 3000), st.booleans(), st.booleans(),
+              st.integers(0, 3)),
+    min_size=1, max_size=12)
+
+
+@settings(max_examples=20, deadline=None)
+@given(spec=_objects, level=st.sampled_from([0, 1, 3]), nonce=st.integers(0, 1 << 30))
+def test_property_sink_and_writer_write_the_same_records(spec, level, nonce):
+    """For any objects (sizes, compressible or not, meta or not, refs to earlier ones)
+    and compression level, the sink's records are the writer's, byte for byte."""
+    with tempfile.TemporaryDirectory() as d:
+        with engine.open(f"{d}/a", compression_level=level, pack_target_size=4096) as a, \
+                engine.open(f"{d}/b", compression_level=level, pack_target_size=4096) as b:
+            objs, ids = [], []
+            for i, (kind, size, compressible, meta, nrefs) in enumerate(spec):
+                payload = (bytes([i % 7]) * size if compressible
+                           else make_payload(nonce + i, size))
+                refs = tuple(ids[-nrefs:]) if nrefs and ids else ()
+                objs.append((kind, payload, refs, meta))
+                ids.append(object_id(kind, refs, payload))
+            bound = sum(record_bound(len(p), len(r)) for _, p, r, _ in objs)
+            packs = b.reserve_packs(2 * packs_needed(len(objs), bound, b.options))
+            sink = PackSink(b.path, packs, b.options)
+            with a.writer() as w:
+                for kind, payload, refs, meta in objs:
+                    assert w.put(kind, payload, refs, meta=meta) == sink.put(
+                        kind, payload, refs, meta=meta)
+            with b.writer() as w:
+                w.adopt(sink.seal())
+            for oid in set(ids):
+                assert record_bytes(a, oid) == record_bytes(b, oid)
+            assert a.verify(deep=True).ok and b.verify(deep=True).ok
+
+
+@settings(max_examples=60, deadline=None)
+@given(sizes=st.lists(st.integers(0, 5000), min_size=1, max_size=40),
+       target=st.sampled_from([1024, 2048, 4096, 10_000]))
+def test_property_packs_needed_is_enough(sizes, target):
+    """A range of ``packs_needed`` packs never runs out, whatever the record sizes."""
+    options = EngineOptions(compression_level=0, pack_target_size=target)
+    payloads = [make_payload(i, s) for i, s in enumerate(sizes)]
+    bound = sum(record_bound(len(p)) for p in payloads)
+    n = packs_needed(len(payloads), bound, options)
+    with tempfile.TemporaryDirectory() as d:
+        sink = PackSink(d, range(0, n), options)
+        for p in payloads:
+            sink.put(1, p)
+        locs = sink.seal()
+        assert sum(loc.length for loc in locs) <= bound
+        assert len(sink.pack_numbers) <= n
+
+
+def test_a_range_whose_records_were_all_held_already_is_released_too(pack_store):
+    objs = objects_for(1)
+    _, first = sink_write(pack_store, objs)
+    _, dup = sink_write(pack_store, objs)  # another rank wrote the same objects
+    with pack_store.writer() as w:
+        w.adopt(first)
+        w.set_root("r", first[-1].oid)
+    with pack_store.writer() as w:
+        w.adopt(dup)  # nothing new: its packs are not adopted, but the put is over
+    pack_store.gc(threshold=0.0)
+    assert not any(pack_path(pack_store.path, loc.pack).exists() for loc in dup)
+    assert all(pack_path(pack_store.path, loc.pack).exists() for loc in first)
+    assert pack_store.verify(deep=True).ok
+
+
+def test_adopted_refs_may_resolve_to_objects_the_coordinator_puts_later(pack_store):
+    leaf = b"coordinator's leaf"
+    leaf_id = object_id(1, (), leaf)
+    packs = pack_store.reserve_packs(2)
+    sink = PackSink(pack_store.path, packs, pack_store.options)
+    node = sink.put(2, b"node", [leaf_id], meta=True)
+    w = pack_store.writer()
+    w.adopt(sink.seal())
+    assert w.put(1, leaf) == leaf_id  # resolved at commit, not at adopt
+    w.set_root("r", node)
+    info = w.commit()
+    assert (info.objects_new, info.objects_reused) == (2, 0)
+    assert pack_store.verify(deep=True).ok
+    assert pack_store.get(node).refs == (leaf_id,)

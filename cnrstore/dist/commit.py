@@ -1,0 +1,226 @@
+"""The writer round of a distributed put, on every rank in step order (the store's second
+gloo group): encode the planned blocks, learn from the coordinator which the store lacks,
+write those into reserved packs and seal them, then the coordinator adopts every rank's
+records, builds the segment, table and step nodes with core/writer.py and commits the step
+in ONE engine transaction; its StepInfo or error reaches every rank (docs/FORMAT.md,
+"Distributed commit", lists the rules and crash points).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+from cnrstore.core.lineage import commit_check
+from cnrstore.core.options import ensure_stored
+from cnrstore.core.snapshot import TablePlan
+from cnrstore.core.tablestate import BlockSlot, TableState
+from cnrstore.core.writer import StepInfo, write_blocks, write_nodes
+from cnrstore.dist import layout, transfer
+from cnrstore.errors import StepExists, WriteFailed
+from cnrstore.format.manifest import KIND_STEP, StepNode, root_name
+from engine import RootExists, crashpoints, object_id
+
+__all__ = ["Step", "write", "CRASH_POINTS"]
+
+# The DistributedStore (cnrstore/dist/store.py): typed loosely, no import cycle.
+DistributedStore = Any
+
+# Named points of the distributed commit where crash tests SIGKILL a rank
+# (CNRSTORE_CRASH_AT, engine/crashpoints.py; docs/FORMAT.md "Distributed commit"). With
+# the engine's sink.*, adopt.* and writer.* points they cover every step of the protocol.
+CRASH_POINTS = (
+    "dist.rank_after_encode",     # blocks encoded and ids known; nothing written
+    "dist.rank_before_seal",      # a rank's records appended to its packs, not sealed
+    "dist.rank_after_seal",       # a rank's packs sealed, locations not yet reported
+    "dist.coord_before_commit",   # nodes built, records adopted; nothing published
+    "dist.coord_after_commit",    # the step is committed; ranks not yet told
+)
+
+
+@dataclasses.dataclass
+class Step:
+    """What the writer round of a step needs, from the planning on this rank."""
+
+    step: int
+    plans: list[tuple[str, int, TablePlan]]             # (table, first block, plan)
+    tables: dict[str, layout.GlobalTable]
+    schemes: dict[str, str]
+    rnb: dict[str, int]
+    metadata: dict
+    state: dict | None
+    stall: float
+
+
+
+class _Collector:
+    """Stands in for an engine Writer while a rank encodes its blocks: objects are kept
+    (with their ids) until the coordinator says which the store lacks."""
+
+    def __init__(self, known: set[bytes]):
+        self.objects: dict[bytes, tuple[int, bytes, tuple[bytes, ...]]] = {}
+        self.bases: set[bytes] = set()
+        self._known = known
+
+    def put(self, kind: int, payload: Any, refs: Any = (), *, meta: bool = False) -> bytes:
+        refs = tuple(bytes(r) for r in refs)
+        payload = bytes(payload)
+        oid = object_id(kind, refs, payload)
+        self.objects.setdefault(oid, (kind, payload, refs))
+        self.bases.update(r for r in refs if r not in self.objects)
+        return oid
+
+    def has(self, oid: bytes) -> bool:
+        return oid in self.objects or oid in self._known
+
+
+def write(ds: DistributedStore, job: Step) -> StepInfo:
+    """The writer round of one step, on every rank in step order (ds.wcomm)."""
+    try:
+        return _write_round(ds, job)
+    except BaseException:
+        ds.failed = True
+        raise
+
+
+def _write_round(ds: DistributedStore, job: Step) -> StepInfo:
+    comm = ds.wcomm
+    err: BaseException | None = None
+    coll = None
+    ask: Any = None
+    try:
+        known = {s.oid for _, _, p in job.plans for s in (p.base_slots or []) if s and s.oid}
+        coll = _Collector(known)
+        for _, _, plan in job.plans:
+            write_blocks(coll, plan, None)
+        ask = ([(o, len(v[1])) for o, v in coll.objects.items()], sorted(coll.bases))
+        crashpoints.hit("dist.rank_after_encode")
+    except BaseException as exc:
+        err = exc
+    asks = comm.agree(err, "put: blocks", ask)
+
+    def decide() -> list:
+        objects = ds.local.objects
+        allo = [o for oids, _ in asks for o, _ in oids]
+        bases = sorted({b for _, bs in asks for b in bs})
+        miss = transfer.missing(objects, allo + bases)
+        gone = [b for b in bases if b in miss]
+        if gone:
+            raise WriteFailed(job.step, f"base block {gone[0].hex()} is missing (an earlier "
+                                        "put failed or gc dropped it)")
+        taken: set[bytes] = set()
+        per, sizes = [], []
+        for oids, _ in asks:
+            mine = [o for o, _ in oids if o in miss and o not in taken]
+            taken.update(mine)
+            per.append(mine)
+            size = dict(oids)
+            sizes.append(sum(size[o] for o in mine))
+        given = transfer.grants(objects, sizes)
+        granted.extend(given)
+        return list(zip(per, given))
+
+    granted: list = []  # the coordinator's leases, ended whatever the outcome
+    try:
+        return _write_rest(ds, job, comm, coll, decide)
+    finally:
+        if granted:
+            transfer.release(ds.local.objects, granted)
+
+
+def _write_rest(ds: DistributedStore, job: Step, comm: Any, coll: Any, decide: Any
+                ) -> StepInfo:
+    assigned, grant = ds.from_coordinator(comm, "put: assign", decide)
+    err, report, up = None, None, None
+    try:
+        assert coll is not None
+        up = transfer.Uploader(grant)
+        for oid in assigned:
+            kind, payload, refs = coll.objects[oid]
+            up.put(kind, payload, refs)
+        crashpoints.hit("dist.rank_before_seal")
+        sealed = up.seal()
+        crashpoints.hit("dist.rank_after_seal")
+        slots = {(n, b0): [(s.oid, s.depth, s.chain_bytes) for s in p.state.slots
+                           if s is not None] for n, b0, p in job.plans}
+        changed: dict[str, int] = {}
+        for n, _, p in job.plans:
+            changed[n] = changed.get(n, 0) + p.rows_changed
+        report = (sealed, slots, changed)
+    except BaseException as exc:
+        err = exc
+        if up is not None:
+            up.discard()
+    reports = comm.agree(err, "put: sealed", report)
+    info = ds.from_coordinator(comm, "put: commit", lambda: _commit(ds, job, reports),
+                               scatter=False)
+    root = bytes.fromhex(info.root)
+    for _, _, p in job.plans:
+        p.state.anchor = (root_name(job.step), root)
+    return dataclasses.replace(info, stall_seconds=job.stall)
+
+
+def _commit(ds: DistributedStore, job: Step, reports: list) -> StepInfo:
+    """On the coordinator: adopt the ranks' records, build the nodes, commit the step."""
+    t0 = time.perf_counter()
+    objects = ds.local.objects
+    opt = ds.options
+    R = opt.rows
+    slots: dict[str, dict[int, list]] = {}
+    changed: dict[str, int] = {}
+    for _, sl, ch in reports:
+        for (n, b0), s in sl.items():
+            slots.setdefault(n, {})[b0] = s
+        for n, c in ch.items():
+            changed[n] = changed.get(n, 0) + c
+    w = objects.writer(timeout=opt.lock_timeout)
+    try:
+        commit_check(objects, job.step)()
+        ensure_stored(objects, w, opt)
+        transfer.adopt(w, [r[0] for r in reports])  # counted in w's bytes from here on
+        table_ids = []
+        logical = 0
+        for name, gt in job.tables.items():
+            dtype = gt.torch_dtype
+            logical += gt.rows * layout.width(gt.row_shape) * dtype.itemsize
+            flat: list[BlockSlot | None] = []
+            for b0 in sorted(slots.get(name, {})):
+                for i, (oid, depth, chain) in enumerate(slots[name][b0]):
+                    start = (b0 + i) * R
+                    flat.append(BlockSlot(min(R, gt.rows - start), depth, chain, oid))
+            if len(flat) != -(-gt.rows // R):
+                raise WriteFailed(job.step, f"table {name!r}: {len(flat)} blocks reported "
+                                            f"for {gt.rows} rows")
+            st = TableState(gt.shape, dtype, job.schemes[name], R, opt.segment_fanout,
+                            job.rnb[name], flat, segments=ds.segments.get(name, []))
+            table_ids.append(write_nodes(w, name, st))
+            ds.segments[name] = st.segments
+        crashpoints.hit("dist.coord_before_commit")
+        node = StepNode(step=job.step, time=time.time(), tables=tuple(job.tables),
+                        table_ids=tuple(table_ids), metadata=job.metadata,
+                        logical_bytes=logical, bytes_new=w.payload_bytes_new,
+                        rows_changed={n: changed.get(n, 0) for n in job.tables},
+                        state=job.state)
+        payload, refs = node.encode()
+        root = w.put(KIND_STEP, payload, refs, meta=True)
+        bytes_new = w.payload_bytes_new
+        w.create_root(root_name(job.step), root)
+        commit = w.commit()
+    except RootExists:
+        w.abort()
+        ds.segments.clear()
+        raise StepExists(job.step) from None
+    except BaseException:
+        w.abort()
+        ds.segments.clear()
+        raise
+    crashpoints.hit("dist.coord_after_commit")
+    return StepInfo(
+        step=job.step, root=root.hex(), bytes_written=commit.bytes_written,
+        logical_bytes=logical, rows_changed=dict(node.rows_changed),
+        objects_new=commit.objects_new, objects_reused=commit.objects_reused,
+        bytes_new=bytes_new, stall_seconds=job.stall,
+        write_seconds=time.perf_counter() - t0,
+        tables={n: tid.hex() for n, tid in zip(job.tables, table_ids)},
+    )
