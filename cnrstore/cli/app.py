@@ -143,6 +143,9 @@ def _add_demo_arguments(parser: argparse.ArgumentParser) -> None:
         parser.set_defaults(demo_error=f"the demo is not available: {exc}")
         return
     demo.add_arguments(parser)
+    from cnrstore.demo import torchrec_demo  # imports TorchRec only when it runs
+
+    torchrec_demo.add_arguments(parser)
 
 
 def _require_store(path: str) -> None:
@@ -218,6 +221,10 @@ def _run(args: argparse.Namespace) -> int:
     if cmd == "demo":
         if getattr(args, "demo_error", None):
             raise UsageError(args.demo_error)
+        if getattr(args, "torchrec", False):
+            from cnrstore.demo import torchrec_demo
+
+            return int(torchrec_demo.main(args) or 0)
         from cnrstore.demo import driver as demo
 
         return int(demo.main(args) or 0)

@@ -136,6 +136,13 @@ def _placed_piece(x, local: torch.Tensor, gshape, *, for_fill: bool):
     return [(local, int(offset[0]))]
 
 
+def _dtype(x) -> torch.dtype:
+    md = getattr(x, "metadata", None)  # ShardedTensor.dtype warns that it is deprecated
+    if callable(md) and not hasattr(x, "placements"):
+        return md().tensor_properties.dtype
+    return x.dtype
+
+
 def _global_shape(x) -> tuple[int, ...]:
     return tuple(int(d) for d in (x.size() if callable(getattr(x, "size", None)) else x.shape))
 
@@ -155,7 +162,7 @@ def shard_leaf(x) -> list[Shard] | None:
     shards = sorted((Shard(t.detach(), row_offset=off, rows=rows)
                      for t, off in pieces if t.shape[0] > 0), key=lambda s: s.row_offset)
     if not shards:  # name the table on every rank, with its dtype and trailing shape
-        empty = torch.empty((0, *gshape[1:]), dtype=x.dtype)
+        empty = torch.empty((0, *gshape[1:]), dtype=_dtype(x))
         shards = [Shard(empty, row_offset=0, rows=rows)]
     return shards
 

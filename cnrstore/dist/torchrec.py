@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from cnrstore.dist.leaves import is_sharded_leaf, shard_leaf
+from cnrstore.dist.leaves import _dtype, is_sharded_leaf, shard_leaf
 from cnrstore.dist.shard import Shard
 from cnrstore.errors import InvalidInput, InvalidType
 
@@ -42,7 +42,7 @@ def _describe(value) -> tuple:
         return ("S", (value.rows, *map(int, value.local.shape[1:])), str(value.local.dtype))
     if is_sharded_leaf(value):
         shape = value.size() if callable(getattr(value, "size", None)) else value.shape
-        return ("S", tuple(int(d) for d in shape), str(value.dtype))
+        return ("S", tuple(int(d) for d in shape), str(_dtype(value)))
     if isinstance(value, torch.Tensor):
         return ("T", tuple(value.shape), str(value.dtype))
     return ("P",)
