@@ -22,7 +22,8 @@ columns (column-wise or grid sharding) is refused: the store's unit is the whole
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import copy
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -30,7 +31,7 @@ import torch
 from cnrstore.dist.shard import Shard
 from cnrstore.errors import InvalidInput, InvalidType
 
-__all__ = ["shard_leaf", "fill_leaf", "is_sharded_leaf"]
+__all__ = ["shard_leaf", "fill_leaf", "is_sharded_leaf", "uniform"]
 
 
 def _types() -> tuple[Any, Any]:
@@ -192,3 +193,87 @@ def fill_leaf(x, read: Callable[[int, int], torch.Tensor]) -> None:
     with torch.no_grad():
         for (t, _), rows in zip(todo, data):
             t.copy_(rows)
+
+
+# -- one structure on every rank ---------------------------------------------------------
+
+def _describe(value) -> tuple:
+    if isinstance(value, Shard):
+        return ("S", (value.rows, *map(int, value.local.shape[1:])), str(value.local.dtype))
+    if is_sharded_leaf(value):
+        return ("S", _global_shape(value), str(_dtype(value)))
+    if isinstance(value, torch.Tensor):
+        return ("T", tuple(value.shape), str(value.dtype))
+    return ("P",)
+
+
+def _skeleton(value, path: tuple = ()) -> list:
+    """[(path, kind), ...] of every dict ("D") and leaf in order."""
+    if isinstance(value, Mapping):
+        out: list = [(path, ("D",))]
+        for k, v in value.items():
+            out += _skeleton(v, (*path, k))
+        return out
+    return [(path, _describe(value))]
+
+
+def uniform(state, group=None, *, gather: Callable[[Any], list] | None = None):
+    """``state`` with the same nesting on every rank of ``group`` (collective; ``gather``
+    replaces the all-gather): dict entries any rank has are present on all, in the order
+    of the lowest rank that has them; a sharded leaf a rank lacks becomes a zero-row Shard
+    of its table. TorchRec's fused optimizer state needs this: it names a table only on the
+    ranks that hold its rows, in an order that differs between ranks. A plain tensor or
+    Python value that some ranks lack cannot be made up and stays absent there."""
+    import torch.distributed as dist
+
+    if not isinstance(state, Mapping):
+        return state
+    mine = _skeleton(state)
+    if gather is not None:
+        every = gather(mine)
+    elif dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        every = [None] * dist.get_world_size(group)
+        dist.all_gather_object(every, mine, group=group)
+    else:
+        every = [mine]
+    kinds: dict[tuple, tuple] = {}
+    children: dict[tuple, list] = {}
+    for skel in every:
+        for path, kind in skel:
+            if path not in kinds:
+                kinds[path] = kind
+                if path:
+                    children.setdefault(path[:-1], []).append(path[-1])
+                continue
+            seen = kinds[path]
+            if seen != kind and "S" == seen[0] == kind[0]:
+                name = "/".join(map(str, path))
+                raise InvalidInput(f"state entry {name!r}: ranks disagree on its table: "
+                                   f"{seen[1:]} vs {kind[1:]}")
+    return _rebuild(state, (), kinds, children)
+
+
+def _rebuild(value, path: tuple, kinds: dict, children: dict) -> Any:
+    if not isinstance(value, Mapping):
+        return value
+    out: dict = {}
+    for key in children.get(path, ()):
+        p = (*path, key)
+        kind = kinds[p]
+        if key in value:
+            out[key] = _rebuild(value[key], p, kinds, children)
+        elif kind[0] == "S":
+            _, shape, dtype = kind
+            out[key] = Shard(torch.empty((0, *shape[1:]), dtype=getattr(torch, dtype[6:])),
+                             row_offset=0, rows=shape[0])
+        elif kind[0] == "D":
+            out[key] = _rebuild({}, p, kinds, children)
+    if type(value) is not dict:  # keep an OrderedDict a state_dict came as (its _metadata)
+        try:
+            kept: Any = copy.copy(value)
+            kept.clear()
+            kept.update(out)
+            return kept
+        except (TypeError, AttributeError):
+            pass
+    return out

@@ -223,8 +223,17 @@ def _sharded(state: Any, shard_leaf: Any) -> tuple[Any, dict[str, Any]]:
     return walk(state, ""), found
 
 
+def _uniform(ds: DistributedStore, state: Any, what: str) -> Any:
+    """One nesting on every rank: TorchRec's state names a table's optimizer state only
+    where a rank holds its rows (cnrstore.dist.leaves.uniform)."""
+    from cnrstore.dist.leaves import uniform
+
+    return uniform(state, gather=lambda mine: ds.comm.all_gather(mine, what))
+
+
 def put_state(ds: DistributedStore, step: Any, state: Any, *, quant: Any, metadata: Any,
               blocking: bool, touched: Any) -> Any:
+    state = _uniform(ds, state, "put_state: structure")
     plain, sharded = _sharded(state, ds.shard_leaf)
     flat = flatten(plain)
     tables = dict(flat.tables)
@@ -270,6 +279,7 @@ def get_state(ds: DistributedStore, step: Any, *, device: Any) -> Any:
 
 
 def load_state(ds: DistributedStore, step: Any, state: Any, *, strict: bool) -> Any:
+    state = _uniform(ds, state, "load_state: structure")
     box: dict[str, Any] = {}
 
     def make() -> dict:

@@ -25,84 +25,14 @@ from typing import Any
 
 import torch
 
-from cnrstore.dist.leaves import _dtype, is_sharded_leaf, shard_leaf
+from cnrstore.dist.leaves import is_sharded_leaf, shard_leaf, uniform
 from cnrstore.dist.shard import Shard
 from cnrstore.errors import InvalidInput, InvalidType
 
-__all__ = ["state_dict", "uniform", "load", "load_unsharded", "touched_rows",
+__all__ = ["state_dict", "load", "load_unsharded", "touched_rows",
            "is_tracker", "resolve_touched"]
 
 _SEP = "/"
-
-
-# -- one structure on every rank -------------------------------------------------------
-
-def _describe(value) -> tuple:
-    if isinstance(value, Shard):
-        return ("S", (value.rows, *map(int, value.local.shape[1:])), str(value.local.dtype))
-    if is_sharded_leaf(value):
-        shape = value.size() if callable(getattr(value, "size", None)) else value.shape
-        return ("S", tuple(int(d) for d in shape), str(_dtype(value)))
-    if isinstance(value, torch.Tensor):
-        return ("T", tuple(value.shape), str(value.dtype))
-    return ("P",)
-
-
-def _skeleton(value, path: tuple = ()) -> list:
-    """[(path, kind), ...] of every leaf, kind "D"/"L" for containers (to rebuild empties)."""
-    if isinstance(value, Mapping):
-        out: list = [(path, ("D",))]
-        for k, v in value.items():
-            out += _skeleton(v, (*path, k))
-        return out
-    return [(path, _describe(value))]
-
-
-def uniform(state: Mapping, group=None) -> dict:
-    """``state`` with the same nesting on every rank of ``group`` (collective): dict entries
-    any rank has are present on all, in the order the lowest rank that has them gives;
-    a sharded leaf a rank lacks becomes a zero-row Shard of the table. A plain tensor or
-    Python value that only some ranks have cannot be made up: InvalidInput."""
-    import torch.distributed as dist
-
-    if not isinstance(state, Mapping):
-        raise InvalidType(f"state must be a dict, got {type(state).__name__}")
-    mine = _skeleton(state)
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
-        every: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(every, mine, group=group)
-    else:
-        every = [mine]
-    order: dict[tuple, tuple] = {}
-    for skel in every:
-        for path, kind in skel:
-            seen = order.setdefault(path, kind)
-            if seen != kind and "S" == seen[0] == kind[0]:
-                raise InvalidInput(f"state entry {_SEP.join(map(str, path))!r}: ranks disagree "
-                                   f"on its table: {seen[1:]} vs {kind[1:]}")
-    return _rebuild(state, (), order)
-
-
-def _rebuild(value, path: tuple, order: dict) -> Any:
-    if not isinstance(value, Mapping):
-        return value
-    out: dict = {}
-    for p, kind in order.items():
-        if len(p) != len(path) + 1 or p[:-1] != path:
-            continue
-        key = p[-1]
-        if key in value:
-            out[key] = _rebuild(value[key], p, order)
-        elif kind[0] == "S":
-            _, shape, dtype = kind
-            out[key] = Shard(torch.empty((0, *shape[1:]), dtype=getattr(torch, dtype[6:])),
-                             row_offset=0, rows=shape[0])
-        elif kind[0] == "D":
-            out[key] = _rebuild({}, p, order)
-        else:
-            raise InvalidInput(f"state entry {_SEP.join(map(str, p))!r} is on some ranks "
-                               "only and is not sharded; every rank must give it")
-    return out
 
 
 def _group_of(dmp):

@@ -77,6 +77,9 @@ def _save_worker(rank, world, path):
     store = cnrstore.open(path, group=dist.group.WORLD)
     state = {k: ctr.state_dict(m) for k, m in models.items()}
     store.put_state(1, state)
+    # the same, as TorchRec gives it (each rank names only its tables' optimizer state)
+    store.put_state(2, {k: {"model": m.state_dict(), "optim": m.fused_optimizer.state_dict()}
+                        for k, m in models.items()})
     saved = _pieces(state)
     _train(models, rank, world, [13])  # what the restored job must reproduce
     after = _pieces({k: ctr.state_dict(m) for k, m in models.items()})
@@ -89,15 +92,22 @@ def _load_worker(rank, world, path, layouts, dtensor):
 
     import cnrstore
     from cnrstore.dist import torchrec as ctr
+    from cnrstore.dist.leaves import fill_leaf
 
     models = _models(world, layouts, dtensor, seed=2)  # other initial values
     store = cnrstore.open(path, group=dist.group.WORLD)
+    store.load_state(2, {k: {"model": m.state_dict(), "optim": m.fused_optimizer.state_dict()}
+                         for k, m in models.items()})
+    raw = _pieces({k: ctr.state_dict(m) for k, m in models.items()})
+    for m in models.values():  # scramble, so that step 1 must restore every row again
+        for leaf in ctr.state_dict(m)["model"].values():
+            fill_leaf(leaf, lambda lo, hi, t=leaf: torch.full((hi - lo, *t.shape[1:]), 7.0))
     store.load_state(1, {k: ctr.state_dict(m) for k, m in models.items()})
     loaded = _pieces({k: ctr.state_dict(m) for k, m in models.items()})
     _train(models, rank, world, [13])
     after = _pieces({k: ctr.state_dict(m) for k, m in models.items()})
     store.close()
-    return loaded, after
+    return loaded, after, raw
 
 
 def check_equal(a: dict, b: dict) -> None:
@@ -121,6 +131,7 @@ def test_restore_at_three_ranks_under_another_plan_in_dtensor_mode(saved):
     assert before["ec/optim/state/sparse.embeddings.t1.weight/t1.momentum1"].shape == (18, 4)
     got = trspawn.run(_load_worker, 3, path, LOAD3, True, timeout=TIMEOUT)
     check_equal(assemble([g[0] for g in got]), before)
+    check_equal(assemble([g[2] for g in got]), before)  # the step put as TorchRec gives it
     # one more step from the restored state: the same as the saved job's next step, which
     # it is only if the fused optimizer's state was restored too
     check_equal(assemble([g[1] for g in got]), after)
