@@ -31,7 +31,6 @@ import torch
 
 __all__ = ["main", "add_arguments"]
 
-KEYS = ["f0", "f1", "f2", "f3"]
 HASH = [40_000, 20_000, 8_000, 2_000]
 DIM = 16
 DENSE_IN = 13
@@ -54,24 +53,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 # -- one rank ------------------------------------------------------------------------------
 
-def _model(world: int | None):
+def model(world: int | None, hash_sizes=HASH, dim: int = DIM):
+    """TorchRec's DLRMTrain, its tables on the meta device for a DMP (``world``) or on CPU."""
     from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
     from torchrec.models.dlrm import DLRM, DLRMTrain
 
-    tables = [EmbeddingBagConfig(name=f"t{i}", embedding_dim=DIM, num_embeddings=n,
-                                 feature_names=[k]) for i, (k, n) in enumerate(zip(KEYS, HASH))]
+    tables = [EmbeddingBagConfig(name=f"t{i}", embedding_dim=dim, num_embeddings=n,
+                                 feature_names=[f"f{i}"]) for i, n in enumerate(hash_sizes)]
     ebc = EmbeddingBagCollection(tables=tables,
                                  device=torch.device("meta" if world else "cpu"))
     return DLRMTrain(DLRM(embedding_bag_collection=ebc, dense_in_features=DENSE_IN,
-                          dense_arch_layer_sizes=[32, DIM], over_arch_layer_sizes=[32, 1]))
+                          dense_arch_layer_sizes=[32, dim], over_arch_layer_sizes=[32, 1]))
 
 
-def _plan(model, world: int):
+def plan(model, world: int):
+    """Table i row-wise, table-wise or table-row-wise by LAYOUTS, as the world size allows."""
     from torchrec.distributed import sharding_plan as sp
     from torchrec.distributed.types import ShardingPlan
 
     gens = {}
-    for i in range(len(KEYS)):
+    n_tables = len(model.model.sparse_arch.embedding_bag_collection.embedding_bag_configs())
+    for i in range(n_tables):
         how = LAYOUTS[i % len(LAYOUTS)]
         gens[f"t{i}"] = (sp.row_wise() if how == "rw" else
                          sp.table_row_wise(host_index=0) if how == "twrw" else
@@ -83,12 +85,13 @@ def _plan(model, world: int):
                                                            device_type="cpu")})
 
 
-def batches(seed: int, start: int = 0):
+def batches(seed: int, start: int = 0, hash_sizes=HASH):
     """Global batch k of TorchRec's random click dataset, from ``start`` on."""
     from torchrec.datasets.random import RandomRecDataset
 
-    it = iter(RandomRecDataset(keys=KEYS, batch_size=GLOBAL_BATCH, hash_sizes=HASH,
-                               ids_per_features=[3] * len(KEYS), num_dense=DENSE_IN,
+    keys = [f"f{i}" for i in range(len(hash_sizes))]
+    it = iter(RandomRecDataset(keys=keys, batch_size=GLOBAL_BATCH, hash_sizes=list(hash_sizes),
+                               ids_per_features=[3] * len(keys), num_dense=DENSE_IN,
                                manual_seed=seed, num_generated_batches=-1))
     for _ in range(start):
         next(it)
@@ -104,12 +107,13 @@ def local_part(batch, rank: int, world: int):
     lo, hi = rank * b // world, (rank + 1) * b // world
     kjt = batch.sparse_features
     lengths, values = [], []
-    for k in KEYS:
+    for k in kjt.keys():
         jt = kjt[k]
         off = jt.offsets()
         lengths.append(jt.lengths()[lo:hi])
         values.append(jt.values()[int(off[lo]):int(off[hi])])
-    sparse = KeyedJaggedTensor(keys=KEYS, values=torch.cat(values), lengths=torch.cat(lengths))
+    sparse = KeyedJaggedTensor(keys=kjt.keys(), values=torch.cat(values),
+                               lengths=torch.cat(lengths))
     return Batch(dense_features=batch.dense_features[lo:hi], sparse_features=sparse,
                  labels=batch.labels[lo:hi])
 
@@ -128,11 +132,11 @@ def _rank_main(rank: int, world: int, port: int, job: dict[str, Any]) -> None:
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.manual_seed(job["seed"])
-    model = _model(world)
-    apply_optimizer_in_backward(RowWiseAdagrad, model.model.sparse_arch.parameters(),
+    net = model(world)
+    apply_optimizer_in_backward(RowWiseAdagrad, net.model.sparse_arch.parameters(),
                                 {"lr": 0.05})
-    dmp = DistributedModelParallel(model, env=ShardingEnv(world, rank, dist.group.WORLD),
-                                   device=torch.device("cpu"), plan=_plan(model, world))
+    dmp = DistributedModelParallel(net, env=ShardingEnv(world, rank, dist.group.WORLD),
+                                   device=torch.device("cpu"), plan=plan(net, world))
     from torchrec.optim.optimizers import in_backward_optimizer_filter
 
     # dense part: plain SGD, stateless (the tables' optimizer is TorchRec's fused one)
@@ -229,15 +233,15 @@ def evaluate(store_path: str, step: int, seed: int) -> tuple[float, dict[str, to
     import cnrstore
     from cnrstore.dist import torchrec as ctr
 
-    model = _model(None)
+    net = model(None)
     with cnrstore.open(store_path) as store:
-        ctr.load_unsharded(store, step, model)
-    model.eval()
+        ctr.load_unsharded(store, step, net)
+    net.eval()
     losses = []
     with torch.no_grad():
         for _, batch in zip(range(EVAL_BATCHES), batches(seed + 10_000)):
-            losses.append(float(model(batch)[0]))
-    ebc = model.model.sparse_arch.embedding_bag_collection
+            losses.append(float(net(batch)[0]))
+    ebc = net.model.sparse_arch.embedding_bag_collection
     return sum(losses) / len(losses), {k: v.clone() for k, v in ebc.state_dict().items()}
 
 

@@ -1,0 +1,274 @@
+"""TorchRec's DLRM through cnrstore and through torch.distributed.checkpoint (DCP), same run
+(issue 12; figures in docs/TORCHREC.md).
+
+    .venv/bin/python benches/bench_torchrec.py --out /tmp/bench_tr          # 4 ranks
+    .venv/bin/python benches/bench_torchrec.py --quick --out /tmp/bench_trq # smoke, ~1 min
+
+A DistributedModelParallel DLRMTrain (cnrstore/demo/torchrec_demo.py: tables row-wise,
+table-wise and table-row-wise, row-wise Adagrad fused into backward) trains at ``--world``
+ranks on TorchRec's random click dataset. Every ``--train`` steps it checkpoints
+``{"model": dmp.state_dict(), "optim": dmp.fused_optimizer.state_dict()}``; one run per
+system, same seed, so every system saves the same states:
+
+- ``cnr``: ``store.put_state(step, state, blocking=False)``: stall to the Future, put to
+  its result; ``cnr_tracker``: the same with ``touched=`` TorchRec's ModelDeltaTracker.
+- ``dcp``: ``dcp.save(state)``, one directory per checkpoint.
+- ``dcp_async``: ``dcp.async_save(state)``: stall to the Future, put to its result; the
+  DMP in DTensor output mode (async_save's staging calls data_ptr(), which a
+  ShardedTensor refuses).
+
+Bytes per checkpoint are bytes allocated on disk that the checkpoint added. Then
+``--restore-world`` ranks build the DMP under another plan and restore the last checkpoint
+(cnrstore: cnrstore.dist.torchrec.load; DCP: dcp.load into the new DMP's state), after
+evicting the page cache; the restored local rows of both are compared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import sys
+import tempfile
+import time
+from typing import Any
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+SYSTEMS = ("cnr", "cnr_tracker", "dcp", "dcp_async")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rows", type=int, default=250_000, help="rows of each of 4 tables")
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--world", type=int, default=4)
+    p.add_argument("--restore-world", type=int, default=2)
+    p.add_argument("--checkpoints", type=int, default=4, help="1 full + incremental")
+    p.add_argument("--train", type=int, default=10, help="training steps between them")
+    p.add_argument("--quick", action="store_true", help="small tables, 2 ranks")
+    p.add_argument("--out", required=True)
+    a = p.parse_args(argv)
+    if a.quick:
+        a.rows, a.dim, a.world, a.restore_world, a.checkpoints, a.train = 20_000, 16, 2, 3, 3, 3
+    return a
+
+
+def _hash(a) -> list[int]:
+    return [a.rows, a.rows // 2, a.rows // 4, a.rows // 8]
+
+
+def _dmp(a, world: int, rank: int, tracker: bool = False, dtensor: bool = False):
+    import torch
+    import torch.distributed as dist
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.types import ShardingEnv
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+    from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
+
+    from cnrstore.demo import torchrec_demo as d
+
+    torch.manual_seed(0)
+    net = d.model(world, _hash(a), a.dim)
+    apply_optimizer_in_backward(RowWiseAdagrad, net.model.sparse_arch.parameters(),
+                                {"lr": 0.05})
+    env = ShardingEnv(world, rank, dist.group.WORLD, output_dtensor=dtensor)
+    dmp = DistributedModelParallel(net, env=env,
+                                   device=torch.device("cpu"), plan=d.plan(net, world))
+    trk = None
+    if tracker:
+        from torchrec.distributed.model_tracker.types import DeltaTrackerConfig
+
+        trk = dmp.init_torchrec_delta_tracker(DeltaTrackerConfig())
+    return dmp, trk
+
+
+def _state(dmp) -> dict:
+    return {"model": dmp.state_dict(), "optim": dmp.fused_optimizer.state_dict()}
+
+
+def _save(rank: int, world: int, a, root: str, system: str) -> list:
+    import torch.distributed as dist
+
+    import cnrstore
+    from cnrstore.demo import torchrec_demo as d
+    from cnrstore.tools.info import disk_bytes
+
+    # dcp.async_save stages with data_ptr(), which ShardedTensor refuses: DTensor mode
+    dmp, trk = _dmp(a, world, rank, tracker=system == "cnr_tracker",
+                    dtensor=system == "dcp_async")
+    where = os.path.join(root, system)
+    data = d.batches(0, 0, _hash(a))
+    store = cnrstore.open(where, group=dist.group.WORLD) if system.startswith("cnr") else None
+    out = []
+    for k in range(a.checkpoints):
+        for _ in range(a.train if k else 1):
+            loss, _ = dmp(d.local_part(next(data), rank, world))
+            loss.backward()
+        before = disk_bytes(where) if rank == 0 else 0
+        dist.barrier()
+        t0 = time.perf_counter()
+        if store is not None:
+            fut = store.put_state(k, _state(dmp), blocking=False, touched=trk)
+            stall = time.perf_counter() - t0
+            fut.result()
+        else:
+            import torch.distributed.checkpoint as dcp
+
+            cid = os.path.join(where, f"step{k}")
+            if system == "dcp":
+                dcp.save(_state(dmp), checkpoint_id=cid)
+                stall = time.perf_counter() - t0
+            else:
+                f = dcp.async_save(_state(dmp), checkpoint_id=cid)
+                stall = time.perf_counter() - t0
+                f.result()
+        put = time.perf_counter() - t0
+        dist.barrier()
+        if rank == 0:
+            out.append({"step": k, "stall_s": stall, "put_s": put,
+                        "bytes": disk_bytes(where) - before})
+    if store is not None:
+        store.close()
+    return out
+
+
+def _restore(rank: int, world: int, a, root: str, system: str) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from benches.measure import evict_page_cache
+    from cnrstore.dist.leaves import shard_leaf
+    from cnrstore.dist.torchrec import _leaf_paths
+
+    dmp, _ = _dmp(a, world, rank)
+    last = a.checkpoints - 1
+    if rank == 0:
+        evict_page_cache(os.path.join(root, system))
+    dist.barrier()
+    t0 = time.perf_counter()
+    if system == "cnr":
+        import cnrstore
+        from cnrstore.dist import torchrec as ctr
+
+        store = cnrstore.open(os.path.join(root, system), group=dist.group.WORLD)
+        ctr.load(store, last, dmp)
+        store.close()
+    else:
+        import torch.distributed.checkpoint as dcp
+
+        dcp.load(_state(dmp), checkpoint_id=os.path.join(root, system, f"step{last}"))
+    seconds = time.perf_counter() - t0
+    dist.barrier()
+    rows = {}
+    for path, leaf in _leaf_paths(_state(dmp)):
+        for s in shard_leaf(leaf) or []:
+            rows[(path, s.row_offset)] = s.local.clone()
+    torch.save(rows, os.path.join(root, f"restored_{system}_{rank}.pt"))
+    return {"restore_s": seconds, "restore_all_s": time.perf_counter() - t0}
+
+
+def _rank_main(rank: int, world: int, port: int, out: str, fn: str, fargs: tuple) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    result = globals()[fn](rank, world, *fargs)
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump(result, f)
+    dist.destroy_process_group()
+
+
+def spawn(world: int, fn: str, *fargs: Any, timeout: float = 1800) -> Any:
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ["OMP_NUM_THREADS"] = "1"
+    out = tempfile.mktemp()
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_rank_main, args=(r, world, port, out, fn, fargs))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout)
+        if p.is_alive():
+            p.kill()
+    if any(p.exitcode != 0 for p in procs):
+        raise RuntimeError(f"{fn}: exit codes {[p.exitcode for p in procs]}")
+    results = []
+    for r in range(world):
+        with open(f"{out}.{r}") as f:
+            results.append(json.load(f))
+        os.remove(f"{out}.{r}")
+    return results
+
+
+def run(a) -> dict:
+    import torch
+
+    root = tempfile.mkdtemp(prefix="bench_tr_", dir=a.out)
+    report: dict[str, Any] = {"args": vars(a), "systems": {}}
+    total = sum(_hash(a)) * a.dim * 4
+    report["table_bytes"] = total
+    for system in SYSTEMS:
+        saves = spawn(a.world, "_save", a, root, system)[0]
+        restore = None
+        if system in ("cnr", "dcp"):
+            got = spawn(a.restore_world, "_restore", a, root, system)
+            restore = max(g["restore_all_s"] for g in got)
+        report["systems"][system] = {"saves": saves, "restore_s": restore}
+        print(system, json.dumps(report["systems"][system]), flush=True)
+    same = all(
+        all(torch.equal(v, torch.load(os.path.join(root, f"restored_dcp_{r}.pt"))[k])
+            for k, v in torch.load(os.path.join(root, f"restored_cnr_{r}.pt")).items())
+        for r in range(a.restore_world))
+    report["restores_agree"] = same
+    shutil.rmtree(root, ignore_errors=True)
+    return report
+
+
+def markdown(report: dict) -> str:
+    a = report["args"]
+    lines = [f"TorchRec DLRMTrain, 4 tables, {report['table_bytes'] / 1e6:.0f} MB of weights "
+             f"(+ row-wise Adagrad state), {a['world']} ranks save, {a['restore_world']} "
+             f"restore under another plan; {a['train']} training steps between checkpoints.",
+             "", "| system | first: bytes, stall, put | later (mean): bytes, stall, put | "
+             "restore |", "| --- | --- | --- | --- |"]
+    for name, r in report["systems"].items():
+        s0, inc = r["saves"][0], r["saves"][1:]
+
+        def mean(k: str, inc: list = inc) -> float:
+            return sum(x[k] for x in inc) / max(1, len(inc))
+
+        rest = f"{r['restore_s']:.2f} s" if r["restore_s"] is not None else "–"
+        lines.append(f"| {name} | {s0['bytes'] / 1e6:.1f} MB, {s0['stall_s']:.2f} s, "
+                     f"{s0['put_s']:.2f} s | {mean('bytes') / 1e6:.2f} MB, "
+                     f"{mean('stall_s'):.2f} s, {mean('put_s'):.2f} s | {rest} |")
+    lines.append(f"\nRestored rows of cnrstore and DCP identical: {report['restores_agree']}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    os.makedirs(a.out, exist_ok=True)
+    report = run(a)
+    with open(os.path.join(a.out, "bench_torchrec.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    md = markdown(report)
+    with open(os.path.join(a.out, "bench_torchrec.md"), "w") as f:
+        f.write(md + "\n")
+    print(md)
+    return 0 if report["restores_agree"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
