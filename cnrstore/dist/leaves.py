@@ -89,6 +89,9 @@ def _pieces(x, *, for_fill: bool) -> list[tuple[torch.Tensor, int]] | None:
     st_cls, dt_cls = _types()
     if st_cls is not None and isinstance(x, st_cls):
         gshape = tuple(x.size())
+        # every shard of the table, so that every rank refuses a column-wise one alike
+        for md in x.metadata().shards_metadata:
+            _check_rows_only("ShardedTensor", md.shard_offsets, md.shard_sizes, gshape)
         out = []
         for s in x.local_shards():
             md = s.metadata

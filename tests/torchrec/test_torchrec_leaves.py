@@ -67,6 +67,7 @@ def _worker(rank, world):
     return out
 
 
+@pytest.mark.slow  # the default suite covers both modes through test_torchrec_state.py
 def test_torchrec_state_rows():
     per_rank = trspawn.run(_worker, 2, timeout=TIMEOUT)
     names = set().union(*per_rank)
