@@ -49,8 +49,14 @@ def _sharded_tensor_worker(rank, world):
     return out
 
 
-def test_sharded_tensor_rows_tile_and_fill():
-    per_rank = trspawn.run(_sharded_tensor_worker, 2, timeout=TIMEOUT)
+def _both_worker(rank, world):
+    return _sharded_tensor_worker(rank, world), _dtensor_worker(rank, world)
+
+
+def test_sharded_tensor_and_dtensor_rows_tile_and_fill():
+    both = trspawn.run(_both_worker, 2, timeout=TIMEOUT)  # one spawn for both kinds
+    _check_dtensor([d for _, d in both])
+    per_rank = [s for s, _ in both]
     check_tiling([r["rw"] for r in per_rank], (13, 3), "rw")
     check_tiling([r["mom"] for r in per_rank], (9,), "mom")
     check_tiling([r["split"] for r in per_rank], (10, 2), "split")
@@ -83,9 +89,12 @@ def _dtensor_worker(rank, world):
     return out
 
 
-@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
-def test_dtensor_rows_tile_and_fill(world):
-    per_rank = trspawn.run(_dtensor_worker, world, timeout=TIMEOUT)
+@pytest.mark.slow
+def test_dtensor_rows_tile_and_fill_at_three_ranks():
+    _check_dtensor(trspawn.run(_dtensor_worker, 3, timeout=TIMEOUT))
+
+
+def _check_dtensor(per_rank):
     check_tiling([r["row"] for r in per_rank], (11, 3), "row")
     check_tiling([r["vec"] for r in per_rank], (7,), "vec")
     # a replicated DTensor is stored once: rank 0 names all rows, the others none
