@@ -28,6 +28,7 @@ from cnrstore.dist import layout, seed
 from cnrstore.dist.commit import Step, write
 from cnrstore.errors import (
     InvalidInput,
+    ReadOnlyStore,
     InvalidType,
     NonFiniteValues,
     StepExists,
@@ -92,7 +93,8 @@ def put(ds: DistributedStore, step: int, tables: Mapping, *, quant: Any,
             if step in ds.pending:
                 raise StepExists(step)
             if ds.local is not None:
-                ds.local._core.check_writable("put_tables")
+                if getattr(ds.local.objects, "readonly", False):
+                    raise ReadOnlyStore("put_tables: the store was opened with readonly=True")
                 if ds.local.objects.root(root_name(step)) is not None:
                     raise StepExists(step)
                 known = list_steps(ds.local.objects)
@@ -126,7 +128,7 @@ def put(ds: DistributedStore, step: int, tables: Mapping, *, quant: Any,
                 tt = rows_touched.get(name)
                 for dest, a, t in snd:
                     ids = None if tt is None else tt[(tt >= a) & (tt < a + t.shape[0])]
-                    outgoing.append((dest, name, a, t.cpu(), ids))
+                    outgoing.append((dest, name, a, t, ids))
                 for run, parts in own:
                     ids = None if tt is None else tt[(tt >= run.lo) & (tt < run.hi)]
                     runs.append((run, parts, [ids]))

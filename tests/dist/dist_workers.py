@@ -44,8 +44,9 @@ def bad_input(rank: int, world: int, path: str, how: str):
             tables = {"t": cnrstore.Shard(t[77:200].double(), row_offset=77, rows=200)}
         elif rank == 1 and how == "type":
             tables = {"t": "not a tensor"}
+        quant = "int4" if rank == 1 and how == "quant" else "int8"
         try:
-            s.put_tables(2, tables, quant="int8")
+            s.put_tables(2, tables, quant=quant)
             err = None
         except cnrstore.CheckpointError as exc:
             err = (type(exc).__name__, str(exc))
@@ -233,3 +234,18 @@ def hung(rank: int, world: int, path: str, victim: int):
     except cnrstore.CheckpointError as exc:
         err = type(exc).__name__
     return err, time.monotonic() - t0
+
+
+def touched_put(rank: int, world: int, path: str):
+    """Puts with ``touched=`` (global row ids of this rank's own rows) on every rank."""
+    t = _table(1)
+    ids = []
+    with _open(path) as s:
+        ids.append(s.put_tables(1, {"t": _mine(t, rank, world)}).tables)
+        rows = torch.tensor([3, 76, 77, 78, 150, 199])
+        t[rows] += 1.0
+        lo, hi = _mine(t, rank, world).row_offset, _mine(t, rank, world).row_end
+        mine = rows[(rows >= lo) & (rows < hi)]
+        info = s.put_tables(2, {"t": _mine(t, rank, world)}, touched={"t": mine})
+        ids.append(info.tables)
+        return ids, info.rows_changed, info.rows_written
