@@ -222,10 +222,10 @@ def tiling_put(rank: int, world: int, path: str, spec: dict):
 def hung(rank: int, world: int, path: str, victim: int):
     """Rank ``victim`` stops answering (it never enters step 2's put): the others must
     raise RankFailed once the store's timeout passes, not hang."""
-    s = _open(path, timeout=4.0)
+    s = _open(path, timeout=2.0)
     s.put_tables(1, {"t": _mine(_table(1), rank, world)})
     if rank == victim:
-        time.sleep(12)
+        time.sleep(6)
         return "slept"
     t0 = time.monotonic()
     try:
