@@ -189,19 +189,31 @@ def put(ds: DistributedStore, step: int, tables: Mapping, *, quant: Any,
                         plans[i] = (n, b0, _plan(ds, run, sub, schemes[n], None, True, bases))
             except BaseException as exc:
                 err = exc
-            comm.agree(err, "put_tables: encode wide", None)
+            try:
+                comm.agree(err, "put_tables: encode wide", None)
+            except BaseException:
+                _release(plans)
+                raise
 
         job = Step(step, plans, gtables, schemes, agreed, pack_metadata(metadata)
-                    if comm.coordinator else {}, state, time.perf_counter() - t0)
-        for n in gtables:  # the new diff bases; blocks no longer owned are forgotten
-            for key in [k for k in ds.states if k[0] == n]:
-                del ds.states[key]
-        for n, b0, p in plans:
-            ds.states[(n, b0)] = p.state
+                   if comm.coordinator else {}, state, time.perf_counter() - t0)
         fut: Future = Future()
-        ds.writer.submit(lambda: write(ds, job), cleanup=lambda: _release(plans), future=fut)
-        ds.pending[step] = fut
-        fut.add_done_callback(lambda _: ds.pending.pop(step, None))
+        try:
+            ds.writer.submit(lambda: write(ds, job), cleanup=lambda: _release(plans),
+                             future=fut)
+        finally:
+            if ds.writer.queued(fut):
+                # Queued (also when interrupted just after): the next put diffs against
+                # it; blocks no longer owned by this rank are forgotten.
+                for n in gtables:
+                    for key in [k for k in ds.states if k[0] == n]:
+                        del ds.states[key]
+                for n, b0, p in plans:
+                    ds.states[(n, b0)] = p.state
+                ds.pending[step] = fut
+                fut.add_done_callback(lambda _: ds.pending.pop(step, None))
+            else:  # not queued: as a refused put, the bases stay those of the last put
+                _release(plans)
     if not blocking:
         return fut
     return fut.result()
