@@ -101,6 +101,16 @@ def maintain(rank: int, world: int, path: str):
         # after gc the bases of dropped blocks are forgotten; the next put still works
         out["tables5"] = s.put_tables(5, {"t": _mine(_table(5), rank, world)}).tables
         out["back"] = torch.equal(s.get_tables(5, names=["t"])["t"], _table(5))
+        whole = torch.empty(200, 4)
+        s.get_tables(5, out={"t": whole})  # a plain tensor: the whole table, in place
+        out["out_whole"] = torch.equal(whole, _table(5))
+        state = {"t": torch.zeros(200, 4), "extra": torch.zeros(3)}
+        try:
+            s.load_state(5, state)
+        except cnrstore.CheckpointError as exc:
+            out["strict"] = type(exc).__name__
+        s.load_state(5, state, strict=False)
+        out["lenient"] = torch.equal(state["t"], _table(5)) and not state["extra"].any()
     return out
 
 
