@@ -144,9 +144,10 @@ def _write_rest(ds: DistributedStore, job: Step, comm: Any, coll: Any, decide: A
         crashpoints.hit("dist.rank_after_seal")
         slots = {(n, b0): [(s.oid, s.depth, s.chain_bytes) for s in p.state.slots
                            if s is not None] for n, b0, p in job.plans}
-        changed: dict[str, int] = {}
+        changed: dict[str, tuple[int, int]] = {}
         for n, _, p in job.plans:
-            changed[n] = changed.get(n, 0) + p.rows_changed
+            c, w = changed.get(n, (0, 0))
+            changed[n] = (c + p.rows_changed, w + len(p.codes))
         report = (sealed, slots, changed)
     except BaseException as exc:
         err = exc
@@ -169,11 +170,13 @@ def _commit(ds: DistributedStore, job: Step, reports: list) -> StepInfo:
     R = opt.rows
     slots: dict[str, dict[int, list]] = {}
     changed: dict[str, int] = {}
+    written: dict[str, int] = {}
     for _, sl, ch in reports:
         for (n, b0), s in sl.items():
             slots.setdefault(n, {})[b0] = s
-        for n, c in ch.items():
+        for n, (c, w) in ch.items():
             changed[n] = changed.get(n, 0) + c
+            written[n] = written.get(n, 0) + w
     w = objects.writer(timeout=opt.lock_timeout)
     try:
         commit_check(objects, job.step)()
@@ -219,6 +222,7 @@ def _commit(ds: DistributedStore, job: Step, reports: list) -> StepInfo:
     return StepInfo(
         step=job.step, root=root.hex(), bytes_written=commit.bytes_written,
         logical_bytes=logical, rows_changed=dict(node.rows_changed),
+        rows_written={n: written.get(n, 0) for n in job.tables},
         objects_new=commit.objects_new, objects_reused=commit.objects_reused,
         bytes_new=bytes_new, stall_seconds=job.stall,
         write_seconds=time.perf_counter() - t0,

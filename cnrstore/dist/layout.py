@@ -202,7 +202,8 @@ def sends(local: LocalTable, table: GlobalTable, block_rows: int, me: int
             if run.rank == me:
                 parts.append((a, t[a - lo:z - lo]))
             else:
-                out.append((run.rank, a, t[a - lo:z - lo]))
+                # A copy of just these rows: a view pickles its whole storage (the shard).
+                out.append((run.rank, a, t[a - lo:z - lo].detach().to("cpu", copy=True)))
         if run.rank == me:
             mine.append((run, parts))
     return out, mine

@@ -28,6 +28,7 @@ from cnrstore.dist import layout, seed
 from cnrstore.dist.commit import Step, write
 from cnrstore.errors import (
     InvalidInput,
+    ReadOnlyStore,
     InvalidType,
     NonFiniteValues,
     StepExists,
@@ -92,7 +93,8 @@ def put(ds: DistributedStore, step: int, tables: Mapping, *, quant: Any,
             if step in ds.pending:
                 raise StepExists(step)
             if ds.local is not None:
-                ds.local._core.check_writable("put_tables")
+                if getattr(ds.local.objects, "readonly", False):
+                    raise ReadOnlyStore("put_tables: the store was opened with readonly=True")
                 if ds.local.objects.root(root_name(step)) is not None:
                     raise StepExists(step)
                 known = list_steps(ds.local.objects)
@@ -126,7 +128,7 @@ def put(ds: DistributedStore, step: int, tables: Mapping, *, quant: Any,
                 tt = rows_touched.get(name)
                 for dest, a, t in snd:
                     ids = None if tt is None else tt[(tt >= a) & (tt < a + t.shape[0])]
-                    outgoing.append((dest, name, a, t.cpu(), ids))
+                    outgoing.append((dest, name, a, t, ids))
                 for run, parts in own:
                     ids = None if tt is None else tt[(tt >= run.lo) & (tt < run.hi)]
                     runs.append((run, parts, [ids]))
@@ -187,19 +189,31 @@ def put(ds: DistributedStore, step: int, tables: Mapping, *, quant: Any,
                         plans[i] = (n, b0, _plan(ds, run, sub, schemes[n], None, True, bases))
             except BaseException as exc:
                 err = exc
-            comm.agree(err, "put_tables: encode wide", None)
+            try:
+                comm.agree(err, "put_tables: encode wide", None)
+            except BaseException:
+                _release(plans)
+                raise
 
         job = Step(step, plans, gtables, schemes, agreed, pack_metadata(metadata)
-                    if comm.coordinator else {}, state, time.perf_counter() - t0)
-        for n in gtables:  # the new diff bases; blocks no longer owned are forgotten
-            for key in [k for k in ds.states if k[0] == n]:
-                del ds.states[key]
-        for n, b0, p in plans:
-            ds.states[(n, b0)] = p.state
+                   if comm.coordinator else {}, state, time.perf_counter() - t0)
         fut: Future = Future()
-        ds.writer.submit(lambda: write(ds, job), cleanup=lambda: _release(plans), future=fut)
-        ds.pending[step] = fut
-        fut.add_done_callback(lambda _: ds.pending.pop(step, None))
+        try:
+            ds.writer.submit(lambda: write(ds, job), cleanup=lambda: _release(plans),
+                             future=fut)
+        finally:
+            if ds.writer.queued(fut):
+                # Queued (also when interrupted just after): the next put diffs against
+                # it; blocks no longer owned by this rank are forgotten.
+                for n in gtables:
+                    for key in [k for k in ds.states if k[0] == n]:
+                        del ds.states[key]
+                for n, b0, p in plans:
+                    ds.states[(n, b0)] = p.state
+                ds.pending[step] = fut
+                fut.add_done_callback(lambda _: ds.pending.pop(step, None))
+            else:  # not queued: as a refused put, the bases stay those of the last put
+                _release(plans)
     if not blocking:
         return fut
     return fut.result()

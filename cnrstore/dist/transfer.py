@@ -86,7 +86,7 @@ class Uploader:
 def adopt(w: Any, sealed: list[Any]) -> None:
     """Add every rank's sealed objects to the coordinator's transaction ``w`` (the writer
     counts them in its commit's bytes and objects)."""
-    locs = []
+    locs: list[RecordLocation] = []
     for kind, data in sealed:
         if kind == "locs":
             locs.extend(RecordLocation.from_wire(wire) for wire in data)

@@ -44,8 +44,9 @@ def bad_input(rank: int, world: int, path: str, how: str):
             tables = {"t": cnrstore.Shard(t[77:200].double(), row_offset=77, rows=200)}
         elif rank == 1 and how == "type":
             tables = {"t": "not a tensor"}
+        quant = "int4" if rank == 1 and how == "quant" else "int8"
         try:
-            s.put_tables(2, tables, quant="int8")
+            s.put_tables(2, tables, quant=quant)
             err = None
         except cnrstore.CheckpointError as exc:
             err = (type(exc).__name__, str(exc))
@@ -100,6 +101,16 @@ def maintain(rank: int, world: int, path: str):
         # after gc the bases of dropped blocks are forgotten; the next put still works
         out["tables5"] = s.put_tables(5, {"t": _mine(_table(5), rank, world)}).tables
         out["back"] = torch.equal(s.get_tables(5, names=["t"])["t"], _table(5))
+        whole = torch.empty(200, 4)
+        s.get_tables(5, out={"t": whole})  # a plain tensor: the whole table, in place
+        out["out_whole"] = torch.equal(whole, _table(5))
+        state = {"t": torch.zeros(200, 4), "extra": torch.zeros(3)}
+        try:
+            s.load_state(5, state)
+        except cnrstore.CheckpointError as exc:
+            out["strict"] = type(exc).__name__
+        s.load_state(5, state, strict=False)
+        out["lenient"] = torch.equal(state["t"], _table(5)) and not state["extra"].any()
     return out
 
 
@@ -221,10 +232,10 @@ def tiling_put(rank: int, world: int, path: str, spec: dict):
 def hung(rank: int, world: int, path: str, victim: int):
     """Rank ``victim`` stops answering (it never enters step 2's put): the others must
     raise RankFailed once the store's timeout passes, not hang."""
-    s = _open(path, timeout=4.0)
+    s = _open(path, timeout=2.0)
     s.put_tables(1, {"t": _mine(_table(1), rank, world)})
     if rank == victim:
-        time.sleep(12)
+        time.sleep(6)
         return "slept"
     t0 = time.monotonic()
     try:
@@ -233,3 +244,18 @@ def hung(rank: int, world: int, path: str, victim: int):
     except cnrstore.CheckpointError as exc:
         err = type(exc).__name__
     return err, time.monotonic() - t0
+
+
+def touched_put(rank: int, world: int, path: str):
+    """Puts with ``touched=`` (global row ids of this rank's own rows) on every rank."""
+    t = _table(1)
+    ids = []
+    with _open(path) as s:
+        ids.append(s.put_tables(1, {"t": _mine(t, rank, world)}).tables)
+        rows = torch.tensor([3, 76, 77, 78, 150, 199])
+        t[rows] += 1.0
+        lo, hi = _mine(t, rank, world).row_offset, _mine(t, rank, world).row_end
+        mine = rows[(rows >= lo) & (rows < hi)]
+        info = s.put_tables(2, {"t": _mine(t, rank, world)}, touched={"t": mine})
+        ids.append(info.tables)
+        return ids, info.rows_changed, info.rows_written

@@ -15,8 +15,10 @@ import cnrstore
 from engine.pack import list_pack_files
 
 
-@pytest.mark.parametrize("how,error", [("nan", "NonFiniteValues"), ("gap", "InvalidInput"),
-                                       ("dtype", "InvalidInput"), ("type", "InvalidType")])
+@pytest.mark.parametrize("how,error", [
+    ("nan", "NonFiniteValues"), ("gap", "InvalidInput"), ("quant", "InvalidInput"),
+    pytest.param("dtype", "InvalidInput", marks=pytest.mark.slow),
+    pytest.param("type", "InvalidType", marks=pytest.mark.slow)])
 def test_bad_input_on_one_rank_fails_the_put_everywhere(tmp_path, how, error):
     res = run(2, bad_input, str(tmp_path / "s"), how)
     with cnrstore.open(tmp_path / "oracle", block_rows=BLOCK_ROWS, fanout=FANOUT) as o:
@@ -26,7 +28,7 @@ def test_bad_input_on_one_rank_fails_the_put_everywhere(tmp_path, how, error):
         assert not isinstance(got, Failed), got.trace
         err, steps, tables, after = got
         assert err is not None and err[0] == error, (r, err)
-        assert "rank" in err[1] and "'t'" in err[1], err
+        assert ("rank" in err[1] and "'t'" in err[1]) or how == "quant", err
         assert steps == [1] and after == [1, 3]
         assert tables == want
     assert res[0][0] == res[1][0]  # the same error on every rank
@@ -86,6 +88,6 @@ def test_a_hung_rank_is_detected_by_the_timeout(tmp_path):
     res = run(2, hung, str(tmp_path / "s"), 1, timeout=60)
     assert res[1] == "slept"
     err, seconds = res[0]
-    assert err == "RankFailed" and 3.5 < seconds < 12, res[0]
+    assert err == "RankFailed" and 1.5 < seconds < 6, res[0]
     with cnrstore.open(tmp_path / "s") as s:
         assert s.steps() == [1]

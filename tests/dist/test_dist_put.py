@@ -7,7 +7,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dist_util import Failed, oracle, oracle_reopened, put_reopened, put_sequence, run, sequence
+from dist_util import (
+    BLOCK_ROWS,
+    FANOUT,
+    Failed,
+    oracle,
+    oracle_reopened,
+    put_reopened,
+    put_sequence,
+    run,
+    sequence,
+)
 
 import cnrstore
 
@@ -47,3 +57,19 @@ def test_a_fresh_handle_seeds_its_bases_and_nonblocking_puts_match(tmp_path):
         # Record bytes as the single-process put's, plus pack headers and trailers of
         # the ranks' packs; far below the first (full) put.
         assert written < sizes[-1] + 2048 and written < sizes[0] / 2, (written, sizes)
+
+
+def test_touched_takes_global_row_ids_of_the_ranks_own_rows(tmp_path):
+    from dist_workers import _table, touched_put
+
+    t = _table(1)
+    with cnrstore.open(tmp_path / "o", block_rows=BLOCK_ROWS, fanout=FANOUT) as o:
+        want = [o.put_tables(1, {"t": t.clone()}).tables]
+        rows = torch.tensor([3, 76, 77, 78, 150, 199])
+        t[rows] += 1.0
+        want.append(o.put_tables(2, {"t": t}, touched={"t": rows}).tables)
+    for r in run(2, touched_put, str(tmp_path / "d")):
+        assert not isinstance(r, Failed), r.trace
+        ids, changed, written = r
+        assert ids == want and changed == {"t": 6}
+        assert written["t"] == 6  # patches: only the touched rows are encoded

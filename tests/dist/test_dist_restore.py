@@ -48,7 +48,17 @@ def test_maintenance_is_collective(tmp_path):
     assert out["delete_again"] == "StepNotFound" and out["rollback"] == [3]
     assert out["gc"] == ((1,), (4,)) and out["verify"] and out["stats"] == 1
     assert out["metadata"] == {"lr": 0.4} and out["rollback_missing"] == "StepNotFound"
-    assert out["back"]
+    assert out["back"] and out["out_whole"] and out["lenient"]
+    assert out["strict"] == "TableNotFound"
     with cnrstore.open(tmp_path / "o", block_rows=BLOCK_ROWS, fanout=FANOUT) as o:
         o.put_tables(1, {"t": _table(1)})
         assert o.put_tables(4, {"t": _table(4)}).tables == out["tables4"]
+
+
+def test_a_group_needs_torch_distributed_initialized(tmp_path):
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+    with pytest.raises(cnrstore.InvalidInput, match="not initialized"):
+        cnrstore.open(tmp_path / "s", group=object())
+    assert not (tmp_path / "s").exists()
