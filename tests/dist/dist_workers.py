@@ -259,3 +259,20 @@ def touched_put(rank: int, world: int, path: str):
         info = s.put_tables(2, {"t": _mine(t, rank, world)}, touched={"t": mine})
         ids.append(info.tables)
         return ids, info.rows_changed, info.rows_written
+
+
+def failing(rank: int, world: int, path: str, victim: int, point: str):
+    """Rank ``victim``'s write of step 2 fails at ``point`` as a full disk would: every
+    rank raises the same WriteFailed, no step 2 appears, and step 3 then works."""
+    with _open(path) as s:
+        s.put_tables(1, {"t": _mine(_table(1), rank, world)})
+        if rank == victim:
+            os.environ["CNRSTORE_DIST_FAIL_AT"] = point
+        try:
+            s.put_tables(2, {"t": _mine(_table(2), rank, world)}, blocking=False).result()
+            err = None
+        except cnrstore.CheckpointError as exc:
+            err = (type(exc).__name__, str(exc))
+        os.environ.pop("CNRSTORE_DIST_FAIL_AT", None)
+        info = s.put_tables(3, {"t": _mine(_table(3), rank, world)})
+        return err, s.steps(), info.tables, s.verify().ok
