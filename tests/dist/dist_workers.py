@@ -68,8 +68,13 @@ def killed(rank: int, world: int, path: str, victim: int, point: str):
         err = None
     except cnrstore.CheckpointError as exc:
         err = (type(exc).__name__, str(exc))
-    # No close: the group is broken; the process exits without waiting on dead peers.
-    return err, time.monotonic() - t0
+    seconds = time.monotonic() - t0
+    s.close()  # must not wait on the dead rank
+    try:
+        s.steps()
+    except cnrstore.CheckpointError as exc:
+        closed = str(exc)
+    return err, seconds, time.monotonic() - t0 - seconds, closed
 
 
 def maintain(rank: int, world: int, path: str):

@@ -78,9 +78,10 @@ def _killed(tmp_path, victim, point, committed):
         if r == victim:
             continue
         assert not isinstance(got, Failed), got.trace
-        err, seconds = got
+        err, seconds, closing, closed = got
         assert err is not None and err[0] == "RankFailed", err
-        assert seconds < 15 + 10, seconds
+        assert seconds < 15 + 10 and closing < 5, (seconds, closing)
+        assert closed == "store is closed"
     _check_store(path, committed)
 
 
