@@ -16,7 +16,8 @@ from engine.pack import list_pack_files
 
 
 @pytest.mark.parametrize("how,error", [
-    ("nan", "NonFiniteValues"), ("gap", "InvalidInput"), ("quant", "InvalidInput"),
+    ("nan", "NonFiniteValues"), ("gap", "InvalidInput"),
+    pytest.param("quant", "InvalidInput", marks=pytest.mark.slow),
     pytest.param("dtype", "InvalidInput", marks=pytest.mark.slow),
     pytest.param("type", "InvalidType", marks=pytest.mark.slow)])
 def test_bad_input_on_one_rank_fails_the_put_everywhere(tmp_path, how, error):
@@ -94,8 +95,9 @@ def test_a_hung_rank_is_detected_by_the_timeout(tmp_path):
         assert s.steps() == [1]
 
 
-@pytest.mark.parametrize("victim,point", [(1, "dist.rank_before_seal"),
-                                          (0, "dist.coord_before_commit")])
+@pytest.mark.parametrize("victim,point", [
+    (1, "dist.rank_before_seal"),
+    pytest.param(0, "dist.coord_before_commit", marks=pytest.mark.slow)])
 def test_a_write_failing_on_one_rank_fails_the_step_everywhere(tmp_path, victim, point):
     res = run(2, failing, str(tmp_path / "s"), victim, point)
     with cnrstore.open(tmp_path / "o", block_rows=BLOCK_ROWS, fanout=FANOUT) as o:
