@@ -281,3 +281,22 @@ def failing(rank: int, world: int, path: str, victim: int, point: str):
         os.environ.pop("CNRSTORE_DIST_FAIL_AT", None)
         info = s.put_tables(3, {"t": _mine(_table(3), rank, world)})
         return err, s.steps(), info.tables, s.verify().ok
+
+
+def bad_state(rank: int, world: int, path: str):
+    """put_state where rank 1's state is malformed: every rank raises the same error."""
+    with _open(path) as s:
+        state = state_of(1)
+        if rank == 1:
+            state["model"][("tuple", "key")] = torch.zeros(3)
+        try:
+            s.put_state(1, state)
+            err = None
+        except cnrstore.CheckpointError as exc:
+            err = type(exc).__name__
+        try:
+            s.put_state(2, state_of(2) if rank == 0 else [state_of(2)])
+            err2 = None
+        except cnrstore.CheckpointError as exc:
+            err2 = type(exc).__name__
+        return err, err2, s.steps()
