@@ -96,10 +96,14 @@ def _collective_read(ds: DistributedStore, step: Any, request: Any, what: str,
         return out
 
     s, doc, tables, where = ds.from_coordinator(ds.comm, what, answer)
-    if ds.is_coordinator:
-        objects: Any = ds.local.objects
-    else:
-        objects = ds.readers.source(where) if where is not None else None
+    try:
+        if ds.is_coordinator:
+            objects: Any = ds.local.objects
+        else:
+            objects = ds.readers.source(where) if where is not None else None
+    except BaseException as exc:  # enter the closing round with it: every rank raises
+        _finish(ds, exc, f"{what}: read")
+        raise
     return s, doc, tables, objects
 
 
