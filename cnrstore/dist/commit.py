@@ -9,6 +9,8 @@ in ONE engine transaction; its StepInfo or error reaches every rank (docs/FORMAT
 from __future__ import annotations
 
 import dataclasses
+import errno
+import os
 import time
 from typing import Any
 
@@ -18,9 +20,9 @@ from cnrstore.core.snapshot import TablePlan
 from cnrstore.core.tablestate import BlockSlot, TableState
 from cnrstore.core.writer import StepInfo, write_blocks, write_nodes
 from cnrstore.dist import layout, transfer
-from cnrstore.errors import StepExists, WriteFailed
+from cnrstore.errors import CheckpointError, StepExists, WriteFailed, translate
 from cnrstore.format.manifest import KIND_STEP, StepNode, root_name
-from engine import RootExists, crashpoints, object_id
+from engine import RootExists, StoreError, crashpoints, object_id
 
 __all__ = ["Step", "write", "CRASH_POINTS"]
 
@@ -75,6 +77,24 @@ class _Collector:
         return oid in self.objects or oid in self._known
 
 
+def _point(name: str) -> None:
+    """A named point of the protocol: crash tests SIGKILL here (CNRSTORE_CRASH_AT), failure
+    tests make this rank's write fail here as a full disk would (CNRSTORE_DIST_FAIL_AT)."""
+    crashpoints.hit(name)
+    if os.environ.get("CNRSTORE_DIST_FAIL_AT") == name:
+        raise OSError(errno.ENOSPC, f"No space left on device (test hook at {name})")
+
+
+def _local(err: BaseException | None, step: int) -> BaseException | None:
+    """A rank's own failure as the error every rank raises: cnrstore's errors as they are,
+    the engine's translated, anything else (OSError: a full disk) as WriteFailed."""
+    if err is None or isinstance(err, CheckpointError):
+        return err
+    if isinstance(err, StoreError):
+        return translate(err)
+    return WriteFailed(step, f"{type(err).__name__}: {err}")
+
+
 def write(ds: DistributedStore, job: Step) -> StepInfo:
     """The writer round of one step, on every rank in step order (ds.wcomm)."""
     try:
@@ -95,10 +115,10 @@ def _write_round(ds: DistributedStore, job: Step) -> StepInfo:
         for _, _, plan in job.plans:
             write_blocks(coll, plan, None)
         ask = ([(o, len(v[1])) for o, v in coll.objects.items()], sorted(coll.bases))
-        crashpoints.hit("dist.rank_after_encode")
+        _point("dist.rank_after_encode")
     except BaseException as exc:
         err = exc
-    asks = comm.agree(err, "put: blocks", ask)
+    asks = comm.agree(_local(err, job.step), "put: blocks", ask)
 
     def decide() -> list:
         objects = ds.local.objects
@@ -139,9 +159,9 @@ def _write_rest(ds: DistributedStore, job: Step, comm: Any, coll: Any, decide: A
         for oid in assigned:
             kind, payload, refs = coll.objects[oid]
             up.put(kind, payload, refs)
-        crashpoints.hit("dist.rank_before_seal")
+        _point("dist.rank_before_seal")
         sealed = up.seal()
-        crashpoints.hit("dist.rank_after_seal")
+        _point("dist.rank_after_seal")
         slots = {(n, b0): [(s.oid, s.depth, s.chain_bytes) for s in p.state.slots
                            if s is not None] for n, b0, p in job.plans}
         changed: dict[str, tuple[int, int]] = {}
@@ -153,9 +173,17 @@ def _write_rest(ds: DistributedStore, job: Step, comm: Any, coll: Any, decide: A
         err = exc
         if up is not None:
             up.discard()
-    reports = comm.agree(err, "put: sealed", report)
-    info = ds.from_coordinator(comm, "put: commit", lambda: _commit(ds, job, reports),
-                               scatter=False)
+    reports = comm.agree(_local(err, job.step), "put: sealed", report)
+    def commit() -> StepInfo:
+        try:
+            return _commit(ds, job, reports)
+        except Exception as exc:  # as a single-process put: WriteFailed, cause kept
+            local = _local(exc, job.step)
+            if local is exc or local is None:
+                raise
+            raise local from exc
+
+    info = ds.from_coordinator(comm, "put: commit", commit, scatter=False)
     root = bytes.fromhex(info.root)
     for _, _, p in job.plans:
         p.state.anchor = (root_name(job.step), root)
@@ -199,7 +227,7 @@ def _commit(ds: DistributedStore, job: Step, reports: list) -> StepInfo:
                             job.rnb[name], flat, segments=ds.segments.get(name, []))
             table_ids.append(write_nodes(w, name, st))
             ds.segments[name] = st.segments
-        crashpoints.hit("dist.coord_before_commit")
+        _point("dist.coord_before_commit")
         node = StepNode(step=job.step, time=time.time(), tables=tuple(job.tables),
                         table_ids=tuple(table_ids), metadata=job.metadata,
                         logical_bytes=logical, bytes_new=w.payload_bytes_new,
@@ -218,7 +246,7 @@ def _commit(ds: DistributedStore, job: Step, reports: list) -> StepInfo:
         w.abort()
         ds.segments.clear()
         raise
-    crashpoints.hit("dist.coord_after_commit")
+    _point("dist.coord_after_commit")
     return StepInfo(
         step=job.step, root=root.hex(), bytes_written=commit.bytes_written,
         logical_bytes=logical, rows_changed=dict(node.rows_changed),

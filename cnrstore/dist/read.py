@@ -96,10 +96,14 @@ def _collective_read(ds: DistributedStore, step: Any, request: Any, what: str,
         return out
 
     s, doc, tables, where = ds.from_coordinator(ds.comm, what, answer)
-    if ds.is_coordinator:
-        objects: Any = ds.local.objects
-    else:
-        objects = ds.readers.source(where) if where is not None else None
+    try:
+        if ds.is_coordinator:
+            objects: Any = ds.local.objects
+        else:
+            objects = ds.readers.source(where) if where is not None else None
+    except BaseException as exc:  # enter the closing round with it: every rank raises
+        _finish(ds, exc, f"{what}: read")
+        raise
     return s, doc, tables, objects
 
 
@@ -228,24 +232,47 @@ def _uniform(ds: DistributedStore, state: Any, what: str) -> Any:
     where a rank holds its rows (cnrstore.dist.leaves.uniform)."""
     from cnrstore.dist.leaves import uniform
 
-    return uniform(state, gather=lambda mine: ds.comm.all_gather(mine, what))
+    # Every rank enters the same rounds: whether states are mappings is agreed first.
+    kinds = ds.comm.agree(None, what, isinstance(state, Mapping))
+    if not any(kinds):
+        return state
+    if not all(kinds):
+        raise InvalidType(f"{what}: the state is a mapping on ranks "
+                          f"{[r for r, k in enumerate(kinds) if k]} only")
+    entered: list[bool] = []
+
+    def gather(mine: Any) -> list:
+        entered.append(True)
+        return ds.comm.agree(None, what, mine)
+
+    try:
+        return uniform(state, gather=gather)
+    except BaseException as exc:
+        if not entered:  # failed before the round: enter it with the error, so every
+            ds.comm.agree(exc, what, None)  # rank raises it (this one included)
+        raise
 
 
 def put_state(ds: DistributedStore, step: Any, state: Any, *, quant: Any, metadata: Any,
               blocking: bool, touched: Any) -> Any:
     state = _uniform(ds, state, "put_state: structure")
-    plain, sharded = _sharded(state, ds.shard_leaf)
-    flat = flatten(plain)
-    tables = dict(flat.tables)
-    tables.update(sharded)
-    if quant is None:
-        quant = "exact"
-    elif isinstance(quant, str) and quant != "exact":
-        quant = {"*": quant}
-    # touched= may be TorchRec's ModelDeltaTracker (cnrstore/dist/torchrec.py)
-    from cnrstore.dist.torchrec import resolve_touched
+    err = None
+    try:  # local checks: a rank that fails here must still enter the put's rounds
+        plain, sharded = _sharded(state, ds.shard_leaf)
+        flat = flatten(plain)
+        tables = dict(flat.tables)
+        tables.update(sharded)
+        if quant is None:
+            quant = "exact"
+        elif isinstance(quant, str) and quant != "exact":
+            quant = {"*": quant}
+        # touched= may be TorchRec's ModelDeltaTracker (cnrstore/dist/torchrec.py)
+        from cnrstore.dist.torchrec import resolve_touched
 
-    touched, done = resolve_touched(touched, state)
+        touched, done = resolve_touched(touched, state)
+    except BaseException as exc:
+        err = exc
+    ds.comm.agree(err, "put_state: flatten", None)
     info = dput.put(ds, step, tables, quant=quant, metadata=metadata, blocking=blocking,
                     touched=touched, state=flat.doc)
     done()

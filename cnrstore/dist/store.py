@@ -28,7 +28,8 @@ from cnrstore.core.writer import BackgroundWriter, StepInfo
 from cnrstore.dist import put as dput
 from cnrstore.dist import read, transfer
 from cnrstore.dist.comm import Comm, rebuild_error, wire_error
-from cnrstore.errors import CheckpointError, InvalidInput, translating
+from cnrstore.errors import CheckpointError, InvalidInput, translate, translating
+from engine import StoreError
 
 __all__ = ["DistributedStore", "open_distributed"]
 
@@ -116,6 +117,8 @@ class DistributedStore:
                 value = fn()
                 box = [("ok", v) for v in value] if scatter else ("ok", value)
             except BaseException as exc:
+                if isinstance(exc, StoreError):  # the coordinator's engine: cnrstore's tree
+                    exc = translate(exc)
                 wire = ("err", wire_error(exc))
                 box = [wire] * comm.world if scatter else wire
         got = comm.scatter(box, what) if scatter else comm.bcast(box, what)

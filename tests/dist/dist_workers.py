@@ -68,8 +68,13 @@ def killed(rank: int, world: int, path: str, victim: int, point: str):
         err = None
     except cnrstore.CheckpointError as exc:
         err = (type(exc).__name__, str(exc))
-    # No close: the group is broken; the process exits without waiting on dead peers.
-    return err, time.monotonic() - t0
+    seconds = time.monotonic() - t0
+    s.close()  # must not wait on the dead rank
+    try:
+        s.steps()
+    except cnrstore.CheckpointError as exc:
+        closed = str(exc)
+    return err, seconds, time.monotonic() - t0 - seconds, closed
 
 
 def maintain(rank: int, world: int, path: str):
@@ -259,3 +264,39 @@ def touched_put(rank: int, world: int, path: str):
         info = s.put_tables(2, {"t": _mine(t, rank, world)}, touched={"t": mine})
         ids.append(info.tables)
         return ids, info.rows_changed, info.rows_written
+
+
+def failing(rank: int, world: int, path: str, victim: int, point: str):
+    """Rank ``victim``'s write of step 2 fails at ``point`` as a full disk would: every
+    rank raises the same WriteFailed, no step 2 appears, and step 3 then works."""
+    with _open(path) as s:
+        s.put_tables(1, {"t": _mine(_table(1), rank, world)})
+        if rank == victim:
+            os.environ["CNRSTORE_DIST_FAIL_AT"] = point
+        try:
+            s.put_tables(2, {"t": _mine(_table(2), rank, world)}, blocking=False).result()
+            err = None
+        except cnrstore.CheckpointError as exc:
+            err = (type(exc).__name__, str(exc))
+        os.environ.pop("CNRSTORE_DIST_FAIL_AT", None)
+        info = s.put_tables(3, {"t": _mine(_table(3), rank, world)})
+        return err, s.steps(), info.tables, s.verify().ok
+
+
+def bad_state(rank: int, world: int, path: str):
+    """put_state where rank 1's state is malformed: every rank raises the same error."""
+    with _open(path) as s:
+        state = state_of(1)
+        if rank == 1:
+            state["model"][("tuple", "key")] = torch.zeros(3)
+        try:
+            s.put_state(1, state)
+            err = None
+        except cnrstore.CheckpointError as exc:
+            err = type(exc).__name__
+        try:
+            s.put_state(2, state_of(2) if rank == 0 else [state_of(2)])
+            err2 = None
+        except cnrstore.CheckpointError as exc:
+            err2 = type(exc).__name__
+        return err, err2, s.steps()

@@ -9,14 +9,15 @@ from __future__ import annotations
 import pytest
 import torch
 from dist_util import BLOCK_ROWS, FANOUT, Failed, run
-from dist_workers import _table, bad_input, hung, killed
+from dist_workers import _table, bad_input, failing, hung, killed
 
 import cnrstore
 from engine.pack import list_pack_files
 
 
 @pytest.mark.parametrize("how,error", [
-    ("nan", "NonFiniteValues"), ("gap", "InvalidInput"), ("quant", "InvalidInput"),
+    ("nan", "NonFiniteValues"), ("gap", "InvalidInput"),
+    pytest.param("quant", "InvalidInput", marks=pytest.mark.slow),
     pytest.param("dtype", "InvalidInput", marks=pytest.mark.slow),
     pytest.param("type", "InvalidType", marks=pytest.mark.slow)])
 def test_bad_input_on_one_rank_fails_the_put_everywhere(tmp_path, how, error):
@@ -78,9 +79,10 @@ def _killed(tmp_path, victim, point, committed):
         if r == victim:
             continue
         assert not isinstance(got, Failed), got.trace
-        err, seconds = got
+        err, seconds, closing, closed = got
         assert err is not None and err[0] == "RankFailed", err
-        assert seconds < 15 + 10, seconds
+        assert seconds < 15 + 10 and closing < 5, (seconds, closing)
+        assert closed == "store is closed"
     _check_store(path, committed)
 
 
@@ -91,3 +93,22 @@ def test_a_hung_rank_is_detected_by_the_timeout(tmp_path):
     assert err == "RankFailed" and 1.5 < seconds < 6, res[0]
     with cnrstore.open(tmp_path / "s") as s:
         assert s.steps() == [1]
+
+
+@pytest.mark.parametrize("victim,point", [
+    (1, "dist.rank_before_seal"),
+    pytest.param(0, "dist.coord_before_commit", marks=pytest.mark.slow)])
+def test_a_write_failing_on_one_rank_fails_the_step_everywhere(tmp_path, victim, point):
+    res = run(2, failing, str(tmp_path / "s"), victim, point)
+    with cnrstore.open(tmp_path / "o", block_rows=BLOCK_ROWS, fanout=FANOUT) as o:
+        o.put_tables(1, {"t": _table(1)})
+        want = o.put_tables(3, {"t": _table(3)}).tables
+    for r in res:
+        assert not isinstance(r, Failed), r.trace
+        err, steps, tables, ok = r
+        assert err[0] == "WriteFailed" and "No space left" in err[1], err
+        assert steps == [1, 3] and tables == want and ok
+    assert res[0][0] == res[1][0]
+    with cnrstore.open(tmp_path / "s") as s:
+        s.gc(threshold=0.0)
+        assert len(list_pack_files(s.objects.path)) == s.objects.stats().packs

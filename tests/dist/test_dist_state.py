@@ -28,3 +28,13 @@ def test_dtensor_state_round_trip(tmp_path):
         for k in wm:
             assert torch.equal(whole["model"][k], wm[k]), k
         assert torch.equal(whole["optim"]["state"][0]["step"], torch.tensor(2.0))
+
+
+def test_a_malformed_state_on_one_rank_fails_on_every_rank(tmp_path):
+    from dist_workers import bad_state
+
+    res = run(2, bad_state, str(tmp_path / "s"))
+    for r in res:
+        assert not isinstance(r, Failed), r.trace
+    assert res[0] == res[1] and res[0][2] == [], res
+    assert res[0][0] is not None and res[0][1] == "InvalidType", res

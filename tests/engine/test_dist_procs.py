@@ -170,3 +170,14 @@ def test_get_tables_through_located_objects_in_another_process(tmp_path):
     for name in want:
         assert got[name].dtype == want[name].dtype
         assert torch.equal(got[name], want[name])
+
+
+def test_every_distributed_crash_point_is_killed_here_and_reached():
+    from engine.crashpoints import DIST_POINTS
+
+    engine_dir = pathlib.Path(engine.__file__).parent
+    sources = "".join(p.read_text() for p in engine_dir.glob("*.py"))
+    tests = pathlib.Path(__file__).read_text()
+    for point in DIST_POINTS:
+        assert f'crashpoints.hit("{point}")' in sources, f"{point} is never hit"
+        assert f'"{point}"' in tests.replace(f'"1:{point}"', f'"{point}"'), point
