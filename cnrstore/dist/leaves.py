@@ -88,7 +88,7 @@ def _pieces(x, *, for_fill: bool) -> list[tuple[torch.Tensor, int]] | None:
         return [(x.local, x.row_offset)]
     st_cls, dt_cls = _types()
     if st_cls is not None and isinstance(x, st_cls):
-        gshape = tuple(x.size())
+        gshape = _global_shape(x)
         # every shard of the table, so that every rank refuses a column-wise one alike
         for md in x.metadata().shards_metadata:
             _check_rows_only("ShardedTensor", md.shard_offsets, md.shard_sizes, gshape)
@@ -148,7 +148,10 @@ def _dtype(x) -> torch.dtype:
 
 
 def _global_shape(x) -> tuple[int, ...]:
-    return tuple(int(d) for d in (x.size() if callable(getattr(x, "size", None)) else x.shape))
+    md = getattr(x, "metadata", None)  # ShardedTensor.size() warns that it is deprecated
+    if callable(md) and not hasattr(x, "placements"):
+        return tuple(int(d) for d in md().size)
+    return tuple(int(d) for d in x.shape)
 
 
 def shard_leaf(x) -> list[Shard] | None:

@@ -6,12 +6,13 @@ under another plan, world size, or into a plain unsharded model (docs/TORCHREC.m
     cnrstore.dist.torchrec.load(store, step, dmp)          # in place, any plan / world size
     cnrstore.dist.torchrec.load_unsharded(store, step, ebc)  # one process, plain module
 
-Why a helper and not ``{"model": dmp.state_dict(), "optim": dmp.fused_optimizer.state_dict()}``
-as it comes: TorchRec's fused optimizer state names only the tables a rank holds rows of, in
-an order that differs between ranks, while a collective put stores one structure. The helper
-gives every rank the same nesting (ranks holding no row of a table name it by a zero-row
-``cnrstore.Shard``). The sharded leaves themselves go through cnrstore.dist.leaves, which
-reads TorchRec's real offsets in both ShardedTensor and DTensor output mode.
+TorchRec's fused optimizer state names only the tables a rank holds rows of, in an order
+that differs between ranks, while a collective put stores one structure: the distributed
+put_state/load_state make the nesting the same on every rank (cnrstore.dist.leaves.uniform;
+a rank holding no row of a table names it by a zero-row ``cnrstore.Shard``), so the raw
+``{"model": dmp.state_dict(), "optim": dmp.fused_optimizer.state_dict()}`` works; these
+helpers build it, load it back, and map the tracker. The sharded leaves go through
+cnrstore.dist.leaves, which reads TorchRec's real offsets in both output modes.
 
 TorchRec is imported by nobody here: a DMP and a tracker are used through their methods
 (``state_dict``, ``fused_optimizer``, ``get_unique_ids``), so cnrstore imports without it.

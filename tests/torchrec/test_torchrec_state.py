@@ -155,3 +155,8 @@ def test_restore_into_plain_unsharded_modules_in_one_process(saved):
             ctr.load_unsharded(store, 1, plain, at=f"{kind}/model")
             for k, v in plain.state_dict().items():
                 torch.testing.assert_close(v, before[f"{kind}/model/{k}"], rtol=0, atol=0)
+        # a bare EmbeddingBagCollection: the DMP's keys had "sparse." before its own
+        bare = trmodels.module("ebc", device="cpu")
+        ctr.load_unsharded(store, 1, bare, prefix="sparse.", at="ebc/model")
+        for k, v in bare.state_dict().items():
+            torch.testing.assert_close(v, before[f"ebc/model/sparse.{k}"], rtol=0, atol=0)
