@@ -20,7 +20,7 @@ from typing import TypeVar
 import numpy as np
 
 from cnrstore.core.snapshot import FULL, TablePlan
-from cnrstore.core.tablestate import BlockSlot, TableState, dtype_name
+from cnrstore.core.tablestate import TableState, dtype_name
 from cnrstore.errors import StepExists, WriteFailed
 from cnrstore.format.blocks import encode_full, encode_patch, plane_width
 from cnrstore.format.manifest import (
@@ -149,11 +149,9 @@ def write_blocks(w, plan: TablePlan, get) -> None:
     # every block it refers to exists, and an existing segment implies its blocks exist.
     # Unless the base may have vanished (full codes kept): then each is checked.
     written = {bw.index for bw in plan.writes}
-    slots: list[BlockSlot] = []
     for i, maybe in enumerate(state.slots):
         assert maybe is not None
         slot = maybe
-        slots.append(slot)
         if plan.full_codes is not None and i not in written and (
             slot.oid is None or not w.has(slot.oid)
         ):

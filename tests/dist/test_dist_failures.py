@@ -38,11 +38,13 @@ def test_bad_input_on_one_rank_fails_the_put_everywhere(tmp_path, how, error):
 POINTS = [  # (victim, point, step committed)
     (1, "dist.rank_after_encode", False),
     (1, "sink.after_pack_write", False),
+    (1, "dist.rank_before_seal", False),
     (1, "sink.after_seal", False),
     (1, "dist.rank_after_seal", False),
     (0, "dist.rank_after_seal", False),
     (0, "adopt.after_check", False),
     (0, "dist.coord_before_commit", False),
+    (0, "writer.after_pack_write", False),
     (0, "writer.after_pack_fsync", True),    # its roots record is durable: rolled forward
     (0, "dist.coord_after_commit", True),
 ]
@@ -61,7 +63,8 @@ def _check_store(path, committed: bool) -> None:
         assert len(list_pack_files(s.objects.path)) == s.objects.stats().packs
 
 
-@pytest.mark.parametrize("victim,point,committed", [POINTS[3], POINTS[6]])
+@pytest.mark.parametrize("victim,point,committed", [
+    (1, "dist.rank_after_seal", False), (0, "dist.coord_before_commit", False)])
 def test_a_killed_rank_fails_the_put_on_every_survivor(tmp_path, victim, point, committed):
     _killed(tmp_path, victim, point, committed)
 
