@@ -236,9 +236,12 @@ def _encode_int(
     return out
 
 
-def decode_rows(codes: torch.Tensor, scheme: str, dtype: torch.dtype, width: int) -> torch.Tensor:
+def decode_rows(codes: torch.Tensor, scheme: str, dtype: torch.dtype, width: int,
+                *, out: torch.Tensor | None = None) -> torch.Tensor:
     """uint8 [n, row_nbytes(scheme, dtype, width)] -> [n, width] of `dtype` on codes.device
-    (intN rows narrow or wide, told apart by their size)."""
+    (intN rows narrow or wide, told apart by their size). With ``out`` ([n, width] of
+    `dtype`, on codes.device) the rows are decoded into it, chunk by chunk: a restore
+    writes straight into the table it returns, with no block-sized temporary."""
     options = row_nbytes_options(scheme, dtype, width)
     if not isinstance(codes, torch.Tensor) or codes.dtype != torch.uint8 or codes.ndim != 2:
         raise ValueError("codes must be a 2-D uint8 tensor")
@@ -249,11 +252,20 @@ def decode_rows(codes: torch.Tensor, scheme: str, dtype: torch.dtype, width: int
         )
     wide = is_wide(scheme, dtype, width, codes.shape[1])
     n = codes.shape[0]
+    if out is not None and (tuple(out.shape) != (n, width) or out.dtype != dtype
+                            or out.device != codes.device):
+        raise ValueError(f"out must be [{n}, {width}] {dtype} on {codes.device}")
     if scheme == "exact":
         if width == 0:
-            return torch.empty((n, 0), dtype=dtype, device=codes.device)
-        return _dense(codes).view(dtype).reshape(n, width)
-    out = torch.empty((n, width), dtype=dtype, device=codes.device)
+            rows = torch.empty((n, 0), dtype=dtype, device=codes.device)
+        else:
+            rows = _dense(codes).view(dtype).reshape(n, width)
+        if out is None:
+            return rows
+        out.copy_(rows)
+        return out
+    if out is None:
+        out = torch.empty((n, width), dtype=dtype, device=codes.device)
     if n == 0 or width == 0:
         return out
     budget = _CUDA_CHUNK_ELEMS if codes.device.type == "cuda" else _CPU_CHUNK_ELEMS

@@ -145,9 +145,8 @@ def read_table(
             codes = _block_codes(objects, tm, i)
             part = codes[a - start:b - start]
             if width and b > a:  # zero-width rows decode to nothing (and some codecs refuse)
-                out[a - lo:b - lo] = decode_rows(
-                    torch.from_numpy(part), node.scheme, dtype, width
-                )
+                decode_rows(torch.from_numpy(part), node.scheme, dtype, width,
+                            out=out[a - lo:b - lo])
         if fps is not None and b > a:
             row_fingerprints(out[a - lo:b - lo], out=fps[a - lo:b - lo])
         if codes_out is not None:
@@ -190,14 +189,19 @@ def read_into(
             codes = _block_codes(objects, tm, i, out=part.view(torch.uint8).numpy())
         else:
             codes = _block_codes(objects, tm, i)
-            if width and stop > start:
-                part = decode_rows(torch.from_numpy(codes), node.scheme, dtype, width)
+            if rows2d is not None and rows2d.device.type == "cpu":
+                part = rows2d[start:stop]  # decoded in place: no block-sized temporary
+                if width and stop > start:
+                    decode_rows(torch.from_numpy(codes), node.scheme, dtype, width, out=part)
             else:
-                part = torch.empty((stop - start, width), dtype=dtype)
-            if rows2d is not None:
-                rows2d[start:stop].copy_(part)
-            else:
-                dest[start:stop].copy_(part.view((stop - start, *node.shape[1:])))
+                if width and stop > start:
+                    part = decode_rows(torch.from_numpy(codes), node.scheme, dtype, width)
+                else:
+                    part = torch.empty((stop - start, width), dtype=dtype)
+                if rows2d is not None:
+                    rows2d[start:stop].copy_(part)
+                else:
+                    dest[start:stop].copy_(part.view((stop - start, *node.shape[1:])))
         if fps is not None and stop > start:
             row_fingerprints(part, out=fps[start:stop])
         if codes_out is not None:
