@@ -140,6 +140,48 @@ def _baseline_first(workloads: list[Workload]) -> list[Workload]:
     return target + [w for w in workloads if w.name != report.TARGET_WORKLOAD]
 
 
+CLI_COMMANDS = (("python -c pass", None), ("cnrstore --help", ["--help"]),
+                ("cnrstore ls", ["ls", "{store}"]),
+                ("cnrstore show", ["show", "{store}", "2"]),
+                ("cnrstore du", ["du", "{store}"]),
+                ("cnrstore diff", ["diff", "{store}", "1", "2"]),
+                ("cnrstore verify --shallow", ["verify", "{store}", "--shallow"]))
+
+
+def cli_startup(tmp: Path, runs: int = 5) -> dict[str, Any]:
+    """Median wall seconds of the read-only CLI commands on a small 2-step store, next to
+    ``python -c pass`` (the peer: an interpreter that does nothing), and whether each
+    imported torch (it must not)."""
+    import torch
+
+    import cnrstore
+
+    store = tmp / "cli-store"
+    with cnrstore.open(store) as s:
+        t = torch.randn(20000, 64, generator=torch.Generator().manual_seed(0))
+        s.put_tables(1, {"t": t})
+        t[::50] += 1
+        s.put_tables(2, {"t": t})
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO),
+                                                       os.environ.get("PYTHONPATH", "")]))
+    probe = ("import sys\nfrom cnrstore.cli.app import main\ntry:\n    main(sys.argv[1:])\n"
+             "except SystemExit:\n    pass\n"
+             "sys.stderr.write('TORCH=%d' % ('torch' in sys.modules))")
+    out: dict[str, Any] = {}
+    for name, argv in CLI_COMMANDS:
+        cmd = ([sys.executable, "-c", "pass"] if argv is None else
+               [sys.executable, "-c", probe, *(a.format(store=store) for a in argv)])
+        times, torch_seen = [], False
+        for _ in range(runs):
+            t0 = time.perf_counter()
+            proc = subprocess.run(cmd, env=env, cwd=tmp, capture_output=True, text=True,
+                                  timeout=120)
+            times.append(time.perf_counter() - t0)
+            torch_seen |= "TORCH=1" in proc.stderr
+        out[name] = {"median_s": sorted(times)[len(times) // 2], "imports_torch": torch_seen}
+    return out
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     args.workloads = _baseline_first(args.workloads)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -185,6 +227,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                       file=sys.stderr, flush=True)
             for system, agg in rep_runs.items():
                 runs.setdefault(system, []).append(agg)
+        cli = cli_startup(tmp)
     if not runs:
         raise RuntimeError(f"every job failed: {failures}")
     merged = {system: report.median_merge(results) for system, results in runs.items()}
@@ -199,7 +242,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "cache_eviction": first["cache_eviction"],
         "memory_method": next(iter(merged.values()))["memory_method"], "threads": args.threads,
         "one_process": args.one_process,
-        "fingerprint": fingerprint, "python": platform.python_version(),
+        "fingerprint": fingerprint, "cli_startup": cli, "python": platform.python_version(),
         "machine": platform.machine(), "cpus": os.cpu_count(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }

@@ -2,7 +2,7 @@
 
 All schemes checkpoint the same DLRM-like tables (benches/workload.py) with the same row
 updates, in one process, next to torch.save + fsync of the same tables. Each cnrstore run
-is repeated with the two CPU implementations of the greedy range search (int4/int3/int2's
+is repeated with the two range searches of int4/int3/int2 (their
 default): "numpy" (the current one) and "torch" (the torch walk CPUs ran before, still the
 CUDA path), so the before/after figures come from one run on one machine state. int8 uses
 min/max either way. Reported per scheme and search implementation:
@@ -47,7 +47,7 @@ from benches.workload import (  # noqa: E402
 __all__ = ["main", "parse_args", "run"]
 
 SCHEMES = ("int8", "int4", "int3", "int2")
-IMPLS = ("numpy", "torch")
+IMPLS = ("grid", "greedy")
 QUICK_SCALE = 0.002
 
 
@@ -60,7 +60,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dist", default="zipf", choices=("zipf", "uniform"))
     p.add_argument("--steps", type=int, default=None, help="incremental puts (median)")
     p.add_argument("--impls", default=",".join(IMPLS),
-                   help="CPU search implementations to run: numpy (now), torch (before)")
+                   help="range searches to run: grid (now), greedy (before)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads (0: torch's default); see bench_checkpoint")
     p.add_argument("--seed", type=int, default=0)
@@ -110,7 +110,7 @@ def _puts(system, args, workload: Workload, specs) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from benches.peers import CnrStore
-    from cnrstore.codec import qsearch
+    from cnrstore.codec import quantize
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -124,14 +124,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     args.out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="cnrquant-", dir=args.out))
     results: dict[str, Any] = {}
-    saved = qsearch._NUMPY_CPU
+    saved = quantize.LOW_BITS_SEARCH
     try:
         peer = _puts(TorchSave(work / "torch_save"), args, workload, specs)
         shutil.rmtree(work / "torch_save")
         # Implementations alternate per scheme, so both see about the same machine load.
         for scheme in SCHEMES:
             for impl in args.impls:
-                qsearch._NUMPY_CPU = impl == "numpy"
+                quantize.LOW_BITS_SEARCH = impl
                 print(f"{impl} {scheme} ...", file=sys.stderr, flush=True)
                 mbps, mb_cpu_s, err = _encode_and_error(sample, scheme)
                 root = work / f"{impl}_{scheme}"
@@ -144,7 +144,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                                "rel_l2_error": err,
                                                **puts}
     finally:
-        qsearch._NUMPY_CPU = saved
+        quantize.LOW_BITS_SEARCH = saved
         shutil.rmtree(work, ignore_errors=True)
     for r in results.values():
         int8 = results[f"{r['impl']}/int8"]["incr_put_s"]

@@ -65,6 +65,12 @@ class System(abc.ABC):
     def close(self) -> None:  # noqa: B027 - most systems hold no handle between calls
         """Release handles so a restore starts cold."""
 
+    def restore_into(self, step: int, out: dict[str, torch.Tensor]) -> None:
+        """Read ``step`` into the existing tensors ``out`` (a model's): the peers load
+        fresh tensors and copy them over, which is what torch.load users do."""
+        for name, t in self.restore(step).items():
+            out[name].copy_(t)
+
 
 def _fsync_path(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
@@ -206,6 +212,13 @@ class CnrStore(System):
         self.close()
         with cnrstore.open(str(self.root / "store")) as store:
             return store.get_tables(step)
+
+    def restore_into(self, step, out):
+        import cnrstore
+
+        self.close()
+        with cnrstore.open(str(self.root / "store")) as store:
+            store.get_tables(step, out=out)
 
     def close(self) -> None:
         if self._store is not None:

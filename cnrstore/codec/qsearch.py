@@ -27,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
+from cnrstore.codec.qgrid import WIN_MARGIN, grid_task, grid_torch, sq_errors_numpy
 from cnrstore.codec.qparams import (
     FP16_MAX,
     FP32_MAX,
@@ -46,13 +47,11 @@ __all__ = [
     "row_sq_errors",
 ]
 
-SEARCHES = ("greedy", "minmax")
+SEARCHES = ("grid", "greedy", "minmax")
 N_BINS = 200
 MAX_CLIP_RATIO = 0.16
 _STEPS = round(N_BINS * MAX_CLIP_RATIO)
-# The adaptive range must beat min/max by this relative margin, so that a caller summing
-# the same errors in another order still sees it as no worse.
-_WIN_MARGIN = 1e-9
+_WIN_MARGIN = WIN_MARGIN  # qgrid.WIN_MARGIN: one margin for both searches
 # Elements per search chunk. CPU: below torch's intra-op grain size (32768), so every op
 # runs on the calling thread; forking OpenMP threads per op on cache-sized chunks costs
 # 10-100x when the cores are shared (measured, docs/QUANTIZATION.md). CUDA: bounds memory.
@@ -61,7 +60,6 @@ _CUDA_CHUNK_ELEMS = 1 << 24
 # CPU rows take the numpy walk (same result, faster); benches/bench_quant.py turns this off
 # to time the torch walk that CPUs ran before, in the same run.
 _NUMPY_CPU = True
-_FP16_MAX = np.float32(65504.0)
 
 
 def choose_ranges(
@@ -78,8 +76,8 @@ def choose_ranges(
     if w == 0 or n == 0:
         zeros = torch.zeros(n, dtype=torch.float32, device=x.device)
         return zeros, zeros.clone()
-    if search == "greedy" and x.device.type == "cpu" and _NUMPY_CPU:
-        return _greedy_rows_cpu(x, bits, dtype)
+    if search != "minmax" and x.device.type == "cpu" and _NUMPY_CPU and not wide:
+        return _rows_cpu(x, bits, dtype, search)
     lo, hi = x.amin(dim=1), x.amax(dim=1)
     if search == "minmax":
         return lo, hi
@@ -88,7 +86,10 @@ def choose_ranges(
     rows = max(1, budget // w)
     for start in range(0, n, rows):
         sl = slice(start, start + rows)
-        glo, ghi = _greedy(x[sl], lo[sl], hi[sl], bits)
+        if search == "grid":
+            glo, ghi = grid_torch(x[sl], bits)
+        else:
+            glo, ghi = _greedy(x[sl], lo[sl], hi[sl], bits)
         err_mm = row_sq_errors(x[sl], lo[sl], hi[sl], bits, dtype, wide=wide)
         err_g = row_sq_errors(x[sl], glo, ghi, bits, dtype, wide=wide)
         win = err_g < err_mm * (1 - _WIN_MARGIN)
@@ -102,9 +103,9 @@ def choose_row_ranges(rows: torch.Tensor, bits: int, *, search: str):
     own chunked choose_ranges is as fast (min/max, CUDA). On CPU the greedy search then
     runs its row chunks on all cores, converting each chunk to float32 itself (no float32
     copy of the whole table); the chunks and results are those of choose_ranges."""
-    if search != "greedy" or rows.device.type != "cpu" or rows.numel() == 0 or not _NUMPY_CPU:
+    if search == "minmax" or rows.device.type != "cpu" or rows.numel() == 0 or not _NUMPY_CPU:
         return None
-    return _greedy_rows_cpu(rows, bits, rows.dtype)
+    return _rows_cpu(rows, bits, rows.dtype, search)
 
 
 def row_sq_errors(x, lo, hi, bits: int, dtype: torch.dtype, *, wide: bool = False
@@ -225,9 +226,9 @@ def _pool() -> ThreadPoolExecutor:
         return _POOL
 
 
-def _greedy_rows_cpu(rows: torch.Tensor, bits: int, dtype: torch.dtype):
-    """Greedy ranges of CPU rows of any float dtype, on all cores; same result as the torch
-    search on choose_ranges' chunks."""
+def _rows_cpu(rows: torch.Tensor, bits: int, dtype: torch.dtype, search: str):
+    """Ranges of CPU rows of any float dtype, on all cores. Greedy: the same result as the
+    torch search on choose_ranges' chunks; grid: qgrid's numpy search."""
     n, w = rows.shape
     out_lo = torch.zeros(n, dtype=torch.float32)
     out_hi = torch.zeros(n, dtype=torch.float32)
@@ -242,7 +243,10 @@ def _greedy_rows_cpu(rows: torch.Tensor, bits: int, dtype: torch.dtype):
         x = torch.empty((stop - start, w), dtype=torch.float32)
         for s in range(start, stop, chunk):  # torch ops stay below the grain size
             x[s - start : s - start + chunk].copy_(rows[s : min(stop, s + chunk)])
-        lo, hi = _greedy_task(x, bits, dtype, chunk)
+        if search == "grid":
+            lo, hi = grid_task(x.numpy(), bits, dtype, chunk * _WALK_CHUNKS)
+        else:
+            lo, hi = _greedy_task(x, bits, dtype, chunk)
         out_lo[start:stop] = lo
         out_hi[start:stop] = hi
 
@@ -300,24 +304,7 @@ def _sq_errors_numpy(x, x64, lo_t, hi_t, bits: int, dtype: torch.dtype) -> np.nd
     """row_sq_errors of float32 rows [m, w] (x64: the same in float64), the same element
     operations (quantize_codes, dequantize, the cast to dtype) in numpy."""
     scale, offset = (t.numpy() for t in fp16_qparams(lo_t, hi_t, bits))
-    with np.errstate(all="ignore"):
-        inv = np.where(scale > 0, np.float32(1) / scale, np.float32(0))
-        y = x - offset
-        y *= inv
-        np.clip(y, 0, (1 << bits) - 1, out=y)
-        np.rint(y, out=y)
-        y *= scale
-        y += offset
-        np.clip(y, -_FP16_MAX, _FP16_MAX, out=y)
-        if dtype == torch.float16:
-            y = y.astype(np.float16)
-        elif dtype == torch.bfloat16:  # round to nearest even, as torch's conversion
-            u = y.view(np.uint32)
-            u += np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))
-            u &= np.uint32(0xFFFF0000)
-        diff = y.astype(np.float64)
-        diff -= x64
-        return _row_sq_sums(diff, diff)
+    return sq_errors_numpy(x, x64, scale, offset, bits, dtype)
 
 
 def _row_sq_sums(a: np.ndarray, b: np.ndarray) -> np.ndarray:

@@ -55,11 +55,14 @@ __all__ = [
 # SCHEMES, the header sizes and row sizes come from cnrstore.codec.layout (torch-free).
 LOSSY_DTYPES = tuple(getattr(torch, name) for name in LOSSY_DTYPE_NAMES)
 _CASTS = {"fp16": torch.float16, "bf16": torch.bfloat16}
-# Default range search per row: Check-N-Run's adaptive clipping ("greedy",
-# cnrstore.codec.qsearch) up to GREEDY_MAX_BITS, plain "minmax" above. Measured on 4000x64 rows
+# Default range search per row: adaptive clipping ("grid", cnrstore.codec.qgrid: lower
+# total error than Check-N-Run's "greedy" walk at a third of its cost) up to
+# GREEDY_MAX_BITS, plain "minmax" above. Measured on 4000x64 rows
 # (docs/QUANTIZATION.md): greedy cuts the L2^2 error by 16-48% at 2-4 bits but only by
 # 0.2-0.6% at 8 bits, for ~40x the encode time, so int8 defaults to min/max.
 GREEDY_MAX_BITS = 4
+# The search those schemes take by default (benches/bench_quant.py times both in one run).
+LOW_BITS_SEARCH = "grid"
 # Elements per chunk when scanning for non-finite values (bounds the bool temporary).
 _SCAN_ELEMS = 1 << 22
 # Elements per encode chunk. CPU: below torch's intra-op grain size (32768), so no op
@@ -130,8 +133,8 @@ def encode_rows(
 ) -> torch.Tensor:
     """[n, width] rows of the table's dtype -> uint8 [n, row_nbytes] on the same device.
 
-    `search` picks the intN range per row: "greedy" or "minmax"; by default greedy for
-    schemes of at most GREEDY_MAX_BITS bits, min/max for int8. `wide`: intN rows with fp32
+    `search` picks the intN range per row: "grid", "greedy" or "minmax"; by default grid
+    for schemes of at most GREEDY_MAX_BITS bits, min/max for int8. `wide`: intN rows with fp32
     scale/offset; without it a row that needs them raises NeedsWideQparams.
     Lossy schemes reject non-finite values (ValueError naming the first bad row) and
     finite values they cannot represent (RangeError).
@@ -153,7 +156,7 @@ def encode_rows(
         return _encode_cast(rows, scheme)
     bits = _BITS[scheme]
     if search is None:
-        search = "greedy" if bits <= GREEDY_MAX_BITS else "minmax"
+        search = LOW_BITS_SEARCH if bits <= GREEDY_MAX_BITS else "minmax"
     return _encode_int(rows, bits, search, scheme, wide)
 
 
@@ -233,9 +236,12 @@ def _encode_int(
     return out
 
 
-def decode_rows(codes: torch.Tensor, scheme: str, dtype: torch.dtype, width: int) -> torch.Tensor:
+def decode_rows(codes: torch.Tensor, scheme: str, dtype: torch.dtype, width: int,
+                *, out: torch.Tensor | None = None) -> torch.Tensor:
     """uint8 [n, row_nbytes(scheme, dtype, width)] -> [n, width] of `dtype` on codes.device
-    (intN rows narrow or wide, told apart by their size)."""
+    (intN rows narrow or wide, told apart by their size). With ``out`` ([n, width] of
+    `dtype`, on codes.device) the rows are decoded into it, chunk by chunk: a restore
+    writes straight into the table it returns, with no block-sized temporary."""
     options = row_nbytes_options(scheme, dtype, width)
     if not isinstance(codes, torch.Tensor) or codes.dtype != torch.uint8 or codes.ndim != 2:
         raise ValueError("codes must be a 2-D uint8 tensor")
@@ -246,11 +252,20 @@ def decode_rows(codes: torch.Tensor, scheme: str, dtype: torch.dtype, width: int
         )
     wide = is_wide(scheme, dtype, width, codes.shape[1])
     n = codes.shape[0]
+    if out is not None and (tuple(out.shape) != (n, width) or out.dtype != dtype
+                            or out.device != codes.device):
+        raise ValueError(f"out must be [{n}, {width}] {dtype} on {codes.device}")
     if scheme == "exact":
         if width == 0:
-            return torch.empty((n, 0), dtype=dtype, device=codes.device)
-        return _dense(codes).view(dtype).reshape(n, width)
-    out = torch.empty((n, width), dtype=dtype, device=codes.device)
+            rows = torch.empty((n, 0), dtype=dtype, device=codes.device)
+        else:
+            rows = _dense(codes).view(dtype).reshape(n, width)
+        if out is None:
+            return rows
+        out.copy_(rows)
+        return out
+    if out is None:
+        out = torch.empty((n, width), dtype=dtype, device=codes.device)
     if n == 0 or width == 0:
         return out
     budget = _CUDA_CHUNK_ELEMS if codes.device.type == "cuda" else _CPU_CHUNK_ELEMS

@@ -18,7 +18,7 @@ import torch
 
 from cnrstore.core.options import Options
 from cnrstore.core.snapshot import HostBuffers
-from cnrstore.core.tablestate import TableState
+from cnrstore.core.tablestate import DeferredBase, TableState, cancel_deferred
 from cnrstore.core.validate import check_step
 from cnrstore.core.writer import BackgroundWriter
 from cnrstore.errors import CheckpointError, InvalidInput, StepNotFound
@@ -70,6 +70,7 @@ class StoreCore:
                 return
             self.writer.close()
             self.pool.shutdown(wait=True)
+            cancel_deferred(self.objects)  # restored tables' diff bases still being read
             self.states.clear()
             if self.owns_objects:
                 self.objects.close()
@@ -115,9 +116,16 @@ class StoreCore:
             return name not in self.states and not self.closed
 
     def seed(self, name: str, tm: TableManifest, fps: Any, codes: Any,
-             anchor: tuple[str, bytes]) -> None:
+             anchor: tuple[str, bytes], deferred: DeferredBase | None = None) -> None:
         """Seed the diff base of a table this handle has no base of (DESIGN.md: a restarted
-        job's next put is incremental again; a table the handle put keeps its base)."""
+        job's next put is incremental again; a table the handle put keeps its base).
+        ``deferred``: the diff data is still being computed (restore.seed_later)."""
+        if deferred is not None:
+            state = TableState.from_manifest(tm, anchor=anchor, deferred=deferred)
+            with self.lock:
+                if self.states.setdefault(name, state) is not state:
+                    deferred.cancel()
+            return
         if codes is not None:
             state = TableState.from_manifest(tm, seed_codes=torch.from_numpy(codes),
                                              anchor=anchor)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cnrstore.core.handle import StoreCore
-from cnrstore.core.restore import check_slice, read_table
+from cnrstore.core.restore import check_slice, read_table, seed_later
 from cnrstore.core.retention import check_retention, kept_steps
 from cnrstore.core.validate import check_device, check_step
 from cnrstore.core.verify import StepProblem, verify_objects
@@ -98,16 +98,17 @@ def _read_step(core: StoreCore, step: int, names: Any, rows: dict, device: Any) 
             raise TableNotFound(name, step)
         check_slice(sel, manifest.tables[name].node.rows, name=name)
     out = {}
+    seeds = []
     for name, tm in manifest.tables.items():
-        seed = rows.get(name) is None and core.wants_seed(name)
-        lossy = tm.node.scheme != "exact"
-        tensor, codes, fps = read_table(
-            core.objects, tm, core.pool, rows=rows.get(name),
-            keep_codes=seed and lossy, fingerprints=seed and not lossy,
-        )
-        if seed:
-            core.seed(name, tm, fps, codes, (root_name(step), manifest.oid))
+        if rows.get(name) is None and core.wants_seed(name):
+            seeds.append((name, tm))
+        tensor, _, _ = read_table(core.objects, tm, core.pool, rows=rows.get(name))
         out[name] = tensor.to(device)
+    # The diff bases of the restored tables are computed from the stored step after the
+    # restore returns (restore.seed_later); the next put of a table waits for its own.
+    for name, tm in seeds:
+        core.seed(name, tm, None, None, (root_name(step), manifest.oid),
+                  deferred=seed_later(core.objects, tm))
     return out
 
 

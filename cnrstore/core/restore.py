@@ -15,13 +15,13 @@ import torch
 
 from cnrstore.codec.fingerprint import row_fingerprints
 from cnrstore.codec.quantize import decode_rows
-from cnrstore.core.tablestate import parse_dtype
+from cnrstore.core.tablestate import DeferredBase, parse_dtype
 from cnrstore.errors import CheckpointError, InvalidInput, InvalidType, ManifestError
 from cnrstore.format.blocks import resolve
 from cnrstore.format.manifest import TableManifest
-from engine import ObjectStore, StoreError
+from engine import ObjectStore, StoreClosed, StoreError
 
-__all__ = ["check_slice", "row_range", "read_table", "read_codes", "read_into"]
+__all__ = ["check_slice", "row_range", "read_table", "read_codes", "read_into", "seed_later"]
 
 
 def row_range(sel: slice | None, rows: int) -> tuple[int, int, np.ndarray | None]:
@@ -145,9 +145,8 @@ def read_table(
             codes = _block_codes(objects, tm, i)
             part = codes[a - start:b - start]
             if width and b > a:  # zero-width rows decode to nothing (and some codecs refuse)
-                out[a - lo:b - lo] = decode_rows(
-                    torch.from_numpy(part), node.scheme, dtype, width
-                )
+                decode_rows(torch.from_numpy(part), node.scheme, dtype, width,
+                            out=out[a - lo:b - lo])
         if fps is not None and b > a:
             row_fingerprints(out[a - lo:b - lo], out=fps[a - lo:b - lo])
         if codes_out is not None:
@@ -190,14 +189,19 @@ def read_into(
             codes = _block_codes(objects, tm, i, out=part.view(torch.uint8).numpy())
         else:
             codes = _block_codes(objects, tm, i)
-            if width and stop > start:
-                part = decode_rows(torch.from_numpy(codes), node.scheme, dtype, width)
+            if rows2d is not None and rows2d.device.type == "cpu":
+                part = rows2d[start:stop]  # decoded in place: no block-sized temporary
+                if width and stop > start:
+                    decode_rows(torch.from_numpy(codes), node.scheme, dtype, width, out=part)
             else:
-                part = torch.empty((stop - start, width), dtype=dtype)
-            if rows2d is not None:
-                rows2d[start:stop].copy_(part)
-            else:
-                dest[start:stop].copy_(part.view((stop - start, *node.shape[1:])))
+                if width and stop > start:
+                    part = decode_rows(torch.from_numpy(codes), node.scheme, dtype, width)
+                else:
+                    part = torch.empty((stop - start, width), dtype=dtype)
+                if rows2d is not None:
+                    rows2d[start:stop].copy_(part)
+                else:
+                    dest[start:stop].copy_(part.view((stop - start, *node.shape[1:])))
         if fps is not None and stop > start:
             row_fingerprints(part, out=fps[start:stop])
         if codes_out is not None:
@@ -205,3 +209,41 @@ def read_into(
 
     list(pool.map(one, range(node.nblocks)))
     return codes_out, fps
+
+
+def seed_later(objects: ObjectStore, tm: TableManifest) -> DeferredBase:
+    """The diff data of a restored table, computed from the stored step on a background
+    thread (TableState.materialize waits for it at the table's next put): fingerprints of
+    an exact table, block by block with no table-sized buffer, or the stored codes of a
+    lossy one. A restore returns without this work, which cost as much as a third of an
+    exact restore (docs/PERFORMANCE.md); an exact step's stored rows are bit-identical to
+    what the restore returned, so the fingerprints are the same as if taken then. Blocks
+    that cannot be read are reported (the put writes them full)."""
+    node = tm.node
+    lossy = node.scheme != "exact"
+    dtype = parse_dtype(node.dtype)
+
+    def compute(cancel) -> tuple[torch.Tensor | None, np.ndarray | None, set[int]]:
+        codes = np.empty((node.rows, node.row_nbytes), dtype=np.uint8) if lossy else None
+        fps = None if lossy else torch.empty(node.rows, dtype=torch.int64)
+        damaged: set[int] = set()
+        for i in range(node.nblocks):
+            if cancel.is_set():
+                raise StoreClosed("the store was closed while a diff base was seeded")
+            start, stop = node.block_range(i)
+            try:
+                block = _block_codes(objects, tm, i)
+            except StoreClosed:
+                raise
+            except (StoreError, CheckpointError):
+                damaged.add(i)
+                continue
+            if codes is not None:
+                codes[start:stop] = block
+            elif fps is not None and stop > start:
+                rows = (torch.from_numpy(block).view(dtype) if node.width
+                        else torch.empty((stop - start, 0), dtype=dtype))
+                row_fingerprints(rows.reshape(stop - start, node.width), out=fps[start:stop])
+        return fps, codes, damaged
+
+    return DeferredBase(compute, objects)

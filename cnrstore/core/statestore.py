@@ -18,7 +18,7 @@ import torch
 from cnrstore.core import maintenance
 from cnrstore.core.handle import StoreCore
 from cnrstore.core.put import put
-from cnrstore.core.restore import read_into
+from cnrstore.core.restore import read_into, seed_later
 from cnrstore.core.state import check_structure, fill, flatten, unflatten
 from cnrstore.core.tablestate import parse_dtype
 from cnrstore.errors import InvalidInput, InvalidType, ManifestError, TableNotFound
@@ -126,12 +126,12 @@ def get_into(core: StoreCore, step, out: Mapping, *, names=None, rows=None) -> d
                 f"{node.shape} {node.dtype}; nothing was written"
             )
     anchor = (root_name(step), manifest.oid)
+    seeds = [name for name in manifest.tables if core.wants_seed(name)]
     for name, tm in manifest.tables.items():
-        seed = core.wants_seed(name)
-        lossy = tm.node.scheme != "exact"
         # detach: restoring into a parameter is not an autograd operation
-        codes, fps = read_into(core.objects, tm, core.pool, out[name].detach(),
-                               fingerprints=seed and not lossy, keep_codes=seed and lossy)
-        if seed:
-            core.seed(name, tm, fps, codes, anchor)
+        read_into(core.objects, tm, core.pool, out[name].detach())
+    # As get_tables: diff bases are computed from the stored step after the restore.
+    for name in seeds:
+        tm = manifest.tables[name]
+        core.seed(name, tm, None, None, anchor, deferred=seed_later(core.objects, tm))
     return dict(out)

@@ -13,13 +13,19 @@ put failed (then ``oid`` stays None and the dependent put fails too).
 from __future__ import annotations
 
 import math
+import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from cnrstore.format.manifest import TableManifest, dtype_name, parse_dtype
 
-__all__ = ["BlockSlot", "TableState", "dtype_name", "parse_dtype"]
+__all__ = ["BlockSlot", "DeferredBase", "TableState", "cancel_deferred", "dtype_name",
+           "parse_dtype"]
 
 
 class BlockSlot:
@@ -39,6 +45,78 @@ class BlockSlot:
         return f"BlockSlot({oid}, nrows={self.nrows}, depth={self.depth})"
 
 
+
+
+# One thread for all deferred diff bases: it works while the restored job starts up and
+# leaves the other core to it; the next put waits for what it needs.
+_SEEDER: ThreadPoolExecutor | None = None
+_SEEDER_LOCK = threading.Lock()
+# Unfinished deferred bases per store they read (id of its object store), so that closing
+# the store stops them first, also those whose state was dropped (rollback) meanwhile.
+_RUNNING: dict[int, set[DeferredBase]] = {}
+
+
+def _reset_seeder() -> None:
+    global _SEEDER
+    _SEEDER = None  # a forked child has the object but not the thread
+
+
+os.register_at_fork(after_in_child=_reset_seeder)
+
+
+class DeferredBase:
+    """The diff data of a restored table (fingerprints or seed codes), computed from the
+    stored step off the restore path (restore.seed_later). ``compute(cancel)`` returns
+    (fingerprints, seed codes, indices of blocks it could not read); ``cancel`` is a
+    threading.Event it checks between blocks."""
+
+    def __init__(self, compute: Callable[[threading.Event], tuple[Any, Any, set[int]]],
+                 owner: object):
+        global _SEEDER
+        self._compute = compute
+        self._cancel = threading.Event()
+        key = id(owner)
+        with _SEEDER_LOCK:
+            if _SEEDER is None:
+                _SEEDER = ThreadPoolExecutor(1, thread_name_prefix="cnrstore-seed")
+            _RUNNING.setdefault(key, set()).add(self)
+            self._future: Future = _SEEDER.submit(compute, self._cancel)
+        self._future.add_done_callback(lambda _: self._forget(key))
+
+    def _forget(self, key: int) -> None:
+        with _SEEDER_LOCK:
+            running = _RUNNING.get(key)
+            if running is not None:
+                running.discard(self)
+                if not running:
+                    del _RUNNING[key]
+
+    def result(self) -> tuple[Any, Any, set[int]]:
+        """Wait for the background computation (or run it here if it has not started); a
+        failed or cancelled one runs again here once, and may raise."""
+        if self._future.cancel():
+            return self._compute(threading.Event())
+        try:
+            return self._future.result()
+        except Exception:
+            return self._compute(threading.Event())
+
+    def cancel(self) -> None:
+        """Stop the background computation and wait until it no longer reads the store."""
+        self._cancel.set()
+        if not self._future.cancel():
+            try:
+                self._future.result()
+            except Exception:  # noqa: S110 - it was cancelled or failed: nothing to keep
+                pass
+
+
+def cancel_deferred(owner: object) -> None:
+    """Stop every deferred base reading ``owner`` (an object store about to close)."""
+    with _SEEDER_LOCK:
+        running = list(_RUNNING.get(id(owner), ()))
+    for d in running:
+        d.cancel()
 
 
 @dataclass
@@ -66,6 +144,9 @@ class TableState:
     damaged_blocks: frozenset[int] = frozenset()
     # Root name of the put that made this state (its anchor once committed).
     planned_root: str | None = None
+    # A restored table's diff data, still being computed from the stored step (a restore
+    # returns without it): materialize() puts it into fingerprints / seed_codes.
+    deferred: DeferredBase | None = None
 
     @property
     def rows(self) -> int:
@@ -88,13 +169,35 @@ class TableState:
         )
 
     def has_diff(self) -> bool:
-        return self.fingerprints is not None or self.seed_codes is not None
+        return (self.fingerprints is not None or self.seed_codes is not None
+                or self.deferred is not None)
+
+    def materialize(self) -> None:
+        """Wait for deferred diff data. Blocks of the stored step that could not be read
+        get no slot (the put writes them full); if the data cannot be computed at all, the
+        state keeps no diff data and the put writes every block full: never a wrong base."""
+        deferred, self.deferred = self.deferred, None
+        if deferred is None:
+            return
+        try:
+            fps, codes, damaged = deferred.result()
+        except Exception:
+            self.fingerprints = self.seed_codes = None
+            return
+        self.fingerprints = fps
+        self.seed_codes = None if codes is None else torch.from_numpy(codes)
+        for i in damaged:
+            self.slots[i] = None
+        if damaged:
+            self.damaged_blocks = self.damaged_blocks | frozenset(damaged)
 
     def revalidate(self, root, has) -> int:
         """Before diffing against this state: if its anchor step was deleted or replaced
         (by this or another process), forget the slots whose blocks the engine no longer
         holds, so they are written full. ``root(name)`` reads a root, ``has(oid)`` checks
-        an object. Returns how many slots were dropped."""
+        an object. Returns how many slots were dropped. Deferred diff data is waited for
+        first (every put calls this before it diffs)."""
+        self.materialize()
         if self.anchor is None or root(self.anchor[0]) == self.anchor[1]:
             return 0
         self.anchor = None  # checked now; the next put anchors its own state
@@ -120,6 +223,7 @@ class TableState:
         fingerprints: torch.Tensor | None = None,
         seed_codes: torch.Tensor | None = None,
         anchor: tuple[str, bytes] | None = None,
+        deferred: DeferredBase | None = None,
     ) -> TableState:
         """State of a stored table (seeding after a restore, or from the newest step)."""
         node = tm.node
@@ -142,4 +246,5 @@ class TableState:
             seed_codes=seed_codes,
             segments=segments,
             anchor=anchor,
+            deferred=deferred,
         )

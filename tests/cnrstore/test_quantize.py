@@ -392,3 +392,15 @@ def test_wide_rows_error_within_bound(scheme, dtype, seed, center, spread):
     bound = max_abs_error(scheme, rows) if bool((rows.double().abs() > 65504).any()) else None
     if bound is not None:
         assert torch.all(err <= bound), (err, bound)
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_decode_rows_into_out_equals_a_fresh_decode(scheme):
+    rows = torch.randn(300, 7, generator=torch.Generator().manual_seed(21))
+    codes = encode_rows(rows, scheme)
+    out = torch.full((300, 7), 5.0)
+    got = decode_rows(codes, scheme, torch.float32, 7, out=out)
+    assert got is out
+    assert torch.equal(out, decode_rows(codes, scheme, torch.float32, 7))
+    with pytest.raises(ValueError, match="out must be"):
+        decode_rows(codes, scheme, torch.float32, 7, out=torch.empty(300, 6))
