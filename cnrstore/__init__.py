@@ -26,6 +26,7 @@ from cnrstore.codec.layout import SCHEMES
 from cnrstore.errors import (
     BadPath,
     CheckpointError,
+    ConcurrentCommit,
     CorruptData,
     InvalidInput,
     InvalidType,
@@ -59,6 +60,7 @@ __all__ = [
     "BadPath",
     "CheckpointError",
     "CheckpointStore",
+    "ConcurrentCommit",
     "CorruptData",
     "GCReport",
     "InvalidInput",

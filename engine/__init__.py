@@ -7,6 +7,9 @@ specified in docs/FORMAT.md); ``MemoryStore`` is its dict-backed twin. Both impl
 ``ObjectStore`` (engine/api.py).
 """
 
+import os
+from typing import Any
+
 from .api import (
     CommitInfo,
     GCReport,
@@ -20,6 +23,7 @@ from .api import (
     Writer,
 )
 from .errors import (
+    ConcurrentCommit,
     CorruptObject,
     FormatError,
     GCRefused,
@@ -35,6 +39,17 @@ from .errors import (
 from .ids import object_id
 from .memory import MemoryStore
 from .store import PackStore, open  # noqa: A004 - engine.open(path) is the entry point
+
+
+def storage_open(url: str, *, cache_dir: str | os.PathLike, storage_options: dict | None = None,
+                 **kwargs: Any) -> PackStore:
+    """Open the store at ``url`` (``s3://bucket/prefix``; obstore needed) with its index
+    cached in ``cache_dir``; other keywords as for ``open``. See engine/storage/s3.py."""
+    from .storage.s3 import open_bucket
+
+    store: PackStore = open_bucket(url, cache_dir=cache_dir, storage_options=storage_options,
+                                   **kwargs)
+    return store
 
 __all__ = [
     "CommitInfo",
@@ -57,9 +72,11 @@ __all__ = [
     "Stats",
     "StoreClosed",
     "StoreError",
+    "ConcurrentCommit",
     "StoreLocked",
     "VerifyReport",
     "Writer",
     "object_id",
     "open",
+    "storage_open",
 ]

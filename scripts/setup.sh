@@ -12,4 +12,4 @@ fi
 if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
   .venv/bin/python -m pip install -q torch==2.13.0
 fi
-.venv/bin/python -m pip install -q -e ".[test,safetensors,plots,fuzz]"
+.venv/bin/python -m pip install -q -e ".[test,safetensors,plots,fuzz,s3,s3-test]"

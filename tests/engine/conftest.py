@@ -9,18 +9,32 @@ import pytest
 import engine
 
 
-@pytest.fixture(params=["memory", "pack"])
+@pytest.fixture(scope="session")
+def moto_s3():
+    """One moto S3 server on 127.0.0.1 for the session (tests use fresh prefixes)."""
+    from _s3 import MotoS3
+
+    server = MotoS3()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(params=["memory", "pack", "s3"])
 def store_factory(request, tmp_path):
-    """A callable returning a fresh store (``MemoryStore`` or ``PackStore`` in tmp_path).
+    """A callable returning a fresh store (``MemoryStore``, ``PackStore`` in tmp_path, or
+    a bucket store on moto with its cache in tmp_path).
 
     Keyword options are passed to ``engine.open`` and ignored by the memory twin. Every
     store made is closed at teardown."""
     made = []
     counter = itertools.count()
+    server = request.getfixturevalue("moto_s3") if request.param == "s3" else None
 
     def make(**options):
         if request.param == "memory":
             store = engine.MemoryStore()
+        elif server is not None:
+            store = server.store(tmp_path / f"cache{next(counter)}", **options)
         else:
             store = engine.open(tmp_path / f"store{next(counter)}", **options)
         made.append(store)
