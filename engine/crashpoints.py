@@ -21,6 +21,12 @@ POINTS = (
     "gc.after_delete",            # old pack files deleted
 )
 
+# Points only a bucket store reaches (tests/engine/test_s3_crash.py kills there).
+REMOTE_POINTS = (
+    "s3.after_upload",             # one pack uploaded (a commit's others not yet)
+    "writer.after_remote_commit",  # commit object created, the cache not yet updated
+)
+
 _counts: dict[str, int] = {}
 
 

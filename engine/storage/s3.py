@@ -25,6 +25,7 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
+from .. import crashpoints
 from .. import format as fmt
 from ..errors import CorruptObject, FormatError
 from .base import PackSink, PackStorage
@@ -277,6 +278,7 @@ class S3Sink(LocalSink):
         if not self._uploaded:
             self._uploaded = True  # from here a discard must delete the object too
             self._storage.upload(self._n, self.path)
+            crashpoints.hit("s3.after_upload")
 
     def close(self) -> None:
         was_open = not self.closed
