@@ -292,7 +292,10 @@ class S3Sink(LocalSink):
     def discard(self) -> None:
         super().discard()
         if self._uploaded:
-            self._storage.delete(self._n)
+            try:
+                self._storage.delete(self._n)
+            except OSError:
+                pass  # never committed: gc deletes it once it is gc_grace_s old
 
 
 def open_bucket(url: str, *, cache_dir: str | os.PathLike,

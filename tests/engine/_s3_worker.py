@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import sys
 import time
 
@@ -33,14 +34,16 @@ def main() -> None:
         print("ok", flush=True)
         return
     w = store.writer(timeout=30)
-    leaves = [w.put(1, os.urandom(args["size"])) for _ in range(args["count"])]
-    top = w.put(2, args["root"].encode(), leaves, meta=True)
-    w.create_root(args["root"], top)
-    print("ready", flush=True)
-    go = args.get("go")
-    while go and not os.path.exists(go):
-        time.sleep(0.002)
     try:
+        # Leaves from a seeded generator: a check can recompute what a root must hold.
+        rng = random.Random(args.get("seed", 0))
+        leaves = [w.put(1, rng.randbytes(args["size"])) for _ in range(args["count"])]
+        top = w.put(2, args["root"].encode(), leaves, meta=True)
+        w.create_root(args["root"], top)
+        print("ready", flush=True)
+        go = args.get("go")
+        while go and not os.path.exists(go):
+            time.sleep(0.002)
         w.commit()
     except engine.RootExists:
         print("RootExists", flush=True)
@@ -48,6 +51,10 @@ def main() -> None:
     except engine.ConcurrentCommit:
         print("ConcurrentCommit", flush=True)
         return
+    except engine.StoreError as exc:  # a failed upload: the put fails whole
+        w.abort()
+        print(f"failed: {exc}".splitlines()[0], flush=True)
+        sys.exit(3)
     print("ok", flush=True)
     store.close()
 
