@@ -150,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     mb = size / 1e6
     lines = [f"{mb:.0f} MB fp32 in {args.tables} tables, loopback S3 at {endpoint}, "
              f"median of {args.repeat}", "",
-             "| system | put s | put MB/s | get s | get MB/s | other |", "|---|---|---|---|---|---|"]
+             "| system | put s | put MB/s | get s | get MB/s | other |",
+             "|---|---|---|---|---|---|"]
     ts, cn = med["torch_save"], med["cnr_s3"]
     lines.append(f"| torch.save + obstore.put | {ts['put_s']:.2f} | {mb / ts['put_s']:.0f} | "
                  f"{ts['get_s']:.2f} | {mb / ts['get_s']:.0f} | save {ts['save_s']:.2f} s, "

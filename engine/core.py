@@ -73,6 +73,7 @@ class StoreCore:
 
     def close_files(self) -> None:
         self.closed = True
+        self.storage.close()
         if self._readers is not None:
             self._readers.close()
         if self._index is not None:

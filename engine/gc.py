@@ -165,8 +165,16 @@ def _copy_live(store: StoreCore, plan: _Plan, out: PackSet,
             live = index.read(functools.partial(_live_entries, index=index, n=n,
                                                 entries=entries))
             records = []
+            # From a bucket, one GET of the pack beats one per live record.
+            whole = store.storage.read_all(n) if store.storage.remote and live else None
             for oid, e in live:
-                data = store.readers.read(n, e.offset, e.length)
+                if whole is not None:
+                    data = whole[e.offset:e.offset + e.length]
+                    if len(data) != e.length:
+                        raise CorruptObject(f"pack {name} is shorter than its records",
+                                            pack=name, offset=e.offset)
+                else:
+                    data = store.readers.read(n, e.offset, e.length)
                 fmt.check_record(data, 0, pack=name)
                 records.append((oid, e, data))
         except CorruptObject as exc:

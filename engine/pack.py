@@ -132,6 +132,10 @@ class PackFile:
         """Make the pack durable where it lives (fsync; on S3 the upload)."""
         self._sink.finish()
 
+    def settle(self) -> None:
+        """Wait for ``sync`` to take effect (an upload runs in the background)."""
+        self._sink.settle()
+
     @property
     def closed(self) -> bool:
         return self._sink.closed
@@ -190,6 +194,8 @@ class PackSet:
             if not pf.closed:
                 pf.seal()
                 pf.sync()
+        for pf in self.files:
+            pf.settle()  # uploads of rolled packs ran while later records were appended
         for d in {pf.path.parent for pf in self.files}:
             fsync_dir(d)
 

@@ -32,6 +32,11 @@ class PackSink(abc.ABC):
     def finish(self) -> None:
         """Make the written bytes durable where the pack lives (after its trailer)."""
 
+    def settle(self) -> None:
+        """Wait until ``finish`` took effect (a bucket uploads in the background); raise
+        what it failed with. Local files are durable when ``finish`` returns."""
+        return None
+
     @property
     @abc.abstractmethod
     def closed(self) -> bool: ...
@@ -77,6 +82,10 @@ class PackStorage(abc.ABC):
     @abc.abstractmethod
     def delete(self, n: int) -> bool:
         """Delete pack ``n``; False when it was not there."""
+
+    def close(self) -> None:
+        """Release what the storage holds (background upload threads)."""
+        return None
 
     def describe(self) -> str:
         return type(self).__name__

@@ -19,6 +19,7 @@ and looks again. Only the process that holds a cache lists the bucket.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import time
 from collections.abc import Iterator
@@ -198,7 +199,9 @@ class Remote:
             core.lock.release()
 
     def _fetch(self, after: int) -> list[dict]:
-        docs = []
+        """Every commit document after ``after``, in order (fetched 16 at a time: an
+        empty cache of a long-lived store reads thousands)."""
+        keys = []
         expect = after + 1
         for key, _, _ in self.storage.listing(COMMITS, after=commit_key(after)):
             seq = _seq_of(key)
@@ -207,12 +210,20 @@ class Remote:
             if seq != expect:
                 raise CorruptObject(f"{self.storage.url}: commit {expect} is missing "
                                     f"(found {seq}): the commit chain is broken")
+            keys.append((seq, key))
+            expect += 1
+
+        def fetch(item: tuple[int, str]) -> dict:
+            seq, key = item
             doc = decode_commit(self.storage.get(key), key)
             if doc["seq"] != seq:
                 raise CorruptObject(f"commit object {key} says it is commit {doc['seq']}")
-            docs.append(doc)
-            expect += 1
-        return docs
+            return doc
+
+        if len(keys) <= 1:
+            return [fetch(k) for k in keys]
+        with concurrent.futures.ThreadPoolExecutor(min(16, len(keys))) as pool:
+            return list(pool.map(fetch, keys))
 
     def catch_up(self, core: StoreCore) -> int:
         """With the writer lock held: apply every commit newer than the cache's; return

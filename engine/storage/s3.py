@@ -16,12 +16,13 @@ ranged GETs of single records; trailers of recently read packs are cached.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import ipaddress
 import os
 import pathlib
 import threading
 import urllib.parse
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -45,6 +46,7 @@ _ENV = {"endpoint": "AWS_ENDPOINT_URL", "access_key_id": "AWS_ACCESS_KEY_ID",
         "secret_access_key": "AWS_SECRET_ACCESS_KEY", "region": "AWS_REGION",
         "session_token": "AWS_SESSION_TOKEN", "allow_http": "AWS_ALLOW_HTTP"}
 _TRAILERS = 64
+_UPLOADS = 2  # packs uploading at once (each with max_concurrency parts in flight)
 
 
 class RemoteError(OSError):
@@ -131,6 +133,8 @@ class S3Storage(PackStorage):
         self._trailers: collections.OrderedDict[int, list[fmt.TrailerEntry]] = (
             collections.OrderedDict())
         self._lock = threading.Lock()
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pending: list[concurrent.futures.Future[None]] = []
 
     @staticmethod
     def key(n: int) -> str:
@@ -187,6 +191,33 @@ class S3Storage(PackStorage):
                         chunk_size=self.chunk_size, max_concurrency=self.max_concurrency)
         except (BaseError, OSError) as exc:
             raise _io(f"upload of {self.key(n)}", exc) from exc
+        crashpoints.hit("s3.after_upload")
+        try:
+            path.unlink()  # the bucket holds it now
+        except FileNotFoundError:
+            pass
+
+    def upload_later(self, n: int, path: pathlib.Path) -> concurrent.futures.Future[None]:
+        """Upload sealed pack ``n`` in the background; at most ``_UPLOADS`` packs at once
+        and as many waiting (so staged packs never pile up on the cache's disk)."""
+        with self._lock:
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(
+                    _UPLOADS, thread_name_prefix="cnr-upload")
+            self._pending = [f for f in self._pending if not f.done()]
+            waiting = list(self._pending)
+        if len(waiting) >= 2 * _UPLOADS:
+            concurrent.futures.wait(waiting[: len(waiting) - 2 * _UPLOADS + 1])
+        future = self._pool.submit(self.upload, n, path)
+        with self._lock:
+            self._pending.append(future)
+        return future
+
+    def close(self) -> None:
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
 
     def read(self, n: int, offset: int, length: int) -> bytes:
         if length <= 0:
@@ -255,9 +286,10 @@ class S3Storage(PackStorage):
 
 
 class S3Sink(LocalSink):
-    """A pack staged in ``<cache>/staging`` and uploaded by ``finish``. Its number is
-    claimed in the bucket first (create-only), so no other writer, on any cache, can
-    write a pack of that number."""
+    """A pack staged in ``<cache>/staging`` and uploaded once sealed, in the background
+    (``settle`` waits), so a writer encodes its next pack while this one uploads. Its
+    number is claimed in the bucket first (create-only), so no other writer, on any
+    cache, can write a pack of that number."""
 
     def __init__(self, storage: S3Storage, n: int) -> None:
         storage.put_create(f"claims/{n:08d}", b"")  # FileExistsError: pick another number
@@ -269,29 +301,22 @@ class S3Sink(LocalSink):
         super().__init__(path)
         self._storage = storage
         self._n = n
-        self._uploaded = False
-
-    def writev(self, parts: Sequence[bytes | memoryview]) -> int:
-        return super().writev(parts)
+        self._upload: concurrent.futures.Future[None] | None = None
 
     def finish(self) -> None:
-        if not self._uploaded:
-            self._uploaded = True  # from here a discard must delete the object too
-            self._storage.upload(self._n, self.path)
-            crashpoints.hit("s3.after_upload")
+        if self._upload is None:
+            # From here a discard must delete the object too.
+            self._upload = self._storage.upload_later(self._n, self.path)
 
-    def close(self) -> None:
-        was_open = not self.closed
-        super().close()
-        if was_open and self._uploaded:
-            try:
-                os.unlink(self.path)  # the bucket holds it now
-            except FileNotFoundError:
-                pass
+    def settle(self) -> None:
+        if self._upload is not None:
+            self._upload.result()
 
     def discard(self) -> None:
+        if self._upload is not None:
+            concurrent.futures.wait([self._upload])
         super().discard()
-        if self._uploaded:
+        if self._upload is not None:
             try:
                 self._storage.delete(self._n)
             except OSError:

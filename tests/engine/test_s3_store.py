@@ -207,3 +207,22 @@ def test_bucket_url_parsing():
     assert s3mod.parse_url("s3://b") == ("b", "")
     with pytest.raises(engine.FormatError):
         s3mod.parse_url("gs://b/p")
+
+
+def test_many_commits_replay_in_order_on_an_empty_cache(moto_s3, tmp_path):
+    """Documents are fetched in parallel; they must apply in sequence order (a root
+    moved 30 times ends at its last target)."""
+    url = moto_s3.url()
+    with moto_s3.store(tmp_path / "a", url) as a:
+        for i in range(30):
+            with a.writer() as w:
+                w.set_root("moving", w.put(1, f"v{i}".encode()))
+                if i % 7 == 0:
+                    w.set_root(f"kept{i}", w.put(1, f"k{i}".encode()))
+        want = a.roots()
+        a.gc(threshold=0.0)
+    with moto_s3.store(tmp_path / "b", url) as b:
+        assert b.roots() == want
+        assert b.get(want["moving"]).payload == b"v29"
+        assert b.verify(deep=True).ok
+        assert b.stats().objects == len(want)  # the gc's swept ids were replayed too
