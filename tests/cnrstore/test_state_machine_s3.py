@@ -57,3 +57,10 @@ S3CheckpointMachine.TestCase.settings = settings(
     max_examples=int(os.environ.get("CNR_S3_SM_EXAMPLES", "6")), stateful_step_count=15,
     deadline=None)
 test_checkpoint_state_machine_s3 = S3CheckpointMachine.TestCase
+
+
+@pytest.mark.slow
+class TestLongS3CheckpointMachine(S3CheckpointMachine.TestCase):
+    """The full-size run (as many examples as the directory store's machine)."""
+
+    settings = settings(max_examples=40, stateful_step_count=20, deadline=None)

@@ -226,3 +226,14 @@ def test_many_commits_replay_in_order_on_an_empty_cache(moto_s3, tmp_path):
         assert b.get(want["moving"]).payload == b"v29"
         assert b.verify(deep=True).ok
         assert b.stats().objects == len(want)  # the gc's swept ids were replayed too
+
+
+def test_a_readonly_handle_catches_up_but_refuses_writes(moto_s3, tmp_path):
+    url = moto_s3.url()
+    with moto_s3.store(tmp_path / "a", url) as a, a.writer() as w:
+        w.set_root("x", w.put(1, b"x"))
+    with moto_s3.store(tmp_path / "b", url, readonly=True) as b:
+        assert set(b.roots()) == {"x"}
+        for call in (b.writer, b.gc, b.repair):
+            with pytest.raises(engine.ReadOnly):
+                call()
