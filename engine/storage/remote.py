@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import os
 import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
@@ -278,10 +279,15 @@ class Remote:
         catches up and RootExists (a name this commit creates now exists) or
         ConcurrentCommit is raised; nothing of this commit is then visible anywhere."""
         seq = base + 1
-        doc = dict(doc, v=1, seq=seq, time=time.time())
+        # The token tells our own document from another writer's: a create whose
+        # response was lost is retried by the client and then answered 412 by itself.
+        token = os.urandom(16)
+        doc = dict(doc, v=1, seq=seq, time=time.time(), token=token)
         try:
             self.storage.put_create(commit_key(seq), encode_commit(doc))
         except FileExistsError:
+            if self._is_ours(seq, token):
+                return seq
             self.catch_up(core)
             index = core.index
             names = [n.encode("utf-8") for n in doc.get("creates", ())]
@@ -294,6 +300,13 @@ class Remote:
             raise ConcurrentCommit(f"{self.storage.url}: another writer committed {seq} "
                                    "first; nothing of this commit was published") from None
         return seq
+
+    def _is_ours(self, seq: int, token: bytes) -> bool:
+        key = commit_key(seq)
+        try:
+            return decode_commit(self.storage.get(key), key).get("token") == token
+        except FileNotFoundError:
+            return False
 
     def begin_gc(self, core: StoreCore) -> None:
         """Before gc sweeps the cache: should it die before its commit is published, the

@@ -3,7 +3,11 @@
 Each client connection is forwarded to ``target``; once ``cut_after`` bytes went from
 the client to the server on one connection (keep-alive requests add up), that connection
 is reset (SO_LINGER 0: the peer sees ECONNRESET mid-request). ``cuts`` says how many
-connections to cut that way (-1: every one that crosses the mark)."""
+connections to cut that way (-1: every one that crosses the mark).
+
+``lose_response_of`` (bytes found in a request, e.g. its path) instead lets such a request
+reach the server and resets the connection as the response comes back: the server did
+the work, the client never hears of it (``losses`` times)."""
 
 from __future__ import annotations
 
@@ -13,8 +17,12 @@ import threading
 
 
 class CuttingProxy:
-    def __init__(self, target: tuple[str, int], *, cut_after: int, cuts: int = 1) -> None:
+    def __init__(self, target: tuple[str, int], *, cut_after: int = 1 << 62, cuts: int = 1,
+                 lose_response_of: bytes | None = None, losses: int = 1) -> None:
         self.target = target
+        self.lose_response_of = lose_response_of
+        self.losses_left = losses
+        self.lost = 0
         self.cut_after = cut_after
         self.cuts_left = cuts
         self.cut = 0
@@ -36,8 +44,9 @@ class CuttingProxy:
             except OSError:
                 client.close()
                 continue
-            threading.Thread(target=self._pipe, args=(client, server, True), daemon=True).start()
-            threading.Thread(target=self._pipe, args=(server, client, False), daemon=True).start()
+            state = {"lose": False}
+            for args in ((client, server, True, state), (server, client, False, state)):
+                threading.Thread(target=self._pipe, args=args, daemon=True).start()
 
     def _should_cut(self, sent: int) -> bool:
         with self._lock:
@@ -52,11 +61,28 @@ class CuttingProxy:
         for s in socks:
             try:
                 s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                # shutdown wakes the other direction's thread blocked in recv on it (a
+                # bare close would wait for that recv before the peer hears anything).
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            try:
                 s.close()
             except OSError:
                 pass
 
-    def _pipe(self, src: socket.socket, dst: socket.socket, upstream: bool) -> None:
+    def _marks(self, data: bytes) -> bool:
+        if self.lose_response_of is None or self.lose_response_of not in data:
+            return False
+        with self._lock:
+            if self.losses_left == 0:
+                return False
+            self.losses_left -= 1
+            self.lost += 1
+        return True
+
+    def _pipe(self, src: socket.socket, dst: socket.socket, upstream: bool,
+              state: dict) -> None:
         sent = 0
         try:
             while True:
@@ -66,6 +92,11 @@ class CuttingProxy:
                 sent += len(data)
                 if upstream and self._should_cut(sent):
                     self._reset(src, dst)
+                    return
+                if upstream and self._marks(data):
+                    state["lose"] = True
+                if not upstream and state["lose"]:
+                    self._reset(src, dst)  # the server answered; the client never hears
                     return
                 dst.sendall(data)
         except OSError:

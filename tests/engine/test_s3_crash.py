@@ -180,3 +180,24 @@ def test_connection_cut_mid_upload(weed, tmp_path, cuts, cut_after):
                      visible=None)
     assert visible == ok
     _after(weed.options, url, cache)
+
+
+def test_commit_whose_response_was_lost(weed, tmp_path):
+    """The commit document is created but the connection drops before the response: the
+    client retries the create-only put and is answered 412 by its own first attempt. That
+    is a success, not a lost race (else the writer deletes the packs of a published
+    commit)."""
+    url, cache = _url(), tmp_path / "cache"
+    _seed(weed.options, url, cache)
+    proxy = CuttingProxy(("127.0.0.1", weed.ports["s3"]), lose_response_of=b"/commits/")
+    try:
+        options = dict(weed.options, endpoint=proxy.endpoint)
+        rc, out, err = _run(options, url, cache, root="lost", count=4, size=20_000, seed=5)
+    finally:
+        proxy.close()
+    assert proxy.lost == 1, "the proxy never dropped a commit's response"
+    assert rc == 0 and out.split()[-1] == "ok", (rc, out, err[-2000:])
+    top = _expected_top("lost", 4, 20_000, 5)
+    _check(weed.options, url, cache, "lost", top, visible=True)
+    _check(weed.options, url, tmp_path / "fresh", "lost", top, visible=True)
+    _after(weed.options, url, cache)
