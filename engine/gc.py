@@ -22,7 +22,7 @@ from . import crashpoints
 from . import format as fmt
 from . import index as ix
 from .api import GCReport, Problem, ProgressFn
-from .errors import CorruptObject, GCRefused
+from .errors import ConcurrentCommit, CorruptObject, GCRefused
 from .fileio import store_error
 from .ids import ID_SIZE, hexid
 from .pack import PackSet, pack_name
@@ -226,7 +226,7 @@ def collect(store: StoreCore, *, threshold: float, progress: ProgressFn | None) 
     plan = _plan(store, threshold, set(live.values()))
     unreadable: list[Problem] = []
     out = PackSet(store.storage, plan.next_pack, store.options.pack_target_size)
-    published = False
+    published = keep_uploaded = False
     try:
         moves = _copy_live(store, plan, out, unreadable)
         # Packs live objects are in after the moves: never dropped nor deleted, whatever
@@ -248,7 +248,12 @@ def collect(store: StoreCore, *, threshold: float, progress: ProgressFn | None) 
         crashpoints.hit("gc.after_compact_write")
         remote_seq = None
         if remote is not None and (gone or out.files or swept):
-            remote_seq = _publish_remote(store, base, moves, gone, out, swept)
+            keep_uploaded = True  # the gc commit may exist from here (see writer.commit)
+            try:
+                remote_seq = _publish_remote(store, base, moves, gone, out, swept)
+            except ConcurrentCommit:
+                keep_uploaded = False
+                raise
         if gone or out.files:
             index.write(lambda txn: _publish(txn, index, moves, gone, out, seq, snap, chain,
                                              remote_seq))
@@ -260,8 +265,8 @@ def collect(store: StoreCore, *, threshold: float, progress: ProgressFn | None) 
         raise store_error("gc compaction failed", exc) from exc
     finally:
         out.close()
-        if not published:
-            out.discard()  # nothing points at them: the old packs stay authoritative
+        if not published:  # the old packs stay authoritative
+            out.discard(keep_uploaded=keep_uploaded)
     if progress:
         progress(2, 3)
 

@@ -143,8 +143,13 @@ class PackFile:
     def close(self) -> None:
         self._sink.close()
 
-    def discard(self) -> None:
-        self._sink.discard()
+    def discard(self, *, keep_uploaded: bool = False) -> None:
+        """Delete the pack; ``keep_uploaded`` keeps a copy already in a bucket (a commit
+        that may have been published names it: gc reclaims it if not)."""
+        if keep_uploaded:
+            self._sink.close()
+        else:
+            self._sink.discard()
 
 
 class PackSet:
@@ -203,9 +208,9 @@ class PackSet:
         for pf in self.files:
             pf.close()
 
-    def discard(self) -> None:
+    def discard(self, *, keep_uploaded: bool = False) -> None:
         for pf in self.files:
-            pf.discard()
+            pf.discard(keep_uploaded=keep_uploaded)
         self.files.clear()
         self._open.clear()
 

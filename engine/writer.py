@@ -20,7 +20,14 @@ from . import format as fmt
 from . import index as ix
 from . import pack as pk
 from .api import CommitInfo, ObjectStore, Writer
-from .errors import CorruptObject, ObjectNotFound, RootExists, StoreClosed, StoreError
+from .errors import (
+    ConcurrentCommit,
+    CorruptObject,
+    ObjectNotFound,
+    RootExists,
+    StoreClosed,
+    StoreError,
+)
 from .fileio import store_error
 from .ids import MAX_ROOT_NAME, check_id, check_kind, check_root_name, hexid, object_id  # noqa: F401
 from .pack import PackSet
@@ -172,7 +179,7 @@ class PackWriter(Writer):
             if self._done:
                 raise StoreClosed("writer already committed or aborted")
             self._done = True
-        published = False
+        published = keep_uploaded = False
         try:  # from here on, any failure discards the packs and releases the lock
             self._core.check_open()
             if self._broken is not None:
@@ -184,8 +191,15 @@ class PackWriter(Writer):
             self._packs.seal_and_sync()
             crashpoints.hit("writer.after_pack_fsync")
             if self._core.remote is not None:
-                self._remote_seq = self._core.remote.publish(self._core, self._base,
-                                                             self._commit_doc())
+                # Past this point the commit document may exist (a timeout does not say
+                # it does not): its packs are deleted only on a certain loss.
+                keep_uploaded = True
+                try:
+                    self._remote_seq = self._core.remote.publish(self._core, self._base,
+                                                                 self._commit_doc())
+                except (RootExists, ConcurrentCommit):
+                    keep_uploaded = False  # another writer's document holds the number
+                    raise
                 crashpoints.hit("writer.after_remote_commit")
             self._index.write(lambda txn: self._publish(txn, seq, snapshot_pack))
             published = True
@@ -196,7 +210,7 @@ class PackWriter(Writer):
         finally:
             self._packs.close()
             if not published:
-                self._packs.discard()
+                self._packs.discard(keep_uploaded=keep_uploaded)
             self._done_cb(self)
 
     def _append_snapshot(self) -> tuple[int | None, int | None]:

@@ -5,7 +5,8 @@ the client to the server on one connection (keep-alive requests add up), that co
 is reset (SO_LINGER 0: the peer sees ECONNRESET mid-request). ``cuts`` says how many
 connections to cut that way (-1: every one that crosses the mark).
 
-``lose_response_of`` (bytes found in a request, e.g. its path) instead lets such a request
+``lose_response_of`` (byte strings all found in a request, e.g. its method and path) lets
+such a request
 reach the server and resets the connection as the response comes back: the server did
 the work, the client never hears of it (``losses`` times)."""
 
@@ -18,7 +19,7 @@ import threading
 
 class CuttingProxy:
     def __init__(self, target: tuple[str, int], *, cut_after: int = 1 << 62, cuts: int = 1,
-                 lose_response_of: bytes | None = None, losses: int = 1) -> None:
+                 lose_response_of: tuple[bytes, ...] = (), losses: int = 1) -> None:
         self.target = target
         self.lose_response_of = lose_response_of
         self.losses_left = losses
@@ -72,7 +73,7 @@ class CuttingProxy:
                 pass
 
     def _marks(self, data: bytes) -> bool:
-        if self.lose_response_of is None or self.lose_response_of not in data:
+        if not self.lose_response_of or not all(m in data for m in self.lose_response_of):
             return False
         with self._lock:
             if self.losses_left == 0:

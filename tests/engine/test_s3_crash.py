@@ -189,7 +189,8 @@ def test_commit_whose_response_was_lost(weed, tmp_path):
     commit)."""
     url, cache = _url(), tmp_path / "cache"
     _seed(weed.options, url, cache)
-    proxy = CuttingProxy(("127.0.0.1", weed.ports["s3"]), lose_response_of=b"/commits/")
+    proxy = CuttingProxy(("127.0.0.1", weed.ports["s3"]),
+                         lose_response_of=(b"PUT ", b"/commits/"))
     try:
         options = dict(weed.options, endpoint=proxy.endpoint)
         rc, out, err = _run(options, url, cache, root="lost", count=4, size=20_000, seed=5)
@@ -200,4 +201,24 @@ def test_commit_whose_response_was_lost(weed, tmp_path):
     top = _expected_top("lost", 4, 20_000, 5)
     _check(weed.options, url, cache, "lost", top, visible=True)
     _check(weed.options, url, tmp_path / "fresh", "lost", top, visible=True)
+    _after(weed.options, url, cache)
+
+
+def test_commit_of_uncertain_outcome_keeps_its_packs(weed, tmp_path):
+    """Every response to the commit's put is lost: the document was created, the writer
+    cannot know it and fails. Its packs must stay (a reopen shows the commit, whole):
+    only a 412 answered by another writer's document is a certain loss."""
+    url, cache = _url(), tmp_path / "cache"
+    _seed(weed.options, url, cache)
+    proxy = CuttingProxy(("127.0.0.1", weed.ports["s3"]),
+                         lose_response_of=(b"PUT ", b"/commits/"), losses=-1)
+    try:
+        options = dict(weed.options, endpoint=proxy.endpoint)
+        rc, out, err = _run(options, url, cache, root="unsure", count=4, size=20_000, seed=6)
+    finally:
+        proxy.close()
+    assert proxy.lost >= 1
+    assert rc == 3 and "failed:" in out, (rc, out, err[-2000:])
+    top = _expected_top("unsure", 4, 20_000, 6)
+    _check(weed.options, url, cache, "unsure", top, visible=True)
     _after(weed.options, url, cache)
