@@ -3,8 +3,9 @@
 Knows nothing of tensors: it never imports torch, numpy or cnrstore.
 
 ``engine.open(path)`` opens (or creates) the on-disk ``PackStore`` (packs + LMDB index,
-specified in docs/FORMAT.md); ``MemoryStore`` is its dict-backed twin. Both implement
-``ObjectStore`` (engine/api.py).
+specified in docs/FORMAT.md); ``engine.storage_open("s3://bucket/prefix", cache_dir=...)``
+a ``PackStore`` whose packs live in a bucket (FORMAT.md "Object stores"); ``MemoryStore``
+is its dict-backed twin. All implement ``ObjectStore`` (engine/api.py).
 """
 
 import os

@@ -81,3 +81,16 @@ def test_loser_of_a_gc_race_raises_concurrent_commit(moto, tmp_path):
         assert torch.equal(c.get_tables(3)["t"], t + 3)
     a.close()
     b.close()
+
+
+def test_open_arguments_of_a_location(moto, tmp_path):
+    with pytest.raises(cnrstore.InvalidInput, match="cache_dir"):
+        cnrstore.open(moto.url(), storage_options=moto.options)
+    with pytest.raises(cnrstore.InvalidInput, match="s3://"):
+        cnrstore.open(tmp_path / "dir", cache_dir=tmp_path / "cache")
+    with pytest.raises(cnrstore.StorageError, match="plain http"):
+        cnrstore.open(moto.url(), cache_dir=tmp_path / "c",
+                      storage_options=dict(moto.options, endpoint="http://10.9.8.7:1"))
+    with pytest.raises(cnrstore.StorageError, match="no store"):
+        cnrstore.open(moto.url(), cache_dir=tmp_path / "d", storage_options=moto.options,
+                      create=False)
