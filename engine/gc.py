@@ -15,6 +15,7 @@ Runs with the writer lock held. Each phase ends in a state a crash may leave beh
 from __future__ import annotations
 
 import functools
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -210,6 +211,7 @@ def _live_entries(txn: Any, index: ix.Index, n: int, entries: list[fmt.TrailerEn
 
 def collect(store: StoreCore, *, threshold: float, progress: ProgressFn | None) -> GCReport:
     index = store.index
+    started = time.time()  # before any pack of this gc was uploaded
     before = store.storage.sizes()
     remote = store.remote
     base = remote.seq(store) if remote is not None else 0
@@ -248,6 +250,7 @@ def collect(store: StoreCore, *, threshold: float, progress: ProgressFn | None) 
         crashpoints.hit("gc.after_compact_write")
         remote_seq = None
         if remote is not None and (gone or out.files or swept):
+            remote.check_age(started)
             keep_uploaded = True  # the gc commit may exist from here (see writer.commit)
             try:
                 remote_seq = _publish_remote(store, base, moves, gone, out, swept)

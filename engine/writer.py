@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -52,6 +53,7 @@ class PackWriter(Writer):
         # A bucket store commits as the successor of the commit its cache showed now.
         self._base = core.remote.seq(core) if core.remote is not None else 0
         self._remote_seq: int | None = None
+        self._started = time.time()  # before any of its packs was uploaded
         self._level = core.options.compression_level
         self._local = threading.local()  # zstd compressors are not thread-safe
         self._lock = threading.Lock()  # puts from several threads append one at a time
@@ -191,6 +193,7 @@ class PackWriter(Writer):
             self._packs.seal_and_sync()
             crashpoints.hit("writer.after_pack_fsync")
             if self._core.remote is not None:
+                self._core.remote.check_age(self._started)
                 # Past this point the commit document may exist (a timeout does not say
                 # it does not): its packs are deleted only on a certain loss.
                 keep_uploaded = True

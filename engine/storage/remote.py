@@ -30,7 +30,14 @@ import msgpack
 
 from .. import index as ix
 from ..api import RepairReport
-from ..errors import ConcurrentCommit, CorruptObject, FormatError, RootExists, StoreLocked
+from ..errors import (
+    ConcurrentCommit,
+    CorruptObject,
+    FormatError,
+    RootExists,
+    StoreError,
+    StoreLocked,
+)
 
 if TYPE_CHECKING:
     from ..core import StoreCore
@@ -300,6 +307,17 @@ class Remote:
             raise ConcurrentCommit(f"{self.storage.url}: another writer committed {seq} "
                                    "first; nothing of this commit was published") from None
         return seq
+
+    def check_age(self, started: float) -> None:
+        """Refuse to commit packs a gc elsewhere may already have deleted as a dead
+        writer's: those uploaded more than ``gc_grace_s`` ago (less a tenth for clock
+        skew). Nothing was published; the packs are deleted. ``gc_grace_s`` 0 (tests)
+        accepts the risk."""
+        age = time.time() - started
+        if self.gc_grace_s > 0 and age > 0.9 * self.gc_grace_s:
+            raise StoreError(f"{self.storage.url}: this commit's packs are {age:.0f} s old, "
+                             f"too close to gc_grace_s ({self.gc_grace_s:.0f} s): a gc may "
+                             "have deleted them; nothing was published (raise gc_grace_s)")
 
     def _is_ours(self, seq: int, token: bytes) -> bool:
         key = commit_key(seq)

@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -237,3 +238,20 @@ def test_a_readonly_handle_catches_up_but_refuses_writes(moto_s3, tmp_path):
         for call in (b.writer, b.gc, b.repair):
             with pytest.raises(engine.ReadOnly):
                 call()
+
+
+def test_a_commit_slower_than_the_gc_grace_is_refused(moto_s3, tmp_path):
+    """A gc elsewhere deletes unlisted packs once gc_grace_s old: a writer whose packs
+    may be that old must not publish a commit naming them."""
+    url = moto_s3.url()
+    with moto_s3.store(tmp_path / "a", url, storage_options={"gc_grace_s": 0.5}) as a:
+        w = a.writer()
+        w.set_root("slow", w.put(1, b"slow" * 100))
+        time.sleep(0.6)
+        with pytest.raises(engine.StoreError, match="gc_grace_s"):
+            w.commit()
+        assert a.roots() == {}
+        assert a._core.storage.sizes() == {}  # nothing published: its packs deleted
+        with a.writer() as w:  # a prompt one commits
+            w.set_root("fast", w.put(1, b"fast"))
+        assert set(a.roots()) == {"fast"}
