@@ -40,7 +40,7 @@ except ImportError:  # pragma: no cover - the optional extra is missing
     obstore = None  # type: ignore[assignment]
 
 # Options of ours in ``storage_options`` (the rest go to obstore's S3 configuration).
-TUNING = {"chunk_size": 8 << 20, "max_concurrency": 8, "gc_grace_s": 3600.0,
+TUNING = {"chunk_size": 8 << 20, "max_concurrency": 8, "gc_grace_s": 21600.0,
           "max_retries": 3, "retry_timeout_s": 30.0, "timeout_s": 120.0}
 _ENV = {"endpoint": "AWS_ENDPOINT_URL", "access_key_id": "AWS_ACCESS_KEY_ID",
         "secret_access_key": "AWS_SECRET_ACCESS_KEY", "region": "AWS_REGION",
