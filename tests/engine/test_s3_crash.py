@@ -158,10 +158,11 @@ def test_server_restarted_mid_put(weed, tmp_path):
     _after(weed.options, url, cache)
 
 
-@pytest.mark.parametrize("cuts,cut_after", [(1, 300_000), (-1, 100_000)])
+@pytest.mark.parametrize("cuts,cut_after", [(1, 150_000), (-1, 100_000)])
 def test_connection_cut_mid_upload(weed, tmp_path, cuts, cut_after):
-    """One connection cut (the client's retry may complete the put) or every connection
-    cut after 100 KB, less than one pack (the put must fail): never half-visible."""
+    """One connection cut mid-pack (the client's retry may complete the put) or every
+    connection cut after 100 KB, less than one pack (the put must fail): never
+    half-visible. (Per connection: packs upload two at a time on separate connections.)"""
     url, cache = _url(), tmp_path / "cache"
     _seed(weed.options, url, cache)
     proxy = CuttingProxy(("127.0.0.1", weed.ports["s3"]), cut_after=cut_after, cuts=cuts)
