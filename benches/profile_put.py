@@ -54,7 +54,7 @@ STAGES = (
     ("engine.writer", "object_id", "hash: object id (engine put)"),
     ("engine.writer", "PackWriter.has", "dedup lookups (has)"),
     ("engine.format", "encode_record", "record framing (other)"),
-    ("engine.pack", "write_all", "write (pack append)"),
+    ("engine.storage.local", "write_all", "write (pack append)"),
     ("engine.pack", "PackFile.sync", "fsync"),
     ("engine.pack", "fsync_dir", "fsync"),
     ("engine.writer", "PackWriter.commit", "commit: index txn + roots (other)"),

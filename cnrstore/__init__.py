@@ -26,6 +26,7 @@ from cnrstore.codec.layout import SCHEMES
 from cnrstore.errors import (
     BadPath,
     CheckpointError,
+    ConcurrentCommit,
     CorruptData,
     InvalidInput,
     InvalidType,
@@ -62,6 +63,7 @@ __all__ = [
     "BadPath",
     "CheckpointError",
     "CheckpointStore",
+    "ConcurrentCommit",
     "CorruptData",
     "DistributedStore",
     "GCReport",

@@ -33,6 +33,7 @@ public API untranslated:
     CorruptObject, GCRefused         CorruptData
     ObjectNotFound                   MissingObject
     StoreLocked                      StoreBusy
+    ConcurrentCommit                 ConcurrentCommit (a StorageError)
     ReadOnly                         ReadOnlyStore
     any other StoreError             StorageError
 
@@ -74,6 +75,7 @@ __all__ = [
     "MissingObject",
     "StorageError",
     "StoreBusy",
+    "ConcurrentCommit",
     "MissingExtra",
     "WriteFailed",
     "RankFailed",
@@ -235,6 +237,12 @@ class StoreBusy(StorageError):
     """Another writer (this or another process) held the store past ``lock_timeout``."""
 
 
+class ConcurrentCommit(StorageError):
+    """Another writer, on another cache of the same bucket, committed first; nothing of
+    this put or gc was published. Retry it (a put of a step the winner wrote is
+    StepExists instead)."""
+
+
 class MissingExtra(CheckpointError, ImportError):
     """An optional dependency is not installed (``pip install 'cnrstore[...]'``)."""
 
@@ -278,6 +286,8 @@ def translate(exc: StoreError) -> CheckpointError:
         return StoreBusy(message)
     if isinstance(exc, e.ReadOnly):
         return ReadOnlyStore(message)
+    if isinstance(exc, e.ConcurrentCommit):
+        return ConcurrentCommit(message)
     return StorageError(message)
 
 

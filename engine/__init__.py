@@ -3,9 +3,13 @@
 Knows nothing of tensors: it never imports torch, numpy or cnrstore.
 
 ``engine.open(path)`` opens (or creates) the on-disk ``PackStore`` (packs + LMDB index,
-specified in docs/FORMAT.md); ``MemoryStore`` is its dict-backed twin. Both implement
-``ObjectStore`` (engine/api.py).
+specified in docs/FORMAT.md); ``engine.storage_open("s3://bucket/prefix", cache_dir=...)``
+a ``PackStore`` whose packs live in a bucket (FORMAT.md "Object stores"); ``MemoryStore``
+is its dict-backed twin. All implement ``ObjectStore`` (engine/api.py).
 """
+
+import os
+from typing import Any
 
 from .api import (
     CommitInfo,
@@ -20,6 +24,7 @@ from .api import (
     Writer,
 )
 from .errors import (
+    ConcurrentCommit,
     CorruptObject,
     FormatError,
     GCRefused,
@@ -41,6 +46,17 @@ from .memory import MemoryStore
 from .options import EngineOptions
 from .sink import PacksExhausted, PackSink, packs_needed, record_bound
 from .store import PackStore, open  # noqa: A004 - engine.open(path) is the entry point
+
+
+def storage_open(url: str, *, cache_dir: str | os.PathLike, storage_options: dict | None = None,
+                 **kwargs: Any) -> PackStore:
+    """Open the store at ``url`` (``s3://bucket/prefix``; obstore needed) with its index
+    cached in ``cache_dir``; other keywords as for ``open``. See engine/storage/s3.py."""
+    from .storage.s3 import open_bucket
+
+    store: PackStore = open_bucket(url, cache_dir=cache_dir, storage_options=storage_options,
+                                   **kwargs)
+    return store
 
 __all__ = [
     "CommitInfo",
@@ -71,6 +87,7 @@ __all__ = [
     "Stats",
     "StoreClosed",
     "StoreError",
+    "ConcurrentCommit",
     "StoreLocked",
     "VerifyReport",
     "Writer",
@@ -80,4 +97,5 @@ __all__ = [
     "packs_needed",
     "record_bound",
     "open",
+    "storage_open",
 ]

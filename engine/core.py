@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import pathlib
 import threading
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import zstandard
 
@@ -24,6 +24,10 @@ from .ids import hexid
 from .lock import WriterLock
 from .options import EngineOptions
 from .pack import PackReaders, pack_name
+from .storage import LocalStorage, PackStorage
+
+if TYPE_CHECKING:
+    from .storage.remote import Remote
 
 _READ_RETRIES = 4
 
@@ -33,8 +37,13 @@ class StoreCore:
     index is opened, checked and maybe rebuilt by engine/freshness.py)."""
 
     def __init__(self, path: pathlib.Path, options: EngineOptions, *, readonly: bool,
-                 lock: WriterLock) -> None:
+                 lock: WriterLock, storage: PackStorage | None = None,
+                 remote: Remote | None = None) -> None:
         self.path = path
+        # Where the packs live; ``path`` always holds the index and the lock (local disk).
+        self.storage = storage if storage is not None else LocalStorage(path)
+        # Set for a bucket store: commits are published there, the index is its cache.
+        self.remote = remote
         self.options = options
         self.readonly = readonly
         self.lock = lock
@@ -59,11 +68,12 @@ class StoreCore:
     def attach(self, index: ix.Index) -> None:
         """Take ``index`` (one ``open_shared`` reference) and open the pack readers."""
         self._index = index
-        self._readers = PackReaders(self.path)
+        self._readers = PackReaders(self.storage)
         self.closed = False
 
     def close_files(self) -> None:
         self.closed = True
+        self.storage.close()
         if self._readers is not None:
             self._readers.close()
         if self._index is not None:
@@ -102,6 +112,13 @@ class StoreCore:
         return read_checked(self.readers, oid, entry.pack, entry.offset, entry.length,
                             entry.kind, self._dctx())
 
+    def pack_missing(self, n: int) -> None:
+        """A read found pack ``n`` gone (a gc moved its objects): drop its descriptor and,
+        for a bucket store, bring the index up to date before looking the object up again."""
+        self.readers.forget(n)
+        if self.remote is not None:
+            self.remote.refresh(self)
+
     def read(self, oid: bytes) -> Object:
         """The checked object ``oid``, looked up again when a gc moved it meanwhile."""
         entry = None
@@ -110,7 +127,7 @@ class StoreCore:
             obj = self.read_entry(oid, entry)
             if obj is not None:
                 return obj
-            self.readers.forget(entry.pack)
+            self.pack_missing(entry.pack)
         assert entry is not None
         name = pack_name(entry.pack)
         raise CorruptObject(f"object {hexid(oid)}: pack {name} is missing", oid=oid,

@@ -29,6 +29,12 @@ DIST_POINTS = (
     "adopt.after_check",          # coordinator checked the adopted records, nothing published
 )
 
+# Points only a bucket store reaches (tests/engine/test_s3_crash.py kills there).
+REMOTE_POINTS = (
+    "s3.after_upload",             # one pack uploaded (a commit's others not yet)
+    "writer.after_remote_commit",  # commit object created, the cache not yet updated
+)
+
 _counts: dict[str, int] = {}
 
 

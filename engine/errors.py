@@ -112,6 +112,11 @@ class RootExists(StoreError):
         self.name = name
 
 
+class ConcurrentCommit(StoreError):
+    """Another writer (on another cache of a bucket store) committed first: this commit's
+    sequence number was taken, and nothing of it was published. Retry on a fresh writer."""
+
+
 class ReadOnly(StoreError):
     """A write (writer, gc, repair) on a store opened with ``readonly=True``."""
 

@@ -15,6 +15,7 @@ Runs with the writer lock held. Each phase ends in a state a crash may leave beh
 from __future__ import annotations
 
 import functools
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -22,11 +23,11 @@ from . import crashpoints
 from . import format as fmt
 from . import index as ix
 from .api import GCReport, Problem, ProgressFn
-from .errors import CorruptObject, GCRefused
-from .fileio import allocated_bytes, fsync_dir, store_error
+from .errors import ConcurrentCommit, CorruptObject, GCRefused
+from .fileio import store_error
 from .ids import ID_SIZE, hexid
 from .lease import leased
-from .pack import PackSet, list_pack_files, pack_name, pack_path, read_trailer
+from .pack import PackSet, pack_name
 from .walk import Via, describe, walk
 
 if TYPE_CHECKING:
@@ -74,8 +75,9 @@ def mark(index: ix.Index) -> dict[bytes, int]:
     return index.read(read)
 
 
-def sweep(index: ix.Index, live: dict[bytes, int]) -> int:
-    """Drop every unmarked object entry; return how many were dropped."""
+def sweep(index: ix.Index, live: dict[bytes, int], swept: list[bytes] | None = None) -> int:
+    """Drop every unmarked object entry; return how many were dropped (their ids are
+    appended to ``swept`` when given)."""
 
     def apply(txn: ix.Txn) -> int:
         dead: dict[int, list[int]] = {}
@@ -92,6 +94,8 @@ def sweep(index: ix.Index, live: dict[bytes, int]) -> int:
                 acc[1] += 1
         for key in keys:
             txn.delete(key, db=index.objects)
+        if swept is not None:
+            swept[:] = [bytes(k) for k in keys]
         for n, (nbytes, count) in dead.items():
             raw = txn.get(ix.pack_key(n), db=index.packs)
             if raw is None:
@@ -159,12 +163,20 @@ def _copy_live(store: StoreCore, plan: _Plan, out: PackSet,
     for n in plan.rewrite:
         name = pack_name(n)
         try:
-            entries = read_trailer(pack_path(store.path, n), name=name)
+            entries = store.storage.read_trailer(n)
             live = index.read(functools.partial(_live_entries, index=index, n=n,
                                                 entries=entries))
             records = []
+            # From a bucket, one GET of the pack beats one per live record.
+            whole = store.storage.read_all(n) if store.storage.remote and live else None
             for oid, e in live:
-                data = store.readers.read(n, e.offset, e.length)
+                if whole is not None:
+                    data = whole[e.offset:e.offset + e.length]
+                    if len(data) != e.length:
+                        raise CorruptObject(f"pack {name} is shorter than its records",
+                                            pack=name, offset=e.offset)
+                else:
+                    data = store.readers.read(n, e.offset, e.length)
                 fmt.check_record(data, 0, pack=name)
                 records.append((oid, e, data))
         except CorruptObject as exc:
@@ -200,10 +212,16 @@ def _live_entries(txn: Any, index: ix.Index, n: int, entries: list[fmt.TrailerEn
 
 def collect(store: StoreCore, *, threshold: float, progress: ProgressFn | None) -> GCReport:
     index = store.index
-    before = {n: allocated_bytes(p) for n, p in list_pack_files(store.path).items()}
+    started = time.time()  # before any pack of this gc was uploaded
+    before = store.storage.sizes()
+    remote = store.remote
+    base = remote.seq(store) if remote is not None else 0
     live = mark(index)
     crashpoints.hit("gc.after_mark")
-    freed_objects = sweep(index, live)
+    swept: list[bytes] = []
+    if remote is not None:
+        remote.begin_gc(store)
+    freed_objects = sweep(index, live, swept)
     crashpoints.hit("gc.after_sweep_commit")
     if progress:
         progress(1, 3)
@@ -215,8 +233,8 @@ def collect(store: StoreCore, *, threshold: float, progress: ProgressFn | None) 
     plan.rewrite = [n for n in plan.rewrite if n not in held]
     plan.drop = [n for n in plan.drop if n not in held]
     unreadable: list[Problem] = []
-    out = PackSet(store.path, plan.next_pack, store.options.pack_target_size)
-    published = False
+    out = PackSet(store.storage, plan.next_pack, store.options.pack_target_size)
+    published = keep_uploaded = False
     try:
         moves = _copy_live(store, plan, out, unreadable)
         # Packs live objects are in after the moves: never dropped nor deleted, whatever
@@ -236,24 +254,39 @@ def collect(store: StoreCore, *, threshold: float, progress: ProgressFn | None) 
             gone |= plan.chain_only - in_use  # the old chain is superseded
         out.seal_and_sync()
         crashpoints.hit("gc.after_compact_write")
+        remote_seq = None
+        if remote is not None and (gone or out.files or swept):
+            remote.check_age(started)
+            keep_uploaded = True  # the gc commit may exist from here (see writer.commit)
+            try:
+                remote_seq = _publish_remote(store, base, moves, gone, out, swept)
+            except ConcurrentCommit:
+                keep_uploaded = False
+                raise
         if gone or out.files:
-            index.write(lambda txn: _publish(txn, index, moves, gone, out, seq, snap, chain))
+            index.write(lambda txn: _publish(txn, index, moves, gone, out, seq, snap, chain,
+                                             remote_seq))
+        elif remote is not None:  # only swept (or nothing): the cache says so too
+            remote.settle_gc(store, remote_seq)
         published = True
         crashpoints.hit("gc.after_compact_commit")
     except OSError as exc:
         raise store_error("gc compaction failed", exc) from exc
     finally:
         out.close()
-        if not published:
-            out.discard()  # nothing points at them: the old packs stay authoritative
+        if not published:  # the old packs stay authoritative
+            out.discard(keep_uploaded=keep_uploaded)
     if progress:
         progress(2, 3)
 
-    deleted = _delete_unlisted(store, in_use | held)
+    if remote is not None:
+        deleted = remote.delete_unlisted(store, in_use | held)
+    else:
+        deleted = _delete_unlisted(store, in_use | held)
     crashpoints.hit("gc.after_delete")
     if progress:
         progress(3, 3)
-    after = sum(allocated_bytes(p) for p in list_pack_files(store.path).values())
+    after = sum(store.storage.sizes().values())
     return GCReport(
         objects_live=len(live),
         objects_freed=freed_objects,
@@ -264,9 +297,32 @@ def collect(store: StoreCore, *, threshold: float, progress: ProgressFn | None) 
     )
 
 
+def _publish_remote(store: StoreCore, base: int, moves: dict[bytes, ix.ObjectEntry],
+                    gone: set[int], out: PackSet, swept: list[bytes]) -> int:
+    """Publish this gc as a bucket commit; on a lost race the swept cache is rebuilt
+    from the bucket (another writer may have reused what this gc swept) and
+    ConcurrentCommit raised: nothing of this gc is visible, no pack was deleted."""
+    from .storage.remote import pack_doc
+
+    assert store.remote is not None
+    doc = {"kind": "gc", "gone": sorted(gone), "swept": swept,
+           "packs": [pack_doc(pf.number, pf.size, pf.meta,
+                              [(o, m) for o, m in moves.items() if m.pack == pf.number])
+                     for pf in out.files]}
+    try:
+        return store.remote.publish(store, base, doc)
+    except BaseException:
+        store.remote.rebuild(store)
+        raise
+
+
 def _publish(txn: ix.Txn, index: ix.Index, moves: dict[bytes, ix.ObjectEntry],
              gone: set[int], out: PackSet, seq: int, snap: int,
-             chain: bytes | None) -> None:
+             chain: bytes | None, remote_seq: int | None = None) -> None:
+    if remote_seq is not None:
+        from .storage.remote import record_seq
+
+        record_seq(txn, index, remote_seq)
     for oid, entry in moves.items():
         txn.put(oid, entry.encode(oid), db=index.objects)
     for n in gone:
@@ -292,20 +348,13 @@ def _delete_unlisted(store: StoreCore, live_packs: set[int]) -> int:
     listed = set(index.read(
         lambda txn: [ix.unpack_pack_key(k) for k, _ in txn.cursor(db=index.packs)]
     ))
-    dirs = set()
     deleted = 0
-    for n, path in list_pack_files(store.path).items():
+    for n in store.storage.sizes():
         if n in listed or n in live_packs:
             continue
         store.readers.forget(n)
         try:
-            path.unlink()
-        except FileNotFoundError:
-            continue
+            deleted += store.storage.delete(n)
         except OSError as exc:
             raise store_error(f"cannot delete pack {pack_name(n)}", exc) from exc
-        dirs.add(path.parent)
-        deleted += 1
-    for d in dirs:
-        fsync_dir(d)
     return deleted

@@ -19,7 +19,8 @@ import zstandard
 
 from . import format as fmt
 from .errors import CorruptObject
-from .fileio import fsync_dir, makedirs_durable, pread_exact, write_all, writev_all
+from .fileio import fsync_dir, pread_exact
+from .storage import LocalStorage, PackStorage
 
 _PACK_NAME = re.compile(r"^([0-9]{8})\.pack$")
 
@@ -77,16 +78,22 @@ def record_length(record: bytes | Sequence[bytes | memoryview]) -> int:
     return sum(len(part) for part in record)
 
 
-class PackFile:
-    """One pack being written: header, appended records, then a trailer at seal()."""
+def as_storage(root: pathlib.Path | PackStorage) -> PackStorage:
+    """``root`` as a PackStorage: a store directory means its local packs."""
+    return root if isinstance(root, PackStorage) else LocalStorage(pathlib.Path(root))
 
-    def __init__(self, root: pathlib.Path, n: int, *, meta: bool) -> None:
+
+class PackFile:
+    """One pack being written: header, appended records, then a trailer at seal().
+
+    ``root`` is a store directory (its local packs) or any PackStorage (e.g. S3, where the
+    bytes are staged in a local file and uploaded by ``sync``)."""
+
+    def __init__(self, root: pathlib.Path | PackStorage, n: int, *, meta: bool) -> None:
         self.number = n
         self.meta = meta
-        self.path = pack_path(root, n)
-        makedirs_durable(self.path.parent)
-        # O_EXCL: a number is never reused while a file of that name exists.
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        self._sink = as_storage(root).create(n, meta=meta)  # FileExistsError: number taken
+        self.path = self._sink.path
         self.entries: list[fmt.TrailerEntry] = []
         self.size = 0
         self.live = 0  # bytes of object records (roots snapshots are never live)
@@ -94,7 +101,7 @@ class PackFile:
         self._write(fmt.PackHeader(fmt.FORMAT_VERSION, meta, n).pack())
 
     def _write(self, data: bytes | bytearray | memoryview) -> None:
-        write_all(self._fd, data)
+        self._sink.write(data)
         self.size += len(data)
 
     def append(self, record: bytes | Sequence[bytes | memoryview], rtype: int, oid: bytes) -> int:
@@ -104,7 +111,7 @@ class PackFile:
             self._write(record)
             length = len(record)
         else:
-            length = writev_all(self._fd, record)
+            length = self._sink.writev(record)
             self.size += length
         self.entries.append(fmt.TrailerEntry(offset, length, rtype, oid))
         if rtype == fmt.RECORD_OBJECT:
@@ -122,30 +129,35 @@ class PackFile:
             self.sealed = True
 
     def sync(self) -> None:
-        os.fsync(self._fd)
+        """Make the pack durable where it lives (fsync; on S3 the upload)."""
+        self._sink.finish()
+
+    def settle(self) -> None:
+        """Wait for ``sync`` to take effect (an upload runs in the background)."""
+        self._sink.settle()
 
     @property
     def closed(self) -> bool:
-        return self._fd < 0
+        return self._sink.closed
 
     def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        self._sink.close()
 
-    def discard(self) -> None:
-        self.close()
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+    def discard(self, *, keep_uploaded: bool = False) -> None:
+        """Delete the pack; ``keep_uploaded`` keeps a copy already in a bucket (a commit
+        that may have been published names it: gc reclaims it if not)."""
+        if keep_uploaded:
+            self._sink.close()
+        else:
+            self._sink.discard()
 
 
 class PackSet:
     """The open data pack and meta pack of one transaction, rolled at ``target_size``."""
 
-    def __init__(self, root: pathlib.Path, next_number: int, target_size: int) -> None:
-        self._root = root
+    def __init__(self, root: pathlib.Path | PackStorage, next_number: int,
+                 target_size: int) -> None:
+        self._root = as_storage(root)
         self._next = next_number
         self._target = target_size
         self._open: dict[bool, PackFile] = {}
@@ -187,6 +199,8 @@ class PackSet:
             if not pf.closed:
                 pf.seal()
                 pf.sync()
+        for pf in self.files:
+            pf.settle()  # uploads of rolled packs ran while later records were appended
         for d in {pf.path.parent for pf in self.files}:
             fsync_dir(d)
 
@@ -194,9 +208,9 @@ class PackSet:
         for pf in self.files:
             pf.close()
 
-    def discard(self) -> None:
+    def discard(self, *, keep_uploaded: bool = False) -> None:
         for pf in self.files:
-            pf.discard()
+            pf.discard(keep_uploaded=keep_uploaded)
         self.files.clear()
         self._open.clear()
 
@@ -215,8 +229,11 @@ class PackReaders:
     closing it under a concurrent pread could let the number be reused for another file
     and feed that reader foreign bytes."""
 
-    def __init__(self, root: pathlib.Path, *, max_open: int = 64) -> None:
-        self._root = root
+    def __init__(self, root: pathlib.Path | PackStorage, *, max_open: int = 64) -> None:
+        storage = as_storage(root)
+        # Remote packs are read by ranged requests: no descriptors to cache.
+        self._remote: PackStorage | None = storage if storage.remote else None
+        self._root = storage.root if isinstance(storage, LocalStorage) else pathlib.Path()
         self._max = max_open
         self._open: collections.OrderedDict[int, _OpenPack] = collections.OrderedDict()
         self._lock = threading.Lock()
@@ -255,6 +272,13 @@ class PackReaders:
                 os.close(entry.fd)
 
     def read(self, n: int, offset: int, length: int) -> bytes:
+        if self._remote is not None:
+            data = self._remote.read(n, offset, length)
+            if len(data) != length:
+                raise CorruptObject(f"pack {pack_name(n)} offset {offset}: truncated "
+                                    f"({len(data)} of {length} bytes)", pack=pack_name(n),
+                                    offset=offset)
+            return data
         entry = self._checkout(n)
         try:
             data = pread_exact(entry.fd, length, offset)

@@ -193,6 +193,8 @@ def rebuild(store: StoreCore) -> RepairReport:
     trusted nor written (it may be the damage being repaired), and swapped in; other
     processes notice the swap (``Index.refresh_if_replaced``) before their next writer,
     gc or repair and within a second on reads."""
+    if store.remote is not None:  # a bucket store: the commit documents are the truth
+        return store.remote.rebuild(store)
     found, next_pack = _scan(store)
     chosen = _choose_roots(found)
     seq, snap_pack, roots = chosen.max_seq, chosen.newest_pack, chosen.roots
@@ -229,14 +231,15 @@ def rebuild(store: StoreCore) -> RepairReport:
 
     # Always into a fresh environment: the old one may be the damaged thing (a flipped
     # page pointer or a short map can SIGBUS the process that writes into it).
-    _rebuild_beside(store, lambda new, txn: fill(new, txn, drop=False))
+    rebuild_beside(store, lambda new, txn: fill(new, txn, drop=False))
     store.index.legacy_entries = False
     store.readers.close()
     return RepairReport(len(found.packs), len(found.objects), len(roots),
                         tuple(found.damaged))
 
 
-def _rebuild_beside(store: StoreCore, fill: Callable[[ix.Index, Any], None]) -> None:
+def rebuild_beside(store: StoreCore, fill: Callable[[ix.Index, Any], None]) -> None:
+    """Fill a fresh environment ``index.new`` and swap it in for the store's index."""
     old = store.index
     new_path = store.path / "index.new"
     if new_path.exists():

@@ -18,7 +18,7 @@ import os
 import pathlib
 import weakref
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import lmdb
 
@@ -43,15 +43,18 @@ from .errors import (
     StoreError,
     StoreLocked,
 )
-from .fileio import allocated_bytes, makedirs_durable, store_error
+from .fileio import makedirs_durable, store_error
 from .freshness import open_index, stale_problem
 from .ids import check_id
 from .lease import Leases
 from .location import RecordLocation
 from .lock import WriterLock
 from .options import EngineOptions, read_stored, resolve
-from .pack import pack_path
+from .storage import PackStorage
 from .writer import PackWriter, check_root_name
+
+if TYPE_CHECKING:
+    from .storage.remote import Remote
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -96,7 +99,10 @@ def _translated(method: F) -> F:
 class PackStore(ObjectStore):
     def __init__(self, path: str | os.PathLike, *, create: bool = True,
                  compression_level: int | None = None, map_size: int | None = None,
-                 pack_target_size: int | None = None, readonly: bool = False) -> None:
+                 pack_target_size: int | None = None, readonly: bool = False,
+                 storage: PackStorage | None = None, remote: Remote | None = None) -> None:
+        """``storage``/``remote`` (engine/storage/s3.py ``open_bucket``): packs elsewhere,
+        ``path`` then being the local cache of the index (docs/FORMAT.md "Object stores")."""
         asked = {"compression_level": compression_level, "map_size": map_size,
                  "pack_target_size": pack_target_size}
         first = resolve(asked, None)  # checks what was given before anything is touched
@@ -107,12 +113,25 @@ class PackStore(ObjectStore):
         self._writer: weakref.ref[Writer] | None = None
         self._leases = Leases(self.path)  # pack ranges reserved by this handle
         try:
-            self._prepare_dir(create and not self.readonly)
-            self._core = StoreCore(self.path, first, readonly=self.readonly,
-                                   lock=WriterLock(self.path / "lock"))
+            # A bucket store's cache is ours to write even for a read-only handle.
+            self._cache_only = remote is not None
+            self._prepare_dir(remote is not None or (create and not self.readonly))
+            self._core = StoreCore(self.path, first, lock=WriterLock(self.path / "lock"),
+                                   readonly=self.readonly and remote is None,
+                                   storage=storage, remote=remote)
             self.opened_with_repair = open_index(self._core)
         except OSError as exc:
             raise store_error(f"cannot open store {self.path}", exc) from exc
+        if remote is not None:
+            try:
+                report = remote.attach(self._core, create=create)
+            except OSError as exc:
+                self.close()
+                raise store_error(f"cannot open store {remote.storage.url}", exc) from exc
+            except BaseException:
+                self.close()
+                raise
+            self.opened_with_repair = report or self.opened_with_repair
         try:
             self._core.options = resolve(asked, read_stored(self._core.index))
         except BaseException:
@@ -146,7 +165,7 @@ class PackStore(ObjectStore):
             raise FormatError(f"{p} is a non-empty directory that is not a cnrstore store")
         if not entries and not create:
             raise FormatError(f"no store at {p} (pass create=True to make one)")
-        if not self.readonly:
+        if not self.readonly or self._cache_only:
             makedirs_durable(p / "packs")
 
     # -- handle state ---------------------------------------------------------------------
@@ -228,6 +247,8 @@ class PackStore(ObjectStore):
             stale = True  # LMDB cannot read its own pages: rebuilt from the packs
         if stale:
             rebuild(self._core)
+        if self._core.remote is not None:
+            self._core.remote.catch_up(self._core)  # commits other caches made meanwhile
 
     @_translated
     def writer(self, *, timeout: float | None = 0.0) -> Writer:
@@ -358,7 +379,8 @@ class PackStore(ObjectStore):
             return nobj, logical, packs, txn.stat(index.roots)["entries"]
 
         nobj, logical, packs, nroots = index.read(collect)
-        stored = sum(allocated_bytes(pack_path(self.path, n)) for n in packs)
+        sizes = self._core.storage.sizes()
+        stored = sum(sizes.get(n, 0) for n in packs)
         return Stats(nobj, logical, stored, len(packs), nroots)
 
     def close(self) -> None:
@@ -375,4 +397,6 @@ class PackStore(ObjectStore):
         core.close_files()
 
     def __repr__(self) -> str:
+        if self._core.remote is not None:
+            return f"PackStore({self._core.storage.describe()!r}, cache={os.fspath(self.path)!r})"
         return f"PackStore({os.fspath(self.path)!r})"

@@ -7,7 +7,6 @@ and id. Damage is reported as ``Problem`` values, never raised.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -15,7 +14,7 @@ from . import index as ix
 from .api import Problem, ProgressFn, VerifyReport
 from .errors import CorruptObject, ObjectNotFound, StoreError
 from .ids import ID_SIZE, hexid
-from .pack import pack_name, pack_path
+from .pack import pack_name
 from .walk import Via, describe, walk
 from .writer import check_root_name
 
@@ -85,7 +84,7 @@ def _pack_problem(store: StoreCore, oid: bytes, e: ix.ObjectEntry, packs: set[in
                        oid=oid, pack=name, offset=e.offset)
     if e.pack not in sizes:
         try:
-            sizes[e.pack] = os.stat(pack_path(store.path, e.pack)).st_size
+            sizes[e.pack] = store.storage.size(e.pack)
         except FileNotFoundError:
             sizes[e.pack] = -1
     if sizes[e.pack] < 0:

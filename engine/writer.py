@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -21,7 +22,14 @@ from . import index as ix
 from . import pack as pk
 from .adopt import Adoption
 from .api import CommitInfo, ObjectStore, Writer
-from .errors import CorruptObject, ObjectNotFound, RootExists, StoreClosed, StoreError
+from .errors import (
+    ConcurrentCommit,
+    CorruptObject,
+    ObjectNotFound,
+    RootExists,
+    StoreClosed,
+    StoreError,
+)
 from .fileio import store_error
 from .ids import MAX_ROOT_NAME, check_id, check_kind, check_root_name, hexid, object_id  # noqa: F401
 from .location import RecordLocation
@@ -43,7 +51,11 @@ class PackWriter(Writer):
         self._done_cb = done
         self._index = core.index
         next_pack = self._index.read(lambda t: ix.get_u64(t, self._index.meta, ix.META_NEXT_PACK))
-        self._packs = PackSet(core.path, next_pack, core.options.pack_target_size)
+        self._packs = PackSet(core.storage, next_pack, core.options.pack_target_size)
+        # A bucket store commits as the successor of the commit its cache showed now.
+        self._base = core.remote.seq(core) if core.remote is not None else 0
+        self._remote_seq: int | None = None
+        self._started = time.time()  # before any of its packs was uploaded
         self._level = core.options.compression_level
         self._local = threading.local()  # zstd compressors are not thread-safe
         self._lock = threading.Lock()  # puts from several threads append one at a time
@@ -195,7 +207,7 @@ class PackWriter(Writer):
             if self._done:
                 raise StoreClosed("writer already committed or aborted")
             self._done = True
-        published = False
+        published = keep_uploaded = False
         try:  # from here on, any failure discards the packs and releases the lock
             self._core.check_open()
             if self._broken is not None:
@@ -210,6 +222,18 @@ class PackWriter(Writer):
             crashpoints.hit("writer.after_pack_write")
             self._packs.seal_and_sync()
             crashpoints.hit("writer.after_pack_fsync")
+            if self._core.remote is not None:
+                self._core.remote.check_age(self._started)
+                # Past this point the commit document may exist (a timeout does not say
+                # it does not): its packs are deleted only on a certain loss.
+                keep_uploaded = True
+                try:
+                    self._remote_seq = self._core.remote.publish(self._core, self._base,
+                                                                 self._commit_doc())
+                except (RootExists, ConcurrentCommit):
+                    keep_uploaded = False  # another writer's document holds the number
+                    raise
+                crashpoints.hit("writer.after_remote_commit")
             self._index.write(lambda txn: self._publish(txn, seq, snapshot_pack))
             published = True
             crashpoints.hit("writer.after_index_commit")
@@ -223,7 +247,7 @@ class PackWriter(Writer):
         finally:
             self._packs.close()
             if not published:
-                self._packs.discard()
+                self._packs.discard(keep_uploaded=keep_uploaded)
             self._done_cb(self)
 
     def _append_snapshot(self) -> tuple[int | None, int | None]:
@@ -281,9 +305,27 @@ class PackWriter(Writer):
                                          full_bytes)
         return seq, pack
 
+    def _commit_doc(self) -> dict:
+        """What a bucket store's commit object records (engine/storage/remote.py)."""
+        from .storage.remote import pack_doc
+
+        by_pack: dict[int, list[tuple[bytes, ix.ObjectEntry]]] = {}
+        for oid, entry in self._new.items():
+            by_pack.setdefault(entry.pack, []).append((oid, entry))
+        return {"kind": "put",
+                "packs": [pack_doc(pf.number, pf.size, pf.meta, by_pack.get(pf.number, []))
+                          for pf in self._packs.files],
+                "set": {n: t for n, t in self._roots.items() if t is not None},
+                "del": sorted(n for n, t in self._roots.items() if t is None),
+                "creates": sorted(self._creates)}
+
     def _publish(self, txn: ix.Txn, seq: int | None,
                  snapshot_pack: int | None) -> None:
         index = self._index
+        if self._remote_seq is not None:
+            from .storage.remote import record_seq
+
+            record_seq(txn, index, self._remote_seq)
         for name in sorted(self._creates):
             # Re-checked inside the publishing transaction: raising aborts it whole.
             if txn.get(name.encode("utf-8"), db=index.roots) is not None:

@@ -12,7 +12,7 @@ fi
 if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
   .venv/bin/python -m pip install -q torch==2.13.0
 fi
-.venv/bin/python -m pip install -q -e ".[test,safetensors,plots,fuzz]"
+.venv/bin/python -m pip install -q -e ".[test,safetensors,plots,fuzz,s3,s3-test]"
 # TorchRec (tests/torchrec, `cnrstore demo --torchrec`): a TorchRec the environment already has
 # is kept; otherwise torchrec 1.9.2 goes in with --no-deps (its metadata pulls the CUDA
 # fbgemm-gpu) and its real dependencies come from the `torchrec` extra.

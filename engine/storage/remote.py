@@ -1,0 +1,374 @@
+"""Commits of a bucket store: create-only commit objects, and the local index as their
+cache (docs/FORMAT.md "Object stores").
+
+Every commit (a writer's or a gc's) is one msgpack document at ``commits/<seq:020d>``,
+created with If-None-Match after all its packs are uploaded: the object that makes it
+visible. Two writers that read the same newest commit both try ``seq + 1``: exactly one
+creates it, the other catches up and gets RootExists (it lost a create_root race) or
+ConcurrentCommit. The document carries the index entries of the packs it adds, so a cache
+catches up (or an empty one rebuilds) from commit documents alone, never reading a pack:
+
+    {"v": 1, "seq": S, "kind": "put"|"gc", "time": unix seconds,
+     "packs": [[n, size, meta, [[id, offset, length, kind, raw_len, [ref, ...]], ...]], ...],
+     "gone": [n, ...], "swept": [id, ...], "set": {name: id}, "del": [name, ...]}
+
+A gc deletes the packs it retires only ``gc_grace_s`` after its commit (a later gc does),
+so readers still holding old locations keep reading; one that finds a pack gone catches up
+and looks again. Only the process that holds a cache lists the bucket.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import os
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import msgpack
+
+from .. import index as ix
+from ..api import RepairReport
+from ..errors import (
+    ConcurrentCommit,
+    CorruptObject,
+    FormatError,
+    RootExists,
+    StoreError,
+    StoreLocked,
+)
+
+if TYPE_CHECKING:
+    from ..core import StoreCore
+    from .s3 import S3Storage
+
+COMMITS = "commits/"
+META_REMOTE_SEQ = b"remote_seq"        # u64: newest commit document applied
+META_REMOTE_ID = b"remote_location"    # utf-8: the bucket location this index caches
+META_REMOTE_DIRTY = b"remote_dirty"    # present while a gc changed the cache unpublished
+META_RETIRED = b"remote_retired"       # msgpack {pack: unix time its gc commit retired it}
+_REFRESH_WAIT_S = 5.0
+
+
+def commit_key(seq: int) -> str:
+    return f"{COMMITS}{seq:020d}"
+
+
+def _seq_of(key: str) -> int | None:
+    name = key.rsplit("/", 1)[-1]
+    return int(name) if len(name) == 20 and name.isdigit() else None
+
+
+def encode_commit(doc: dict) -> bytes:
+    return msgpack.packb(doc, use_bin_type=True)
+
+
+def decode_commit(data: bytes, key: str) -> dict:
+    try:
+        doc = msgpack.unpackb(data, raw=False, strict_map_key=False)
+        if not isinstance(doc, dict) or doc.get("v") != 1 or not isinstance(doc.get("seq"), int):
+            raise ValueError("not a version-1 commit document")
+        return doc
+    except Exception as exc:  # msgpack raises a zoo of types on junk
+        raise CorruptObject(f"commit object {key} is damaged: {exc}") from exc
+
+
+def pack_doc(n: int, size: int, meta: bool,
+             entries: list[tuple[bytes, ix.ObjectEntry]]) -> list:
+    return [n, size, meta, [[oid, e.offset, e.length, e.kind, e.raw_len, list(e.refs)]
+                            for oid, e in entries]]
+
+
+def _get(txn: ix.Txn, index: ix.Index, key: bytes) -> bytes | None:
+    raw = txn.get(key, db=index.meta)
+    return None if raw is None else bytes(raw)
+
+
+def apply_commit(txn: ix.Txn, index: ix.Index, doc: dict) -> None:
+    """Make the cache in ``txn`` reflect commit ``doc`` (its predecessor already applied)."""
+    for oid in doc.get("swept", ()):
+        raw = txn.get(oid, db=index.objects)
+        if raw is None:
+            continue
+        txn.delete(oid, db=index.objects)
+        try:
+            e = index.entry(oid, raw)
+        except CorruptObject:
+            continue
+        praw = txn.get(ix.pack_key(e.pack), db=index.packs)
+        if praw is not None:
+            p = ix.PackEntry.decode(praw)
+            p = ix.PackEntry(p.size, p.total, max(0, p.live - e.length), p.meta,
+                             max(0, p.count - 1))
+            txn.put(ix.pack_key(e.pack), p.encode(), db=index.packs)
+    retired = msgpack.unpackb(_get(txn, index, META_RETIRED) or b"\x80", strict_map_key=False)
+    for n in doc.get("gone", ()):
+        txn.delete(ix.pack_key(n), db=index.packs)
+        retired[n] = doc["time"]
+    next_pack = ix.get_u64(txn, index.meta, ix.META_NEXT_PACK)
+    for n, size, meta, entries in doc.get("packs", ()):
+        total = 0
+        for oid, offset, length, kind, raw_len, refs in entries:
+            entry = ix.ObjectEntry(n, offset, length, kind, raw_len, bool(meta), tuple(refs))
+            txn.put(oid, entry.encode(oid), db=index.objects)
+            total += length
+        txn.put(ix.pack_key(n), ix.PackEntry(size, total, total, bool(meta),
+                                             len(entries)).encode(), db=index.packs)
+        next_pack = max(next_pack, n + 1)
+    changes: dict[str, bytes | None] = dict(doc.get("set", {}))
+    changes.update({name: None for name in doc.get("del", ())})
+    if changes:
+        old = {}
+        for name in changes:
+            v = txn.get(name.encode("utf-8"), db=index.roots)
+            old[name] = None if v is None else bytes(v)
+        for name, target in changes.items():
+            if target is None:
+                txn.delete(name.encode("utf-8"), db=index.roots)
+            else:
+                txn.put(name.encode("utf-8"), target, db=index.roots)
+        digest = _get(txn, index, ix.META_ROOTS_SUM)
+        if digest is None:
+            digest = ix.roots_digest({bytes(k): bytes(v) for k, v in txn.cursor(db=index.roots)})
+        else:
+            digest = ix.updated_digest(digest, old, changes)
+        txn.put(ix.META_ROOTS_SUM, digest, db=index.meta)
+        # The roots records in this cache's meta packs no longer describe the map: the
+        # next local commit writes a full snapshot.
+        txn.put(ix.META_CHAIN, ix.chain_value([], 0, 0), db=index.meta)
+    txn.put(ix.META_NEXT_PACK, ix.U64.pack(next_pack), db=index.meta)
+    record_seq(txn, index, doc["seq"])
+    if doc.get("gone"):
+        txn.put(META_RETIRED, msgpack.packb(retired), db=index.meta)
+
+
+def record_seq(txn: ix.Txn, index: ix.Index, seq: int) -> None:
+    """In the transaction that applies or publishes commit ``seq``."""
+    txn.put(META_REMOTE_SEQ, ix.U64.pack(seq), db=index.meta)
+    # Roots records written here carry the bucket's sequence (a copy of the bucket is
+    # then a directory store that repair can read).
+    if ix.get_u64(txn, index.meta, ix.META_SEQ) < seq:
+        txn.put(ix.META_SEQ, ix.U64.pack(seq), db=index.meta)
+    txn.delete(META_REMOTE_DIRTY, db=index.meta)
+
+
+class Remote:
+    """The commit protocol of one bucket store, for one cache (``StoreCore.remote``)."""
+
+    def __init__(self, storage: S3Storage, *, gc_grace_s: float) -> None:
+        self.storage = storage
+        self.gc_grace_s = float(gc_grace_s)
+
+    def seq(self, core: StoreCore) -> int:
+        index = core.index
+        return index.read(lambda t: ix.get_u64(t, index.meta, META_REMOTE_SEQ))
+
+    # -- open and catch up ----------------------------------------------------------------
+    def attach(self, core: StoreCore, *, create: bool) -> RepairReport | None:
+        """At open, under the writer lock: check that the cache belongs to this bucket
+        location, rebuild it after an interrupted gc, and bring it up to date."""
+        index = core.index
+        location = self.storage.url.encode("utf-8")
+        report = None
+        with self._locked(core, None):
+            self.storage.staging.mkdir(exist_ok=True)
+            for leftover in self.storage.staging.iterdir():  # a dead writer's: claims kept
+                leftover.unlink()
+
+            def state(t: ix.Txn) -> tuple[bytes | None, bool, int]:
+                return (_get(t, index, META_REMOTE_ID), _get(t, index, META_REMOTE_DIRTY)
+                        is not None, t.stat(index.objects)["entries"])
+
+            owner, dirty, nobj = index.read(state)
+            if owner is None and nobj:
+                raise FormatError(f"cache {core.path} holds a store that is not a cache of "
+                                  f"{self.storage.url}")
+            if owner is not None and owner != location:
+                raise FormatError(f"cache {core.path} belongs to {owner.decode()!r}, not "
+                                  f"{self.storage.url}")
+            if owner is None:
+                index.write(lambda t: t.put(META_REMOTE_ID, location, db=index.meta))
+            if dirty:
+                report = self.rebuild(core)
+            else:
+                self.catch_up(core)
+            if not create and self.seq(core) == 0:
+                raise FormatError(f"no store at {self.storage.url} (pass create=True to "
+                                  "make one)")
+        return report
+
+    @contextlib.contextmanager
+    def _locked(self, core: StoreCore, timeout: float | None) -> Iterator[None]:
+        core.lock.acquire(timeout)
+        try:
+            yield
+        finally:
+            core.lock.release()
+
+    def _fetch(self, after: int) -> list[dict]:
+        """Every commit document after ``after``, in order (fetched 16 at a time: an
+        empty cache of a long-lived store reads thousands)."""
+        keys = []
+        expect = after + 1
+        for key, _, _ in self.storage.listing(COMMITS, after=commit_key(after)):
+            seq = _seq_of(key)
+            if seq is None or seq <= after:
+                continue
+            if seq != expect:
+                raise CorruptObject(f"{self.storage.url}: commit {expect} is missing "
+                                    f"(found {seq}): the commit chain is broken")
+            keys.append((seq, key))
+            expect += 1
+
+        def fetch(item: tuple[int, str]) -> dict:
+            seq, key = item
+            doc = decode_commit(self.storage.get(key), key)
+            if doc["seq"] != seq:
+                raise CorruptObject(f"commit object {key} says it is commit {doc['seq']}")
+            return doc
+
+        if len(keys) <= 1:
+            return [fetch(k) for k in keys]
+        with concurrent.futures.ThreadPoolExecutor(min(16, len(keys))) as pool:
+            return list(pool.map(fetch, keys))
+
+    def catch_up(self, core: StoreCore) -> int:
+        """With the writer lock held: apply every commit newer than the cache's; return
+        how many."""
+        index = core.index
+        docs = self._fetch(self.seq(core))
+        if docs:
+            def apply(txn: ix.Txn) -> None:
+                for doc in docs:
+                    apply_commit(txn, index, doc)
+            index.write(apply)
+        return len(docs)
+
+    def refresh(self, core: StoreCore) -> None:
+        """A reader found a pack gone: catch up if the writer lock can be had soon (a
+        writer of this handle holds it for its whole life: then the read just retries)."""
+        if core.readonly or core.lock.held:
+            return
+        try:
+            with self._locked(core, _REFRESH_WAIT_S):
+                self.catch_up(core)
+        except StoreLocked:
+            pass
+
+    def rebuild(self, core: StoreCore) -> RepairReport:
+        """With the writer lock held: a fresh cache from every commit document."""
+        from ..repair import rebuild_beside
+
+        docs = self._fetch(0)
+        location = self.storage.url.encode("utf-8")
+
+        def fill(new: ix.Index, txn: ix.Txn) -> None:
+            for key in (ix.META_SEQ, ix.META_NEXT_PACK):
+                txn.put(key, ix.U64.pack(0), db=new.meta)
+            txn.put(ix.META_SNAPSHOT_PACK, ix.I64.pack(-1), db=new.meta)
+            txn.put(ix.META_CHAIN, ix.chain_value([], 0, 0), db=new.meta)
+            txn.put(ix.META_ROOTS_SUM, ix.roots_digest({}), db=new.meta)
+            txn.put(META_REMOTE_ID, location, db=new.meta)
+            for doc in docs:
+                apply_commit(txn, new, doc)
+
+        rebuild_beside(core, fill)
+        index = core.index
+        counts = index.read(lambda t: (t.stat(index.packs)["entries"],
+                                       t.stat(index.objects)["entries"],
+                                       t.stat(index.roots)["entries"]))
+        return RepairReport(*counts)
+
+    # -- publishing -----------------------------------------------------------------------
+    def publish(self, core: StoreCore, base: int, doc: dict) -> int:
+        """Create commit ``base + 1`` (all its packs uploaded). On a lost race the cache
+        catches up and RootExists (a name this commit creates now exists) or
+        ConcurrentCommit is raised; nothing of this commit is then visible anywhere."""
+        seq = base + 1
+        # The token tells our own document from another writer's: a create whose
+        # response was lost is retried by the client and then answered 412 by itself.
+        token = os.urandom(16)
+        doc = dict(doc, v=1, seq=seq, time=time.time(), token=token)
+        try:
+            self.storage.put_create(commit_key(seq), encode_commit(doc))
+        except FileExistsError:
+            if self._is_ours(seq, token):
+                return seq
+            self.catch_up(core)
+            index = core.index
+            names = [n.encode("utf-8") for n in doc.get("creates", ())]
+            taken = index.read(lambda t: [n for n in names
+                                          if t.get(n, db=index.roots) is not None])
+            for name in (n.decode() for n in taken):
+                    raise RootExists(f"root {name!r} already exists: another writer "
+                                     f"committed it first ({self.storage.url})",
+                                     name=name) from None
+            raise ConcurrentCommit(f"{self.storage.url}: another writer committed {seq} "
+                                   "first; nothing of this commit was published") from None
+        return seq
+
+    def check_age(self, started: float) -> None:
+        """Refuse to commit packs a gc elsewhere may already have deleted as a dead
+        writer's: those uploaded more than ``gc_grace_s`` ago (less a tenth for clock
+        skew). Nothing was published; the packs are deleted. ``gc_grace_s`` 0 (tests)
+        accepts the risk."""
+        age = time.time() - started
+        if self.gc_grace_s > 0 and age > 0.9 * self.gc_grace_s:
+            raise StoreError(f"{self.storage.url}: this commit's packs are {age:.0f} s old, "
+                             f"too close to gc_grace_s ({self.gc_grace_s:.0f} s): a gc may "
+                             "have deleted them; nothing was published (raise gc_grace_s)")
+
+    def _is_ours(self, seq: int, token: bytes) -> bool:
+        key = commit_key(seq)
+        try:
+            return decode_commit(self.storage.get(key), key).get("token") == token
+        except FileNotFoundError:
+            return False
+
+    def begin_gc(self, core: StoreCore) -> None:
+        """Before gc sweeps the cache: should it die before its commit is published, the
+        next open rebuilds the cache instead of trusting a sweep the bucket never saw."""
+        index = core.index
+        index.write(lambda t: t.put(META_REMOTE_DIRTY, b"1", db=index.meta))
+
+    def settle_gc(self, core: StoreCore, seq: int | None) -> None:
+        """A gc that moved no pack: record its commit (if it swept anything) and clear
+        the dirty mark."""
+        index = core.index
+
+        def settle(t: ix.Txn) -> None:
+            if seq is not None:
+                record_seq(t, index, seq)
+            t.delete(META_REMOTE_DIRTY, db=index.meta)
+
+        index.write(settle)
+
+    def delete_unlisted(self, core: StoreCore, live_packs: set[int]) -> int:
+        """Delete pack objects the index no longer lists once no reader may need them:
+        ``gc_grace_s`` after the commit that retired them, or after their upload for
+        packs no commit ever listed (crash leftovers; a writer still uploading is
+        younger than that)."""
+        index = core.index
+
+        def state(t: ix.Txn) -> tuple[set[int], dict]:
+            keys = t.cursor(db=index.packs).iternext(values=False)
+            listed = {ix.unpack_pack_key(k) for k in keys}
+            return listed, msgpack.unpackb(_get(t, index, META_RETIRED) or b"\x80",
+                                           strict_map_key=False)
+
+        listed, retired = index.read(state)
+        now = time.time()
+        deleted = 0
+        for n, (_, mtime) in sorted(self.storage.pack_listing().items()):
+            if n in listed or n in live_packs:
+                continue
+            since = retired.get(n, mtime.timestamp())
+            if now - since < self.gc_grace_s:
+                continue
+            self.storage.delete(n)
+            retired.pop(n, None)
+            deleted += 1
+        index.write(lambda t: t.put(META_RETIRED, msgpack.packb(retired), db=index.meta))
+        return deleted
+

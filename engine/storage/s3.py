@@ -1,0 +1,350 @@
+"""Packs in an S3 bucket through obstore (docs/FORMAT.md "Object stores").
+
+Layout under ``s3://bucket/prefix/``::
+
+    packs/XX/NNNNNNNN.pack   immutable packs, the same bytes as a directory store's
+    claims/NNNNNNNN          empty, created create-only (If-None-Match) before pack N is
+                             written: two writers on two caches can never pick one number
+    commits/SSSSSSSSSSSSSSSSSSSS  one msgpack document per commit, created create-only
+                             (engine/storage/remote.py)
+
+A pack is staged in a local file while its writer appends to it and uploaded when it is
+sealed: multipart in ``chunk_size`` parts, at most ``max_concurrency`` in flight. Reads are
+ranged GETs of single records; trailers of recently read packs are cached.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import ipaddress
+import os
+import pathlib
+import threading
+import urllib.parse
+from collections.abc import Mapping
+from datetime import datetime, timedelta
+from typing import Any
+
+from .. import crashpoints
+from .. import format as fmt
+from ..errors import CorruptObject, FormatError
+from .base import PackSink, PackStorage
+from .local import LocalSink
+
+try:
+    import obstore
+    from obstore.exceptions import AlreadyExistsError, BaseError, PreconditionError
+    from obstore.store import S3Store
+except ImportError:  # pragma: no cover - the optional extra is missing
+    obstore = None  # type: ignore[assignment]
+
+# Options of ours in ``storage_options`` (the rest go to obstore's S3 configuration).
+TUNING = {"chunk_size": 8 << 20, "max_concurrency": 8, "gc_grace_s": 21600.0,
+          "max_retries": 3, "retry_timeout_s": 30.0, "timeout_s": 120.0}
+_ENV = {"endpoint": "AWS_ENDPOINT_URL", "access_key_id": "AWS_ACCESS_KEY_ID",
+        "secret_access_key": "AWS_SECRET_ACCESS_KEY", "region": "AWS_REGION",
+        "session_token": "AWS_SESSION_TOKEN", "allow_http": "AWS_ALLOW_HTTP"}
+_TRAILERS = 64
+_UPLOADS = 2  # packs uploading at once (each with max_concurrency parts in flight)
+
+
+class RemoteError(OSError):
+    """An object-store request failed (the engine translates OSError to StoreError)."""
+
+
+def parse_url(url: str) -> tuple[str, str]:
+    """``s3://bucket/prefix`` -> (bucket, prefix without slashes at its ends)."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme != "s3" or not parts.netloc:
+        raise FormatError(f"not an s3://bucket/prefix location: {url!r}")
+    return parts.netloc, parts.path.strip("/")
+
+
+def _truthy(value: object) -> bool:
+    return str(value).strip().lower() in ("1", "true", "yes", "on")
+
+
+def _loopback(endpoint: str) -> bool:
+    host = urllib.parse.urlsplit(endpoint).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def resolve_options(storage_options: Mapping[str, Any] | None) -> tuple[dict, dict]:
+    """(obstore S3 config, our tuning) from the AWS_* environment and ``storage_options``
+    (which win). Plain http is refused unless the endpoint is loopback or allow_http is
+    set: credentials and checkpoints would cross the network in the clear."""
+    given = dict(storage_options or {})
+    tuning = {k: type(v)(given.pop(k)) if k in given else v for k, v in TUNING.items()}
+    config: dict[str, Any] = {}
+    for key, env in _ENV.items():
+        if os.environ.get(env):
+            config[key] = os.environ[env]
+    config.update(given)
+    allow_http = _truthy(config.pop("allow_http", False))
+    endpoint = config.get("endpoint")
+    if endpoint and str(endpoint).startswith("http://"):
+        if not (allow_http or _loopback(str(endpoint))):
+            raise FormatError(f"plain http endpoint {endpoint} refused: use https, a "
+                              "loopback endpoint, or set AWS_ALLOW_HTTP=true")
+        allow_http = True
+    if endpoint:
+        config.setdefault("virtual_hosted_style_request", False)
+    config["_allow_http"] = allow_http
+    return config, tuning
+
+
+def make_store(bucket: str, prefix: str, config: dict, tuning: dict) -> Any:
+    if obstore is None:
+        raise FormatError("s3:// stores need the optional obstore package: "
+                          "pip install 'cnrstore[s3]'")
+    config = dict(config)
+    client = {"allow_http": config.pop("_allow_http", False),
+              "timeout": timedelta(seconds=tuning["timeout_s"]),
+              "connect_timeout": timedelta(seconds=10)}
+    retry = {"max_retries": int(tuning["max_retries"]),
+             "retry_timeout": timedelta(seconds=tuning["retry_timeout_s"])}
+    kwargs: dict[str, Any] = {"config": config, "client_options": client,
+                              "retry_config": retry}
+    return S3Store(bucket, prefix=prefix or None, **kwargs)
+
+
+def _io(what: str, exc: Exception) -> OSError:
+    if isinstance(exc, OSError):
+        return exc
+    return RemoteError(f"{what}: {exc}".splitlines()[0])
+
+
+class S3Storage(PackStorage):
+    remote = True
+
+    def __init__(self, store: Any, staging: pathlib.Path, *, url: str,
+                 chunk_size: int = 8 << 20, max_concurrency: int = 8) -> None:
+        self.store = store
+        self.url = url
+        self.staging = staging
+        self.chunk_size = int(chunk_size)
+        self.max_concurrency = int(max_concurrency)
+        self._trailers: collections.OrderedDict[int, list[fmt.TrailerEntry]] = (
+            collections.OrderedDict())
+        self._lock = threading.Lock()
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pending: list[concurrent.futures.Future[None]] = []
+
+    @staticmethod
+    def key(n: int) -> str:
+        from ..pack import pack_name
+
+        return f"packs/{pack_name(n)}"
+
+    # -- plain objects (claims, commits) --------------------------------------------------
+    def get(self, key: str) -> bytes:
+        """The object ``key``; FileNotFoundError when there is none."""
+        try:
+            return bytes(obstore.get(self.store, key).bytes())
+        except FileNotFoundError:
+            raise
+        except (BaseError, OSError) as exc:
+            raise _io(f"GET {key}", exc) from exc
+
+    def put_create(self, key: str, data: bytes) -> None:
+        """Create ``key`` only if absent (If-None-Match: *); FileExistsError otherwise."""
+        try:
+            obstore.put(self.store, key, data, mode="create")
+        except (AlreadyExistsError, PreconditionError) as exc:
+            raise FileExistsError(f"{key} already exists in {self.url}") from exc
+        except (BaseError, OSError) as exc:
+            raise _io(f"PUT {key}", exc) from exc
+
+    def listing(self, prefix: str, *, after: str | None = None) -> list[tuple[str, int, datetime]]:
+        """(key, size, last modified) of every object under ``prefix``, in key order."""
+        out: list[tuple[str, int, datetime]] = []
+        try:
+            kw = {"offset": after} if after is not None else {}
+            for batch in obstore.list(self.store, prefix, chunk_size=1000, **kw):
+                out.extend((m["path"], m["size"], m["last_modified"]) for m in batch)
+        except (BaseError, OSError) as exc:
+            raise _io(f"LIST {prefix}", exc) from exc
+        return sorted(out)
+
+    def delete_key(self, key: str) -> None:
+        try:
+            obstore.delete(self.store, key)
+        except FileNotFoundError:
+            pass
+        except (BaseError, OSError) as exc:
+            raise _io(f"DELETE {key}", exc) from exc
+
+    # -- packs ----------------------------------------------------------------------------
+    def create(self, n: int, *, meta: bool) -> PackSink:
+        return S3Sink(self, n)
+
+    def upload(self, n: int, path: pathlib.Path) -> None:
+        size = path.stat().st_size
+        try:
+            obstore.put(self.store, self.key(n), path, use_multipart=size > self.chunk_size,
+                        chunk_size=self.chunk_size, max_concurrency=self.max_concurrency)
+        except (BaseError, OSError) as exc:
+            raise _io(f"upload of {self.key(n)}", exc) from exc
+        crashpoints.hit("s3.after_upload")
+        try:
+            path.unlink()  # the bucket holds it now
+        except FileNotFoundError:
+            pass
+
+    def upload_later(self, n: int, path: pathlib.Path) -> concurrent.futures.Future[None]:
+        """Upload sealed pack ``n`` in the background; at most ``_UPLOADS`` packs at once
+        and as many waiting (so staged packs never pile up on the cache's disk)."""
+        with self._lock:
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(
+                    _UPLOADS, thread_name_prefix="cnr-upload")
+            self._pending = [f for f in self._pending if not f.done()]
+            waiting = list(self._pending)
+        if len(waiting) >= 2 * _UPLOADS:
+            concurrent.futures.wait(waiting[: len(waiting) - 2 * _UPLOADS + 1])
+        future = self._pool.submit(self.upload, n, path)
+        with self._lock:
+            self._pending.append(future)
+        return future
+
+    def close(self) -> None:
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+
+    def read(self, n: int, offset: int, length: int) -> bytes:
+        if length <= 0:
+            return b""
+        try:
+            return bytes(obstore.get_range(self.store, self.key(n), start=offset,
+                                           length=length))
+        except FileNotFoundError:
+            raise
+        except (BaseError, OSError) as exc:
+            raise _io(f"GET {self.key(n)} bytes {offset}+{length}", exc) from exc
+
+    def read_all(self, n: int) -> bytes:
+        return self.get(self.key(n))
+
+    def size(self, n: int) -> int:
+        try:
+            return int(obstore.head(self.store, self.key(n))["size"])
+        except FileNotFoundError:
+            raise
+        except (BaseError, OSError) as exc:
+            raise _io(f"HEAD {self.key(n)}", exc) from exc
+
+    def read_trailer(self, n: int) -> list[fmt.TrailerEntry]:
+        from ..pack import pack_name
+
+        with self._lock:
+            cached = self._trailers.get(n)
+            if cached is not None:
+                self._trailers.move_to_end(n)
+                return cached
+        name = pack_name(n)
+        size = self.size(n)
+        if size < fmt.PACK_HEADER.size + fmt.FOOTER.size:
+            raise CorruptObject(f"pack {name}: too short for a trailer", pack=name, offset=0)
+        footer = self.read(n, size - fmt.FOOTER.size, fmt.FOOTER.size)
+        count, entries_offset = fmt.parse_footer(footer, size, pack=name)
+        data = self.read(n, entries_offset, size - entries_offset)
+        entries = fmt.decode_trailer(data, count, entries_offset, pack=name)
+        with self._lock:
+            self._trailers[n] = entries
+            while len(self._trailers) > _TRAILERS:
+                self._trailers.popitem(last=False)
+        return entries
+
+    def pack_listing(self) -> dict[int, tuple[int, datetime]]:
+        """Every pack object: number -> (size, last modified)."""
+        out = {}
+        for key, size, mtime in self.listing("packs/"):
+            name = key.rsplit("/", 1)[-1]
+            if len(name) == 13 and name.endswith(".pack") and name[:8].isdigit():
+                out[int(name[:8])] = (size, mtime)
+        return out
+
+    def sizes(self) -> dict[int, int]:
+        return {n: size for n, (size, _) in self.pack_listing().items()}
+
+    def delete(self, n: int) -> bool:
+        with self._lock:
+            self._trailers.pop(n, None)
+        self.delete_key(self.key(n))
+        return True
+
+    def describe(self) -> str:
+        return self.url
+
+
+class S3Sink(LocalSink):
+    """A pack staged in ``<cache>/staging`` and uploaded once sealed, in the background
+    (``settle`` waits), so a writer encodes its next pack while this one uploads. Its
+    number is claimed in the bucket first (create-only), so no other writer, on any
+    cache, can write a pack of that number."""
+
+    def __init__(self, storage: S3Storage, n: int) -> None:
+        storage.put_create(f"claims/{n:08d}", b"")  # FileExistsError: pick another number
+        path = storage.staging / f"{n:08d}.pack"
+        try:
+            path.unlink()  # a leftover of this process's own crash: the claim is ours now
+        except FileNotFoundError:
+            pass
+        super().__init__(path)
+        self._storage = storage
+        self._n = n
+        self._upload: concurrent.futures.Future[None] | None = None
+
+    def finish(self) -> None:
+        if self._upload is None:
+            # From here a discard must delete the object too.
+            self._upload = self._storage.upload_later(self._n, self.path)
+
+    def settle(self) -> None:
+        if self._upload is not None:
+            self._upload.result()
+
+    def discard(self) -> None:
+        if self._upload is not None:
+            concurrent.futures.wait([self._upload])
+        super().discard()
+        if self._upload is not None:
+            try:
+                self._storage.delete(self._n)
+            except OSError:
+                pass  # never committed: gc deletes it once it is gc_grace_s old
+
+
+def open_bucket(url: str, *, cache_dir: str | os.PathLike,
+                storage_options: Mapping[str, Any] | None = None, create: bool = True,
+                compression_level: int | None = None, map_size: int | None = None,
+                pack_target_size: int | None = None, readonly: bool = False) -> Any:
+    """Open (or create) the bucket store at ``url`` = ``s3://bucket/prefix``, with its
+    index cached in ``cache_dir`` (a local disk: LMDB must not live on a network
+    filesystem). Configuration: the AWS_* environment, overridden by ``storage_options``
+    (obstore S3 keys, plus ``chunk_size``, ``max_concurrency``, ``gc_grace_s``,
+    ``max_retries``, ``retry_timeout_s``, ``timeout_s``)."""
+    from ..store import PackStore
+    from .remote import Remote
+
+    if cache_dir is None:
+        raise FormatError(f"{url}: a bucket store needs a local cache_dir for its index")
+    bucket, prefix = parse_url(url)
+    config, tuning = resolve_options(storage_options)
+    store = make_store(bucket, prefix, config, tuning)
+    cache = pathlib.Path(cache_dir).absolute()
+    storage = S3Storage(store, cache / "staging", url=f"s3://{bucket}/{prefix}".rstrip("/"),
+                        chunk_size=tuning["chunk_size"],
+                        max_concurrency=tuning["max_concurrency"])
+    remote = Remote(storage, gc_grace_s=tuning["gc_grace_s"])
+    return PackStore(cache, create=create, compression_level=compression_level,
+                     map_size=map_size, pack_target_size=pack_target_size,
+                     readonly=readonly, storage=storage, remote=remote)
