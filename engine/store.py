@@ -278,12 +278,10 @@ class PackStore(ObjectStore):
     # -- distributed put, coordinator side (engine/coordinator.py, FORMAT.md) --------
     @_translated
     def reserve_packs(self, n: int, *, timeout: float | None = None) -> range:
-        """Durably reserve ``n`` pack numbers for ranks' ``PackSink``s and lease them:
-        gc leaves their packs alone until a writer given locations in the range commits
-        or aborts, ``release_packs`` is called, this handle closes or its process dies
-        (a range no location named stays leased until one of the latter: release it).
-        Takes the writer lock briefly (waiting up to ``timeout``); call it before opening
-        this handle's writer (StoreLocked otherwise: it would wait on itself)."""
+        """Durably reserve and lease ``n`` pack numbers for ranks' ``PackSink``s: gc spares
+        them until a writer given locations in the range commits or aborts, or
+        ``release_packs``, close or process death ends the lease. Takes the writer lock
+        briefly (waiting up to ``timeout``): call it before opening this handle's writer."""
         from .coordinator import reserve
 
         self._check_open()
