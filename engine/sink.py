@@ -24,9 +24,10 @@ from . import format as fmt
 from . import pack as pk
 from .errors import StoreClosed, StoreError
 from .fileio import fsync_dir, store_error
-from .ids import check_kind, object_id
+from .ids import object_id
 from .location import RecordLocation
 from .options import EngineOptions
+from .writer import checked_object
 
 
 class PacksExhausted(StoreError):
@@ -100,16 +101,7 @@ class PackSink:
         """Append an object; return its id. An id this sink holds writes nothing. Refs
         are not checked here (no index): the coordinator's adopt checks them."""
         self._check()
-        check_kind(kind)
-        if not isinstance(payload, (bytes, bytearray, memoryview)):
-            raise TypeError(f"payload must be bytes-like, got {type(payload).__name__}")
-        if isinstance(refs, (bytes, bytearray, str)):
-            raise TypeError("refs must be a sequence of object ids, not a single bytes/str")
-        refs = tuple(bytes(r) for r in refs)
-        payload = bytes(payload)
-        if len(payload) > fmt.MAX_RAW_LEN:
-            raise ValueError(f"payload of {len(payload)} bytes exceeds the "
-                             f"{fmt.MAX_RAW_LEN}-byte limit (FORMAT.md \"Records\")")
+        payload, refs = checked_object(kind, payload, refs)
         oid = object_id(kind, refs, payload)
         if oid in self._locs:
             return oid

@@ -39,6 +39,22 @@ if TYPE_CHECKING:
     from .core import StoreCore
 
 
+
+def checked_object(kind: int, payload: bytes | bytearray | memoryview,
+                   refs: Sequence[bytes]) -> tuple[bytes, tuple[bytes, ...]]:
+    """The argument checks every put shares (the store's writer and a rank's PackSink):
+    the payload and refs as bytes, or TypeError/ValueError before anything is written."""
+    check_kind(kind)
+    if not isinstance(payload, (bytes, bytearray, memoryview)):
+        raise TypeError(f"payload must be bytes-like, got {type(payload).__name__}")
+    if isinstance(refs, (bytes, bytearray, str)):
+        raise TypeError("refs must be a sequence of object ids, not a single bytes/str")
+    payload = bytes(payload)
+    if len(payload) > fmt.MAX_RAW_LEN:
+        raise ValueError(f"payload of {len(payload)} bytes exceeds the "
+                         f"{fmt.MAX_RAW_LEN}-byte limit (FORMAT.md \"Records\")")
+    return payload, tuple(bytes(r) for r in refs)
+
 class PackWriter(Writer):
     """Created by ``PackStore.writer`` with the writer lock held; ``done(self)`` releases
     it when the writer commits or aborts. ``owner`` answers ``has`` and ``root`` for what
@@ -113,16 +129,7 @@ class PackWriter(Writer):
         meta: bool = False,
     ) -> bytes:
         self._check()
-        check_kind(kind)
-        if not isinstance(payload, (bytes, bytearray, memoryview)):
-            raise TypeError(f"payload must be bytes-like, got {type(payload).__name__}")
-        if isinstance(refs, (bytes, bytearray, str)):
-            raise TypeError("refs must be a sequence of object ids, not a single bytes/str")
-        refs = tuple(bytes(r) for r in refs)
-        payload = bytes(payload)
-        if len(payload) > fmt.MAX_RAW_LEN:
-            raise ValueError(f"payload of {len(payload)} bytes exceeds the "
-                             f"{fmt.MAX_RAW_LEN}-byte limit (FORMAT.md \"Records\")")
+        payload, refs = checked_object(kind, payload, refs)
         oid = object_id(kind, refs, payload)  # validates every ref's shape
         absent = self._absent((oid, *refs))
         for ref in refs:
