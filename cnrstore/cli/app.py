@@ -31,6 +31,9 @@ if TYPE_CHECKING:
 
 __all__ = ["build_parser", "main"]
 
+# The index cache of an s3:// store, when --cache-dir is not given.
+CACHE_ENV = "CNRSTORE_CACHE_DIR"
+
 
 def _common(*, suppress: bool) -> argparse.ArgumentParser:
     # The same flags work before and after the subcommand. In subparsers the defaults are
@@ -43,6 +46,10 @@ def _common(*, suppress: bool) -> argparse.ArgumentParser:
                    help="show tracebacks instead of one-line errors")
     p.add_argument("--no-progress", action="store_true", default=default,
                    help="no progress bars (they only appear on a terminal anyway)")
+    p.add_argument("--cache-dir", metavar="DIR",
+                   default=argparse.SUPPRESS if suppress else os.environ.get(CACHE_ENV),
+                   help="local directory of the index cache of a store on S3 "
+                        f"(s3://bucket/prefix); default ${CACHE_ENV}")
     return p
 
 
@@ -82,7 +89,8 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     def add(name: str, help_: str) -> argparse.ArgumentParser:
         p = sub.add_parser(name, parents=[common], help=help_, description=help_)
         if name != "demo":
-            p.add_argument("store", metavar="STORE", help="path of the store directory")
+            p.add_argument("store", metavar="STORE",
+                           help="path of the store directory, or s3://bucket/prefix")
         return p
 
     add("ls", "list the kept steps with their sizes")
@@ -148,9 +156,19 @@ def _add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     torchrec_demo.add_arguments(parser)
 
 
-def _require_store(path: str) -> None:
+def _is_url(path: str) -> bool:
+    return path.startswith("s3://")
+
+
+def _require_store(path: str, cache_dir: str | None = None) -> None:
     # The engine's layout (engine/store.py): a store directory holds index/ and packs/.
-    # Checked here so a mistyped path is a usage error, and nothing is created.
+    # Checked here so a mistyped path is a usage error, and nothing is created. A bucket
+    # store is checked by its open (create=False: "no store at s3://...").
+    if _is_url(path):
+        if not cache_dir:
+            raise UsageError(f"{path}: a store on S3 needs --cache-dir DIR (a local "
+                             f"directory for its index) or ${CACHE_ENV}")
+        return
     if not os.path.isdir(path):
         raise UsageError(f"no store at {path!r} (directory not found)")
     if not any(os.path.exists(os.path.join(path, d)) for d in ("index", "packs")):
@@ -167,14 +185,19 @@ def _stale(exc: BaseException) -> bool:
     return isinstance(exc, StaleIndex) or isinstance(exc.__cause__, StaleIndex)
 
 
-def _open_objects(path: str):
+def _open_objects(path: str, cache_dir: str | None = None):
     """The engine store at ``path`` for a read-only view: opened read-only (no writer lock,
     no writes: a store that cannot be written can still be inspected). An index behind its
     packs cannot be brought up to date read-only; where the store is writable it is then
-    opened writable to do so."""
+    opened writable to do so. A bucket store's cache is brought up to date on open, so it
+    opens writable (its cache is local; the bucket is only read)."""
     import engine
 
-    _require_store(path)
+    _require_store(path, cache_dir)
+    if _is_url(path):
+        from cnrstore.core.location import open_objects
+
+        return open_objects(path, cache_dir=cache_dir, create=False)
     try:
         return engine.open(path, create=False, readonly=True)
     except engine.StaleIndex:
@@ -183,10 +206,14 @@ def _open_objects(path: str):
     return engine.open(path, create=False)
 
 
-def _open(path: str, *, create: bool = False, readonly: bool = False):
+def _open(path: str, *, create: bool = False, readonly: bool = False,
+          cache_dir: str | None = None):
     """The checkpoint store at ``path`` (the store API, for commands that need it)."""
     from cnrstore.core.store import open as open_store
 
+    if _is_url(path):
+        _require_store(path, cache_dir)
+        return open_store(path, create=create, cache_dir=cache_dir)
     if not create:
         _require_store(path)
     if readonly:
@@ -231,14 +258,19 @@ def _run(args: argparse.Namespace) -> int:
     if cmd == "repair":
         from cnrstore.tools import info
 
+        if _is_url(args.store):
+            raise UsageError(f"{args.store}: repair rebuilds a directory store's index; "
+                             "the index cache of a store on S3 rebuilds itself on open "
+                             "(give it an empty --cache-dir)")
         _require_store(args.store)
         report = info.repair(args.store)
         _emit(args, report, fmt.repair_text(report))
         return EXIT_PROBLEMS if report.damaged else EXIT_OK
     if cmd in _VIEW_COMMANDS:
-        with _open_objects(args.store) as objects:
+        with _open_objects(args.store, args.cache_dir) as objects:
             return _view(args, objects)
-    with _open(args.store, create=cmd == "import", readonly=cmd == "export") as store:
+    with _open(args.store, create=cmd == "import", readonly=cmd == "export",
+               cache_dir=args.cache_dir) as store:
         return _change(args, store)
 
 
