@@ -41,9 +41,10 @@ def _only_rank0_cache(tmp_path, world):
         assert not (tmp_path / f"host{r}").exists(), f"rank {r} touched a cache_dir"
 
 
+@pytest.mark.parametrize("world", [1, 2])
 def test_distributed_put_equals_a_single_process_put_and_a_fresh_cache_rebuilds(
-        where, tmp_path):
-    seed, world = 11, 2
+        where, tmp_path, world):
+    seed = 11
     want = oracle(os.fspath(tmp_path / "oracle"), seed)
     got = run(world, put_sequence, where, seed, timeout=120)
     for r, ids in enumerate(got):
