@@ -5,8 +5,9 @@
 store's ``PackStorage`` holds before anything can be published: its pack is sealed (a
 valid trailer), is a reserved number no index lists, and not one of the writer's own; the
 trailer holds a record of that id, offset and length; the record header (read, with its
-refs, by one small pread, or one ranged GET from a bucket: those run 16 at a time) says
-the same kind, refs, raw length, and the pack header the same meta flag. The
+refs, by one small pread; from a bucket by ranged GETs, 16 in flight, each covering
+the headers of a run of small records) says the same kind, refs, raw length, and the
+pack header the same meta flag. The
 refs the index will hold must be the record's: gc marks by them, so a wrong list would
 sweep live data. Ids the store (or this writer) holds already are skipped and counted
 reused. At commit the writer checks that every adopted ref resolves, fsyncs the adopted
@@ -33,6 +34,8 @@ from .pack import pack_name
 from .storage import LocalStorage
 
 _REMOTE_READS = 16  # ranged GETs of record headers in flight at once
+_BATCH_BYTES = 1 << 20  # one GET covers the headers of small records within 1 MiB,
+_GAP_BYTES = 64 << 10   # skipping at most this much payload between two of them
 
 if TYPE_CHECKING:
     from .core import StoreCore
@@ -168,11 +171,19 @@ class Adoption:
                 finally:
                     os.close(fd)
                 return
+            batches = _batches(group)
+
+            def fetch(batch: list[RecordLocation]) -> bytes:
+                start = batch[0].offset
+                return storage.read(n, start, batch[-1].offset + _header_size(batch[-1])
+                                    - start)
+
             with concurrent.futures.ThreadPoolExecutor(_REMOTE_READS) as pool:
-                heads = pool.map(lambda loc: storage.read(n, loc.offset, _header_size(loc)),
-                                 group)
-                for loc, buf in zip(group, heads):
-                    _check_header(name, loc, buf)
+                for batch, buf in zip(batches, pool.map(fetch, batches)):
+                    start = batch[0].offset
+                    for loc in batch:
+                        at = loc.offset - start
+                        _check_header(name, loc, buf[at:at + _header_size(loc)])
         except OSError as exc:
             raise store_error(f"cannot read pack {name}", exc) from exc
 
@@ -220,6 +231,25 @@ class Adoption:
         for n, p in self.packs.items():
             packed = ix.PackEntry(p.size, p.total, p.live, p.meta, p.count)
             txn.put(ix.pack_key(n), packed.encode(), db=index.packs)
+
+
+def _batches(group: list[RecordLocation]) -> list[list[RecordLocation]]:
+    """Records by offset, in runs whose headers one ranged GET covers: a record joins the
+    run when the bytes skipped to reach its header (the previous record's payload) are at
+    most ``_GAP_BYTES`` and the GET stays within ``_BATCH_BYTES``. Small records cost one
+    request per run, not per record; large ones one small GET each, so adoption never
+    downloads what the ranks uploaded."""
+    out: list[list[RecordLocation]] = []
+    for loc in sorted(group, key=lambda x: x.offset):
+        if out:
+            last = out[-1][-1]
+            gap = loc.offset - (last.offset + _header_size(last))
+            if gap <= _GAP_BYTES and (loc.offset + _header_size(loc) - out[-1][0].offset
+                                      <= _BATCH_BYTES):
+                out[-1].append(loc)
+                continue
+        out.append([loc])
+    return out
 
 
 def _header_size(loc: RecordLocation) -> int:
