@@ -221,17 +221,18 @@ class DistributedStore:
         """Collective read; each rank asks for its own names and rows and reads only the
         blocks overlapping them. ``out`` values may be tensors (the whole table) or
         Shards (their rows, filled in place)."""
-        return read.get_tables(self, step, names=names, rows=rows, device=device, out=out)
+        return transfer.again(self, lambda: read.get_tables(
+            self, step, names=names, rows=rows, device=device, out=out))
 
     @translating
     def get_state(self, step: int | None = None, *, device: Any = "cpu") -> Any:
-        return read.get_state(self, step, device=device)
+        return transfer.again(self, lambda: read.get_state(self, step, device=device))
 
     @translating
     def load_state(self, step: int | None, state: Any, *, strict: bool = True) -> Any:
         """Restore into ``state`` in place: plain tensors get the whole table, Shards,
         DTensor and ShardedTensor leaves their own rows."""
-        return read.load_state(self, step, state, strict=strict)
+        return transfer.again(self, lambda: read.load_state(self, step, state, strict=strict))
 
     @translating
     def metadata(self, step: int | None = None) -> dict:

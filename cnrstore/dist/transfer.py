@@ -23,7 +23,7 @@ import engine
 from engine import EngineOptions, Object, ObjectStore, RecordLocation, object_id
 
 __all__ = ["Uploader", "grants", "release", "adopt", "missing", "locate", "Readers",
-           "storage_of", "locator", "attach", "detach"]
+           "storage_of", "locator", "attach", "detach", "Moved", "moved", "again"]
 
 
 def storage_of(objects: ObjectStore) -> Any:
@@ -192,3 +192,37 @@ class Readers:
         if self._reader is not None:
             self._reader.close()
             self._reader = None
+
+
+class Moved(Exception):
+    """Raised on every rank when a read failed only because a rank met a pack that is
+    gone (a gc on another cache moved its records after the coordinator located them)."""
+
+
+def moved(err: BaseException | None) -> bool:
+    """Whether ``err`` is, or was caused by, the engine's PackMoved."""
+    while err is not None:
+        if isinstance(err, engine.PackMoved):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
+def again(ds: Any, read: Any) -> Any:
+    """Run the collective ``read``; if a rank met a moved pack, the coordinator brings its
+    index up to date (a writer opened and aborted catches up with the commits other
+    caches made) and every rank reads once more, with fresh locations. A second miss
+    raises the error itself."""
+    ds.retry_moved = True
+    try:
+        return read()
+    except Moved:
+        pass
+    finally:
+        ds.retry_moved = False
+    if ds.is_coordinator and isinstance(ds.local.objects, engine.PackStore):
+        try:
+            ds.local.objects.writer(timeout=ds.options.lock_timeout).abort()
+        except engine.StoreError:
+            pass  # the read then fails with the engine's own error
+    return read()

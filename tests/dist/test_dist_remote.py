@@ -136,3 +136,23 @@ def test_group_put_and_restore_on_seaweedfs(weed_s3, tmp_path):
         for name, t in expect.items():
             assert torch.equal(back[name], t), name
         assert s.verify().ok
+
+
+@pytest.mark.parametrize("retry", [True, False])
+def test_a_rank_meeting_a_moved_pack_reads_again_with_fresh_locations(where, tmp_path,
+                                                                      retry):
+    """A gc by another job (another cache, grace 0) compacts packs under a distributed
+    store whose coordinator's cache is stale: the rank that meets a gone pack makes every
+    rank read again after the coordinator caught up. (retry=False shows the failure the
+    retry exists for.)"""
+    from remote_workers import moved_read
+
+    res = run(2, moved_read, where, os.fspath(tmp_path / "otherjob"), retry, timeout=120)
+    for r in res:
+        assert not isinstance(r, Failed), r.trace
+    if retry:
+        assert res[0][0] == "ok" and res[0][1] and res[0][2] >= 1, res  # a pack moved
+        assert res[1] == ("ok", True, None), res
+    else:
+        assert res[0][0] == res[1][0] == "error", res
+        assert res[0] == res[1] and "locate it again" in res[1][2], res
