@@ -25,7 +25,8 @@ def where(request, tmp_path):
     ``cache`` is per rank ("host"): only rank 0's may ever exist."""
     cache = os.fspath(tmp_path / "host{rank}" / "cache")
     if request.param == "shared":
-        return {"path": os.fspath(tmp_path / "shared"), "cache": cache, "options": None}
+        return {"path": os.fspath(tmp_path / "shared"), "cache": cache,
+                "options": {"gc_grace_s": 0.0}}
     server = request.getfixturevalue("moto_s3")
     return {"path": server.url(), "cache": cache, "options": server.options}
 
@@ -84,9 +85,7 @@ def test_restore_at_another_world_size(where, tmp_path):
 @pytest.mark.parametrize("victim,point", [(1, "dist.rank_after_seal"),
                                           (0, "dist.coord_before_commit")])
 def test_a_rank_killed_mid_put_leaves_no_step_and_gc_reclaims_its_packs(
-        moto_s3, tmp_path, victim, point):
-    where = {"path": moto_s3.url(), "cache": os.fspath(tmp_path / "host{rank}" / "cache"),
-             "options": moto_s3.options}
+        where, tmp_path, victim, point):
     res = run(2, killed, where, victim, point, timeout=90, expect_dead=(victim,))
     for r, got in enumerate(res):
         if r == victim:
