@@ -12,6 +12,7 @@ import tempfile
 import pytest
 from _helpers import make_payload
 
+import engine
 from engine import LocatedReader, PackMoved, PackSink
 from engine.ids import object_id
 from engine.storage import attach
@@ -198,3 +199,29 @@ def test_adopt_on_a_bucket_fetches_headers_not_payloads(moto_s3, tmp_path, monke
         assert sum(reads) <= most_bytes + (64 << 10), sum(reads)  # + the trailers
         storage.close()
         assert store.verify(deep=True).ok
+
+
+def test_a_commit_of_rank_packs_older_than_the_grace_is_refused(bucket, tmp_path):
+    """The ranks upload before the coordinator opens its writer: the commit's age counts
+    from the oldest adopted pack, not from the writer (a gc elsewhere may already have
+    deleted packs that old as a dead writer's)."""
+    import time
+
+    with bucket.store(tmp_path / "a", bucket.url(),
+                      storage_options={"gc_grace_s": 1.0}) as store, \
+            tempfile.TemporaryDirectory() as staging:
+        storage = rank_storage(bucket, store, staging)
+        _, locs = rank_put(storage, store.reserve_packs(4), store.options, objects(5, n=2))
+        time.sleep(1.1)
+        w = store.writer()  # young writer, old rank packs
+        w.adopt(locs)
+        w.set_root("late", w.put(3, b"top", (locs[-1].oid,), meta=True))
+        with pytest.raises(engine.StoreError, match="gc_grace_s"):
+            w.commit()
+        assert store.roots() == {}
+        _, locs = rank_put(storage, store.reserve_packs(4), store.options, objects(6, n=2))
+        with store.writer() as w:  # prompt: commits
+            w.adopt(locs)
+            w.set_root("prompt", w.put(3, b"top", (locs[-1].oid,), meta=True))
+        assert set(store.roots()) == {"prompt"}
+        storage.close()
