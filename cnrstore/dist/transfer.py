@@ -23,7 +23,7 @@ import engine
 from engine import EngineOptions, Object, ObjectStore, RecordLocation, object_id
 
 __all__ = ["Uploader", "grants", "release", "adopt", "missing", "locate", "Readers",
-           "storage_of", "locator", "attach", "detach", "Moved", "moved", "again"]
+           "storage_of", "locator", "attach", "detach", "moved", "moved_everywhere", "again"]
 
 
 def storage_of(objects: ObjectStore) -> Any:
@@ -194,9 +194,14 @@ class Readers:
             self._reader = None
 
 
-class Moved(Exception):
+class _Moved(Exception):
     """Raised on every rank when a read failed only because a rank met a pack that is
     gone (a gc on another cache moved its records after the coordinator located them)."""
+
+
+def moved_everywhere(what: str) -> None:
+    """Raised on every rank alike (the closing round of a read agreed on it)."""
+    raise _Moved(what)
 
 
 def moved(err: BaseException | None) -> bool:
@@ -216,7 +221,7 @@ def again(ds: Any, read: Any) -> Any:
     ds.retry_moved = True
     try:
         return read()
-    except Moved:
+    except _Moved:
         pass
     finally:
         ds.retry_moved = False
