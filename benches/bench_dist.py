@@ -14,6 +14,12 @@ ones, every rank at once (gloo, one thread per rank, all on this machine):
 - ``cnr``: ``store.put_tables(step, {name: cnrstore.Shard(...)}, blocking=False)``; the
   stall is the time to the Future, the put time the time to its result. ``cnr_int8``:
   the same with ``quant="int8"`` (not in the default ``--systems``).
+- ``cnr_shared``: the same on a shared-directory store (packs in the checkpoint folder,
+  rank 0's index in a cache folder beside it: ``cnrstore.open(path, cache_dir=...)``),
+  what several hosts would use on NFS/Lustre. ``cnr_s3``: the same on S3
+  (``cnrstore.open("s3://...", cache_dir=..., group=...)``), against ``--endpoint`` or a
+  SeaweedFS started here on loopback; its bytes are the store's ``stats()`` (packs in the
+  bucket). Neither is in the default ``--systems``.
 - ``dcp``: ``dcp.save`` of DTensors (``Shard(0)``), one checkpoint directory per step.
 - ``dcp_async``: ``dcp.async_save`` of the same; stall to the Future, put to its result.
 
@@ -55,6 +61,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dir", default=None, help="where checkpoints go (default: a temp dir)")
     p.add_argument("--out", default=None, help="folder for results.json and results.md")
     p.add_argument("--timeout", type=float, default=1800.0)
+    p.add_argument("--endpoint", default=None,
+                   help="S3 endpoint for cnr_s3 (default: start SeaweedFS on loopback)")
+    p.add_argument("--bucket", default="cnr-bench")
     p.add_argument("--quick", action="store_true", help="tiny run (CI smoke)")
     args = p.parse_args(argv)
     if args.quick:
@@ -137,8 +146,7 @@ def _save(rank: int, world: int, args: argparse.Namespace, root: str, system: st
     if cnr:
         import cnrstore
 
-        store = cnrstore.open(os.path.join(root, "cnr"), group=dist.group.WORLD,
-                              timeout=args.timeout)
+        store = _open_cnr(args, root, system, rank)
         quant = "int8" if system == "cnr_int8" else "exact"
     else:
         import torch.distributed.checkpoint as dcp
@@ -146,7 +154,12 @@ def _save(rank: int, world: int, args: argparse.Namespace, root: str, system: st
         from torch.distributed.tensor import DTensor, Shard
 
         mesh = init_device_mesh("cpu", (world,))
-    before = disk_bytes(root) if rank == 0 else 0
+    def stored() -> int:  # collective for cnr_s3 (stats is), rank 0's figure otherwise
+        if system == "cnr_s3":
+            return store.stats().stored_bytes
+        return disk_bytes(root) if rank == 0 else 0
+
+    before = stored()
     for step in range(args.steps):
         if step:
             update(args, mine, step, rank, world)
@@ -173,14 +186,31 @@ def _save(rank: int, world: int, args: argparse.Namespace, root: str, system: st
         put = time.perf_counter() - t0
         dist.barrier()
         put_all = time.perf_counter() - t0
+        now = stored()
         if rank == 0:
-            now = disk_bytes(root)
             out.append({"step": step, "bytes": now - before, "put_s": put,
                         "put_all_s": put_all, "stall_s": stall})
             before = now
     if cnr:
         store.close()
     return out
+
+
+def _open_cnr(args: argparse.Namespace, root: str, system: str, rank: int) -> Any:
+    """The system's store, collectively: a directory, a shared directory with rank 0's
+    cache beside it, or a bucket prefix with that cache (other ranks never make one)."""
+    import torch.distributed as dist
+
+    import cnrstore
+
+    kw: dict = {"group": dist.group.WORLD, "timeout": args.timeout}
+    if system == "cnr_shared":
+        kw["cache_dir"] = os.path.join(os.path.dirname(root), f"cache-{system}-{rank}")
+    if system == "cnr_s3":
+        kw["cache_dir"] = os.path.join(os.path.dirname(root), f"cache-{system}-{rank}")
+        kw["storage_options"] = args.s3_options
+        return cnrstore.open(args.s3_url, **kw)
+    return cnrstore.open(os.path.join(root, "cnr"), **kw)
 
 
 def _restore(rank: int, world: int, args: argparse.Namespace, root: str, system: str,
@@ -197,10 +227,8 @@ def _restore(rank: int, world: int, args: argparse.Namespace, root: str, system:
         evict_page_cache(root)
     cnr = system.startswith("cnr")
     if cnr:
-        import cnrstore
 
-        store = cnrstore.open(os.path.join(root, "cnr"), group=dist.group.WORLD,
-                              timeout=args.timeout)
+        store = _open_cnr(args, root, system, rank)
         sel = {n: slice(*chunk(r, world, rank)) for n, r in rows.items()}
         dist.barrier()
         t0 = time.perf_counter()
@@ -288,7 +316,40 @@ def run(args: argparse.Namespace) -> dict:
 
     root = args.dir or tempfile.mkdtemp(prefix="bench-dist-ckpt-")
     logical = sum(r * d * 4 for r, d in table_specs(scale=args.scale).values())
-    report: dict = {"args": vars(args), "logical_bytes": logical, "systems": {}}
+    report: dict = {"args": dict(vars(args)), "logical_bytes": logical, "systems": {}}
+    weed = None
+    if "cnr_s3" in args.systems.split(","):
+        weed = _s3_setup(args, root)
+    try:
+        _run_systems(args, root, report)
+    finally:
+        if weed is not None:
+            weed.stop()
+    return report
+
+
+def _s3_setup(args: argparse.Namespace, root: str) -> Any:
+    """Endpoint and options for cnr_s3 (a SeaweedFS on loopback unless --endpoint)."""
+    weed = None
+    endpoint = args.endpoint
+    if endpoint is None:
+        sys.path.insert(0, os.path.join(REPO, "tests", "engine"))
+        from _weed import Weed
+
+        os.makedirs(os.path.join(root, "weed"), exist_ok=True)
+        weed = Weed(os.path.join(root, "weed"))
+        weed.bucket = args.bucket
+        weed.start()
+        endpoint = weed.endpoint
+    args.s3_url = f"s3://{args.bucket}/bench-dist-{os.getpid()}"
+    args.s3_options = {"endpoint": endpoint,
+                       "access_key_id": os.environ.get("AWS_ACCESS_KEY_ID", "x"),
+                       "secret_access_key": os.environ.get("AWS_SECRET_ACCESS_KEY", "x"),
+                       "region": os.environ.get("AWS_REGION", "us-east-1")}
+    return weed
+
+
+def _run_systems(args: argparse.Namespace, root: str, report: dict) -> None:
     for system in args.systems.split(","):
         where = os.path.join(root, system)
         shutil.rmtree(where, ignore_errors=True)
@@ -304,7 +365,6 @@ def run(args: argparse.Namespace) -> dict:
         }
         print(system, json.dumps(report["systems"][system]), flush=True)
         shutil.rmtree(where, ignore_errors=True)
-    return report
 
 
 def markdown(report: dict) -> str:

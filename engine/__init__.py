@@ -4,7 +4,8 @@ Knows nothing of tensors: it never imports torch, numpy or cnrstore.
 
 ``engine.open(path)`` opens (or creates) the on-disk ``PackStore`` (packs + LMDB index,
 specified in docs/FORMAT.md); ``engine.storage_open("s3://bucket/prefix", cache_dir=...)``
-a ``PackStore`` whose packs live in a bucket (FORMAT.md "Object stores"); ``MemoryStore``
+a ``PackStore`` whose packs live in a bucket (FORMAT.md "Object stores") or, given a
+directory, on a filesystem every host reaches (FORMAT.md "Shared directories"); ``MemoryStore``
 is its dict-backed twin. All implement ``ObjectStore`` (engine/api.py).
 """
 
@@ -48,15 +49,23 @@ from .sink import PacksExhausted, PackSink, packs_needed, record_bound
 from .store import PackStore, open  # noqa: A004 - engine.open(path) is the entry point
 
 
-def storage_open(url: str, *, cache_dir: str | os.PathLike, storage_options: dict | None = None,
-                 **kwargs: Any) -> PackStore:
-    """Open the store at ``url`` (``s3://bucket/prefix``; obstore needed) with its index
-    cached in ``cache_dir``; other keywords as for ``open``. See engine/storage/s3.py."""
-    from .storage.s3 import open_bucket
+def storage_open(url: str | os.PathLike, *, cache_dir: str | os.PathLike,
+                 storage_options: dict | None = None, **kwargs: Any) -> PackStore:
+    """Open the store at ``url`` with its index cached in ``cache_dir`` (a local disk):
+    ``s3://bucket/prefix`` (obstore needed; engine/storage/s3.py) or a directory every
+    host reaches (engine/storage/shared.py); other keywords as for ``open``."""
+    if str(url).startswith("s3://"):
+        from .storage.s3 import open_bucket
 
-    store: PackStore = open_bucket(url, cache_dir=cache_dir, storage_options=storage_options,
-                                   **kwargs)
-    return store
+        store: PackStore = open_bucket(str(url), cache_dir=cache_dir,
+                                       storage_options=storage_options, **kwargs)
+        return store
+    from .storage.shared import open_shared
+
+    shared: PackStore = open_shared(url, cache_dir=cache_dir,
+                                    storage_options=storage_options, **kwargs)
+    return shared
+
 
 __all__ = [
     "CommitInfo",

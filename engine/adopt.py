@@ -1,11 +1,13 @@
 """Adoption: a coordinator's writer publishes records that ranks wrote into reserved packs
 (docs/FORMAT.md "Distributed commit").
 
-``PackWriter.adopt(locs)`` hands the locations here. Each one is checked against what is
-on disk before anything can be published: its pack is sealed (a valid trailer), is a
-reserved number no index lists, and not one of the writer's own; the trailer holds a record
-of that id, offset and length; the record header (read, with its refs, by one small
-pread) says the same kind, refs, raw length, and the pack header the same meta flag. The
+``PackWriter.adopt(locs)`` hands the locations here. Each one is checked against what the
+store's ``PackStorage`` holds before anything can be published: its pack is sealed (a
+valid trailer), is a reserved number no index lists, and not one of the writer's own; the
+trailer holds a record of that id, offset and length; the record header (read, with its
+refs, by one small pread; from a bucket by ranged GETs, 16 in flight, each covering
+the headers of a run of small records) says the same kind, refs, raw length, and the
+pack header the same meta flag. The
 refs the index will hold must be the record's: gc marks by them, so a wrong list would
 sweep live data. Ids the store (or this writer) holds already are skipped and counted
 reused. At commit the writer checks that every adopted ref resolves, fsyncs the adopted
@@ -16,6 +18,7 @@ the packs itself (a pack's ``total`` counts every object record its trailer list
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 from collections.abc import Container, Iterable
 from dataclasses import dataclass
@@ -24,10 +27,15 @@ from typing import TYPE_CHECKING
 from . import format as fmt
 from . import index as ix
 from .errors import CorruptObject, ObjectNotFound, StoreError
-from .fileio import fsync_dir, store_error
+from .fileio import store_error
 from .ids import ID_SIZE, hexid
 from .location import RecordLocation
-from .pack import pack_name, pack_path, read_trailer
+from .pack import pack_name
+from .storage import LocalStorage
+
+_REMOTE_READS = 16  # ranged GETs of record headers in flight at once
+_BATCH_BYTES = 1 << 20  # one GET covers the headers of small records within 1 MiB,
+_GAP_BYTES = 64 << 10   # skipping at most this much payload between two of them
 
 if TYPE_CHECKING:
     from .core import StoreCore
@@ -39,6 +47,7 @@ class _Pack:
     total: int                      # bytes of object records its trailer lists
     meta: bool
     trailer: dict[int, fmt.TrailerEntry]  # by offset
+    modified: float                 # unix time it was last written (its upload)
     live: int = 0
     count: int = 0
 
@@ -110,15 +119,21 @@ class Adoption:
         self.reused += reused
         return len(fresh)
 
+    @property
+    def oldest(self) -> float | None:
+        """When the oldest adopted pack was written: a bucket commit's age counts from it."""
+        return min((p.modified for p in self.packs.values()), default=None)
+
     def _open_pack(self, n: int) -> _Pack:
-        path = pack_path(self._core.path, n)
+        storage = self._core.storage
         name = pack_name(n)
         try:
-            entries = read_trailer(path, name=name)  # CorruptObject when unsealed
-            header = _read_at(path, 0, fmt.PACK_HEADER.size)
-            size = os.stat(path).st_size
+            entries = storage.read_trailer(n)  # CorruptObject when unsealed
+            header = storage.read(n, 0, fmt.PACK_HEADER.size)
+            size = storage.size(n)
+            modified = storage.modified(n)
         except FileNotFoundError:
-            raise ObjectNotFound(f"cannot adopt pack {name}: no such file") from None
+            raise ObjectNotFound(f"cannot adopt pack {name}: no such pack") from None
         except CorruptObject as exc:
             raise CorruptObject(f"cannot adopt pack {name}: it is not sealed ({exc}); a "
                                 "rank reports its locations only after sealing",
@@ -130,44 +145,47 @@ class Adoption:
             raise CorruptObject(f"cannot adopt pack {name}: its header names another "
                                 "pack number", pack=name, offset=0)
         total = sum(e.length for e in entries if e.rtype == fmt.RECORD_OBJECT)
-        return _Pack(size, total, meta, {e.offset: e for e in entries})
+        return _Pack(size, total, meta, {e.offset: e for e in entries}, modified)
 
     def _check_records(self, n: int, info: _Pack, group: list[RecordLocation]) -> None:
         name = pack_name(n)
-        path = pack_path(self._core.path, n)
+        storage = self._core.storage
+        for loc in group:
+            t = info.trailer.get(loc.offset)
+            where = f"object {hexid(loc.oid)} at pack {name} offset {loc.offset}"
+            if (t is None or t.oid != loc.oid or t.length != loc.length
+                    or t.rtype != fmt.RECORD_OBJECT):
+                raise CorruptObject(f"cannot adopt {where}: the pack's trailer lists "
+                                    "no such record", oid=loc.oid, pack=name,
+                                    offset=loc.offset)
+            if loc.meta != info.meta:
+                raise CorruptObject(f"cannot adopt {where}: meta={loc.meta} but the "
+                                    f"pack's header says meta={info.meta}", oid=loc.oid,
+                                    pack=name, offset=loc.offset)
         try:
-            fd = os.open(path, os.O_RDONLY)
+            if isinstance(storage, LocalStorage):
+                fd = os.open(storage.path(n), os.O_RDONLY)
+                try:
+                    for loc in group:
+                        _check_header(name, loc, os.pread(fd, _header_size(loc), loc.offset))
+                finally:
+                    os.close(fd)
+                return
+            batches = _batches(group)
+
+            def fetch(batch: list[RecordLocation]) -> bytes:
+                start = batch[0].offset
+                return storage.read(n, start, batch[-1].offset + _header_size(batch[-1])
+                                    - start)
+
+            with concurrent.futures.ThreadPoolExecutor(_REMOTE_READS) as pool:
+                for batch, buf in zip(batches, pool.map(fetch, batches)):
+                    start = batch[0].offset
+                    for loc in batch:
+                        at = loc.offset - start
+                        _check_header(name, loc, buf[at:at + _header_size(loc)])
         except OSError as exc:
             raise store_error(f"cannot read pack {name}", exc) from exc
-        try:
-            for loc in group:
-                t = info.trailer.get(loc.offset)
-                where = f"object {hexid(loc.oid)} at pack {name} offset {loc.offset}"
-                if (t is None or t.oid != loc.oid or t.length != loc.length
-                        or t.rtype != fmt.RECORD_OBJECT):
-                    raise CorruptObject(f"cannot adopt {where}: the pack's trailer lists "
-                                        "no such record", oid=loc.oid, pack=name,
-                                        offset=loc.offset)
-                if loc.meta != info.meta:
-                    raise CorruptObject(f"cannot adopt {where}: meta={loc.meta} but the "
-                                        f"pack's header says meta={info.meta}", oid=loc.oid,
-                                        pack=name, offset=loc.offset)
-                size = fmt.RECORD_HEADER.size + ID_SIZE * len(loc.refs)
-                buf = os.pread(fd, size, loc.offset)
-                h = fmt.RecordHeader.unpack(buf, 0, pack=name)
-                refs = tuple(buf[fmt.RECORD_HEADER.size + i * ID_SIZE:
-                                 fmt.RECORD_HEADER.size + (i + 1) * ID_SIZE]
-                             for i in range(h.nrefs)) if h.nrefs == len(loc.refs) else None
-                if (h.oid != loc.oid or h.rtype != fmt.RECORD_OBJECT or h.kind != loc.kind
-                        or refs != loc.refs
-                        or h.raw_len != loc.raw_len or h.length != loc.length):
-                    raise CorruptObject(f"cannot adopt {where}: the record's header (kind, "
-                                        "refs, lengths) differs from the location",
-                                        oid=loc.oid, pack=name, offset=loc.offset)
-        except OSError as exc:
-            raise store_error(f"cannot read pack {name}", exc) from exc
-        finally:
-            os.close(fd)
 
     def check_refs(self, pending: Container[bytes]) -> None:
         """Every ref of every adopted record resolves: indexed, put or adopted
@@ -186,19 +204,22 @@ class Adoption:
                                  "dangling refs); nothing was published", oid=absent[0])
 
     def sync(self) -> None:
-        """fsync every adopted pack and its directory (ranks did; this makes it hold
-        whatever a rank's filesystem promised) before the commit's roots record."""
-        dirs = set()
-        for n in self.packs:
-            path = pack_path(self._core.path, n)
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            dirs.add(path.parent)
-        for d in dirs:
-            fsync_dir(d)
+        """Make every adopted pack durable once more (a directory: fsync the packs and
+        their directories, so it holds whatever a rank's filesystem promised) before the
+        commit's roots record."""
+        self._core.storage.sync_packs(sorted(self.packs))
+
+    def pack_docs(self) -> list:
+        """The adopted packs and entries as a commit document lists them
+        (engine/storage/remote.py): other caches learn them from it alone."""
+        from .storage.remote import pack_doc
+
+        by_pack: dict[int, list[tuple[bytes, ix.ObjectEntry]]] = {}
+        for oid, loc in self.locs.items():
+            by_pack.setdefault(loc.pack, []).append((oid, ix.ObjectEntry(
+                loc.pack, loc.offset, loc.length, loc.kind, loc.raw_len, loc.meta, loc.refs)))
+        return [pack_doc(n, p.size, p.meta, by_pack.get(n, []))
+                for n, p in sorted(self.packs.items())]
 
     def publish(self, txn: ix.Txn) -> None:
         """Inside the writer's publishing transaction."""
@@ -212,7 +233,41 @@ class Adoption:
             txn.put(ix.pack_key(n), packed.encode(), db=index.packs)
 
 
-def _read_at(path: os.PathLike, offset: int, size: int) -> bytes:
-    with open(path, "rb") as f:
-        f.seek(offset)
-        return f.read(size)
+def _batches(group: list[RecordLocation]) -> list[list[RecordLocation]]:
+    """Records by offset, in runs whose headers one ranged GET covers: a record joins the
+    run when the bytes skipped to reach its header (the previous record's payload) are at
+    most ``_GAP_BYTES`` and the GET stays within ``_BATCH_BYTES``. Small records cost one
+    request per run, not per record; large ones one small GET each, so adoption never
+    downloads what the ranks uploaded."""
+    out: list[list[RecordLocation]] = []
+    for loc in sorted(group, key=lambda x: x.offset):
+        if out:
+            last = out[-1][-1]
+            gap = loc.offset - (last.offset + _header_size(last))
+            if gap <= _GAP_BYTES and (loc.offset + _header_size(loc) - out[-1][0].offset
+                                      <= _BATCH_BYTES):
+                out[-1].append(loc)
+                continue
+        out.append([loc])
+    return out
+
+
+def _header_size(loc: RecordLocation) -> int:
+    return fmt.RECORD_HEADER.size + ID_SIZE * len(loc.refs)
+
+
+def _check_header(name: str, loc: RecordLocation, buf: bytes) -> None:
+    """The record header (and refs) at ``loc`` say what the location says."""
+    where = f"object {hexid(loc.oid)} at pack {name} offset {loc.offset}"
+    if len(buf) < _header_size(loc):
+        raise CorruptObject(f"cannot adopt {where}: the pack ends inside its header",
+                            oid=loc.oid, pack=name, offset=loc.offset)
+    h = fmt.RecordHeader.unpack(buf, 0, pack=name)
+    refs = tuple(buf[fmt.RECORD_HEADER.size + i * ID_SIZE:
+                     fmt.RECORD_HEADER.size + (i + 1) * ID_SIZE]
+                 for i in range(h.nrefs)) if h.nrefs == len(loc.refs) else None
+    if (h.oid != loc.oid or h.rtype != fmt.RECORD_OBJECT or h.kind != loc.kind
+            or refs != loc.refs or h.raw_len != loc.raw_len or h.length != loc.length):
+        raise CorruptObject(f"cannot adopt {where}: the record's header (kind, refs, "
+                            "lengths) differs from the location", oid=loc.oid, pack=name,
+                            offset=loc.offset)

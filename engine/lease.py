@@ -11,7 +11,11 @@ ordinary orphans for the next gc, with no timeout to tune and no clock to trust.
 
 The lease directory lives beside the index, on the coordinator's local disk, where every
 process that may run gc or repair on the store also runs (LMDB is never shared across
-hosts); flock is only asked for there.
+hosts); flock is only asked for there. For a bucket or shared-directory store that is the
+coordinator's cache: its leases spare rank packs from a gc on that cache only. A gc on
+any other cache spares them by its grace period instead (unlisted packs younger than
+``gc_grace_s`` are kept; docs/FORMAT.md "Distributed commit on a bucket or a shared
+directory").
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 
 A non-coordinator rank never opens LMDB; it learns ``RecordLocation``s from the
 coordinator (``PackStore.locate`` / ``locate_closure``) and reads the records straight
-from the pack files, checked exactly like the store's own reads (``core.read_checked``:
+from the packs through a ``PackStorage`` (pread of a file; a ranged GET from a bucket),
+checked exactly like the store's own reads (``core.read_checked``:
 checksum, bounded decompression, id and kind). A pack that is gone (a gc compacted it
 since the location was learnt) raises ``PackMoved``: ask the coordinator again.
 
@@ -37,15 +38,20 @@ from .core import read_checked
 from .errors import CorruptObject, ObjectNotFound, PackMoved, ReadOnly, StoreClosed
 from .ids import check_id, check_root_name, hexid
 from .location import RecordLocation
-from .pack import PackReaders, pack_name
+from .pack import PackReaders, as_storage, pack_name
+from .storage import PackStorage
 
 
 class LocatedReader:
-    """Checked reads of records by location from ``<path>/packs``. Thread-safe."""
+    """Checked reads of records by location from ``storage`` (a PackStorage, or a store
+    directory: its ``packs``). Thread-safe."""
 
-    def __init__(self, path: str | os.PathLike) -> None:
-        self.path = pathlib.Path(path).absolute()
-        self._readers = PackReaders(self.path)
+    def __init__(self, storage: str | os.PathLike | PackStorage) -> None:
+        if not isinstance(storage, PackStorage):
+            storage = pathlib.Path(storage).absolute()
+        self.storage = as_storage(storage)
+        self.path = self.storage.describe()
+        self._readers = PackReaders(self.storage)
         self._local = threading.local()
         self._closed = False
 
@@ -177,4 +183,4 @@ class LocatedObjects(ObjectStore):
         self._closed = True
 
     def __repr__(self) -> str:
-        return f"LocatedObjects({os.fspath(self._reader.path)!r}, {len(self._locs)} objects)"
+        return f"LocatedObjects({self._reader.path!r}, {len(self._locs)} objects)"

@@ -6,9 +6,13 @@ compression rule from the store's options), so ids and bytes match a single-proc
 packs roll at the same ``pack_target_size``. Pack numbers come only from the range the
 coordinator reserved (``PackStore.reserve_packs``): ranks never pick numbers themselves,
 so they cannot collide with each other or with any writer, gc or repair of the store.
-``seal`` writes the trailers and fsyncs files and directories; only then may the rank
-report its locations to the coordinator, which adopts them into its one commit.
-No LMDB, no writer lock: a sink works on any filesystem the coordinator's packs live on.
+``seal`` writes the trailers and makes the packs durable where they live (fsync of
+files and directories; a bucket's upload finished); only then may the rank report its
+locations to the coordinator, which adopts them into its one commit.
+No LMDB, no writer lock: a sink writes through a ``PackStorage`` (a store directory, a
+shared directory, a bucket: ``engine.storage.attach``). Where other writers share the
+numbers (a shared directory, a bucket) each pack's number is claimed create-only first;
+a number of the range claimed elsewhere is skipped, never written twice.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from .fileio import fsync_dir, store_error
 from .ids import object_id
 from .location import RecordLocation
 from .options import EngineOptions
+from .storage import PackStorage
 from .writer import checked_object
 
 
@@ -60,15 +65,18 @@ def packs_needed(records: int, record_bytes: int, options: EngineOptions) -> int
 
 
 class PackSink:
-    """Writes records into packs numbered from ``packs`` under ``<path>/packs``."""
+    """Writes records into packs numbered from ``packs`` in ``storage`` (a PackStorage,
+    or a store directory: its local packs)."""
 
-    def __init__(self, path: str | pathlib.Path, packs: range,
+    def __init__(self, storage: str | pathlib.Path | PackStorage, packs: range,
                  options: EngineOptions) -> None:
         if not isinstance(packs, range) or packs.step != 1:
             raise TypeError(f"packs must be a range with step 1, got {packs!r}")
         if not isinstance(options, EngineOptions):
             raise TypeError(f"options must be EngineOptions, got {type(options).__name__}")
-        self.path = pathlib.Path(path).absolute()
+        if not isinstance(storage, PackStorage):
+            storage = pathlib.Path(storage).absolute()
+        self.storage = pk.as_storage(storage)
         self.packs = packs
         self.options = options
         self._next = packs.start
@@ -131,17 +139,16 @@ class PackSink:
             pf.sync()
             pf.close()
             pf = None
-        if pf is None:
+        while pf is None:
             if self._next >= self.packs.stop:
                 raise PacksExhausted(f"sink needs more than the {len(self.packs)} packs "
                                      f"reserved for it ({self.packs.start}.."
                                      f"{self.packs.stop - 1})")
             n, self._next = self._next, self._next + 1
             try:
-                pf = pk.PackFile(self.path, n, meta=meta)
+                pf = pk.PackFile(self.storage, n, meta=meta)
             except FileExistsError:
-                raise StoreError(f"reserved pack {pk.pack_name(n)} already exists: the "
-                                 "range was not reserved for this sink") from None
+                continue  # claimed by a writer on another cache (or a leftover): skip it
             self._files.append(pf)
             self._open[meta] = pf
         return pf
@@ -165,8 +172,11 @@ class PackSink:
                 if not pf.closed:
                     pf.seal()
                     pf.sync()
-            for d in {pf.path.parent for pf in self._files}:
-                fsync_dir(d)
+            for pf in self._files:
+                pf.settle()  # a bucket's uploads: every pack is there before it is named
+            if not self.storage.remote:
+                for d in {pf.path.parent for pf in self._files}:
+                    fsync_dir(d)
         except OSError as exc:
             self._broken = exc
             raise store_error("cannot seal the sink's packs", exc) from exc
@@ -189,7 +199,8 @@ class PackSink:
             except OSError as exc:
                 raise store_error("cannot delete a sink's pack (gc reclaims it)",
                                   exc) from exc
-            dirs.add(pf.path.parent)
+            if not self.storage.remote:
+                dirs.add(pf.path.parent)
         for d in dirs:
             try:
                 fsync_dir(d)

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import lmdb
 
+from . import coordinator
 from . import index as ix
 from .api import (
     GCReport,
@@ -151,6 +152,11 @@ class PackStore(ObjectStore):
     def pack_target_size(self) -> int:
         return self._core.options.pack_target_size
 
+    @property
+    def storage(self) -> PackStorage:
+        """Where this store's packs live (ranks of a distributed put reach them too)."""
+        return self._core.storage
+
     def _prepare_dir(self, create: bool) -> None:
         """Create the directory, or check that it is a store (before writing anything)."""
         p = self.path
@@ -163,6 +169,8 @@ class PackStore(ObjectStore):
         entries = {e.name for e in p.iterdir()}
         if entries and not entries & {"index", "packs", "index.new"}:
             raise FormatError(f"{p} is a non-empty directory that is not a cnrstore store")
+        if "commits" in entries and not self._cache_only:  # never an index beside them
+            raise FormatError(f"{p} is a shared-directory store: open it with cache_dir=")
         if not entries and not create:
             raise FormatError(f"no store at {p} (pass create=True to make one)")
         if not self.readonly or self._cache_only:
@@ -282,8 +290,6 @@ class PackStore(ObjectStore):
         them until a writer given locations in the range commits or aborts, or
         ``release_packs``, close or process death ends the lease. Takes the writer lock
         briefly (waiting up to ``timeout``): call it before opening this handle's writer."""
-        from .coordinator import reserve
-
         self._check_open()
         self._check_writable("reserve_packs()")
         if self._writer is not None and self._writer() is not None:
@@ -291,33 +297,26 @@ class PackStore(ObjectStore):
                               "open writer; reserve before opening the writer")
         with self._locked(timeout):
             self._catch_up(full=False)
-            return reserve(self._core, self._leases, n)
+            return coordinator.reserve(self._core, self._leases, n)
 
     def release_packs(self, packs: range) -> None:
-        """End the lease of a ``reserve_packs`` range (the put failed): its packs that no
-        commit adopted become orphans for the next gc. Unknown ranges are ignored."""
+        """End the lease of a ``reserve_packs`` range (failed put: its packs become gc's)."""
         self._leases.release(packs)
 
     def locate(self, oids: Iterable[bytes]) -> dict[bytes, RecordLocation]:
         """Where the records of ``oids`` lie (one read txn); ids not held are absent."""
-        from .coordinator import locate
-
         self._check_open()
-        return locate(self._core, oids)
+        return coordinator.locate(self._core, oids)
 
     def locate_closure(self, oids: Iterable[bytes]) -> dict[bytes, RecordLocation]:
         """``locate`` of ``oids`` and everything they reach by refs (one read txn)."""
-        from .coordinator import locate_closure
-
         self._check_open()
-        return locate_closure(self._core, oids)
+        return coordinator.locate_closure(self._core, oids)
 
     def missing(self, oids: Iterable[bytes]) -> set[bytes]:
         """Which of ``oids`` the store does not hold (one read txn)."""
-        from .coordinator import missing
-
         self._check_open()
-        return missing(self._core, oids)
+        return coordinator.missing(self._core, oids)
 
     # -- maintenance (phases live in gc.py, verify.py, repair.py) -------------------------
     @_translated

@@ -112,6 +112,8 @@ class PackWriter(Writer):
                 self._adoption = Adoption(self._core)
             own = {pf.number for pf in self._packs.files}
             self._adoption.add(locs, pending=self._new, own_packs=own)
+            oldest = self._adoption.oldest  # a bucket commit's age counts from rank packs
+            self._started = min(self._started, oldest if oldest is not None else self._started)
         crashpoints.hit("adopt.after_check")
 
     @property
@@ -321,7 +323,8 @@ class PackWriter(Writer):
             by_pack.setdefault(entry.pack, []).append((oid, entry))
         return {"kind": "put",
                 "packs": [pack_doc(pf.number, pf.size, pf.meta, by_pack.get(pf.number, []))
-                          for pf in self._packs.files],
+                          for pf in self._packs.files]
+                + (self._adoption.pack_docs() if self._adoption is not None else []),
                 "set": {n: t for n, t in self._roots.items() if t is not None},
                 "del": sorted(n for n, t in self._roots.items() if t is None),
                 "creates": sorted(self._creates)}

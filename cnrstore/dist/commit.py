@@ -155,7 +155,7 @@ def _write_rest(ds: DistributedStore, job: Step, comm: Any, coll: Any, decide: A
     err, report, up = None, None, None
     try:
         assert coll is not None
-        up = transfer.Uploader(grant)
+        up = transfer.Uploader(grant, ds.storage)
         for oid in assigned:
             kind, payload, refs = coll.objects[oid]
             up.put(kind, payload, refs)

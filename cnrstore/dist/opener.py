@@ -2,12 +2,11 @@
 
 Without ``group`` it is ``cnrstore.core.store.open`` (a plain store, exactly as before);
 with ``group`` (a torch.distributed process group) it opens a ``DistributedStore``
-collectively. Other kinds of location (e.g. ``s3://``) add a branch to ``_opener``.
+collectively; ``s3://`` locations and shared directories (``cache_dir=``) work both ways
+(cnrstore/core/location.py picks the engine store on the opening process).
 """
 
 from __future__ import annotations
-
-from cnrstore.errors import InvalidInput
 
 import os
 from collections.abc import Callable
@@ -21,11 +20,6 @@ __all__ = ["open"]
 def _opener(path: str | os.PathLike, group: Any) -> Callable[..., Any]:
     """The function that opens ``path`` (a seam: one branch per kind of store)."""
     if group is not None:
-        if str(path).startswith("s3://"):
-            # Ranks write packs beside the index (engine/sink.py); a bucket store's ranks
-            # would need the sink on the storage interface: not built yet (issue 13).
-            raise InvalidInput("cnrstore.open('s3://...', group=...) is not supported yet: "
-                               "open an S3 store from one process, or use a shared directory")
         from cnrstore.dist.store import open_distributed
 
         return open_distributed

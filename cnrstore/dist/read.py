@@ -132,7 +132,11 @@ def _ranges(name: str, node: Any, spec: Any) -> Ranges:
 
 
 def _finish(ds: DistributedStore, err: BaseException | None, what: str) -> None:
-    ds.comm.agree(err, what, None)
+    """The closing round of a read: every rank raises the lowest rank's error, or, when
+    the only errors were packs gone under a rank, the signal ``transfer.again`` retries."""
+    moved = getattr(ds, "retry_moved", False) and transfer.moved(err)
+    if any(ds.comm.agree(None if moved else err, what, moved)):
+        transfer.moved_everywhere(what)
 
 
 def get_tables(ds: DistributedStore, step: Any, *, names: Any, rows: Any, device: Any,

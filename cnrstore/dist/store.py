@@ -2,8 +2,11 @@
 (DESIGN.md, "Next"; docs/ARCHITECTURE.md, "Many ranks").
 
 The group's first rank is the coordinator: it alone opens the store's index (a plain
-CheckpointStore at ``path``). The other ranks write pack files of the same directory and
-read records by the locations the coordinator sends (cnrstore/dist/transfer.py). Every
+CheckpointStore at ``path``, with ``cache_dir`` for a bucket or a shared directory). The
+other ranks never open an index nor touch a cache_dir: they reach the same packs through
+the storage the coordinator names (its locator; a bucket's client is rebuilt on each rank
+from its own AWS_* environment and ``storage_options``), write packs there and read
+records by the locations the coordinator sends (cnrstore/dist/transfer.py). Every
 method is collective: every rank calls it, in the same order, and every rank returns the
 same result or raises the same error. The store runs its collectives on gloo groups of
 its own (one for the calling thread, one for the background writer), so they never
@@ -34,6 +37,8 @@ from engine import StoreError
 __all__ = ["DistributedStore", "open_distributed"]
 
 _DEFAULT_TIMEOUT = 300.0
+# Keywords of the coordinator's open alone: ranks other than the coordinator open no index.
+_OPEN_ONLY = ("create", "compression_level", "readonly", "cache_dir", "storage_options")
 
 
 class DistributedStore:
@@ -54,27 +59,40 @@ class DistributedStore:
         self.local: CheckpointStore | None = None
         err: BaseException | None = None
         resolved = None
+        self.storage: Any = None     # where the packs live, reached without the index
+        self._staging: str | None = None
         if self.comm.coordinator:
             try:
                 self.local = open_plain(path, options, **kwargs)
-                resolved = self.local.options
+                self.storage = transfer.storage_of(self.local.objects)
+                resolved = (self.local.options, transfer.locator(self.storage))
             except BaseException as exc:
                 err = exc
         else:
             try:
                 make_options(options, {k: v for k, v in kwargs.items()
-                                       if k not in ("create", "compression_level", "readonly")})
+                                       if k not in _OPEN_ONLY})
             except BaseException as exc:
                 err = exc
         try:
             got = self.comm.agree(err, "open", resolved)
+            err = None
+            if not self.comm.coordinator:
+                # Never the caller's cache_dir: only the coordinator has an index.
+                try:
+                    self.storage, self._staging = transfer.attach(
+                        got[0][1], kwargs.get("storage_options"))
+                except BaseException as exc:
+                    err = exc
+            self.comm.agree(err, "open: storage", None)
         except BaseException:
             if self.local is not None:
                 self.local.close()
+            transfer.detach(self.storage if self.local is None else None, self._staging)
             self.comm.close()
             self.wcomm.close()
             raise
-        self.options: Options = got[0]
+        self.options: Options = got[0][0]
         assert self.options.decode_threads is not None
         self.lock = threading.RLock()
         self.writer = BackgroundWriter(max_inflight=self.options.max_inflight)
@@ -88,7 +106,7 @@ class DistributedStore:
         self.failed = False
         self.closed = False
         self.shard_leaf = _shard_leaf()
-        self.readers = transfer.Readers()   # pack files this rank reads by location
+        self.readers = transfer.Readers(self.storage)  # packs this rank reads by location
 
     # -- plumbing ------------------------------------------------------------------------
     @property
@@ -160,6 +178,8 @@ class DistributedStore:
             self.readers.close()
             if self.local is not None:
                 self.local.close()
+            else:
+                transfer.detach(self.storage, self._staging)
             self.wcomm.close()
             self.comm.close()
 
@@ -201,17 +221,18 @@ class DistributedStore:
         """Collective read; each rank asks for its own names and rows and reads only the
         blocks overlapping them. ``out`` values may be tensors (the whole table) or
         Shards (their rows, filled in place)."""
-        return read.get_tables(self, step, names=names, rows=rows, device=device, out=out)
+        return transfer.again(self, lambda: read.get_tables(
+            self, step, names=names, rows=rows, device=device, out=out))
 
     @translating
     def get_state(self, step: int | None = None, *, device: Any = "cpu") -> Any:
-        return read.get_state(self, step, device=device)
+        return transfer.again(self, lambda: read.get_state(self, step, device=device))
 
     @translating
     def load_state(self, step: int | None, state: Any, *, strict: bool = True) -> Any:
         """Restore into ``state`` in place: plain tensors get the whole table, Shards,
         DTensor and ShardedTensor leaves their own rows."""
-        return read.load_state(self, step, state, strict=strict)
+        return transfer.again(self, lambda: read.load_state(self, step, state, strict=strict))
 
     @translating
     def metadata(self, step: int | None = None) -> dict:

@@ -83,6 +83,20 @@ class PackStorage(abc.ABC):
     def delete(self, n: int) -> bool:
         """Delete pack ``n``; False when it was not there."""
 
+    def modified(self, n: int) -> float:
+        """Unix time pack ``n`` was last written (gc's grace period counts from it)."""
+        raise NotImplementedError
+
+    def sync_packs(self, ns: Sequence[int]) -> None:
+        """Make finished packs ``ns`` durable once more before a commit names them (a
+        directory: fsync them and their directories; a bucket holds what it acknowledged)."""
+        return None
+
+    def locator(self) -> tuple[str, str]:
+        """(kind, where): what another process passes to ``engine.storage.attach`` to reach
+        these packs (a rank of a distributed put; clients are never pickled)."""
+        raise NotImplementedError
+
     def close(self) -> None:
         """Release what the storage holds (background upload threads)."""
         return None

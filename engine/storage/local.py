@@ -90,5 +90,24 @@ class LocalStorage(PackStorage):
         fsync_dir(path.parent)
         return True
 
+    def modified(self, n: int) -> float:
+        return os.stat(self.path(n)).st_mtime
+
+    def sync_packs(self, ns: Sequence[int]) -> None:
+        dirs = set()
+        for n in ns:
+            path = self.path(n)
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            dirs.add(path.parent)
+        for d in dirs:
+            fsync_dir(d)
+
+    def locator(self) -> tuple[str, str]:
+        return ("dir", os.fspath(self.root))
+
     def describe(self) -> str:
         return os.fspath(self.root)

@@ -275,6 +275,17 @@ class S3Storage(PackStorage):
     def sizes(self) -> dict[int, int]:
         return {n: size for n, (size, _) in self.pack_listing().items()}
 
+    def modified(self, n: int) -> float:
+        try:
+            return obstore.head(self.store, self.key(n))["last_modified"].timestamp()
+        except FileNotFoundError:
+            raise
+        except (BaseError, OSError) as exc:
+            raise _io(f"HEAD {self.key(n)}", exc) from exc
+
+    def locator(self) -> tuple[str, str]:
+        return ("s3", self.url)
+
     def delete(self, n: int) -> bool:
         with self._lock:
             self._trailers.pop(n, None)
@@ -323,6 +334,19 @@ class S3Sink(LocalSink):
                 pass  # never committed: gc deletes it once it is gc_grace_s old
 
 
+def attach_bucket(url: str, staging: pathlib.Path,
+                  storage_options: Mapping[str, Any] | None = None) -> tuple[S3Storage, dict]:
+    """The bucket at ``url`` as a PackStorage staging packs in the existing directory
+    ``staging``, and the tuning options; configuration as for ``open_bucket``."""
+    bucket, prefix = parse_url(url)
+    config, tuning = resolve_options(storage_options)
+    store = make_store(bucket, prefix, config, tuning)
+    storage = S3Storage(store, staging, url=f"s3://{bucket}/{prefix}".rstrip("/"),
+                        chunk_size=tuning["chunk_size"],
+                        max_concurrency=tuning["max_concurrency"])
+    return storage, tuning
+
+
 def open_bucket(url: str, *, cache_dir: str | os.PathLike,
                 storage_options: Mapping[str, Any] | None = None, create: bool = True,
                 compression_level: int | None = None, map_size: int | None = None,
@@ -337,13 +361,9 @@ def open_bucket(url: str, *, cache_dir: str | os.PathLike,
 
     if cache_dir is None:
         raise FormatError(f"{url}: a bucket store needs a local cache_dir for its index")
-    bucket, prefix = parse_url(url)
-    config, tuning = resolve_options(storage_options)
-    store = make_store(bucket, prefix, config, tuning)
     cache = pathlib.Path(cache_dir).absolute()
-    storage = S3Storage(store, cache / "staging", url=f"s3://{bucket}/{prefix}".rstrip("/"),
-                        chunk_size=tuning["chunk_size"],
-                        max_concurrency=tuning["max_concurrency"])
+    parse_url(url)  # a bad location is refused before the cache is touched
+    storage, tuning = attach_bucket(url, cache / "staging", storage_options)
     remote = Remote(storage, gc_grace_s=tuning["gc_grace_s"])
     return PackStore(cache, create=create, compression_level=compression_level,
                      map_size=map_size, pack_target_size=pack_target_size,

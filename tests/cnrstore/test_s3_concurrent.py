@@ -86,8 +86,11 @@ def test_loser_of_a_gc_race_raises_concurrent_commit(moto, tmp_path):
 def test_open_arguments_of_a_location(moto, tmp_path):
     with pytest.raises(cnrstore.InvalidInput, match="cache_dir"):
         cnrstore.open(moto.url(), storage_options=moto.options)
-    with pytest.raises(cnrstore.InvalidInput, match="s3://"):
-        cnrstore.open(tmp_path / "dir", cache_dir=tmp_path / "cache")
+    with pytest.raises(cnrstore.InvalidInput, match="storage_options"):
+        cnrstore.open(tmp_path / "dir", storage_options=moto.options)
+    # A directory with cache_dir is a shared-directory store (tests/dist/test_dist_remote.py)
+    with cnrstore.open(tmp_path / "dir", cache_dir=tmp_path / "cache") as s:
+        assert s.steps() == [] and (tmp_path / "dir" / "commits").is_dir()
     with pytest.raises(cnrstore.StorageError, match="plain http"):
         cnrstore.open(moto.url(), cache_dir=tmp_path / "c",
                       storage_options=dict(moto.options, endpoint="http://10.9.8.7:1"))

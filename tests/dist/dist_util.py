@@ -91,6 +91,23 @@ def run(world: int, fn, *args, timeout: float = 90.0, env: dict | None = None,
     return results
 
 
+def located(where: Any, rank: int | None = None) -> tuple[str, dict]:
+    """A store location as the tests pass it to ranks: a path (a directory store), or a
+    dict ``{"path", "cache", "options"}`` for a bucket or a shared directory whose index
+    cache is ``cache`` formatted with the rank (each "host" its own; only the
+    coordinator's is ever made). Returns (location, cnrstore.open keywords)."""
+    if not isinstance(where, dict):
+        return where, {}
+    if rank is None:
+        import torch.distributed as dist
+
+        rank = dist.get_rank() if dist.is_initialized() else 0
+    kw: dict = {"cache_dir": where["cache"].format(rank=rank)}
+    if where.get("options"):
+        kw["storage_options"] = dict(where["options"])
+    return where["path"], kw
+
+
 # -- a deterministic training sequence, and how ranks hold it ----------------------------
 
 BLOCK_ROWS = 32
@@ -180,8 +197,9 @@ def put_sequence(rank: int, world: int, path: str, seed: int, steps: int = 3,
     import cnrstore
 
     ids = []
+    path, kw = located(path)
     with cnrstore.open(path, group=dist.group.WORLD, block_rows=BLOCK_ROWS, fanout=FANOUT,
-                       timeout=30) as s:
+                       timeout=30, **kw) as s:
         futs = []
         for step, tables, quant in sequence(seed, steps):
             r = s.put_tables(step, rank_tables(tables, rank, world, seed), quant=quant,
@@ -217,9 +235,10 @@ def put_reopened(rank: int, world: int, path: str, seed: int, steps: int = 4):
 
     seq = sequence(seed, steps)
     ids = []
+    path, kw = located(path)
     for part in (seq[:-1], seq[-1:]):
         with cnrstore.open(path, group=dist.group.WORLD, block_rows=BLOCK_ROWS,
-                           fanout=FANOUT, timeout=30) as s:
+                           fanout=FANOUT, timeout=30, **kw) as s:
             for step, tables, quant in part:
                 info = s.put_tables(step, rank_tables(tables, rank, world, seed), quant=quant,
                                     blocking=False).result()

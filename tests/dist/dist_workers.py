@@ -7,7 +7,7 @@ import os
 import time
 
 import torch
-from dist_util import BLOCK_ROWS, FANOUT
+from dist_util import BLOCK_ROWS, FANOUT, located
 
 import cnrstore
 
@@ -25,8 +25,9 @@ def _mine(t: torch.Tensor, rank: int, world: int) -> cnrstore.Shard:
 def _open(path: str, timeout: float = 20.0):
     import torch.distributed as dist
 
+    path, kw = located(path)  # a path, or a bucket / shared directory with caches
     return cnrstore.open(path, group=dist.group.WORLD, block_rows=BLOCK_ROWS, fanout=FANOUT,
-                         timeout=timeout)
+                         timeout=timeout, **kw)
 
 
 def bad_input(rank: int, world: int, path: str, how: str):

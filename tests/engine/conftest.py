@@ -46,11 +46,23 @@ class _WeedStores:
                                    cache_dir=cache, storage_options=opts, **kwargs)
 
 
-@pytest.fixture(params=["memory", "pack", "s3",
+@pytest.fixture(params=["moto", "shared"])
+def bucket(request, tmp_path):
+    """What the bucket protocol runs on: moto S3, or a shared directory (engine/storage/
+    shared.py); both have ``url()``, ``options`` and ``store(cache, url, **kw)``."""
+    if request.param == "moto":
+        return request.getfixturevalue("moto_s3")
+    from _shared import SharedDirs
+
+    return SharedDirs(tmp_path / "shared")
+
+
+@pytest.fixture(params=["memory", "pack", "s3", "shared",
                         pytest.param("seaweed", marks=pytest.mark.slow)])
 def store_factory(request, tmp_path):
-    """A callable returning a fresh store (``MemoryStore``, ``PackStore`` in tmp_path, or
-    a bucket store on moto, or (slow) on SeaweedFS, with its cache in tmp_path).
+    """A callable returning a fresh store (``MemoryStore``, ``PackStore`` in tmp_path, a
+    bucket store on moto, a shared-directory store (packs in one directory, index cached
+    in another), or (slow) a bucket store on SeaweedFS, with its cache in tmp_path).
 
     Keyword options are passed to ``engine.open`` and ignored by the memory twin. Every
     store made is closed at teardown."""
@@ -61,6 +73,10 @@ def store_factory(request, tmp_path):
         server = request.getfixturevalue("moto_s3")
     elif request.param == "seaweed":
         server = _WeedStores(request.getfixturevalue("weed_s3"))
+    elif request.param == "shared":
+        from _shared import SharedDirs
+
+        server = SharedDirs(tmp_path / "shared")
 
     def make(**options):
         if request.param == "memory":

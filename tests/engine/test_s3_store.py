@@ -1,4 +1,5 @@
-"""Bucket stores on moto (loopback): what the contract suite cannot see with one cache.
+"""Bucket stores on moto (loopback), and shared-directory stores (the ``bucket`` fixture
+runs each protocol test on both): what the contract suite cannot see with one cache.
 An empty cache rebuilds from the bucket, a stale one catches up, commits are create-only
 (two writers on two caches, in two processes: exactly one wins), gc deletes only after
 its commit and its grace period, and configuration refuses plain http off loopback."""
@@ -41,9 +42,9 @@ def spawn(server, url: str, cache, **args) -> subprocess.Popen:
                             stderr=subprocess.PIPE, text=True)
 
 
-def test_empty_cache_rebuilds_every_committed_root(moto_s3, tmp_path):
-    url = moto_s3.url()
-    with moto_s3.store(tmp_path / "a", url, pack_target_size=4096) as a:
+def test_empty_cache_rebuilds_every_committed_root(bucket, tmp_path):
+    url = bucket.url()
+    with bucket.store(tmp_path / "a", url, pack_target_size=4096) as a:
         tops = {}
         for i in range(4):
             with a.writer() as w:
@@ -51,25 +52,25 @@ def test_empty_cache_rebuilds_every_committed_root(moto_s3, tmp_path):
         with a.writer() as w:
             w.delete_root("r1")
         del tops["r1"]
-    with moto_s3.store(tmp_path / "b", url) as b:
+    with bucket.store(tmp_path / "b", url) as b:
         assert b.roots() == tops
         assert b.verify(deep=True).ok
         assert b.stats().objects == 4 * 4  # dead objects stay until a gc sweeps them
 
 
-def test_stale_cache_catches_up_and_never_serves_a_collected_root(moto_s3, tmp_path):
-    url = moto_s3.url()
-    a = moto_s3.store(tmp_path / "a", url)
+def test_stale_cache_catches_up_and_never_serves_a_collected_root(bucket, tmp_path):
+    url = bucket.url()
+    a = bucket.store(tmp_path / "a", url)
     with a.writer() as w:
         old, old_leaves = _dag(w, "old")
     a.close()
-    b = moto_s3.store(tmp_path / "b", url)
+    b = bucket.store(tmp_path / "b", url)
     with b.writer() as w:
         w.delete_root("old")
         new, _ = _dag(w, "new")
     b.gc(threshold=0.0)
     b.close()
-    a = moto_s3.store(tmp_path / "a", url)  # stale: it last saw "old"
+    a = bucket.store(tmp_path / "a", url)  # stale: it last saw "old"
     assert a.roots() == {"new": new}
     assert not a.has(old) and not any(a.has(x) for x in old_leaves)
     with pytest.raises(engine.ObjectNotFound):
@@ -78,15 +79,15 @@ def test_stale_cache_catches_up_and_never_serves_a_collected_root(moto_s3, tmp_p
     a.close()
 
 
-def test_an_open_stale_handle_finds_moved_objects_again(moto_s3, tmp_path):
+def test_an_open_stale_handle_finds_moved_objects_again(bucket, tmp_path):
     """gc on another cache rewrites a pack; a reader holding the old location catches up
     when the pack is gone and reads the object from its new pack."""
-    url = moto_s3.url()
-    a = moto_s3.store(tmp_path / "a", url, pack_target_size=1 << 20)
+    url = bucket.url()
+    a = bucket.store(tmp_path / "a", url, pack_target_size=1 << 20)
     with a.writer() as w:
         keep, keep_leaves = _dag(w, "keep")
         _dag(w, "drop")  # same packs: dropping it leaves them mostly dead
-    b = moto_s3.store(tmp_path / "b", url)
+    b = bucket.store(tmp_path / "b", url)
     with b.writer() as w:
         w.delete_root("drop")
     report = b.gc(threshold=0.1)  # grace 0: the old packs go at once
@@ -98,13 +99,13 @@ def test_an_open_stale_handle_finds_moved_objects_again(moto_s3, tmp_path):
     b.close()
 
 
-def test_gc_keeps_retired_packs_for_the_grace_period(moto_s3, tmp_path):
-    url = moto_s3.url()
+def test_gc_keeps_retired_packs_for_the_grace_period(bucket, tmp_path):
+    url = bucket.url()
     slow = {"gc_grace_s": 3600.0}
-    a = moto_s3.store(tmp_path / "a", url)
+    a = bucket.store(tmp_path / "a", url)
     with a.writer() as w:
         _, leaves = _dag(w, "x")
-    b = moto_s3.store(tmp_path / "b", url, storage_options=slow)
+    b = bucket.store(tmp_path / "b", url, storage_options=slow)
     with b.writer() as w:
         w.delete_root("x")
     report = b.gc(threshold=0.0)
@@ -112,7 +113,7 @@ def test_gc_keeps_retired_packs_for_the_grace_period(moto_s3, tmp_path):
     # A reader that still holds the old locations reads them through the grace period.
     assert len(a.get(leaves[0]).payload) == 2000
     b.close()
-    b = moto_s3.store(tmp_path / "b", url)  # grace 0 now: the next gc deletes them
+    b = bucket.store(tmp_path / "b", url)  # grace 0 now: the next gc deletes them
     before = set(b._core.storage.sizes())
     assert b.gc(threshold=0.0).packs_deleted == 2
     left = set(b._core.storage.sizes())
@@ -121,17 +122,17 @@ def test_gc_keeps_retired_packs_for_the_grace_period(moto_s3, tmp_path):
     a.close()
 
 
-def test_two_writers_on_two_caches_race_for_one_root(moto_s3, tmp_path):
-    url = moto_s3.url()
+def test_two_writers_on_two_caches_race_for_one_root(bucket, tmp_path):
+    url = bucket.url()
     go = tmp_path / "go"
-    procs = [spawn(moto_s3, url, tmp_path / f"c{i}", cmd="put", root="step/7", count=3,
+    procs = [spawn(bucket, url, tmp_path / f"c{i}", cmd="put", root="step/7", count=3,
                    size=50_000, go=str(go)) for i in range(2)]
     for p in procs:
         assert p.stdout.readline().strip() == "ready", p.stderr.read()
     go.touch()
     results = sorted(p.communicate(timeout=60)[0].strip() for p in procs)
     assert results == ["RootExists", "ok"], results
-    with moto_s3.store(tmp_path / "check", url) as s:
+    with bucket.store(tmp_path / "check", url) as s:
         assert list(s.roots()) == ["step/7"]
         assert s.verify(deep=True).ok
         s.gc(threshold=0.0)
@@ -139,26 +140,26 @@ def test_two_writers_on_two_caches_race_for_one_root(moto_s3, tmp_path):
         assert set(s._core.storage.sizes()) == listed_packs(s)
 
 
-def test_two_writers_of_different_roots_one_gets_concurrent_commit(moto_s3, tmp_path):
-    url = moto_s3.url()
+def test_two_writers_of_different_roots_one_gets_concurrent_commit(bucket, tmp_path):
+    url = bucket.url()
     go = tmp_path / "go"
-    procs = [spawn(moto_s3, url, tmp_path / f"c{i}", cmd="put", root=f"step/{i}", count=2,
+    procs = [spawn(bucket, url, tmp_path / f"c{i}", cmd="put", root=f"step/{i}", count=2,
                    size=1000, go=str(go)) for i in range(2)]
     for p in procs:
         assert p.stdout.readline().strip() == "ready", p.stderr.read()
     go.touch()
     results = sorted(p.communicate(timeout=60)[0].strip() for p in procs)
     assert results == ["ConcurrentCommit", "ok"], results
-    with moto_s3.store(tmp_path / "check", url) as s:
+    with bucket.store(tmp_path / "check", url) as s:
         assert len(s.roots()) == 1
         assert s.verify(deep=True).ok
 
 
-def test_pack_numbers_are_claimed_across_caches(moto_s3, tmp_path):
+def test_pack_numbers_are_claimed_across_caches(bucket, tmp_path):
     """Two caches that believe the same next pack number never write the same object."""
-    url = moto_s3.url()
-    a = moto_s3.store(tmp_path / "a", url)
-    b = moto_s3.store(tmp_path / "b", url)
+    url = bucket.url()
+    a = bucket.store(tmp_path / "a", url)
+    b = bucket.store(tmp_path / "b", url)
     wa, wb = a.writer(), b.writer()
     xa, xb = wa.put(1, b"a" * 100), wb.put(1, b"b" * 100)
     wa.set_root("a", xa)
@@ -171,18 +172,18 @@ def test_pack_numbers_are_claimed_across_caches(moto_s3, tmp_path):
     assert b.roots() == {"a": xa}  # the loser's cache caught up
     with b.writer() as w:  # and its next writer commits on top
         w.set_root("b", w.put(1, b"b" * 100))
-    assert set(moto_s3.store(tmp_path / "c", url).roots()) == {"a", "b"}
+    assert set(bucket.store(tmp_path / "c", url).roots()) == {"a", "b"}
     a.close()
     b.close()
 
 
-def test_a_cache_belongs_to_one_location(moto_s3, tmp_path):
-    with moto_s3.store(tmp_path / "a", moto_s3.url("one")) as s, s.writer() as w:
+def test_a_cache_belongs_to_one_location(bucket, tmp_path):
+    with bucket.store(tmp_path / "a", bucket.url("one")) as s, s.writer() as w:
         w.set_root("x", w.put(1, b"x"))
     with pytest.raises(engine.FormatError, match="belongs to"):
-        moto_s3.store(tmp_path / "a", moto_s3.url("two"))
+        bucket.store(tmp_path / "a", bucket.url("two"))
     with pytest.raises(engine.FormatError, match="no store"):
-        moto_s3.store(tmp_path / "b", moto_s3.url("three"), create=False)
+        bucket.store(tmp_path / "b", bucket.url("three"), create=False)
 
 
 def test_plain_http_only_to_loopback_or_when_allowed(monkeypatch):
@@ -210,11 +211,11 @@ def test_bucket_url_parsing():
         s3mod.parse_url("gs://b/p")
 
 
-def test_many_commits_replay_in_order_on_an_empty_cache(moto_s3, tmp_path):
+def test_many_commits_replay_in_order_on_an_empty_cache(bucket, tmp_path):
     """Documents are fetched in parallel; they must apply in sequence order (a root
     moved 30 times ends at its last target)."""
-    url = moto_s3.url()
-    with moto_s3.store(tmp_path / "a", url) as a:
+    url = bucket.url()
+    with bucket.store(tmp_path / "a", url) as a:
         for i in range(30):
             with a.writer() as w:
                 w.set_root("moving", w.put(1, f"v{i}".encode()))
@@ -222,29 +223,29 @@ def test_many_commits_replay_in_order_on_an_empty_cache(moto_s3, tmp_path):
                     w.set_root(f"kept{i}", w.put(1, f"k{i}".encode()))
         want = a.roots()
         a.gc(threshold=0.0)
-    with moto_s3.store(tmp_path / "b", url) as b:
+    with bucket.store(tmp_path / "b", url) as b:
         assert b.roots() == want
         assert b.get(want["moving"]).payload == b"v29"
         assert b.verify(deep=True).ok
         assert b.stats().objects == len(want)  # the gc's swept ids were replayed too
 
 
-def test_a_readonly_handle_catches_up_but_refuses_writes(moto_s3, tmp_path):
-    url = moto_s3.url()
-    with moto_s3.store(tmp_path / "a", url) as a, a.writer() as w:
+def test_a_readonly_handle_catches_up_but_refuses_writes(bucket, tmp_path):
+    url = bucket.url()
+    with bucket.store(tmp_path / "a", url) as a, a.writer() as w:
         w.set_root("x", w.put(1, b"x"))
-    with moto_s3.store(tmp_path / "b", url, readonly=True) as b:
+    with bucket.store(tmp_path / "b", url, readonly=True) as b:
         assert set(b.roots()) == {"x"}
         for call in (b.writer, b.gc, b.repair):
             with pytest.raises(engine.ReadOnly):
                 call()
 
 
-def test_a_commit_slower_than_the_gc_grace_is_refused(moto_s3, tmp_path):
+def test_a_commit_slower_than_the_gc_grace_is_refused(bucket, tmp_path):
     """A gc elsewhere deletes unlisted packs once gc_grace_s old: a writer whose packs
     may be that old must not publish a commit naming them."""
-    url = moto_s3.url()
-    with moto_s3.store(tmp_path / "a", url, storage_options={"gc_grace_s": 0.5}) as a:
+    url = bucket.url()
+    with bucket.store(tmp_path / "a", url, storage_options={"gc_grace_s": 0.5}) as a:
         w = a.writer()
         w.set_root("slow", w.put(1, b"slow" * 100))
         time.sleep(0.6)
