@@ -295,3 +295,39 @@ def test_show_lists_the_python_values_of_a_put_state_step(tmp_path, capsys):
     assert main(["show", str(path), "1", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["state"]["optim/param_groups/0/betas/1"] == 0.99
+
+
+# -- a store on a shared directory (index in a local cache) --------------------------------
+
+def test_shared_directory_store_needs_and_takes_a_cache(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("CNRSTORE_CACHE_DIR", raising=False)
+    shared = tmp_path / "shared"
+    user = torch.randn(64, 8, generator=torch.Generator().manual_seed(3))
+    with cnrstore.open(shared, cache_dir=tmp_path / "writer", block_rows=16) as s:
+        s.put_tables(1, {"user": user})
+        s.put_tables(2, {"user": user + 1})
+    assert main(["ls", str(shared)]) == 2
+    assert "--cache-dir" in capsys.readouterr().err
+    assert main(["repair", str(shared)]) == 2
+    capsys.readouterr()
+    assert main(["ls", str(shared), "--cache-dir", str(tmp_path / "c1"), "--json"]) == 0
+    assert [s["step"] for s in json.loads(capsys.readouterr().out)] == [1, 2]
+    monkeypatch.setenv("CNRSTORE_CACHE_DIR", str(tmp_path / "c2"))
+    assert main(["rm", str(shared), "1"]) == 0
+    capsys.readouterr()
+    assert main(["verify", str(shared), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["ok"]
+    with cnrstore.open(shared, cache_dir=tmp_path / "writer") as s:  # a stale cache
+        assert s.steps() == [2]
+        assert torch.equal(s.get_tables(2)["user"], user + 1)
+
+
+def test_cache_variable_never_applies_to_a_directory_store(store, tmp_path, capsys,
+                                                           monkeypatch):
+    monkeypatch.setenv("CNRSTORE_CACHE_DIR", str(tmp_path / "cache"))
+    assert main(["ls", str(store), "--json"]) == 0
+    assert [s["step"] for s in json.loads(capsys.readouterr().out)] == [10, 20, 30]
+    assert not (tmp_path / "cache").exists()
+    # An explicit --cache-dir on a directory store is refused (the engine says why).
+    assert main(["ls", str(store), "--cache-dir", str(tmp_path / "cache")]) != 0
+    assert capsys.readouterr().err.strip()

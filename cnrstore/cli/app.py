@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
 __all__ = ["build_parser", "main"]
 
-# The index cache of an s3:// store, when --cache-dir is not given.
+# The index cache of a store on S3 or on a shared directory, when --cache-dir is not given.
 CACHE_ENV = "CNRSTORE_CACHE_DIR"
 
 
@@ -47,9 +47,9 @@ def _common(*, suppress: bool) -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", default=default,
                    help="no progress bars (they only appear on a terminal anyway)")
     p.add_argument("--cache-dir", metavar="DIR",
-                   default=argparse.SUPPRESS if suppress else os.environ.get(CACHE_ENV),
+                   default=argparse.SUPPRESS if suppress else None,
                    help="local directory of the index cache of a store on S3 "
-                        f"(s3://bucket/prefix); default ${CACHE_ENV}")
+                        f"(s3://bucket/prefix) or on a shared directory; default ${CACHE_ENV}")
     return p
 
 
@@ -160,14 +160,32 @@ def _is_url(path: str) -> bool:
     return path.startswith("s3://")
 
 
+def _is_shared(path: str) -> bool:
+    # engine/storage/shared.py: a shared-directory store has commits/ and never index/.
+    return (os.path.isdir(os.path.join(path, "commits"))
+            and not os.path.exists(os.path.join(path, "index")))
+
+
+def _cache_dir(args: argparse.Namespace) -> str | None:
+    """--cache-dir, else $CNRSTORE_CACHE_DIR for the stores that keep their index in a
+    cache (a directory store holds its own: the variable never applies to it)."""
+    if args.cache_dir:
+        return str(args.cache_dir)
+    store = getattr(args, "store", "")
+    if store and (_is_url(store) or _is_shared(store)):
+        return os.environ.get(CACHE_ENV) or None
+    return None
+
+
 def _require_store(path: str, cache_dir: str | None = None) -> None:
     # The engine's layout (engine/store.py): a store directory holds index/ and packs/.
     # Checked here so a mistyped path is a usage error, and nothing is created. A bucket
     # store is checked by its open (create=False: "no store at s3://...").
+    where = "on S3" if _is_url(path) else "on a shared directory"
+    if (_is_url(path) or _is_shared(path)) and not cache_dir:
+        raise UsageError(f"{path}: a store {where} needs --cache-dir DIR (a local "
+                         f"directory for its index) or ${CACHE_ENV}")
     if _is_url(path):
-        if not cache_dir:
-            raise UsageError(f"{path}: a store on S3 needs --cache-dir DIR (a local "
-                             f"directory for its index) or ${CACHE_ENV}")
         return
     if not os.path.isdir(path):
         raise UsageError(f"no store at {path!r} (directory not found)")
@@ -194,7 +212,7 @@ def _open_objects(path: str, cache_dir: str | None = None):
     import engine
 
     _require_store(path, cache_dir)
-    if _is_url(path):
+    if cache_dir:
         from cnrstore.core.location import open_objects
 
         return open_objects(path, cache_dir=cache_dir, create=False)
@@ -211,8 +229,9 @@ def _open(path: str, *, create: bool = False, readonly: bool = False,
     """The checkpoint store at ``path`` (the store API, for commands that need it)."""
     from cnrstore.core.store import open as open_store
 
-    if _is_url(path):
-        _require_store(path, cache_dir)
+    if cache_dir or _is_url(path):
+        if not create or _is_url(path):
+            _require_store(path, cache_dir)
         return open_store(path, create=create, cache_dir=cache_dir)
     if not create:
         _require_store(path)
@@ -258,19 +277,19 @@ def _run(args: argparse.Namespace) -> int:
     if cmd == "repair":
         from cnrstore.tools import info
 
-        if _is_url(args.store):
+        if _is_url(args.store) or _is_shared(args.store) or args.cache_dir:
             raise UsageError(f"{args.store}: repair rebuilds a directory store's index; "
-                             "the index cache of a store on S3 rebuilds itself on open "
-                             "(give it an empty --cache-dir)")
+                             "the index cache of a store on S3 or a shared directory "
+                             "rebuilds itself on open (give it an empty --cache-dir)")
         _require_store(args.store)
         report = info.repair(args.store)
         _emit(args, report, fmt.repair_text(report))
         return EXIT_PROBLEMS if report.damaged else EXIT_OK
     if cmd in _VIEW_COMMANDS:
-        with _open_objects(args.store, args.cache_dir) as objects:
+        with _open_objects(args.store, _cache_dir(args)) as objects:
             return _view(args, objects)
     with _open(args.store, create=cmd == "import", readonly=cmd == "export",
-               cache_dir=args.cache_dir) as store:
+               cache_dir=_cache_dir(args)) as store:
         return _change(args, store)
 
 
