@@ -301,3 +301,32 @@ def bad_state(rank: int, world: int, path: str):
         except cnrstore.CheckpointError as exc:
             err2 = type(exc).__name__
         return err, err2, s.steps()
+
+
+def count_listings(rank: int, world: int, path: str, seed: int) -> int:
+    """Issue 13: only the coordinator lists the bucket. Counts, in this rank's process,
+    every listing of the storage (commit documents, packs) over a whole sequence of
+    puts, a restore, gc and verify; rank 0's count shows the counter sees listings."""
+    import torch.distributed as dist
+    from dist_util import put_sequence
+
+    from engine.storage import s3, shared
+
+    calls = [0]
+    for cls in (s3.S3Storage, shared.SharedStorage):
+        for name in ("listing", "pack_listing", "sizes"):
+            real = getattr(cls, name)
+
+            def counted(self, *a, _real=real, **kw):
+                calls[0] += 1
+                return _real(self, *a, **kw)
+
+            setattr(cls, name, counted)
+    put_sequence(rank, world, path, seed)
+    loc, kw = located(path)
+    with cnrstore.open(loc, group=dist.group.WORLD, block_rows=BLOCK_ROWS, fanout=FANOUT,
+                       timeout=30, **kw) as s:
+        s.get_tables(s.steps()[-1])
+        s.gc()
+        assert s.verify().ok
+    return calls[0]

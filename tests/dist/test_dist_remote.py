@@ -155,3 +155,12 @@ def test_a_rank_meeting_a_moved_pack_reads_again_with_fresh_locations(where, tmp
     else:
         assert res[0][0] == res[1][0] == "error", res
         assert res[0] == res[1] and "locate it again" in res[1][2], res
+
+
+def test_only_the_coordinator_lists_the_storage(where, tmp_path):
+    from dist_workers import count_listings
+
+    counts = run(2, count_listings, where, 5, timeout=120)
+    for c in counts:
+        assert not isinstance(c, Failed), c.trace
+    assert counts[0] > 0 and counts[1] == 0, counts
