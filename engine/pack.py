@@ -291,6 +291,38 @@ class PackReaders:
             )
         return data
 
+    def readv(self, n: int, offset: int, bufs: Sequence[memoryview]) -> bool:
+        """Fill ``bufs`` back to back from ``offset`` of pack ``n`` with preadv: the bytes
+        land in the caller's memory (a restore's destination tensor), with no fresh
+        buffer per record. False for a remote pack (no descriptor: use ``read``).
+        FileNotFoundError when the pack is gone; CorruptObject on a short read."""
+        if self._remote is not None:
+            return False
+        views = [memoryview(b).cast("B") for b in bufs if len(b)]
+        want = sum(len(v) for v in views)
+        entry = self._checkout(n)
+        try:
+            pos, got = offset, 0
+            while views:
+                k = os.preadv(entry.fd, views[:1024], pos)  # IOV_MAX
+                if k == 0:
+                    break
+                got += k
+                pos += k
+                while views and k >= len(views[0]):
+                    k -= len(views[0])
+                    views.pop(0)
+                if views and k:
+                    views[0] = views[0][k:]
+        finally:
+            self._checkin(entry)
+        if got != want:
+            raise CorruptObject(
+                f"pack {pack_name(n)} offset {offset}: truncated ({got} of {want} bytes)",
+                pack=pack_name(n), offset=offset,
+            )
+        return True
+
     def forget(self, n: int) -> None:
         with self._lock:
             entry = self._open.pop(n, None)

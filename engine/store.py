@@ -36,13 +36,7 @@ from .api import (
     Writer,
 )
 from .core import StoreCore
-from .errors import (
-    CorruptObject,
-    FormatError,
-    ReadOnly,
-    StoreError,
-    StoreLocked,
-)
+from .errors import CorruptObject, FormatError, ReadOnly, StoreError, StoreLocked
 from .fileio import makedirs_durable, store_error
 from .freshness import open_index, stale_problem
 from .ids import check_id
@@ -200,6 +194,12 @@ class PackStore(ObjectStore):
         for oid, entry in zip(oids, entries):
             obj = core.read_entry(oid, entry)
             yield obj if obj is not None else self.get(oid)
+
+    def get_into(self, oid: bytes, kind: int, prefix: int, out: memoryview, *,
+                 id_check: bool = True) -> bytes | None:
+        self._check_open()
+        check_id(oid)
+        return self._core.read_into(bytes(oid), kind, prefix, out, id_check=id_check)
 
     def info(self, oid: bytes) -> ObjectInfo:
         self._check_open()

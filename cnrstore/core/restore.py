@@ -67,7 +67,7 @@ def _block_codes(
 ) -> np.ndarray:
     node = tm.node
     oid = tm.block_ids[i]
-    codes = resolve(objects.get, oid, out=out)
+    codes = resolve(objects.get, oid, out=out, get_into=objects.get_into)
     start, stop = node.block_range(i)
     if codes.shape != (stop - start, node.row_nbytes):
         raise ManifestError(
