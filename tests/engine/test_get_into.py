@@ -23,7 +23,8 @@ def _noise(n: int, seed: int) -> bytes:
     return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=25, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(prefix=st.integers(0, 40), size=st.integers(0, 300_000), seed=st.integers(0, 9))
 def test_raw_payload_lands_in_out(tmp_path_factory, prefix, size, seed):
     payload = _noise(prefix + size, seed)
