@@ -67,6 +67,9 @@ class TablePlan:
     # step is not the newest, so another process's gc may drop it): blocks whose base or
     # reused id is gone under the writer lock are then written full from these.
     full_codes: np.ndarray | None = None
+    # Set when ``codes`` borrow the caller's table (a blocking put): set again once the
+    # caller stops waiting, after which the writer must not commit what it read.
+    borrowed: threading.Event | None = None
 
 
 class HostBuffers:
@@ -167,7 +170,9 @@ def _encode(name: str, rows: torch.Tensor, scheme: str, wide: bool, idx) -> torc
 def plan_table(name: str, table: torch.Tensor, *, scheme: str, base: TableState | None,
                wide: bool | None = None, **kwargs) -> TablePlan:
     """Plan the put of one table against its diff base (None: all blocks full).
-    ``keep_full``: also keep every row's codes (TablePlan.full_codes).
+    ``keep_full``: also keep every row's codes (TablePlan.full_codes). ``borrow``: the
+    caller waits for the write (a blocking put), so a whole exact table need not be
+    copied: the plan's codes are a view of it (TablePlan.borrowed).
 
     intN tables are encoded with fp16 scale/offset until a row needs fp32 ones (values
     beyond +-65504, docs/QUANTIZATION.md "Wide rows"); then the whole table is re-encoded
@@ -198,6 +203,7 @@ def _plan_table(
     touched: torch.Tensor | None = None,
     buffers: HostBuffers | None = None,
     keep_full: bool = False,
+    borrow: bool = False,
 ) -> TablePlan:
     x = _as_rows(table)
     rows, width = x.shape
@@ -275,7 +281,15 @@ def _plan_table(
         or [np.zeros(0, dtype=np.int64)]
     )
 
-    codes, release = _gather_encode(name, x, idx, scheme, rnb, buffers, wide)
+    borrowed = None
+    if borrow and idx is None and scheme == "exact" and x.device.type == "cpu" and (
+            x.is_contiguous() and x.numel()):
+        # A blocking put of a whole exact table: its codes are the table's own bytes, read
+        # by the writer while the caller waits (no staging copy of the table).
+        codes, release = x.view(torch.uint8).numpy().reshape(rows, rnb), None
+        borrowed = threading.Event()
+    else:
+        codes, release = _gather_encode(name, x, idx, scheme, rnb, buffers, wide)
     state = TableState(
         shape=tuple(table.shape),
         dtype=table.dtype,
@@ -291,6 +305,7 @@ def _plan_table(
     base_slots = cbase.slots if cbase is not None else None
     nchanged = len(changed) + rows - common if compatible else rows
     plan = TablePlan(name, state, writes, codes, nchanged, logical, base_slots, release)
+    plan.borrowed = borrowed
     if keep_full and compatible and rows:
         if idx is None:
             plan.full_codes = codes
