@@ -21,6 +21,7 @@ from . import format as fmt
 from .errors import CorruptObject
 from .fileio import fsync_dir, pread_exact
 from .storage import LocalStorage, PackStorage
+from .writeback import Writeback
 
 _PACK_NAME = re.compile(r"^([0-9]{8})\.pack$")
 
@@ -98,6 +99,7 @@ class PackFile:
         self.size = 0
         self.live = 0  # bytes of object records (roots snapshots are never live)
         self.sealed = False
+        self._writeback = Writeback(self._sink)
         self._write(fmt.PackHeader(fmt.FORMAT_VERSION, meta, n).pack())
 
     def _write(self, data: bytes | bytearray | memoryview) -> None:
@@ -116,6 +118,7 @@ class PackFile:
         self.entries.append(fmt.TrailerEntry(offset, length, rtype, oid))
         if rtype == fmt.RECORD_OBJECT:
             self.live += length
+        self._writeback.advance(self.size)  # the disk works while the writer computes
         return offset
 
     @property
@@ -292,9 +295,8 @@ class PackReaders:
         return data
 
     def readv(self, n: int, offset: int, bufs: Sequence[memoryview]) -> bool:
-        """Fill ``bufs`` back to back from ``offset`` of pack ``n`` with preadv: the bytes
-        land in the caller's memory (a restore's destination tensor), with no fresh
-        buffer per record. False for a remote pack (no descriptor: use ``read``).
+        """Fill ``bufs`` back to back from ``offset`` of pack ``n`` (preadv into the
+        caller's memory, no fresh buffer). False for a remote pack: use ``read``.
         FileNotFoundError when the pack is gone; CorruptObject on a short read."""
         if self._remote is not None:
             return False

@@ -128,6 +128,9 @@ def put(core: StoreCore, step: int, tables: Mapping, *, quant: Any, metadata: Ma
     if not blocking:
         return fut
     try:
+        for p in plans:  # on this thread, while the writer thread writes
+            if p.fingerprint_later is not None:
+                p.fingerprint_later()
         return fut.result()
     except BaseGone:
         if keep_full:

@@ -70,6 +70,10 @@ class TablePlan:
     # Set when ``codes`` borrow the caller's table (a blocking put): set again once the
     # caller stops waiting, after which the writer must not commit what it read.
     borrowed: threading.Event | None = None
+    # A blocking put's first plan of a table: its caller fingerprints the table while the
+    # writer writes (both read it while the caller waits). Until then the new state has
+    # no diff data, so a put planned meanwhile writes every block full: never wrong.
+    fingerprint_later: Callable[[], None] | None = None
 
 
 class HostBuffers:
@@ -230,6 +234,11 @@ def _plan_table(
         # ModelDeltaTracker) reports lookups, and a looked-up row need not have changed.
         was = cbase.fingerprints[t.to(cbase.fingerprints.device)].to(x.device)
         changed = t[fp[t] != was].cpu().numpy()
+    elif cbase is None and borrow:
+        # Nothing to diff against: the new diff base's fingerprints are taken by the
+        # waiting caller while the writer writes (TablePlan.fingerprint_later).
+        fp = None
+        changed = np.zeros(0, dtype=np.int64)
     else:
         fp = row_fingerprints(x)
         changed = (
@@ -306,6 +315,10 @@ def _plan_table(
     nchanged = len(changed) + rows - common if compatible else rows
     plan = TablePlan(name, state, writes, codes, nchanged, logical, base_slots, release)
     plan.borrowed = borrowed
+    if fp is None:
+        def fingerprint_later() -> None:
+            state.fingerprints = row_fingerprints(x)
+        plan.fingerprint_later = fingerprint_later
     if keep_full and compatible and rows:
         if idx is None:
             plan.full_codes = codes

@@ -89,3 +89,17 @@ def test_sigint_during_borrowed_puts_then_a_changed_table(tmp_path):
             if proc.poll() is None:
                 proc.kill()
         assert proc.returncode == 0 and out.startswith("ok"), out + err
+
+
+@pytest.mark.parametrize("scheme", ["exact", "int8"])
+def test_first_put_fingerprints_taken_while_writing_make_the_next_put_incremental(
+        tmp_path, scheme):
+    t = torch.randn(10_000, 8)
+    with cnrstore.open(tmp_path / "s", create=True, block_rows=512) as s:
+        s.put_tables(1, {"t": t}, quant=scheme)
+        assert s._core.states["t"].fingerprints is not None
+        t[17] += 1
+        info = s.put_tables(2, {"t": t}, quant=scheme)
+        assert info.rows_changed["t"] == 1
+        if scheme == "exact":
+            assert torch.equal(s.get_tables(2)["t"], t)
