@@ -290,6 +290,12 @@ def _decode_into(
         head, limit = HEADER_NBYTES, FP16_MAX
     scale, offset = params[:, 0:1], params[:, 1:2]
     q = unpack_codes(codes[:, head:], _BITS[scheme], width)
+    if out.dtype == torch.float32 and out.is_contiguous():
+        # dequantize's arithmetic (float32 q * scale + offset, clamped) written straight
+        # into the table: no float32 temporary and no copy of it (a restore's hot loop).
+        torch.mul(q, scale, out=out)
+        out.add_(offset).clamp_(-limit, limit)
+        return
     out.copy_(dequantize(q, scale, offset, limit=limit))
 
 
