@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -70,9 +71,10 @@ class TablePlan:
     # Set when ``codes`` borrow the caller's table (a blocking put): set again once the
     # caller stops waiting, after which the writer must not commit what it read.
     borrowed: threading.Event | None = None
-    # A blocking put's first plan of a table: its caller fingerprints the table while the
-    # writer writes (both read it while the caller waits). Until then the new state has
-    # no diff data, so a put planned meanwhile writes every block full: never wrong.
+    # A blocking put's first plan of a table: the table is fingerprinted on another thread
+    # while it is encoded and written; the waiting caller stores the result (an interrupted
+    # wait drops it). Until then the new state has no diff data, so a put planned
+    # meanwhile writes every block full: never wrong.
     fingerprint_later: Callable[[], None] | None = None
 
 
@@ -115,6 +117,19 @@ class HostBuffers:
     def held_bytes(self) -> int:
         with self._lock:
             return sum(b.numel() for b in self._free)
+
+
+_FP_POOL: ThreadPoolExecutor | None = None
+_FP_LOCK = threading.Lock()
+
+
+def _fp_pool() -> ThreadPoolExecutor:
+    """One thread fingerprinting first puts' tables while the caller encodes them."""
+    global _FP_POOL
+    with _FP_LOCK:
+        if _FP_POOL is None:
+            _FP_POOL = ThreadPoolExecutor(1, thread_name_prefix="cnrstore-fp")
+        return _FP_POOL
 
 
 def _as_rows(table: torch.Tensor) -> torch.Tensor:
@@ -235,9 +250,11 @@ def _plan_table(
         was = cbase.fingerprints[t.to(cbase.fingerprints.device)].to(x.device)
         changed = t[fp[t] != was].cpu().numpy()
     elif cbase is None and borrow:
-        # Nothing to diff against: the new diff base's fingerprints are taken by the
-        # waiting caller while the writer writes (TablePlan.fingerprint_later).
+        # Nothing to diff against: the new diff base's fingerprints are taken on another
+        # thread while this one encodes and the writer writes; the waiting caller stores
+        # them (TablePlan.fingerprint_later).
         fp = None
+        fp_future = _fp_pool().submit(row_fingerprints, x)
         changed = np.zeros(0, dtype=np.int64)
     else:
         fp = row_fingerprints(x)
@@ -317,7 +334,7 @@ def _plan_table(
     plan.borrowed = borrowed
     if fp is None:
         def fingerprint_later() -> None:
-            state.fingerprints = row_fingerprints(x)
+            state.fingerprints = fp_future.result()
         plan.fingerprint_later = fingerprint_later
     if keep_full and compatible and rows:
         if idx is None:
