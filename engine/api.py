@@ -175,13 +175,14 @@ class ObjectStore(abc.ABC):
             yield self.get(oid)
 
     def get_into(self, oid: bytes, kind: int, prefix: int, out: memoryview, *,
-                 id_check: bool = True) -> bytes | None:
+                 id_check: bool = True, fallback: bool = False) -> bytes | Object | None:
         """Read object ``oid`` (of ``kind``, payload = ``prefix`` bytes + ``len(out)``
         bytes) with its payload after the prefix landing in ``out``; return the prefix.
         None when this store cannot (a compressed record, another kind or size): use
         ``get``. Checks as ``get`` (``id_check=False``: the record checksum only);
-        ``out`` is unspecified after an error. Stores without a direct read return None."""
-        return None
+        ``out`` is unspecified after an error. Stores without a direct read return None.
+        ``fallback=True``: where the direct read does not apply, return ``get(oid)``."""
+        return self.get(oid) if fallback else None
 
     @abc.abstractmethod
     def info(self, oid: bytes) -> ObjectInfo:

@@ -121,12 +121,13 @@ class StoreCore:
             self.remote.refresh(self)
 
     def read_into(self, oid: bytes, kind: int, prefix: int, out: memoryview, *,
-                  id_check: bool = True) -> bytes | None:
+                  id_check: bool = True, fallback: bool = False) -> bytes | Object | None:
         """Read object ``oid`` of ``kind`` whose payload is ``prefix`` bytes followed by
         exactly ``len(out)`` bytes, straight into ``out``, when its record is stored raw:
         one preadv, no fresh buffer, no decompression. Returns the first ``prefix`` bytes
         of the payload; None (``out`` untouched) when the record is compressed, of
-        another kind or size, or the pack is remote: read it with ``read``.
+        another kind or size, or the pack is remote: read it with ``read`` (with
+        ``fallback``, that read is done here and its Object returned: one lookup).
 
         The record checksum (header, id, refs, payload) is always checked, so what lands
         in ``out`` is what the writer wrote under this id; ``id_check=False`` skips only
@@ -136,15 +137,19 @@ class StoreCore:
             entry = self.lookup(oid)
             head_len = fmt.RECORD_HEADER.size + ID_SIZE * len(entry.refs)
             stored = entry.length - head_len - fmt.CHECKSUM.size
-            if (entry.kind != kind or entry.raw_len != prefix + len(out)
-                    or stored != entry.raw_len):
-                return None
             head = bytearray(head_len + prefix)
             tail = bytearray(fmt.CHECKSUM.size)
             try:
-                if not self.readers.readv(entry.pack, entry.offset, [memoryview(head), out,
-                                                                      memoryview(tail)]):
-                    return None
+                if (entry.kind != kind or entry.raw_len != prefix + len(out)
+                        or stored != entry.raw_len or not self.readers.readv(
+                            entry.pack, entry.offset,
+                            [memoryview(head), out, memoryview(tail)])):
+                    if not fallback:
+                        return None
+                    obj = self.read_entry(oid, entry)
+                    if obj is None:
+                        raise FileNotFoundError
+                    return obj
             except FileNotFoundError:
                 self.pack_missing(entry.pack)
                 continue

@@ -195,11 +195,11 @@ class PackStore(ObjectStore):
             obj = core.read_entry(oid, entry)
             yield obj if obj is not None else self.get(oid)
 
-    def get_into(self, oid: bytes, kind: int, prefix: int, out: memoryview, *,
-                 id_check: bool = True) -> bytes | None:
+    def get_into(self, oid: bytes, kind: int, prefix: int, out: memoryview,
+                 **kw: bool) -> bytes | Object | None:
         self._check_open()
         check_id(oid)
-        return self._core.read_into(bytes(oid), kind, prefix, out, id_check=id_check)
+        return self._core.read_into(bytes(oid), kind, prefix, out, **kw)
 
     def info(self, oid: bytes) -> ObjectInfo:
         self._check_open()

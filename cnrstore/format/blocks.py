@@ -209,14 +209,14 @@ def decode_patch(
     return head, idx, codes
 
 
-def _direct(get_into: Callable, oid: bytes, out: np.ndarray) -> bool:
+def _direct(get_into: Callable, oid: bytes, out: np.ndarray) -> Object | None:
     """Read full block ``oid`` straight into ``out`` when the engine can (rows unsplit,
-    stored raw); False (``out`` untouched) otherwise."""
-    if not out.flags.c_contiguous or out.dtype != np.uint8 or out.ndim != 2:
-        return False
-    head = get_into(oid, KIND_BLOCK_FULL, _FULL.size, memoryview(out).cast("B"))
-    if head is None:
-        return False
+    stored raw): None. Otherwise the object, read as ``get`` reads it (``out``
+    untouched): a patch, or a block to decode."""
+    head = get_into(oid, KIND_BLOCK_FULL, _FULL.size, memoryview(out).cast("B"),
+                    fallback=True)
+    if isinstance(head, Object):
+        return head
     magic, ver, layout, elem, n, rnb = _FULL.unpack(head)
     if (magic, ver, layout) != (_FULL_MAGIC, BLOCK_VERSION, LAYOUT_ELEMENT_PLANES):
         raise ManifestError(f"full block has bad magic/version {magic!r}/{ver}", oid=oid)
@@ -226,7 +226,7 @@ def _direct(get_into: Callable, oid: bytes, out: np.ndarray) -> bool:
         # Same size, other layout: the planes were read in; reorder them in place.
         _check_elem(elem, rnb)
         _unplanes(out.tobytes(), n, rnb, elem, out)
-    return True
+    return None
 
 
 def resolve(
@@ -243,11 +243,17 @@ def resolve(
     (``store.get_into``) a full block stored raw is read straight into ``out``."""
     chain: list[tuple[bytes, Object]] = []
     cur = oid
+    direct = (get_into is not None and out is not None and out.flags.c_contiguous
+              and out.dtype == np.uint8 and out.ndim == 2)
     while True:
-        if out is not None and get_into is not None and _direct(get_into, cur, out):
-            codes = out
-            break
-        obj = get(cur)
+        if direct:
+            got = _direct(get_into, cur, out)
+            if got is None:
+                codes = out
+                break
+            obj = got
+        else:
+            obj = get(cur)
         if obj.kind == KIND_BLOCK_FULL:
             codes = decode_full(obj, cur, out=out)
             break

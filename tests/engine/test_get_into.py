@@ -57,6 +57,21 @@ def test_not_applicable_returns_none_and_leaves_out_alone(tmp_path):
     with twin.writer() as w:
         oid = w.put(KIND, b"abc")
     assert twin.get_into(oid, KIND, 1, memoryview(bytearray(2))) is None
+    assert twin.get_into(oid, KIND, 1, memoryview(bytearray(2)), fallback=True).payload == b"abc"
+
+
+def test_fallback_returns_the_object_read_as_get_reads_it(tmp_path):
+    with open_store(tmp_path / "store") as store:
+        with store.writer() as w:
+            raw = w.put(KIND, _noise(100_000, 1))
+            packed = w.put(KIND, bytes(100_000))
+        out = bytearray(99_990)
+        assert store.get_into(packed, KIND, 10, memoryview(out), fallback=True) == \
+            store.get(packed)
+        assert store.get_into(raw, KIND + 1, 10, memoryview(out), fallback=True) == \
+            store.get(raw)
+        assert store.get_into(raw, KIND, 10, memoryview(out), fallback=True) == \
+            store.get(raw).payload[:10]
 
 
 @pytest.mark.parametrize("id_check", [True, False])
