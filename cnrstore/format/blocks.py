@@ -213,8 +213,8 @@ def _direct(get_into: Callable, oid: bytes, out: np.ndarray) -> Object | None:
     """Read full block ``oid`` straight into ``out`` when the engine can (rows unsplit,
     stored raw): None. Otherwise the object, read as ``get`` reads it (``out``
     untouched): a patch, or a block to decode."""
-    head = get_into(oid, KIND_BLOCK_FULL, _FULL.size, memoryview(out).cast("B"),
-                    fallback=True)
+    view = memoryview(out).cast("B")  # type: ignore[arg-type]  # ndarray exports a buffer
+    head = get_into(oid, KIND_BLOCK_FULL, _FULL.size, view, fallback=True)
     if isinstance(head, Object):
         return head
     magic, ver, layout, elem, n, rnb = _FULL.unpack(head)
@@ -243,11 +243,12 @@ def resolve(
     (``store.get_into``) a full block stored raw is read straight into ``out``."""
     chain: list[tuple[bytes, Object]] = []
     cur = oid
-    direct = (get_into is not None and out is not None and out.flags.c_contiguous
-              and out.dtype == np.uint8 and out.ndim == 2)
+    into = get_into if (out is not None and out.flags.c_contiguous and out.dtype == np.uint8
+                        and out.ndim == 2) else None
+    codes: np.ndarray
     while True:
-        if direct:
-            got = _direct(get_into, cur, out)
+        if into is not None and out is not None:
+            got = _direct(into, cur, out)
             if got is None:
                 codes = out
                 break
