@@ -244,7 +244,7 @@ def resolve(
     chain: list[tuple[bytes, Object]] = []
     cur = oid
     into = get_into if (out is not None and out.flags.c_contiguous and out.dtype == np.uint8
-                        and out.ndim == 2) else None
+                        and out.ndim == 2 and out.size) else None
     codes: np.ndarray
     while True:
         if into is not None and out is not None:
