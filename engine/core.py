@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import pathlib
 import threading
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, cast
 
 import xxhash
@@ -161,6 +162,22 @@ class StoreCore:
             _check_raw(oid, kind, entry, head, head_len, out, tail, id_check)
             return bytes(head[head_len:])
         raise CorruptObject(f"object {hexid(oid)}: its pack keeps vanishing", oid=oid)
+
+    def prefetch(self, oids: Iterable[bytes]) -> None:
+        """Ask the kernel to read ahead the records of ``oids`` and all they reach (one
+        read txn for the locations; adjacent records merge into one range)."""
+        from .coordinator import locate_closure
+
+        spans: dict[int, list[list[int]]] = {}
+        for loc in sorted(locate_closure(self, oids).values(),
+                          key=lambda c: (c.pack, c.offset)):
+            runs = spans.setdefault(loc.pack, [])
+            if runs and loc.offset <= runs[-1][1] + (1 << 16):
+                runs[-1][1] = max(runs[-1][1], loc.offset + loc.length)
+            else:
+                runs.append([loc.offset, loc.offset + loc.length])
+        for pack, runs in spans.items():
+            self.readers.advise(pack, [(a, b - a) for a, b in runs])
 
     def read(self, oid: bytes) -> Object:
         """The checked object ``oid``, looked up again when a gc moved it meanwhile."""

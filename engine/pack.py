@@ -12,10 +12,7 @@ import os
 import pathlib
 import re
 import threading
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
-
-import zstandard
+from collections.abc import Sequence
 
 from . import format as fmt
 from .errors import CorruptObject
@@ -226,11 +223,9 @@ class _OpenPack:
 
 
 class PackReaders:
-    """Thread-safe pread access to packs through a small LRU of open descriptors.
-
-    A descriptor is closed only when it is out of the cache AND no read is using it:
-    closing it under a concurrent pread could let the number be reused for another file
-    and feed that reader foreign bytes."""
+    """Thread-safe pread access to packs through a small LRU of open descriptors. One is
+    closed only when out of the cache AND unused: closing it under a concurrent pread
+    could let the number be reused for another file and feed that reader foreign bytes."""
 
     def __init__(self, root: pathlib.Path | PackStorage, *, max_open: int = 64) -> None:
         storage = as_storage(root)
@@ -325,6 +320,21 @@ class PackReaders:
             )
         return True
 
+    def advise(self, n: int, spans: Sequence[tuple[int, int]]) -> None:
+        """Read-ahead hint (POSIX_FADV_WILLNEED) for (offset, length) spans of pack ``n``;
+        a pack that is gone or remote is skipped."""
+        if self._remote is not None or not hasattr(os, "posix_fadvise"):
+            return
+        try:
+            entry = self._checkout(n)
+        except OSError:
+            return
+        try:
+            for offset, length in spans:
+                os.posix_fadvise(entry.fd, offset, length, os.POSIX_FADV_WILLNEED)
+        finally:
+            self._checkin(entry)
+
     def forget(self, n: int) -> None:
         with self._lock:
             entry = self._open.pop(n, None)
@@ -338,62 +348,10 @@ class PackReaders:
                 self._evict(entry)
 
 
-# -- scanning (repair, gc leftovers) -------------------------------------------------------
-
-
-def read_pack_header(path: pathlib.Path, *, name: str) -> fmt.PackHeader:
-    with open(path, "rb") as f:
-        return fmt.PackHeader.unpack(f.read(fmt.PACK_HEADER.size), pack=name)
-
-
-def read_trailer(path: pathlib.Path, *, name: str) -> list[fmt.TrailerEntry]:
-    """Entries of a sealed pack; CorruptObject if it has no valid trailer."""
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size < fmt.PACK_HEADER.size + fmt.FOOTER.size:
-            raise CorruptObject(f"pack {name}: too short for a trailer", pack=name, offset=0)
-        f.seek(size - fmt.FOOTER.size)
-        count, entries_offset = fmt.parse_footer(f.read(fmt.FOOTER.size), size, pack=name)
-        f.seek(entries_offset)
-        return fmt.decode_trailer(f.read(size - entries_offset), count, entries_offset,
-                                  pack=name)
-
-
-@dataclass(frozen=True)
-class ScannedRecord:
-    offset: int
-    record: fmt.Record | None  # None when damaged
-    error: CorruptObject | None
-
-
-def scan_records(data: bytes, *, name: str, entries: list[fmt.TrailerEntry] | None
-                 ) -> Iterator[ScannedRecord]:
-    """Decode every record of a pack image, by trailer entries or, without a usable
-    trailer, sequentially from the header, resyncing on the next record magic after damage."""
-    dctx = zstandard.ZstdDecompressor()
-    if entries is not None:
-        for e in entries:
-            yield _decode_at(data, e.offset, name, dctx)
-        return
-    offset = fmt.PACK_HEADER.size
-    while offset + fmt.RECORD_HEADER.size <= len(data):
-        scanned = _decode_at(data, offset, name, dctx)
-        if scanned.record is not None:
-            yield scanned
-            offset += scanned.record.header.length
-            continue
-        if data[offset : offset + 4] == fmt.RECORD_MAGIC:
-            yield scanned  # a damaged record, not the trailer or padding
-        nxt = data.find(fmt.RECORD_MAGIC, offset + 1)
-        if nxt < 0:
-            return
-        offset = nxt
-
-
-def _decode_at(data: bytes, offset: int, name: str,
-               dctx: zstandard.ZstdDecompressor | None) -> ScannedRecord:
-    try:
-        return ScannedRecord(offset, fmt.decode_record(data, offset, pack=name, dctx=dctx),
-                             None)
-    except CorruptObject as exc:
-        return ScannedRecord(offset, None, exc)
+# Scanning (repair, gc leftovers) lives in engine/packscan.py; re-exported here.
+from .packscan import (  # noqa: E402,F401
+    ScannedRecord,
+    read_pack_header,
+    read_trailer,
+    scan_records,
+)

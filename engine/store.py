@@ -6,8 +6,7 @@ Layout (docs/FORMAT.md "Directory tree")::
     <path>/index/                    LMDB environment (derived; ``repair`` rebuilds it)
     <path>/packs/XX/NNNNNNNN.pack    immutable pack files, XX = (N >> 8) & 0xff
 
-Reads are thread-safe: index lookups run in short read transactions, records are read
-with ``os.pread`` on cached descriptors and decompressed by per-thread zstd contexts.
+Reads are thread-safe: short read txns, pread on cached descriptors, per-thread zstd.
 """
 
 from __future__ import annotations
@@ -167,8 +166,9 @@ class PackStore(ObjectStore):
         self._core.check_open()
 
     # -- read side ------------------------------------------------------------------------
-    def _lookup(self, oid: bytes) -> ix.ObjectEntry:
-        return self._core.lookup(oid)
+    def prefetch(self, oids: Iterable[bytes]) -> None:
+        self._check_open()
+        self._core.prefetch(oids)
 
     def get(self, oid: bytes) -> Object:
         self._check_open()
@@ -204,7 +204,7 @@ class PackStore(ObjectStore):
     def info(self, oid: bytes) -> ObjectInfo:
         self._check_open()
         check_id(oid)
-        e = self._lookup(bytes(oid))
+        e = self._core.lookup(bytes(oid))
         return ObjectInfo(e.kind, e.refs, e.raw_len, e.length, e.meta)
 
     def has(self, oid: bytes) -> bool:
