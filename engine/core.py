@@ -22,7 +22,7 @@ from . import index as ix
 from .api import Object
 from .errors import CorruptObject, ObjectNotFound, StoreClosed
 from .fileio import store_error
-from .ids import ID_SIZE, hexid, id_hasher
+from .ids import ID_SIZE, check_id, hexid, id_hasher
 from .lock import WriterLock
 from .options import EngineOptions
 from .pack import PackReaders, pack_name
@@ -192,6 +192,24 @@ class StoreCore:
         name = pack_name(entry.pack)
         raise CorruptObject(f"object {hexid(oid)}: pack {name} is missing", oid=oid,
                             pack=name, offset=entry.offset)
+
+
+class DirectReads:
+    """``ObjectStore.get_into`` and ``prefetch`` of a PackStore, over its StoreCore (here
+    because engine/store.py is at its module size limit)."""
+
+    _core: StoreCore
+
+    def get_into(self, oid: bytes, kind: int, prefix: int, out: memoryview, *,
+                 id_check: bool = True, fallback: bool = False) -> bytes | Object | None:
+        self._core.check_open()
+        check_id(oid)
+        return self._core.read_into(bytes(oid), kind, prefix, out, id_check=id_check,
+                                    fallback=fallback)
+
+    def prefetch(self, oids: Iterable[bytes]) -> None:
+        self._core.check_open()
+        self._core.prefetch(oids)
 
 
 def _check_raw(oid: bytes, kind: int, entry: ix.ObjectEntry, head: bytearray, head_len: int,

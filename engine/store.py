@@ -34,7 +34,7 @@ from .api import (
     VerifyReport,
     Writer,
 )
-from .core import StoreCore
+from .core import DirectReads, StoreCore
 from .errors import CorruptObject, FormatError, ReadOnly, StoreError, StoreLocked
 from .fileio import makedirs_durable, store_error
 from .freshness import open_index, stale_problem
@@ -89,7 +89,7 @@ def _translated(method: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-class PackStore(ObjectStore):
+class PackStore(DirectReads, ObjectStore):
     def __init__(self, path: str | os.PathLike, *, create: bool = True,
                  compression_level: int | None = None, map_size: int | None = None,
                  pack_target_size: int | None = None, readonly: bool = False,
@@ -165,10 +165,9 @@ class PackStore(ObjectStore):
     def _check_open(self) -> None:
         self._core.check_open()
 
-    # -- read side ------------------------------------------------------------------------
-    def prefetch(self, oids: Iterable[bytes]) -> None:
-        self._check_open()
-        self._core.prefetch(oids)
+    # -- read side (get_into and prefetch: engine/core.py DirectReads) -------------------
+    def _lookup(self, oid: bytes) -> ix.ObjectEntry:
+        return self._core.lookup(oid)
 
     def get(self, oid: bytes) -> Object:
         self._check_open()
@@ -195,16 +194,10 @@ class PackStore(ObjectStore):
             obj = core.read_entry(oid, entry)
             yield obj if obj is not None else self.get(oid)
 
-    def get_into(self, oid: bytes, kind: int, prefix: int, out: memoryview,
-                 **kw: bool) -> bytes | Object | None:
-        self._check_open()
-        check_id(oid)
-        return self._core.read_into(bytes(oid), kind, prefix, out, **kw)
-
     def info(self, oid: bytes) -> ObjectInfo:
         self._check_open()
         check_id(oid)
-        e = self._core.lookup(bytes(oid))
+        e = self._lookup(bytes(oid))
         return ObjectInfo(e.kind, e.refs, e.raw_len, e.length, e.meta)
 
     def has(self, oid: bytes) -> bool:
