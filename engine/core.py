@@ -177,6 +177,8 @@ class StoreCore:
             else:
                 runs.append([loc.offset, loc.offset + loc.length])
         for pack, runs in spans.items():
+            if self.closed:  # closed meanwhile (a hint runs on its own thread)
+                return
             self.readers.advise(pack, [(a, b - a) for a, b in runs])
 
     def read(self, oid: bytes) -> Object:

@@ -235,6 +235,7 @@ class PackReaders:
         self._max = max_open
         self._open: collections.OrderedDict[int, _OpenPack] = collections.OrderedDict()
         self._lock = threading.Lock()
+        self._closed = False
 
     def _checkout(self, n: int) -> _OpenPack:
         with self._lock:
@@ -323,7 +324,7 @@ class PackReaders:
     def advise(self, n: int, spans: Sequence[tuple[int, int]]) -> None:
         """Read-ahead hint (POSIX_FADV_WILLNEED) for (offset, length) spans of pack ``n``;
         a pack that is gone or remote is skipped."""
-        if self._remote is not None or not hasattr(os, "posix_fadvise"):
+        if self._remote is not None or self._closed or not hasattr(os, "posix_fadvise"):
             return
         try:
             entry = self._checkout(n)
@@ -343,6 +344,7 @@ class PackReaders:
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True  # a late advise() must not cache a descriptor again
             entries, self._open = list(self._open.values()), collections.OrderedDict()
             for entry in entries:
                 self._evict(entry)

@@ -86,8 +86,8 @@ def _prefetch(objects: ObjectStore, oids: list[bytes]) -> None:
     def run() -> None:
         try:
             objects.prefetch(oids)
-        except (StoreError, OSError):  # a hint: the reads themselves report problems
-            pass
+        except Exception:  # noqa: BLE001, S110 - a hint (the store may close meanwhile):
+            pass           # the reads themselves report every problem
 
     threading.Thread(target=run, name="cnrstore-prefetch", daemon=True).start()
 

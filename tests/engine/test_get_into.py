@@ -92,3 +92,17 @@ def test_a_flipped_payload_byte_is_caught(tmp_path, id_check):
             store.get_into(oid, KIND, 0, memoryview(bytearray(len(payload))),
                            id_check=id_check)
     assert os.path.exists(tmp_path / "store")
+
+
+def test_prefetch_is_a_hint(tmp_path):
+    from engine.errors import StoreClosed
+
+    with open_store(tmp_path / "store") as store:
+        with store.writer() as w:
+            leaf = w.put(KIND, _noise(100_000, 4))
+            top = w.put(KIND + 1, b"node", (leaf,))
+        store.prefetch([top, b"\x00" * 16])  # closure walked; an unknown id is skipped
+        assert store.get(leaf).payload == _noise(100_000, 4)
+    with pytest.raises(StoreClosed):
+        store.prefetch([top])
+    MemoryStore().prefetch([top])  # no-op
