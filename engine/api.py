@@ -174,6 +174,22 @@ class ObjectStore(abc.ABC):
         for oid in oids:
             yield self.get(oid)
 
+    def prefetch(self, oids: Iterable[bytes]) -> None:  # noqa: B027 - a hint, no-op here
+        """Hint that ``oids`` and everything they reach by refs will be read soon: a pack
+        store asks the kernel to read their records ahead (a cold restore then reads
+        them in parallel, not one small read at a time). Never required, never raises
+        for ids the store lacks."""
+
+    def get_into(self, oid: bytes, kind: int, prefix: int, out: memoryview, *,
+                 id_check: bool = True, fallback: bool = False) -> bytes | Object | None:
+        """Read object ``oid`` (of ``kind``, payload = ``prefix`` bytes + ``len(out)``
+        bytes) with its payload after the prefix landing in ``out``; return the prefix.
+        None when this store cannot (a compressed record, another kind or size): use
+        ``get``. Checks as ``get`` (``id_check=False``: the record checksum only);
+        ``out`` is unspecified after an error. Stores without a direct read return None.
+        ``fallback=True``: where the direct read does not apply, return ``get(oid)``."""
+        return self.get(oid) if fallback else None
+
     @abc.abstractmethod
     def info(self, oid: bytes) -> ObjectInfo:
         """Index entry of an object (kind, refs, sizes) without reading the payload."""

@@ -11,8 +11,10 @@ from __future__ import annotations
 import os
 import pathlib
 import threading
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, cast
 
+import xxhash
 import zstandard
 
 from . import format as fmt
@@ -20,7 +22,7 @@ from . import index as ix
 from .api import Object
 from .errors import CorruptObject, ObjectNotFound, StoreClosed
 from .fileio import store_error
-from .ids import hexid
+from .ids import ID_SIZE, check_id, hexid, id_hasher
 from .lock import WriterLock
 from .options import EngineOptions
 from .pack import PackReaders, pack_name
@@ -119,6 +121,66 @@ class StoreCore:
         if self.remote is not None:
             self.remote.refresh(self)
 
+    def read_into(self, oid: bytes, kind: int, prefix: int, out: memoryview, *,
+                  id_check: bool = True, fallback: bool = False) -> bytes | Object | None:
+        """Read object ``oid`` of ``kind`` whose payload is ``prefix`` bytes followed by
+        exactly ``len(out)`` bytes, straight into ``out``, when its record is stored raw:
+        one preadv, no fresh buffer, no decompression. Returns the first ``prefix`` bytes
+        of the payload; None (``out`` untouched) when the record is compressed, of
+        another kind or size, or the pack is remote: read it with ``read`` (with
+        ``fallback``, that read is done here and its Object returned: one lookup).
+
+        The record checksum (header, id, refs, payload) is always checked, so what lands
+        in ``out`` is what the writer wrote under this id; ``id_check=False`` skips only
+        re-hashing the payload into its id (a writer's own hash, which a deep verify
+        re-checks). On CorruptObject ``out`` holds unspecified bytes."""
+        for _ in range(_READ_RETRIES):
+            entry = self.lookup(oid)
+            head_len = fmt.RECORD_HEADER.size + ID_SIZE * len(entry.refs)
+            stored = entry.length - head_len - fmt.CHECKSUM.size
+            head = bytearray(head_len + prefix)
+            tail = bytearray(fmt.CHECKSUM.size)
+            try:
+                if (entry.kind != kind or entry.raw_len != prefix + len(out)
+                        or stored != entry.raw_len or not self.readers.readv(
+                            entry.pack, entry.offset,
+                            [memoryview(head), out, memoryview(tail)])):
+                    if not fallback:
+                        return None
+                    obj = self.read_entry(oid, entry)
+                    if obj is None:
+                        raise FileNotFoundError
+                    return obj
+            except FileNotFoundError:
+                self.pack_missing(entry.pack)
+                continue
+            except OSError as exc:
+                raise store_error(f"cannot read pack {pack_name(entry.pack)}", exc) from exc
+            except CorruptObject as exc:
+                raise CorruptObject(f"object {hexid(oid)}: {exc}", oid=oid,
+                                    pack=pack_name(entry.pack), offset=entry.offset) from exc
+            _check_raw(oid, kind, entry, head, head_len, out, tail, id_check)
+            return bytes(head[head_len:])
+        raise CorruptObject(f"object {hexid(oid)}: its pack keeps vanishing", oid=oid)
+
+    def prefetch(self, oids: Iterable[bytes]) -> None:
+        """Ask the kernel to read ahead the records of ``oids`` and all they reach (one
+        read txn for the locations; adjacent records merge into one range)."""
+        from .coordinator import locate_closure
+
+        spans: dict[int, list[list[int]]] = {}
+        for loc in sorted(locate_closure(self, oids).values(),
+                          key=lambda c: (c.pack, c.offset)):
+            runs = spans.setdefault(loc.pack, [])
+            if runs and loc.offset <= runs[-1][1] + (1 << 16):
+                runs[-1][1] = max(runs[-1][1], loc.offset + loc.length)
+            else:
+                runs.append([loc.offset, loc.offset + loc.length])
+        for pack, runs in spans.items():
+            if self.closed:  # closed meanwhile (a hint runs on its own thread)
+                return
+            self.readers.advise(pack, [(a, b - a) for a, b in runs])
+
     def read(self, oid: bytes) -> Object:
         """The checked object ``oid``, looked up again when a gc moved it meanwhile."""
         entry = None
@@ -132,6 +194,56 @@ class StoreCore:
         name = pack_name(entry.pack)
         raise CorruptObject(f"object {hexid(oid)}: pack {name} is missing", oid=oid,
                             pack=name, offset=entry.offset)
+
+
+class DirectReads:
+    """``ObjectStore.get_into`` and ``prefetch`` of a PackStore, over its StoreCore (here
+    because engine/store.py is at its module size limit)."""
+
+    _core: StoreCore
+
+    def get_into(self, oid: bytes, kind: int, prefix: int, out: memoryview, *,
+                 id_check: bool = True, fallback: bool = False) -> bytes | Object | None:
+        self._core.check_open()
+        check_id(oid)
+        return self._core.read_into(bytes(oid), kind, prefix, out, id_check=id_check,
+                                    fallback=fallback)
+
+    def prefetch(self, oids: Iterable[bytes]) -> None:
+        self._core.check_open()
+        self._core.prefetch(oids)
+
+
+def _check_raw(oid: bytes, kind: int, entry: ix.ObjectEntry, head: bytearray, head_len: int,
+               out: memoryview, tail: bytearray, id_check: bool) -> None:
+    """The checks ``decode_record`` makes, over a record read in three pieces."""
+    name = pack_name(entry.pack)
+    where = f"object {hexid(oid)} in pack {name} at offset {entry.offset}"
+    try:
+        h = fmt.RecordHeader.unpack(memoryview(head), 0, pack=name)
+    except CorruptObject as exc:
+        raise CorruptObject(f"{where} is corrupt: {exc}", oid=oid, pack=name,
+                            offset=entry.offset) from exc
+    problem = None
+    if h.oid != oid or h.rtype != fmt.RECORD_OBJECT or h.kind != kind:
+        problem = f"holds {h.oid.hex()} instead"
+    elif h.codec != fmt.CODEC_RAW or h.nrefs != len(entry.refs) or h.length != entry.length:
+        problem = "does not match its index entry"
+    else:
+        s = xxhash.xxh3_64(head)
+        s.update(out)
+        if s.intdigest() != fmt.CHECKSUM.unpack(tail)[0]:
+            problem = "checksum mismatch"
+        elif id_check:
+            refs = [bytes(head[fmt.RECORD_HEADER.size + i * ID_SIZE:][:ID_SIZE])
+                    for i in range(h.nrefs)]
+            ih = id_hasher(kind, refs, h.raw_len)
+            ih.update(memoryview(head)[head_len:])
+            ih.update(out)
+            if ih.digest() != oid:
+                problem = "content does not hash to its id"
+    if problem:
+        raise CorruptObject(f"{where}: {problem}", oid=oid, pack=name, offset=entry.offset)
 
 
 def read_checked(readers: PackReaders, oid: bytes, pack: int, offset: int, length: int,

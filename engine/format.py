@@ -43,14 +43,20 @@ CHECKSUM = struct.Struct("<Q")
 RECORD_OBJECT = 0
 CODEC_RAW = 0
 CODEC_ZSTD = 1
-# Store raw unless zstd saves at least this fraction (FORMAT.md "Records").
-MIN_SAVING = 0.03
+# Store raw unless zstd saves at least this fraction (FORMAT.md "Records"): below it,
+# decompressing costs a reader more than the bytes saved (docs/DECISIONS.md).
+MIN_SAVING = 0.10
 # Payloads this large are first probed with a sample of SAMPLE_SLICES evenly spaced slices:
 # a sample that zstd cannot shrink by MIN_SAVING means the payload is stored raw without
 # compressing all of it, which on incompressible data cost more than writing it.
 SAMPLE_MIN = 64 << 10
 SAMPLE_SLICES = 16
 SAMPLE_SLICE = 1 << 10
+# The sample must save PROBE_SAVING (not MIN_SAVING): for payloads this large,
+# decompressing (~0.7 GB/s on whole fp32 rows) costs a reader more than the few percent
+# of bytes it saves, and a raw record can be read straight into the reader's memory
+# (docs/DECISIONS.md, "Exact blocks in row order").
+PROBE_SAVING = 0.10
 # zstd expands at most ~32768x (RLE blocks); a larger claimed raw_len cannot be genuine,
 # so it is refused before any allocation (FORMAT.md "Records", decoding rules).
 MAX_ZSTD_RATIO = 1 << 16
@@ -190,7 +196,7 @@ def _worth_compressing(cctx: zstandard.ZstdCompressor, payload: bytes) -> bool:
     view = memoryview(payload)
     step = n // SAMPLE_SLICES
     sample = b"".join(view[i * step : i * step + SAMPLE_SLICE] for i in range(SAMPLE_SLICES))
-    return len(cctx.compress(sample)) <= len(sample) * (1.0 - MIN_SAVING)
+    return len(cctx.compress(sample)) <= len(sample) * (1.0 - PROBE_SAVING)
 
 
 def check_record(

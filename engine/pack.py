@@ -12,15 +12,13 @@ import os
 import pathlib
 import re
 import threading
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
-
-import zstandard
+from collections.abc import Sequence
 
 from . import format as fmt
 from .errors import CorruptObject
 from .fileio import fsync_dir, pread_exact
 from .storage import LocalStorage, PackStorage
+from .writeback import Writeback
 
 _PACK_NAME = re.compile(r"^([0-9]{8})\.pack$")
 
@@ -98,6 +96,7 @@ class PackFile:
         self.size = 0
         self.live = 0  # bytes of object records (roots snapshots are never live)
         self.sealed = False
+        self._writeback = Writeback(self._sink)
         self._write(fmt.PackHeader(fmt.FORMAT_VERSION, meta, n).pack())
 
     def _write(self, data: bytes | bytearray | memoryview) -> None:
@@ -116,6 +115,7 @@ class PackFile:
         self.entries.append(fmt.TrailerEntry(offset, length, rtype, oid))
         if rtype == fmt.RECORD_OBJECT:
             self.live += length
+        self._writeback.advance(self.size)  # the disk works while the writer computes
         return offset
 
     @property
@@ -223,11 +223,9 @@ class _OpenPack:
 
 
 class PackReaders:
-    """Thread-safe pread access to packs through a small LRU of open descriptors.
-
-    A descriptor is closed only when it is out of the cache AND no read is using it:
-    closing it under a concurrent pread could let the number be reused for another file
-    and feed that reader foreign bytes."""
+    """Thread-safe pread access to packs through a small LRU of open descriptors. One is
+    closed only when out of the cache AND unused: closing it under a concurrent pread
+    could let the number be reused for another file and feed that reader foreign bytes."""
 
     def __init__(self, root: pathlib.Path | PackStorage, *, max_open: int = 64) -> None:
         storage = as_storage(root)
@@ -237,6 +235,7 @@ class PackReaders:
         self._max = max_open
         self._open: collections.OrderedDict[int, _OpenPack] = collections.OrderedDict()
         self._lock = threading.Lock()
+        self._closed = False
 
     def _checkout(self, n: int) -> _OpenPack:
         with self._lock:
@@ -291,6 +290,52 @@ class PackReaders:
             )
         return data
 
+    def readv(self, n: int, offset: int, bufs: Sequence[memoryview]) -> bool:
+        """Fill ``bufs`` back to back from ``offset`` of pack ``n`` (preadv into the
+        caller's memory, no fresh buffer). False for a remote pack: use ``read``.
+        FileNotFoundError when the pack is gone; CorruptObject on a short read."""
+        if self._remote is not None:
+            return False
+        views = [memoryview(b).cast("B") for b in bufs if len(b)]
+        want = sum(len(v) for v in views)
+        entry = self._checkout(n)
+        try:
+            pos, got = offset, 0
+            while views:
+                k = os.preadv(entry.fd, views[:1024], pos)  # IOV_MAX
+                if k == 0:
+                    break
+                got += k
+                pos += k
+                while views and k >= len(views[0]):
+                    k -= len(views[0])
+                    views.pop(0)
+                if views and k:
+                    views[0] = views[0][k:]
+        finally:
+            self._checkin(entry)
+        if got != want:
+            raise CorruptObject(
+                f"pack {pack_name(n)} offset {offset}: truncated ({got} of {want} bytes)",
+                pack=pack_name(n), offset=offset,
+            )
+        return True
+
+    def advise(self, n: int, spans: Sequence[tuple[int, int]]) -> None:
+        """Read-ahead hint (POSIX_FADV_WILLNEED) for (offset, length) spans of pack ``n``;
+        a pack that is gone or remote is skipped."""
+        if self._remote is not None or self._closed or not hasattr(os, "posix_fadvise"):
+            return
+        try:
+            entry = self._checkout(n)
+        except OSError:
+            return
+        try:
+            for offset, length in spans:
+                os.posix_fadvise(entry.fd, offset, length, os.POSIX_FADV_WILLNEED)
+        finally:
+            self._checkin(entry)
+
     def forget(self, n: int) -> None:
         with self._lock:
             entry = self._open.pop(n, None)
@@ -299,67 +344,16 @@ class PackReaders:
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True  # a late advise() must not cache a descriptor again
             entries, self._open = list(self._open.values()), collections.OrderedDict()
             for entry in entries:
                 self._evict(entry)
 
 
-# -- scanning (repair, gc leftovers) -------------------------------------------------------
-
-
-def read_pack_header(path: pathlib.Path, *, name: str) -> fmt.PackHeader:
-    with open(path, "rb") as f:
-        return fmt.PackHeader.unpack(f.read(fmt.PACK_HEADER.size), pack=name)
-
-
-def read_trailer(path: pathlib.Path, *, name: str) -> list[fmt.TrailerEntry]:
-    """Entries of a sealed pack; CorruptObject if it has no valid trailer."""
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size < fmt.PACK_HEADER.size + fmt.FOOTER.size:
-            raise CorruptObject(f"pack {name}: too short for a trailer", pack=name, offset=0)
-        f.seek(size - fmt.FOOTER.size)
-        count, entries_offset = fmt.parse_footer(f.read(fmt.FOOTER.size), size, pack=name)
-        f.seek(entries_offset)
-        return fmt.decode_trailer(f.read(size - entries_offset), count, entries_offset,
-                                  pack=name)
-
-
-@dataclass(frozen=True)
-class ScannedRecord:
-    offset: int
-    record: fmt.Record | None  # None when damaged
-    error: CorruptObject | None
-
-
-def scan_records(data: bytes, *, name: str, entries: list[fmt.TrailerEntry] | None
-                 ) -> Iterator[ScannedRecord]:
-    """Decode every record of a pack image, by trailer entries or, without a usable
-    trailer, sequentially from the header, resyncing on the next record magic after damage."""
-    dctx = zstandard.ZstdDecompressor()
-    if entries is not None:
-        for e in entries:
-            yield _decode_at(data, e.offset, name, dctx)
-        return
-    offset = fmt.PACK_HEADER.size
-    while offset + fmt.RECORD_HEADER.size <= len(data):
-        scanned = _decode_at(data, offset, name, dctx)
-        if scanned.record is not None:
-            yield scanned
-            offset += scanned.record.header.length
-            continue
-        if data[offset : offset + 4] == fmt.RECORD_MAGIC:
-            yield scanned  # a damaged record, not the trailer or padding
-        nxt = data.find(fmt.RECORD_MAGIC, offset + 1)
-        if nxt < 0:
-            return
-        offset = nxt
-
-
-def _decode_at(data: bytes, offset: int, name: str,
-               dctx: zstandard.ZstdDecompressor | None) -> ScannedRecord:
-    try:
-        return ScannedRecord(offset, fmt.decode_record(data, offset, pack=name, dctx=dctx),
-                             None)
-    except CorruptObject as exc:
-        return ScannedRecord(offset, None, exc)
+# Scanning (repair, gc leftovers) lives in engine/packscan.py; re-exported here.
+from .packscan import (  # noqa: E402,F401
+    ScannedRecord,
+    read_pack_header,
+    read_trailer,
+    scan_records,
+)

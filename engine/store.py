@@ -6,8 +6,7 @@ Layout (docs/FORMAT.md "Directory tree")::
     <path>/index/                    LMDB environment (derived; ``repair`` rebuilds it)
     <path>/packs/XX/NNNNNNNN.pack    immutable pack files, XX = (N >> 8) & 0xff
 
-Reads are thread-safe: index lookups run in short read transactions, records are read
-with ``os.pread`` on cached descriptors and decompressed by per-thread zstd contexts.
+Reads are thread-safe: short read txns, pread on cached descriptors, per-thread zstd.
 """
 
 from __future__ import annotations
@@ -36,14 +35,8 @@ from .api import (
     VerifyReport,
     Writer,
 )
-from .core import StoreCore
-from .errors import (
-    CorruptObject,
-    FormatError,
-    ReadOnly,
-    StoreError,
-    StoreLocked,
-)
+from .core import DirectReads, StoreCore
+from .errors import CorruptObject, FormatError, ReadOnly, StoreError, StoreLocked
 from .fileio import makedirs_durable, store_error
 from .freshness import open_index, stale_problem
 from .ids import check_id
@@ -97,7 +90,7 @@ def _translated(method: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-class PackStore(ObjectStore):
+class PackStore(DirectReads, ObjectStore):
     def __init__(self, path: str | os.PathLike, *, create: bool = True,
                  compression_level: int | None = None, map_size: int | None = None,
                  pack_target_size: int | None = None, readonly: bool = False,
@@ -180,7 +173,7 @@ class PackStore(ObjectStore):
     def _check_open(self) -> None:
         self._core.check_open()
 
-    # -- read side ------------------------------------------------------------------------
+    # -- read side (get_into and prefetch: engine/core.py DirectReads) -------------------
     def _lookup(self, oid: bytes) -> ix.ObjectEntry:
         return self._core.lookup(oid)
 

@@ -99,6 +99,7 @@ def put(core: StoreCore, step: int, tables: Mapping, *, quant: Any, metadata: Ma
                         touched=rows_touched.get(name),
                         buffers=core.buffers,
                         keep_full=at_risk(base),
+                        borrow=blocking,
                     )
                 )
         except BaseException:
@@ -113,6 +114,9 @@ def put(core: StoreCore, step: int, tables: Mapping, *, quant: Any, metadata: Ma
                 future=fut,
             )
         except BaseException:
+            for p in plans:  # the caller does not wait: a borrowed table is not read
+                if p.borrowed is not None:
+                    p.borrowed.set()
             if not core.writer.queued(fut):
                 # Not queued (e.g. Ctrl-C while waiting for a writer slot): as for a
                 # refused put, the diff bases stay those of the last put.
@@ -124,10 +128,19 @@ def put(core: StoreCore, step: int, tables: Mapping, *, quant: Any, metadata: Ma
     if not blocking:
         return fut
     try:
+        for p in plans:  # on this thread, while the writer thread writes
+            if p.fingerprint_later is not None:
+                p.fingerprint_later()
         return fut.result()
     except BaseGone:
         if keep_full:
             raise
+    finally:
+        # Plans that borrow the caller's tables: from here on the caller may change them
+        # (an interrupted wait, too), so the writer must not commit what it reads now.
+        for p in plans:
+            if p.borrowed is not None:
+                p.borrowed.set()
     # A gc in another process swept the base this put diffed against. The caller's tables
     # are still as they were (the put blocks), so plan it again, keeping every row's codes:
     # blocks whose base is gone are then written in full. ``touched`` is dropped: the

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -67,6 +68,14 @@ class TablePlan:
     # step is not the newest, so another process's gc may drop it): blocks whose base or
     # reused id is gone under the writer lock are then written full from these.
     full_codes: np.ndarray | None = None
+    # Set when ``codes`` borrow the caller's table (a blocking put): set again once the
+    # caller stops waiting, after which the writer must not commit what it read.
+    borrowed: threading.Event | None = None
+    # A blocking put's first plan of a table: the table is fingerprinted on another thread
+    # while it is encoded and written; the waiting caller stores the result (an interrupted
+    # wait drops it). Until then the new state has no diff data, so a put planned
+    # meanwhile writes every block full: never wrong.
+    fingerprint_later: Callable[[], None] | None = None
 
 
 class HostBuffers:
@@ -108,6 +117,19 @@ class HostBuffers:
     def held_bytes(self) -> int:
         with self._lock:
             return sum(b.numel() for b in self._free)
+
+
+_FP_POOL: ThreadPoolExecutor | None = None
+_FP_LOCK = threading.Lock()
+
+
+def _fp_pool() -> ThreadPoolExecutor:
+    """One thread fingerprinting first puts' tables while the caller encodes them."""
+    global _FP_POOL
+    with _FP_LOCK:
+        if _FP_POOL is None:
+            _FP_POOL = ThreadPoolExecutor(1, thread_name_prefix="cnrstore-fp")
+        return _FP_POOL
 
 
 def _as_rows(table: torch.Tensor) -> torch.Tensor:
@@ -167,7 +189,9 @@ def _encode(name: str, rows: torch.Tensor, scheme: str, wide: bool, idx) -> torc
 def plan_table(name: str, table: torch.Tensor, *, scheme: str, base: TableState | None,
                wide: bool | None = None, **kwargs) -> TablePlan:
     """Plan the put of one table against its diff base (None: all blocks full).
-    ``keep_full``: also keep every row's codes (TablePlan.full_codes).
+    ``keep_full``: also keep every row's codes (TablePlan.full_codes). ``borrow``: the
+    caller waits for the write (a blocking put), so a whole exact table need not be
+    copied: the plan's codes are a view of it (TablePlan.borrowed).
 
     intN tables are encoded with fp16 scale/offset until a row needs fp32 ones (values
     beyond +-65504, docs/QUANTIZATION.md "Wide rows"); then the whole table is re-encoded
@@ -198,6 +222,7 @@ def _plan_table(
     touched: torch.Tensor | None = None,
     buffers: HostBuffers | None = None,
     keep_full: bool = False,
+    borrow: bool = False,
 ) -> TablePlan:
     x = _as_rows(table)
     rows, width = x.shape
@@ -224,6 +249,13 @@ def _plan_table(
         # ModelDeltaTracker) reports lookups, and a looked-up row need not have changed.
         was = cbase.fingerprints[t.to(cbase.fingerprints.device)].to(x.device)
         changed = t[fp[t] != was].cpu().numpy()
+    elif cbase is None and borrow:
+        # Nothing to diff against: the new diff base's fingerprints are taken on another
+        # thread while this one encodes and the writer writes; the waiting caller stores
+        # them (TablePlan.fingerprint_later).
+        fp = None
+        fp_future = _fp_pool().submit(row_fingerprints, x)
+        changed = np.zeros(0, dtype=np.int64)
     else:
         fp = row_fingerprints(x)
         changed = (
@@ -275,7 +307,15 @@ def _plan_table(
         or [np.zeros(0, dtype=np.int64)]
     )
 
-    codes, release = _gather_encode(name, x, idx, scheme, rnb, buffers, wide)
+    borrowed = None
+    if borrow and idx is None and scheme == "exact" and x.device.type == "cpu" and (
+            x.is_contiguous() and x.numel()):
+        # A blocking put of a whole exact table: its codes are the table's own bytes, read
+        # by the writer while the caller waits (no staging copy of the table).
+        codes, release = x.view(torch.uint8).numpy().reshape(rows, rnb), None
+        borrowed = threading.Event()
+    else:
+        codes, release = _gather_encode(name, x, idx, scheme, rnb, buffers, wide)
     state = TableState(
         shape=tuple(table.shape),
         dtype=table.dtype,
@@ -291,6 +331,11 @@ def _plan_table(
     base_slots = cbase.slots if cbase is not None else None
     nchanged = len(changed) + rows - common if compatible else rows
     plan = TablePlan(name, state, writes, codes, nchanged, logical, base_slots, release)
+    plan.borrowed = borrowed
+    if fp is None:
+        def fingerprint_later() -> None:
+            state.fingerprints = fp_future.result()
+        plan.fingerprint_later = fingerprint_later
     if keep_full and compatible and rows:
         if idx is None:
             plan.full_codes = codes

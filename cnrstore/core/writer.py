@@ -237,6 +237,12 @@ def write_step(
         )
         payload, refs = node.encode()
         root = w.put(KIND_STEP, payload, refs, meta=True)
+        if any(p.borrowed is not None and p.borrowed.is_set() for p in plans):
+            # Everything read from a borrowed table so far was read while its caller
+            # waited; past this check nothing more is read, so the step holds the
+            # values at call time, or is not committed.
+            raise WriteFailed(step, "the caller stopped waiting (interrupted) before the "
+                              "step was written; nothing was committed")
         bytes_new = w.payload_bytes_new
         # Create-only: the store's existence check ran before the writer lock, so another
         # handle or process may have put this step since; the engine re-checks at commit.

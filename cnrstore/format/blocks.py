@@ -61,11 +61,15 @@ class BlockHeader:
     elem: int = 1        # bytes per element: the number of byte planes
 
 
-def plane_width(scheme: str, itemsize: int, row_nbytes: int) -> int:
-    """Bytes per element of a scheme's codes: the table's own for "exact", 2 for the
-    16-bit casts, 1 (no split) for integer codes, whose scale/offset are too few to matter."""
+def plane_width(scheme: str, itemsize: int, row_nbytes: int, *,
+                exact_planes: bool = False) -> int:
+    """Bytes per element of a scheme's codes: 1 (no split: rows as they are) for "exact"
+    unless ``exact_planes`` (then the table's own), 2 for the 16-bit casts, 1 for integer
+    codes, whose scale/offset are too few to matter. Exact rows unsplit are stored raw by
+    the engine (zstd saves under its probe threshold on them), so a restore reads them
+    straight into the table (docs/DECISIONS.md, "Exact blocks in row order")."""
     if scheme == "exact":
-        k = itemsize
+        k = itemsize if exact_planes else 1
     elif scheme in ("fp16", "bf16"):
         k = 2
     else:
@@ -205,21 +209,54 @@ def decode_patch(
     return head, idx, codes
 
 
+def _direct(get_into: Callable, oid: bytes, out: np.ndarray) -> Object | None:
+    """Read full block ``oid`` straight into ``out`` when the engine can (rows unsplit,
+    stored raw): None. Otherwise the object, read as ``get`` reads it (``out``
+    untouched): a patch, or a block to decode."""
+    view = memoryview(out).cast("B")  # type: ignore[arg-type]  # ndarray exports a buffer
+    head = get_into(oid, KIND_BLOCK_FULL, _FULL.size, view, fallback=True)
+    if isinstance(head, Object):
+        return head
+    magic, ver, layout, elem, n, rnb = _FULL.unpack(head)
+    if (magic, ver, layout) != (_FULL_MAGIC, BLOCK_VERSION, LAYOUT_ELEMENT_PLANES):
+        raise ManifestError(f"full block has bad magic/version {magic!r}/{ver}", oid=oid)
+    if (n, rnb) != out.shape:
+        raise ManifestError(f"block holds {(n, rnb)} codes, expected {out.shape}", oid=oid)
+    if elem != 1:
+        # Same size, other layout: the planes were read in; reorder them in place.
+        _check_elem(elem, rnb)
+        _unplanes(out.tobytes(), n, rnb, elem, out)
+    return None
+
+
 def resolve(
     get: Callable[[bytes], Object],
     oid: bytes,
     *,
     max_depth: int = 1 << 16,
     out: np.ndarray | None = None,
+    get_into: Callable | None = None,
 ) -> np.ndarray:
     """Encoded rows of block ``oid``: follow patch refs down to the full block, then apply
     the patches oldest first. ``get`` reads an object (e.g. ``store.get``). With ``out``
-    (uint8, the block's shape) the rows are decoded into it."""
+    (uint8, the block's shape) the rows are decoded into it; with ``get_into`` too
+    (``store.get_into``) a full block stored raw is read straight into ``out``."""
     chain: list[tuple[bytes, Object]] = []
     cur = oid
+    into = get_into if (out is not None and out.flags.c_contiguous and out.dtype == np.uint8
+                        and out.ndim == 2 and out.size) else None
+    codes: np.ndarray
     while True:
-        obj = get(cur)
+        if into is not None and out is not None:
+            got = _direct(into, cur, out)
+            if got is None:
+                codes = out
+                break
+            obj = got
+        else:
+            obj = get(cur)
         if obj.kind == KIND_BLOCK_FULL:
+            codes = decode_full(obj, cur, out=out)
             break
         chain.append((cur, obj))
         if len(chain) > max_depth:
@@ -227,7 +264,6 @@ def resolve(
         if obj.kind != KIND_BLOCK_PATCH or len(obj.refs) != 1:
             raise ManifestError(f"object kind {obj.kind} is not a block", oid=cur)
         cur = obj.refs[0]
-    codes = decode_full(obj, cur, out=out)
     for poid, pobj in reversed(chain):
         head, idx, rows = decode_patch(pobj, poid)
         if (head.nrows, head.row_nbytes) != codes.shape:

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 from .. import format as fmt
 from ..fileio import allocated_bytes, fsync_dir, makedirs_durable, write_all, writev_all
+from ..writeback import start_writeback
 from .base import PackSink, PackStorage
 
 
@@ -27,6 +28,11 @@ class LocalSink(PackSink):
 
     def finish(self) -> None:
         os.fsync(self._fd)
+
+    def start_writeback(self, offset: int, length: int) -> None:
+        """Ask the kernel to start writing ``length`` bytes from ``offset`` to disk, not
+        waiting for it (a hint: ``finish`` still fsyncs)."""
+        start_writeback(self._fd, offset, length)
 
     @property
     def closed(self) -> bool:

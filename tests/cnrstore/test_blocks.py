@@ -67,8 +67,9 @@ def test_element_width_must_divide_the_row():
 
 
 def test_plane_width_follows_the_scheme():
-    assert plane_width("exact", 4, 256) == 4
-    assert plane_width("exact", 8, 64) == 8
+    assert plane_width("exact", 4, 256) == 1  # rows unsplit, stored raw (DECISIONS.md)
+    assert plane_width("exact", 4, 256, exact_planes=True) == 4
+    assert plane_width("exact", 8, 64, exact_planes=True) == 8
     assert plane_width("fp16", 4, 128) == 2
     assert plane_width("int8", 4, 68) == 1
     assert plane_width("exact", 1, 7) == 1
@@ -81,3 +82,31 @@ def test_element_planes_compress_fp32_rows_better_than_row_order():
     planes = len(z.compress(encode_full(rows, elem=4)))
     plain = len(z.compress(encode_full(rows, elem=1)))
     assert planes < 0.95 * plain
+
+
+@settings(max_examples=20, deadline=None)
+@given(elem=st.sampled_from([1, 2, 4, 8]), nrows=st.integers(1, 600),
+       words=st.integers(1, 12), npatch=st.integers(0, 3), seed=st.integers(0, 99))
+def test_resolve_reads_raw_blocks_straight_into_out(tmp_path_factory, elem, nrows, words,
+                                                     npatch, seed):
+    """Full blocks stored raw (noise), in either layout, read into ``out`` through
+    get_into, patches applied on top: the same rows as the decoding path."""
+    import engine
+    from cnrstore.format.blocks import resolve
+
+    rng = np.random.default_rng(seed)
+    rnb = elem * words
+    codes = rng.integers(0, 256, (nrows, rnb), dtype=np.uint8)
+    with engine.open(str(tmp_path_factory.mktemp("b") / "s"), create=True) as store:
+        with store.writer() as w:
+            oid = w.put(KIND_BLOCK_FULL, encode_full(codes, elem=elem))
+            want = codes.copy()
+            for _ in range(npatch):
+                idx = np.unique(rng.integers(0, nrows, 1 + nrows // 7))
+                rows = rng.integers(0, 256, (len(idx), rnb), dtype=np.uint8)
+                want[idx] = rows
+                oid = w.put(KIND_BLOCK_PATCH, encode_patch(nrows, idx, rows, elem=elem), (oid,))
+        out = np.empty_like(codes)
+        got = resolve(store.get, oid, out=out, get_into=store.get_into)
+        assert got is out and np.array_equal(out, want)
+        assert np.array_equal(resolve(store.get, oid), want)

@@ -63,7 +63,7 @@ def test_codec_choice_zstd_for_compressible_raw_for_random():
 
 
 def test_codec_stays_raw_when_saving_is_under_three_percent():
-    # 98% incompressible noise + 2% zeros: zstd saves ~2%, below MIN_SAVING.
+    # 98% incompressible noise + 2% zeros: zstd saves ~2%, below MIN_SAVING (10%).
     payload = os.urandom(9800) + bytes(200)
     data, _ = record(payload=payload)
     assert fmt.RecordHeader.unpack(data).codec == fmt.CODEC_RAW

@@ -1,0 +1,72 @@
+"""Scanning pack files without the index: headers, trailers, every record (repair and
+gc's leftovers). Moved out of engine/pack.py (module size); ``pack`` re-exports it."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import zstandard
+
+from . import format as fmt
+from .errors import CorruptObject
+
+
+def read_pack_header(path: pathlib.Path, *, name: str) -> fmt.PackHeader:
+    with open(path, "rb") as f:
+        return fmt.PackHeader.unpack(f.read(fmt.PACK_HEADER.size), pack=name)
+
+
+def read_trailer(path: pathlib.Path, *, name: str) -> list[fmt.TrailerEntry]:
+    """Entries of a sealed pack; CorruptObject if it has no valid trailer."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size < fmt.PACK_HEADER.size + fmt.FOOTER.size:
+            raise CorruptObject(f"pack {name}: too short for a trailer", pack=name, offset=0)
+        f.seek(size - fmt.FOOTER.size)
+        count, entries_offset = fmt.parse_footer(f.read(fmt.FOOTER.size), size, pack=name)
+        f.seek(entries_offset)
+        return fmt.decode_trailer(f.read(size - entries_offset), count, entries_offset,
+                                  pack=name)
+
+
+@dataclass(frozen=True)
+class ScannedRecord:
+    offset: int
+    record: fmt.Record | None  # None when damaged
+    error: CorruptObject | None
+
+
+def scan_records(data: bytes, *, name: str, entries: list[fmt.TrailerEntry] | None
+                 ) -> Iterator[ScannedRecord]:
+    """Decode every record of a pack image, by trailer entries or, without a usable
+    trailer, sequentially from the header, resyncing on the next record magic after damage."""
+    dctx = zstandard.ZstdDecompressor()
+    if entries is not None:
+        for e in entries:
+            yield _decode_at(data, e.offset, name, dctx)
+        return
+    offset = fmt.PACK_HEADER.size
+    while offset + fmt.RECORD_HEADER.size <= len(data):
+        scanned = _decode_at(data, offset, name, dctx)
+        if scanned.record is not None:
+            yield scanned
+            offset += scanned.record.header.length
+            continue
+        if data[offset : offset + 4] == fmt.RECORD_MAGIC:
+            yield scanned  # a damaged record, not the trailer or padding
+        nxt = data.find(fmt.RECORD_MAGIC, offset + 1)
+        if nxt < 0:
+            return
+        offset = nxt
+
+
+def _decode_at(data: bytes, offset: int, name: str,
+               dctx: zstandard.ZstdDecompressor | None) -> ScannedRecord:
+    try:
+        return ScannedRecord(offset, fmt.decode_record(data, offset, pack=name, dctx=dctx),
+                             None)
+    except CorruptObject as exc:
+        return ScannedRecord(offset, None, exc)
