@@ -29,8 +29,12 @@ def test_demo_kills_resumes_and_matches_the_uninterrupted_run(tmp_path):
     assert out.returncode == 0, out.stderr
     text = out.stdout
     assert "killed at step 24" in text
-    # Checkpoints 0, 10, 20 before the kill; 20 is restored; 30 after.
-    assert re.search(r"restored step 20 in \d+ ms", text), text
+    # Checkpoints 0, 10, 20 before the kill; 30 after. Step 20 is put in the background
+    # four training steps before the kill: on a loaded machine it may still be in flight
+    # then, and the demo must say so and resume from 10 (a killed put is absent, never
+    # half there).
+    restored = int(re.search(r"restored step (\d+) in \d+ ms", text).group(1))
+    assert restored == 20 or (restored == 10 and "lost in flight: [20]" in text), text
     table = {int(m.group(1)): m.group(2) for m in
              re.finditer(r"^\s+(\d+)\s+([\d,]+)\s+[\d.]+ MB", text, re.M)}
     assert sorted(table) == [0, 10, 20, 30], text
