@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import operator
 import threading
+from collections.abc import Callable
 from concurrent.futures import Executor
 
 import numpy as np
@@ -20,7 +21,7 @@ from cnrstore.core.tablestate import DeferredBase, parse_dtype
 from cnrstore.errors import CheckpointError, InvalidInput, InvalidType, ManifestError
 from cnrstore.format.blocks import resolve
 from cnrstore.format.manifest import TableManifest
-from engine import ObjectStore, StoreClosed, StoreError
+from engine import Object, ObjectStore, StoreClosed, StoreError
 
 __all__ = ["check_slice", "row_range", "read_table", "read_codes", "read_into", "seed_later"]
 
@@ -64,11 +65,13 @@ def check_slice(sel, rows: int, *, name: str = "") -> tuple[int, int, int]:
 
 
 def _block_codes(
-    objects: ObjectStore, tm: TableManifest, i: int, out: np.ndarray | None = None
+    objects: ObjectStore, tm: TableManifest, i: int, out: np.ndarray | None = None,
+    reads: tuple[Callable, Callable] | None = None,
 ) -> np.ndarray:
     node = tm.node
     oid = tm.block_ids[i]
-    codes = resolve(objects.get, oid, out=out, get_into=objects.get_into)
+    get, get_into = reads if reads is not None else (objects.get, objects.get_into)
+    codes = resolve(get, oid, out=out, get_into=get_into)
     start, stop = node.block_range(i)
     if codes.shape != (stop - start, node.row_nbytes):
         raise ManifestError(
@@ -79,17 +82,51 @@ def _block_codes(
     return codes
 
 
-def _prefetch(objects: ObjectStore, oids: list[bytes]) -> None:
+def _prefetch(objects: ObjectStore, oids: list[bytes]) -> tuple[Callable, Callable] | None:
     """Read-ahead hint for the blocks a restore is about to read, patch chains included,
     on a thread of its own: on a cold cache the kernel then reads them in parallel with
-    the decoding, instead of one small read of each scattered patch at a time."""
+    the decoding, instead of one small read of each scattered patch at a time.
+
+    Returns (get, get_into) reading those records where one ``locate_closure`` (one read
+    transaction) found them: a block and its ~3 patches otherwise cost an index lookup
+    each, and the hint walked the same index again beside them. None where the store
+    cannot locate (then the reads look up as before)."""
+    locs: dict | None
+    try:
+        locs = objects.locate_closure(oids)
+    except StoreClosed:
+        raise
+    except StoreError:  # no locations here (or a damaged entry: the reads report it)
+        locs = None
+
     def run() -> None:
         try:
-            objects.prefetch(oids)
+            if locs is None:
+                objects.prefetch(oids)
+            else:
+                objects.prefetch_at(locs.values())
         except Exception:  # noqa: BLE001, S110 - a hint (the store may close meanwhile):
             pass           # the reads themselves report every problem
 
     threading.Thread(target=run, name="cnrstore-prefetch", daemon=True).start()
+    if locs is None:
+        return None
+    found = locs
+
+    def get(oid: bytes) -> Object:
+        loc = found.get(oid)
+        return objects.get(oid) if loc is None else objects.get_at(loc)
+
+    def get_into(oid: bytes, kind: int, prefix: int, out: memoryview, *,
+                 id_check: bool = True, fallback: bool = False) -> bytes | Object | None:
+        loc = found.get(oid)
+        if loc is None:
+            return objects.get_into(oid, kind, prefix, out, id_check=id_check,
+                                    fallback=fallback)
+        return objects.get_into_at(loc, kind, prefix, out, id_check=id_check,
+                                   fallback=fallback)
+
+    return get, get_into
 
 
 def read_codes(
@@ -144,7 +181,7 @@ def read_table(
     fps = torch.empty(hi - lo, dtype=torch.int64) if fingerprints else None
     first = lo // node.block_rows
     last = -(-hi // node.block_rows) if hi > lo else first
-    _prefetch(objects, list(tm.block_ids[first:last]))
+    reads = _prefetch(objects, list(tm.block_ids[first:last]))
 
     # Exact rows are their own codes: whole blocks decode straight into the returned table.
     direct = node.scheme == "exact" and width > 0
@@ -154,10 +191,10 @@ def read_table(
         a, b = max(start, lo), min(stop, hi)
         if direct and (a, b) == (start, stop):
             dest = out[a - lo:b - lo].view(torch.uint8).numpy()
-            codes = _block_codes(objects, tm, i, out=dest)
+            codes = _block_codes(objects, tm, i, out=dest, reads=reads)
             part = codes
         else:
-            codes = _block_codes(objects, tm, i)
+            codes = _block_codes(objects, tm, i, reads=reads)
             part = codes[a - start:b - start]
             if width and b > a:  # zero-width rows decode to nothing (and some codecs refuse)
                 decode_rows(torch.from_numpy(part), node.scheme, dtype, width,
@@ -196,15 +233,16 @@ def read_into(
               and dest.device.type == "cpu")
     codes_out = np.empty((node.rows, node.row_nbytes), dtype=np.uint8) if keep_codes else None
     fps = torch.empty(node.rows, dtype=torch.int64) if fingerprints else None
-    _prefetch(objects, list(tm.block_ids))
+    reads = _prefetch(objects, list(tm.block_ids))
 
     def one(i: int) -> None:
         start, stop = node.block_range(i)
         if direct and rows2d is not None:
             part = rows2d[start:stop]
-            codes = _block_codes(objects, tm, i, out=part.view(torch.uint8).numpy())
+            codes = _block_codes(objects, tm, i, out=part.view(torch.uint8).numpy(),
+                                 reads=reads)
         else:
-            codes = _block_codes(objects, tm, i)
+            codes = _block_codes(objects, tm, i, reads=reads)
             if rows2d is not None and rows2d.device.type == "cpu":
                 part = rows2d[start:stop]  # decoded in place: no block-sized temporary
                 if width and stop > start:
