@@ -240,8 +240,9 @@ class DirectReads:
         self._core.advise(locs)
 
 
-def _check_raw(oid: bytes, kind: int, entry: ix.ObjectEntry, head: bytearray, head_len: int,
-               out: memoryview, tail: bytearray, id_check: bool) -> None:
+def _check_raw(oid: bytes, kind: int, entry: ix.ObjectEntry | RecordLocation,
+               head: bytearray, head_len: int, out: memoryview, tail: bytearray,
+               id_check: bool) -> None:
     """The checks ``decode_record`` makes, over a record read in three pieces."""
     name = pack_name(entry.pack)
     where = f"object {hexid(oid)} in pack {name} at offset {entry.offset}"
