@@ -65,11 +65,11 @@ def check_slice(sel, rows: int, *, name: str = "") -> tuple[int, int, int]:
 
 
 def _block_codes(
-    objects: ObjectStore, tm: TableManifest, i: int, out: np.ndarray | None = None,
-    reads: tuple[Callable, Callable] | None = None,
+    objects: ObjectStore, tm: TableManifest, i: int, out: np.ndarray | None = None
 ) -> np.ndarray:
     node = tm.node
     oid = tm.block_ids[i]
+    reads = _chain_reads(objects, oid)
     get, get_into = reads if reads is not None else (objects.get, objects.get_into)
     codes = resolve(get, oid, out=out, get_into=get_into)
     start, stop = node.block_range(i)
@@ -82,36 +82,31 @@ def _block_codes(
     return codes
 
 
-def _prefetch(objects: ObjectStore, oids: list[bytes]) -> tuple[Callable, Callable] | None:
+def _prefetch(objects: ObjectStore, oids: list[bytes]) -> None:
     """Read-ahead hint for the blocks a restore is about to read, patch chains included,
     on a thread of its own: on a cold cache the kernel then reads them in parallel with
-    the decoding, instead of one small read of each scattered patch at a time.
-
-    Returns (get, get_into) reading those records where one ``locate_closure`` (one read
-    transaction) found them: a block and its ~3 patches otherwise cost an index lookup
-    each, and the hint walked the same index again beside them. None where the store
-    cannot locate (then the reads look up as before)."""
-    locs: dict | None
-    try:
-        locs = objects.locate_closure(oids)
-    except StoreClosed:
-        raise
-    except StoreError:  # no locations here (or a damaged entry: the reads report it)
-        locs = None
-
+    the decoding, instead of one small read of each scattered patch at a time."""
     def run() -> None:
         try:
-            if locs is None:
-                objects.prefetch(oids)
-            else:
-                objects.prefetch_at(locs.values())
+            objects.prefetch(oids)
         except Exception:  # noqa: BLE001, S110 - a hint (the store may close meanwhile):
             pass           # the reads themselves report every problem
 
     threading.Thread(target=run, name="cnrstore-prefetch", daemon=True).start()
-    if locs is None:
+
+
+def _chain_reads(objects: ObjectStore, oid: bytes) -> tuple[Callable, Callable] | None:
+    """(get, get_into) reading block ``oid`` and its patch chain at the locations one
+    ``locate_closure`` (one read transaction) found when the block's read starts: a
+    block and its ~3 patches otherwise cost an index lookup each. None where the store
+    cannot locate (then the reads look up as before). Located per block, not per table:
+    a step deleted and swept before a block's read begins still reads as gone."""
+    try:
+        found = objects.locate_closure([oid])
+    except StoreClosed:
+        raise
+    except StoreError:  # no locations here (or a damaged entry: the reads report it)
         return None
-    found = locs
 
     def get(oid: bytes) -> Object:
         loc = found.get(oid)
@@ -181,7 +176,7 @@ def read_table(
     fps = torch.empty(hi - lo, dtype=torch.int64) if fingerprints else None
     first = lo // node.block_rows
     last = -(-hi // node.block_rows) if hi > lo else first
-    reads = _prefetch(objects, list(tm.block_ids[first:last]))
+    _prefetch(objects, list(tm.block_ids[first:last]))
 
     # Exact rows are their own codes: whole blocks decode straight into the returned table.
     direct = node.scheme == "exact" and width > 0
@@ -191,10 +186,10 @@ def read_table(
         a, b = max(start, lo), min(stop, hi)
         if direct and (a, b) == (start, stop):
             dest = out[a - lo:b - lo].view(torch.uint8).numpy()
-            codes = _block_codes(objects, tm, i, out=dest, reads=reads)
+            codes = _block_codes(objects, tm, i, out=dest)
             part = codes
         else:
-            codes = _block_codes(objects, tm, i, reads=reads)
+            codes = _block_codes(objects, tm, i)
             part = codes[a - start:b - start]
             if width and b > a:  # zero-width rows decode to nothing (and some codecs refuse)
                 decode_rows(torch.from_numpy(part), node.scheme, dtype, width,
@@ -233,16 +228,15 @@ def read_into(
               and dest.device.type == "cpu")
     codes_out = np.empty((node.rows, node.row_nbytes), dtype=np.uint8) if keep_codes else None
     fps = torch.empty(node.rows, dtype=torch.int64) if fingerprints else None
-    reads = _prefetch(objects, list(tm.block_ids))
+    _prefetch(objects, list(tm.block_ids))
 
     def one(i: int) -> None:
         start, stop = node.block_range(i)
         if direct and rows2d is not None:
             part = rows2d[start:stop]
-            codes = _block_codes(objects, tm, i, out=part.view(torch.uint8).numpy(),
-                                 reads=reads)
+            codes = _block_codes(objects, tm, i, out=part.view(torch.uint8).numpy())
         else:
-            codes = _block_codes(objects, tm, i, reads=reads)
+            codes = _block_codes(objects, tm, i)
             if rows2d is not None and rows2d.device.type == "cpu":
                 part = rows2d[start:stop]  # decoded in place: no block-sized temporary
                 if width and stop > start:
