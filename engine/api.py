@@ -190,6 +190,22 @@ class ObjectStore(abc.ABC):
         ``fallback=True``: where the direct read does not apply, return ``get(oid)``."""
         return self.get(oid) if fallback else None
 
+    def get_at(self, loc: RecordLocation) -> Object:
+        """``get(loc.oid)`` reading first at ``loc``, a location this store's ``locate`` /
+        ``locate_closure`` gave (one lookup for many records): no index lookup of its
+        own; a location gone stale (a gc moved the record) is looked up again. Checks as
+        ``get``."""
+        return self.get(loc.oid)
+
+    def get_into_at(self, loc: RecordLocation, kind: int, prefix: int, out: memoryview, *,
+                    id_check: bool = True, fallback: bool = False) -> bytes | Object | None:
+        """``get_into(loc.oid, ...)`` reading first at ``loc``, as ``get_at``."""
+        return self.get_into(loc.oid, kind, prefix, out, id_check=id_check,
+                             fallback=fallback)
+
+    def prefetch_at(self, locs: Iterable[RecordLocation]) -> None:  # noqa: B027 - a hint
+        """``prefetch`` of the records at ``locs`` alone (no walk of their refs)."""
+
     @abc.abstractmethod
     def info(self, oid: bytes) -> ObjectInfo:
         """Index entry of an object (kind, refs, sizes) without reading the payload."""

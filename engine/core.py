@@ -23,6 +23,7 @@ from .api import Object
 from .errors import CorruptObject, ObjectNotFound, StoreClosed
 from .fileio import store_error
 from .ids import ID_SIZE, check_id, hexid, id_hasher
+from .location import RecordLocation
 from .lock import WriterLock
 from .options import EngineOptions
 from .pack import PackReaders, pack_name
@@ -108,7 +109,7 @@ class StoreCore:
             dctx = self._local.dctx = zstandard.ZstdDecompressor()
         return cast(zstandard.ZstdDecompressor, dctx)
 
-    def read_entry(self, oid: bytes, entry: ix.ObjectEntry) -> Object | None:
+    def read_entry(self, oid: bytes, entry: ix.ObjectEntry | RecordLocation) -> Object | None:
         """Read and check one record; None when its pack vanished (gc moved it: look up
         again in a fresh transaction)."""
         return read_checked(self.readers, oid, entry.pack, entry.offset, entry.length,
@@ -122,7 +123,8 @@ class StoreCore:
             self.remote.refresh(self)
 
     def read_into(self, oid: bytes, kind: int, prefix: int, out: memoryview, *,
-                  id_check: bool = True, fallback: bool = False) -> bytes | Object | None:
+                  id_check: bool = True, fallback: bool = False,
+                  at: RecordLocation | None = None) -> bytes | Object | None:
         """Read object ``oid`` of ``kind`` whose payload is ``prefix`` bytes followed by
         exactly ``len(out)`` bytes, straight into ``out``, when its record is stored raw:
         one preadv, no fresh buffer, no decompression. Returns the first ``prefix`` bytes
@@ -133,9 +135,13 @@ class StoreCore:
         The record checksum (header, id, refs, payload) is always checked, so what lands
         in ``out`` is what the writer wrote under this id; ``id_check=False`` skips only
         re-hashing the payload into its id (a writer's own hash, which a deep verify
-        re-checks). On CorruptObject ``out`` holds unspecified bytes."""
+        re-checks). On CorruptObject ``out`` holds unspecified bytes. ``at``: where
+        ``locate`` found the record (tried first, no index lookup; a stale one is looked
+        up again: the checks hold either way)."""
+        entry: ix.ObjectEntry | RecordLocation | None = at
         for _ in range(_READ_RETRIES):
-            entry = self.lookup(oid)
+            if entry is None:
+                entry = self.lookup(oid)
             head_len = fmt.RECORD_HEADER.size + ID_SIZE * len(entry.refs)
             stored = entry.length - head_len - fmt.CHECKSUM.size
             head = bytearray(head_len + prefix)
@@ -153,6 +159,7 @@ class StoreCore:
                     return obj
             except FileNotFoundError:
                 self.pack_missing(entry.pack)
+                entry = None
                 continue
             except OSError as exc:
                 raise store_error(f"cannot read pack {pack_name(entry.pack)}", exc) from exc
@@ -168,9 +175,12 @@ class StoreCore:
         read txn for the locations; adjacent records merge into one range)."""
         from .coordinator import locate_closure
 
+        self.advise(locate_closure(self, oids).values())
+
+    def advise(self, locs: Iterable[RecordLocation]) -> None:
+        """Read-ahead hint for located records (adjacent ones merge into one range)."""
         spans: dict[int, list[list[int]]] = {}
-        for loc in sorted(locate_closure(self, oids).values(),
-                          key=lambda c: (c.pack, c.offset)):
+        for loc in sorted(locs, key=lambda c: (c.pack, c.offset)):
             runs = spans.setdefault(loc.pack, [])
             if runs and loc.offset <= runs[-1][1] + (1 << 16):
                 runs[-1][1] = max(runs[-1][1], loc.offset + loc.length)
@@ -181,11 +191,12 @@ class StoreCore:
                 return
             self.readers.advise(pack, [(a, b - a) for a, b in runs])
 
-    def read(self, oid: bytes) -> Object:
-        """The checked object ``oid``, looked up again when a gc moved it meanwhile."""
-        entry = None
+    def read(self, oid: bytes, at: RecordLocation | None = None) -> Object:
+        """The checked object ``oid``, looked up again when a gc moved it meanwhile
+        (``at``: where ``locate`` found it, tried first without an index lookup)."""
+        entry: ix.ObjectEntry | RecordLocation | None = None
         for _ in range(_READ_RETRIES):
-            entry = self.lookup(oid)
+            entry, at = (at if at is not None else self.lookup(oid)), None
             obj = self.read_entry(oid, entry)
             if obj is not None:
                 return obj
@@ -213,9 +224,25 @@ class DirectReads:
         self._core.check_open()
         self._core.prefetch(oids)
 
+    def get_at(self, loc: RecordLocation) -> Object:
+        self._core.check_open()
+        return self._core.read(loc.oid, at=loc)
 
-def _check_raw(oid: bytes, kind: int, entry: ix.ObjectEntry, head: bytearray, head_len: int,
-               out: memoryview, tail: bytearray, id_check: bool) -> None:
+    def get_into_at(self, loc: RecordLocation, kind: int, prefix: int, out: memoryview, *,
+                    id_check: bool = True, fallback: bool = False
+                    ) -> bytes | Object | None:
+        self._core.check_open()
+        return self._core.read_into(loc.oid, kind, prefix, out, id_check=id_check,
+                                    fallback=fallback, at=loc)
+
+    def prefetch_at(self, locs: Iterable[RecordLocation]) -> None:
+        self._core.check_open()
+        self._core.advise(locs)
+
+
+def _check_raw(oid: bytes, kind: int, entry: ix.ObjectEntry | RecordLocation,
+               head: bytearray, head_len: int, out: memoryview, tail: bytearray,
+               id_check: bool) -> None:
     """The checks ``decode_record`` makes, over a record read in three pieces."""
     name = pack_name(entry.pack)
     where = f"object {hexid(oid)} in pack {name} at offset {entry.offset}"

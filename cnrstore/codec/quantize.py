@@ -77,6 +77,9 @@ _SERIAL_CHUNK_FACTOR = 16
 
 def _cpu_chunk_elems() -> int:
     return _CPU_CHUNK_ELEMS * (_SERIAL_CHUNK_FACTOR if torch.get_num_threads() == 1 else 1)
+# Decoding takes a block in one chunk (<= 4 MiB fp32): at the encode chunk per-op overhead
+# was half of an int8 restore (docs/PERFORMANCE.md, "Issue 14, third pass").
+_CPU_DECODE_CHUNK_ELEMS = (1 << 20) - 1
 _CUDA_CHUNK_ELEMS = 1 << 24
 
 
@@ -276,9 +279,9 @@ def decode_rows(codes: torch.Tensor, scheme: str, dtype: torch.dtype, width: int
         out = torch.empty((n, width), dtype=dtype, device=codes.device)
     if n == 0 or width == 0:
         return out
-    budget = _CUDA_CHUNK_ELEMS if codes.device.type == "cuda" else _cpu_chunk_elems()
+    budget = _CUDA_CHUNK_ELEMS if codes.device.type == "cuda" else _CPU_DECODE_CHUNK_ELEMS
     step = max(1, budget // width)
-    for start in range(0, n, step):  # chunked for the same reason as encoding
+    for start in range(0, n, step):  # chunked: temporaries stay bounded
         _decode_into(codes[start : start + step], scheme, width, out[start : start + step], wide)
     return out
 
