@@ -22,6 +22,15 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from cnrstore.cli.locate import (
+    CACHE_ENV,
+    cache_dir_of,
+    is_shared,
+    is_url,
+    open_objects,
+    open_store,
+    require_store,
+)
 from cnrstore.errors import EXIT_OK, EXIT_PROBLEMS, CheckpointError, UsageError, engine_errors
 
 if TYPE_CHECKING:
@@ -31,8 +40,6 @@ if TYPE_CHECKING:
 
 __all__ = ["build_parser", "main"]
 
-# The index cache of a store on S3 or on a shared directory, when --cache-dir is not given.
-CACHE_ENV = "CNRSTORE_CACHE_DIR"
 
 
 def _common(*, suppress: bool) -> argparse.ArgumentParser:
@@ -156,92 +163,8 @@ def _add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     torchrec_demo.add_arguments(parser)
 
 
-def _is_url(path: str) -> bool:
-    return path.startswith("s3://")
-
-
-def _is_shared(path: str) -> bool:
-    # engine/storage/shared.py: a shared-directory store has commits/ and never index/.
-    return (os.path.isdir(os.path.join(path, "commits"))
-            and not os.path.exists(os.path.join(path, "index")))
-
-
-def _cache_dir(args: argparse.Namespace) -> str | None:
-    """--cache-dir, else $CNRSTORE_CACHE_DIR for the stores that keep their index in a
-    cache (a directory store holds its own: the variable never applies to it)."""
-    if args.cache_dir:
-        return str(args.cache_dir)
-    store = getattr(args, "store", "")
-    if store and (_is_url(store) or _is_shared(store)):
-        return os.environ.get(CACHE_ENV) or None
-    return None
-
-
-def _require_store(path: str, cache_dir: str | None = None) -> None:
-    # The engine's layout (engine/store.py): a store directory holds index/ and packs/.
-    # Checked here so a mistyped path is a usage error, and nothing is created. A bucket
-    # store is checked by its open (create=False: "no store at s3://...").
-    where = "on S3" if _is_url(path) else "on a shared directory"
-    if (_is_url(path) or _is_shared(path)) and not cache_dir:
-        raise UsageError(f"{path}: a store {where} needs --cache-dir DIR (a local "
-                         f"directory for its index) or ${CACHE_ENV}")
-    if _is_url(path):
-        return
-    if not os.path.isdir(path):
-        raise UsageError(f"no store at {path!r} (directory not found)")
-    if not any(os.path.exists(os.path.join(path, d)) for d in ("index", "packs")):
-        raise UsageError(f"no store at {path!r} (no index/ or packs/ inside)")
-
-
 # Commands served by cnrstore.tools on the engine store alone (no torch).
 _VIEW_COMMANDS = frozenset({"ls", "show", "diff", "du", "verify"})
-
-
-def _stale(exc: BaseException) -> bool:
-    from engine import StaleIndex
-
-    return isinstance(exc, StaleIndex) or isinstance(exc.__cause__, StaleIndex)
-
-
-def _open_objects(path: str, cache_dir: str | None = None):
-    """The engine store at ``path`` for a read-only view: opened read-only (no writer lock,
-    no writes: a store that cannot be written can still be inspected). An index behind its
-    packs cannot be brought up to date read-only; where the store is writable it is then
-    opened writable to do so. A bucket store's cache is brought up to date on open, so it
-    opens writable (its cache is local; the bucket is only read)."""
-    import engine
-
-    _require_store(path, cache_dir)
-    if cache_dir:
-        from cnrstore.core.location import open_objects
-
-        return open_objects(path, cache_dir=cache_dir, create=False)
-    try:
-        return engine.open(path, create=False, readonly=True)
-    except engine.StaleIndex:
-        if not os.access(path, os.W_OK):
-            raise
-    return engine.open(path, create=False)
-
-
-def _open(path: str, *, create: bool = False, readonly: bool = False,
-          cache_dir: str | None = None):
-    """The checkpoint store at ``path`` (the store API, for commands that need it)."""
-    from cnrstore.core.store import open as open_store
-
-    if cache_dir or _is_url(path):
-        if not create or _is_url(path):
-            _require_store(path, cache_dir)
-        return open_store(path, create=create, cache_dir=cache_dir)
-    if not create:
-        _require_store(path)
-    if readonly:
-        try:
-            return open_store(path, create=False, readonly=True)
-        except Exception as exc:  # StaleIndex, or what the store translated it into
-            if not _stale(exc) or not os.access(path, os.W_OK):
-                raise
-    return open_store(path, create=create)
 
 
 def _progress(args: argparse.Namespace, label: str) -> Progress:
@@ -277,19 +200,19 @@ def _run(args: argparse.Namespace) -> int:
     if cmd == "repair":
         from cnrstore.tools import info
 
-        if _is_url(args.store) or _is_shared(args.store) or args.cache_dir:
+        if is_url(args.store) or is_shared(args.store) or args.cache_dir:
             raise UsageError(f"{args.store}: repair rebuilds a directory store's index; "
                              "the index cache of a store on S3 or a shared directory "
                              "rebuilds itself on open (give it an empty --cache-dir)")
-        _require_store(args.store)
+        require_store(args.store)
         report = info.repair(args.store)
         _emit(args, report, fmt.repair_text(report))
         return EXIT_PROBLEMS if report.damaged else EXIT_OK
     if cmd in _VIEW_COMMANDS:
-        with _open_objects(args.store, _cache_dir(args)) as objects:
+        with open_objects(args.store, cache_dir_of(args)) as objects:
             return _view(args, objects)
-    with _open(args.store, create=cmd == "import", readonly=cmd == "export",
-               cache_dir=_cache_dir(args)) as store:
+    with open_store(args.store, create=cmd == "import", readonly=cmd == "export",
+               cache_dir=cache_dir_of(args)) as store:
         return _change(args, store)
 
 

@@ -10,6 +10,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from cnrstore.codec.bitpack import pack_codes, packed_nbytes, unpack_codes
+from cnrstore.codec.errorbound import max_abs_error
 from cnrstore.codec.qparams import fp16_qparams
 from cnrstore.codec.qsearch import row_sq_errors
 from cnrstore.codec.quantize import (
@@ -22,7 +23,6 @@ from cnrstore.codec.quantize import (
     decode_rows,
     encode_rows,
     first_nonfinite_row,
-    max_abs_error,
     row_nbytes,
 )
 
