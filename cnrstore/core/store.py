@@ -9,15 +9,14 @@ lineage.py and verify.py, which receive that core, never this class's private fi
 
 from __future__ import annotations
 
-import atexit
 import os
-import weakref
 from collections.abc import Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from cnrstore.core import lineage, maintenance, statestore
 from cnrstore.core.handle import StoreCore
+from cnrstore.core.lifetime import close_at_exit, forget
 from cnrstore.core.options import Options, make_options, resolve_stored
 from cnrstore.core.put import put
 from cnrstore.core.snapshot import HostBuffers
@@ -27,20 +26,6 @@ from cnrstore.format.manifest import list_steps
 from engine import ObjectStore
 
 __all__ = ["CheckpointStore", "open"]
-
-# Handles still open at interpreter exit are closed then, so a non-blocking put that was
-# never waited for is still committed (the writer thread is a daemon and would be killed).
-_OPEN: weakref.WeakSet = weakref.WeakSet()
-
-
-@atexit.register
-def _close_open_stores() -> None:
-    for store in list(_OPEN):
-        try:
-            store.close()
-        except Exception:  # exiting anyway; one broken store must not stop the others
-            pass
-
 
 class CheckpointStore:
     """Checkpoints of embedding tables over an engine object store.
@@ -66,7 +51,7 @@ class CheckpointStore:
             writer=BackgroundWriter(max_inflight=opt.max_inflight),
             buffers=HostBuffers(keep=opt.max_inflight + 1, max_bytes=opt.host_buffer_bytes),
         )
-        _OPEN.add(self)
+        close_at_exit(self)
 
     # -- lifetime ------------------------------------------------------------------------
     @property
@@ -82,7 +67,7 @@ class CheckpointStore:
     @translating
     def close(self) -> None:
         """Wait for pending puts, stop the writer and close the engine store (if owned)."""
-        _OPEN.discard(self)
+        forget(self)
         self._core.close()
 
     def __enter__(self) -> CheckpointStore:

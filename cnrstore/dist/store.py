@@ -15,16 +15,15 @@ interleave with the training's collectives or with each other.
 
 from __future__ import annotations
 
-import atexit
 import os
 import threading
-import weakref
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch.distributed as dist
 
+from cnrstore.core.lifetime import close_at_exit
 from cnrstore.core.options import Options, make_options
 from cnrstore.core.snapshot import HostBuffers
 from cnrstore.core.store import CheckpointStore
@@ -40,21 +39,6 @@ __all__ = ["DistributedStore", "open_distributed"]
 
 _DEFAULT_TIMEOUT = 300.0
 
-# Handles still open at interpreter exit are closed then, on every rank, so a non-blocking
-# put queued at the end of a training script still commits (as a plain store's does).
-# Registered after cnrstore.core.store's handler (imported above), so it runs first: the
-# coordinator's plain store is still open while the queued put commits through it.
-_OPEN: weakref.WeakSet = weakref.WeakSet()
-
-
-@atexit.register
-def _close_open_stores() -> None:
-    for store in list(_OPEN):
-        try:
-            store.close()
-        except Exception:  # exiting anyway; a failed rank must not stop the others
-            pass
-# Keywords of the coordinator's open alone: ranks other than the coordinator open no index.
 _OPEN_ONLY = ("create", "compression_level", "readonly", "cache_dir", "storage_options")
 
 
@@ -124,7 +108,7 @@ class DistributedStore:
         self.closed = False
         self.shard_leaf = _shard_leaf()
         self.readers = transfer.Readers(self.storage)  # packs this rank reads by location
-        _OPEN.add(self)
+        close_at_exit(self)  # after the coordinator's plain store: closed before it
 
     # -- plumbing ------------------------------------------------------------------------
     @property

@@ -44,3 +44,26 @@ def random_table(gen: torch.Generator, rows: int, *tail: int, dtype=torch.float3
         return torch.randint(max(info.min, -1000), min(info.max, 1000) + 1, shape,
                              generator=gen, dtype=torch.int64).to(dtype)
     return torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)
+
+
+def race_writers(docs: list[dict], go) -> list[tuple[str, str]]:
+    """Two (or more) processes of tests/cnrstore/_s3_ckpt_worker.py, one per ``docs``
+    entry, released together when ``go`` (a path) is created; their (stdout, stderr)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    worker = os.path.join(os.path.dirname(__file__), "_s3_ckpt_worker.py")
+    procs = [subprocess.Popen([sys.executable, worker, json.dumps(doc)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for doc in docs]
+    try:
+        for p in procs:
+            assert p.stdout is not None and p.stderr is not None
+            assert p.stdout.readline().strip() == "ready", p.stderr.read()
+        go.touch()
+        return [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()

