@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -46,6 +47,11 @@ _LEN_MUL = 0xD6E8FEB86659FD93
 _CPU_CHUNK_WORDS = 1 << 14
 _SERIAL_ELEMS = 32767  # torch runs an op on fewer elements than its grain size serially
 _CUDA_CHUNK_WORDS = 1 << 22
+# A CPU table at least this large is hashed in parts on every core: each part's chunk loop
+# runs in numpy or torch ops that release the GIL, so two cores hash 1 GB fp32 at 4.8 GB/s
+# against 2.9 GB/s on one (benches/bench_fingerprint.py); a non-blocking put waits for
+# this pass (issue 14's stall). Below it, handing parts to threads costs more than it saves.
+_SPLIT_MIN_BYTES = 16 << 20
 
 
 def _to_signed(value: int) -> int:
@@ -66,6 +72,8 @@ def _splitmix64_stream(seed: int, count: int) -> list[int]:
 
 
 _keys_lock = threading.Lock()
+_split_lock = threading.Lock()
+_split_pool: ThreadPoolExecutor | None = None
 _key_cache: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
 _buffers_lock = threading.Lock()
 _buffer_cache: dict[tuple, tuple[torch.Tensor, ...]] = {}
@@ -74,9 +82,11 @@ _buffer_cache: dict[tuple, tuple[torch.Tensor, ...]] = {}
 def _reset_after_fork() -> None:
     # A thread of the parent may have held a lock at fork(); it does not exist in the
     # child, so the lock would never be released. The caches may be mid-update: drop them.
-    global _keys_lock, _buffers_lock
+    global _keys_lock, _buffers_lock, _split_lock, _split_pool
     _keys_lock = threading.Lock()
     _buffers_lock = threading.Lock()
+    _split_lock = threading.Lock()
+    _split_pool = None  # its threads do not exist in the child
     _key_cache.clear()
     _buffer_cache.clear()
 
@@ -197,16 +207,57 @@ def row_fingerprints(table: torch.Tensor, *, out: torch.Tensor | None = None) ->
     words = (nbytes + 7) // 8
     if rows == 0:
         return out
+    parts = _split_parts(device, rows, nbytes)
+    if parts > 1:
+        # Contiguous row ranges: each part's fingerprints are those of its rows alone.
+        bounds = [rows * i // parts for i in range(parts + 1)]
+        pool = _pool()
+        futures = [pool.submit(_finish, table[lo:hi], words, nbytes, out[lo:hi])
+                   for lo, hi in zip(bounds[1:-1], bounds[2:])]
+        _finish(table[: bounds[1]], words, nbytes, out[: bounds[1]])  # this thread's part
+        for f in futures:
+            f.result()
+        return out
+    _finish(table, words, nbytes, out)
+    return out
+
+
+def _split_parts(device: torch.device, rows: int, nbytes: int) -> int:
+    if device.type != "cpu" or rows * nbytes < _SPLIT_MIN_BYTES:
+        return 1
+    return min(_cores(), rows)
+
+
+def _cores() -> int:
+    try:
+        return max(1, min(8, len(os.sched_getaffinity(0))))
+    except AttributeError:  # no sched_getaffinity (macOS)
+        return max(1, min(8, os.cpu_count() or 1))
+
+
+def _pool() -> ThreadPoolExecutor:
+    """Threads hashing the other parts of a large table. A part never waits for another
+    task, so callers on many threads share it without a deadlock: each also hashes a part
+    itself."""
+    global _split_pool
+    with _split_lock:
+        if _split_pool is None:
+            _split_pool = ThreadPoolExecutor(max(1, _cores() - 1),
+                                             thread_name_prefix="cnrstore-fp-part")
+        return _split_pool
+
+
+def _finish(table: torch.Tensor, words: int, nbytes: int, out: torch.Tensor) -> None:
+    """Fingerprints of ``table``'s rows (at least one) into ``out``."""
     if words == 0:
         out.zero_()
     else:
         _hash_words(table, words, out)
-    step = _CUDA_CHUNK_WORDS if device.type == "cuda" else _CPU_CHUNK_WORDS
-    for start in range(0, rows, step):  # chunked for the same reason as the words
+    step = _CUDA_CHUNK_WORDS if table.device.type == "cuda" else _CPU_CHUNK_WORDS
+    for start in range(0, out.shape[0], step):  # chunked for the same reason as the words
         part = out[start : start + step]
         part ^= _to_signed(nbytes * _LEN_MUL)
         _avalanche(part)
-    return out
 
 
 def _cpu_word_view(table: torch.Tensor, words: int) -> np.ndarray | None:

@@ -77,9 +77,10 @@ _SERIAL_CHUNK_FACTOR = 16
 
 def _cpu_chunk_elems() -> int:
     return _CPU_CHUNK_ELEMS * (_SERIAL_CHUNK_FACTOR if torch.get_num_threads() == 1 else 1)
-# Decoding takes a block in one chunk (<= 4 MiB fp32): at the encode chunk per-op overhead
-# was half of an int8 restore (docs/PERFORMANCE.md, "Issue 14, third pass").
-_CPU_DECODE_CHUNK_ELEMS = (1 << 20) - 1
+# Decoding takes a block in one chunk (a default block of 16384 x 64 is 1 M elements; up to
+# 16 MiB fp32): at the encode chunk per-op overhead was half of an int8 restore
+# (docs/PERFORMANCE.md, "Issue 14, third pass"). int8 into fp32 has no chunk temporary.
+_CPU_DECODE_CHUNK_ELEMS = 1 << 22
 _CUDA_CHUNK_ELEMS = 1 << 24
 
 
@@ -305,9 +306,19 @@ def _decode_into(
         # dequantize's arithmetic (float32 q * scale + offset, clamped) written straight
         # into the table: no float32 temporary and no copy of it (a restore's hot loop).
         torch.mul(q, scale, out=out)
-        out.add_(offset).clamp_(-limit, limit)
+        out.add_(offset)
+        if not _within(scale, offset, (1 << _BITS[scheme]) - 1, limit):
+            out.clamp_(-limit, limit)
         return
     out.copy_(dequantize(q, scale, offset, limit=limit))
+
+
+def _within(scale: torch.Tensor, offset: torch.Tensor, qmax: int, limit: float) -> bool:
+    """Whether no row's offset + q * scale (q <= qmax) can pass +-limit, rounding included
+    (float32 rounds each of the two steps by at most 2^-24 relatively): then the clamp
+    changes nothing and its pass over the rows is skipped. False for NaN qparams."""
+    bound = offset.double().abs() + scale.double().abs() * qmax
+    return bool((bound <= limit * (1 - 2.0**-20)).all())
 
 
 def _dense(t: torch.Tensor) -> torch.Tensor:

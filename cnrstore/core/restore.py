@@ -82,6 +82,24 @@ def _block_codes(
     return codes
 
 
+_scratch = threading.local()
+_SCRATCH_KEEP = 64 << 20  # larger block buffers are not kept between blocks
+
+
+def _codes_buffer(node, i: int) -> np.ndarray:
+    """A C-contiguous uint8 [rows of block i, row_nbytes] buffer of this thread, reused
+    from block to block: a lossy block's codes are read into it (no fresh buffer, no
+    copy of the record) and decoded from it before the thread's next block."""
+    start, stop = node.block_range(i)
+    want = (stop - start) * node.row_nbytes
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or len(buf) < want:
+        buf = np.empty(want, dtype=np.uint8)
+        if want <= _SCRATCH_KEEP:
+            _scratch.buf = buf
+    return buf[:want].reshape(stop - start, node.row_nbytes)
+
+
 def _prefetch(objects: ObjectStore, oids: list[bytes]) -> None:
     """Read-ahead hint for the blocks a restore is about to read, patch chains included,
     on a thread of its own: on a cold cache the kernel then reads them in parallel with
@@ -189,7 +207,7 @@ def read_table(
             codes = _block_codes(objects, tm, i, out=dest)
             part = codes
         else:
-            codes = _block_codes(objects, tm, i)
+            codes = _block_codes(objects, tm, i, out=_codes_buffer(node, i))
             part = codes[a - start:b - start]
             if width and b > a:  # zero-width rows decode to nothing (and some codecs refuse)
                 decode_rows(torch.from_numpy(part), node.scheme, dtype, width,
@@ -236,7 +254,7 @@ def read_into(
             part = rows2d[start:stop]
             codes = _block_codes(objects, tm, i, out=part.view(torch.uint8).numpy())
         else:
-            codes = _block_codes(objects, tm, i)
+            codes = _block_codes(objects, tm, i, out=_codes_buffer(node, i))
             if rows2d is not None and rows2d.device.type == "cpu":
                 part = rows2d[start:stop]  # decoded in place: no block-sized temporary
                 if width and stop > start:

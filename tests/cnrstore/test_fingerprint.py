@@ -137,6 +137,50 @@ def test_chunking_and_buffer_reuse(monkeypatch):
     assert torch.equal(row_fingerprints(table), whole)  # reused buffers, same answer
 
 
+@settings(max_examples=30, deadline=None)
+@given(
+    dtype=st.sampled_from(ALL_DTYPES),
+    rows=st.integers(1, 300),
+    width=st.integers(1, 20),
+    strided=st.booleans(),
+    seed=st.integers(0, 2**31),
+)
+def test_large_tables_split_across_cores_match_the_construction(dtype, rows, width, strided,
+                                                                 seed):
+    """A CPU table above the split size is hashed in row parts on several threads; every
+    row's fingerprint is the documented construction's, whatever the parts."""
+    base = _random_table(dtype, rows, 2 * width, seed)
+    table = base[:, ::2] if strided else base[:, :width]
+    old = fp_mod._SPLIT_MIN_BYTES
+    fp_mod._SPLIT_MIN_BYTES = 1  # every table splits (when it has >1 row)
+    try:
+        got = row_fingerprints(table)
+    finally:
+        fp_mod._SPLIT_MIN_BYTES = old
+    dense = table.clone(memory_format=torch.contiguous_format)
+    assert np.array_equal(got.numpy(), _reference(dense))
+
+
+def test_split_runs_parts_on_other_threads(monkeypatch):
+    """The split is real: parts above the threshold run on the pool's threads too."""
+    seen = set()
+    real = fp_mod._finish
+
+    def spy(table, words, nbytes, out):
+        seen.add(threading.get_ident())
+        real(table, words, nbytes, out)
+
+    monkeypatch.setattr(fp_mod, "_finish", spy)
+    monkeypatch.setattr(fp_mod, "_cores", lambda: 3)
+    monkeypatch.setattr(fp_mod, "_split_pool", None)
+    monkeypatch.setattr(fp_mod, "_SPLIT_MIN_BYTES", 1024)
+    table = torch.randn(3000, 16)
+    got = row_fingerprints(table)
+    assert len(seen) >= 2
+    monkeypatch.setattr(fp_mod, "_SPLIT_MIN_BYTES", 1 << 62)
+    assert torch.equal(got, row_fingerprints(table))
+
+
 @pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128])
 def test_complex_tables_hash_their_bytes(dtype):
     base = torch.randn(30, 14, dtype=dtype)

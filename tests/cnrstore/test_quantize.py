@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from cnrstore.codec.bitpack import pack_codes, packed_nbytes, unpack_codes
 from cnrstore.codec.errorbound import max_abs_error
-from cnrstore.codec.qparams import fp16_qparams
+from cnrstore.codec.qparams import dequantize, fp16_qparams
 from cnrstore.codec.qsearch import row_sq_errors
 from cnrstore.codec.quantize import (
     LOSSY_DTYPES,
@@ -413,3 +413,30 @@ def test_decode_rows_into_out_equals_a_fresh_decode(scheme):
     assert torch.equal(out, decode_rows(codes, scheme, torch.float32, 7))
     with pytest.raises(ValueError, match="out must be"):
         decode_rows(codes, scheme, torch.float32, 7, out=torch.empty(300, 6))
+
+
+_PARAMS = st.one_of(
+    st.floats(-4.0, 4.0, width=16),
+    st.floats(-65504.0, 65504.0, width=16),
+    st.sampled_from([65504.0, -65504.0, 256.0, 257.0, float("inf"), float("nan")]),
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(scheme=st.sampled_from(INT_SCHEMES), width=st.integers(1, 12),
+       params=st.lists(st.tuples(_PARAMS, _PARAMS), min_size=1, max_size=6),
+       seed=st.integers(0, 2**31))
+def test_fp32_decode_matches_dequantize_bit_for_bit(scheme, width, params, seed):
+    """The fp32 restore path (which skips the clamp when no row can reach it) gives
+    dequantize's values bit for bit, for any stored codes and qparams."""
+    bits = int(scheme[3:])
+    n = len(params)
+    qp = torch.tensor(params, dtype=torch.float16)  # [n, 2]: scale, offset
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 1 << bits, (n, width), dtype=torch.uint8, generator=gen)
+    q[0] = (1 << bits) - 1  # the top code, where the rounding past the limit happens
+    codes = torch.cat([qp.view(torch.uint8).reshape(n, 4), pack_codes(q, bits)], dim=1)
+    want = dequantize(q, qp[:, :1].float(), qp[:, 1:].float(), limit=65504.0)
+    got = decode_rows(codes, scheme, torch.float32, width, out=torch.empty(n, width))
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32)) or torch.allclose(
+        got, want, equal_nan=True, rtol=0, atol=0)
