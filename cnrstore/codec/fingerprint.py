@@ -279,25 +279,28 @@ def _cpu_word_view(table: torch.Tensor, words: int) -> np.ndarray | None:
 def _hash_words_numpy(w: np.ndarray, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor):
     """The same integer steps as the torch loop below, in numpy uint64 (wrapping, logical
     shifts): numpy dispatches an op in ~1 us against torch's ~5-10 us, which on 128 KiB
-    chunks made the torch loop half overhead (2.3 vs 1.2 GB/s per core measured here)."""
+    chunks made the torch loop half overhead (2.3 vs 1.2 GB/s per core measured here).
+    The keys a_j are tiled to a chunk's shape (a broadcast xor ran at a third of the speed
+    of a dense one) and the multiply by b_j and the row sum are one einsum (wrapping uint64
+    like the rest): 5.6 against 3.6 GB/s per core on 256 B rows."""
     words = w.shape[1]
-    an = a.numpy().view(np.uint64)
     bn = b.numpy().view(np.uint64)
     res = out.numpy().view(np.uint64)
     c = np.uint64(_C)
     chunk_rows = max(1, _CPU_CHUNK_WORDS * 2 // words)
-    x = np.empty((min(chunk_rows, w.shape[0]), words), dtype=np.uint64)
+    rows = min(chunk_rows, w.shape[0])
+    an = np.ascontiguousarray(np.broadcast_to(a.numpy().view(np.uint64), (rows, words)))
+    x = np.empty((rows, words), dtype=np.uint64)
     y = np.empty_like(x)
     for start in range(0, w.shape[0], chunk_rows):
         src = w[start : start + chunk_rows]
         n = src.shape[0]
         xx, yy = x[:n], y[:n]
-        np.bitwise_xor(src, an, out=xx)
+        np.bitwise_xor(src, an[:n], out=xx)
         np.multiply(xx, c, out=xx)
         np.right_shift(xx, np.uint64(32), out=yy)
         np.bitwise_xor(xx, yy, out=xx)
-        np.multiply(xx, bn, out=xx)
-        np.sum(xx, axis=1, out=res[start : start + n])
+        np.einsum("ij,j->i", xx, bn, out=res[start : start + n])
 
 
 def _hash_words(table: torch.Tensor, words: int, out: torch.Tensor) -> None:
