@@ -305,8 +305,10 @@ def _decode_into(
     if out.dtype == torch.float32 and out.is_contiguous():
         # dequantize's arithmetic (float32 q * scale + offset, clamped) written straight
         # into the table: no float32 temporary and no copy of it (a restore's hot loop).
-        torch.mul(q, scale, out=out)
-        out.add_(offset)
+        # The codes are converted first (exact: q < 2^8) and scaled in place: the mixed
+        # uint8 x float32 multiply ran 1.5x slower than the same-dtype ops.
+        out.copy_(q)
+        out.mul_(scale).add_(offset)
         if not _within(scale, offset, (1 << _BITS[scheme]) - 1, limit):
             out.clamp_(-limit, limit)
         return
