@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 import msgpack
 
-from cnrstore.errors import InvalidInput, InvalidType, ManifestError
+from cnrstore.errors import CheckpointError, InvalidInput, InvalidType, ManifestError
+from cnrstore.format.manifest import list_steps, load_step, load_table
 from engine import ObjectStore, StoreError, Writer
 
 __all__ = ["Options", "OptionsMismatch", "DATA_OPTIONS", "OPTIONS_ROOT", "KIND_OPTIONS",
@@ -139,8 +140,10 @@ def resolve_stored(objects: ObjectStore, options: Options) -> Options:
         stored = read_stored(objects) or {}
     except (ManifestError, StoreError):
         # A damaged options object must not stop a checkpoint (verify reports it): the
-        # handle uses the given or default geometry, at worst writing tables in full.
+        # handle uses the given or the steps' geometry, at worst writing tables in full.
         stored = {}
+    if not stored:
+        stored = _steps_geometry(objects)
     resolved: dict[str, int] = {}
     for name in DATA_OPTIONS:
         given, have = getattr(options, name), stored.get(name)
@@ -152,6 +155,24 @@ def resolve_stored(objects: ObjectStore, options: Options) -> Options:
     threads = options.decode_threads or min(8, os.cpu_count() or 1)
     return dataclasses.replace(options, decode_threads=threads,
                                block_rows=resolved["block_rows"], fanout=resolved["fanout"])
+
+
+def _steps_geometry(objects: ObjectStore) -> dict[str, int]:
+    """The geometry of the newest step's first table, for a store holding steps but no
+    (readable) options object: one written before options were stored, when a new store
+    took 4096-row blocks. Opened with today's default it would write every table of its
+    next put in full; {} when it holds no step (or the step cannot be read)."""
+    try:
+        steps = list_steps(objects)
+        if not steps:
+            return {}
+        _, node = load_step(objects, steps[-1])
+        if not node.table_ids:
+            return {}
+        table = load_table(objects, node.table_ids[0])
+    except (CheckpointError, StoreError):
+        return {}
+    return {"block_rows": table.block_rows, "fanout": table.fanout}
 
 
 def ensure_stored(objects: ObjectStore, w: Writer, options: Options) -> None:

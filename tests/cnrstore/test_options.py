@@ -74,6 +74,27 @@ def test_a_store_without_stored_options_keeps_opening(tmp_path):
         cnrstore.open(tmp_path / "c", block_rows=16)
 
 
+def test_a_store_without_stored_options_keeps_its_steps_geometry(tmp_path):
+    """Such a store (written when a new store took 4096-row blocks), opened with no
+    block_rows, takes its newest step's geometry, not today's default: its next put stays
+    incremental instead of writing every table in full."""
+    t = torch.randn(10_000, 4, generator=torch.Generator().manual_seed(3))
+    with cnrstore.open(tmp_path / "c", block_rows=4096, fanout=4) as s:
+        s.put_tables(1, {"t": t})
+    with engine.open(tmp_path / "c") as objects, objects.writer() as w:
+        w.delete_root(OPTIONS_ROOT)
+    with cnrstore.open(tmp_path / "c") as s:
+        assert (s.options.block_rows, s.options.fanout) == (4096, 4)
+        t[5] += 1
+        info = s.put_tables(2, {"t": t})
+        assert info.rewritten_blocks == 0 and info.rows_written == {"t": 1}
+        assert torch.equal(s.get_tables(2)["t"], t)
+    with cnrstore.open(tmp_path / "c") as s:  # the put stored the options it used
+        assert s.options.block_rows == 4096
+    with cnrstore.open(tmp_path / "e") as s:  # a new store takes the default
+        assert s.options.block_rows == 16384
+
+
 def test_the_memory_twin_stores_options_too():
     objects = engine.MemoryStore()
     with cnrstore.CheckpointStore(objects, block_rows=8) as s:
