@@ -17,6 +17,7 @@ import torch
 
 from cnrstore.codec.fingerprint import row_fingerprints
 from cnrstore.codec.quantize import decode_rows
+from cnrstore.core.prefault import Prefault
 from cnrstore.core.tablestate import DeferredBase, parse_dtype
 from cnrstore.errors import CheckpointError, InvalidInput, InvalidType, ManifestError
 from cnrstore.format.blocks import resolve
@@ -217,7 +218,11 @@ def read_table(
         if codes_out is not None:
             codes_out[a - lo:b - lo] = part
 
-    list(pool.map(one, range(first, last)))
+    ahead = Prefault(out)  # out is fresh memory: its page faults were most of a restore
+    try:
+        list(pool.map(one, range(first, last)))
+    finally:
+        ahead.stop()
     if pick is not None:
         out = out[torch.from_numpy(pick)]
     return out.reshape((out.shape[0], *node.shape[1:])), codes_out, fps
