@@ -18,6 +18,7 @@ import torch
 from cnrstore.codec.fingerprint import row_fingerprints
 from cnrstore.codec.quantize import decode_rows
 from cnrstore.core.prefault import Prefault
+from cnrstore.core.readahead import Readahead
 from cnrstore.core.tablestate import DeferredBase, parse_dtype
 from cnrstore.errors import CheckpointError, InvalidInput, InvalidType, ManifestError
 from cnrstore.format.blocks import resolve
@@ -101,19 +102,6 @@ def _codes_buffer(node, i: int) -> np.ndarray:
     return buf[:want].reshape(stop - start, node.row_nbytes)
 
 
-def _prefetch(objects: ObjectStore, oids: list[bytes]) -> None:
-    """Read-ahead hint for the blocks a restore is about to read, patch chains included,
-    on a thread of its own: on a cold cache the kernel then reads them in parallel with
-    the decoding, instead of one small read of each scattered patch at a time."""
-    def run() -> None:
-        try:
-            objects.prefetch(oids)
-        except Exception:  # noqa: BLE001, S110 - a hint (the store may close meanwhile):
-            pass           # the reads themselves report every problem
-
-    threading.Thread(target=run, name="cnrstore-prefetch", daemon=True).start()
-
-
 def _chain_reads(objects: ObjectStore, oid: bytes) -> tuple[Callable, Callable] | None:
     """(get, get_into) reading block ``oid`` and its patch chain at the locations one
     ``locate_closure`` (one read transaction) found when the block's read starts: a
@@ -195,12 +183,12 @@ def read_table(
     fps = torch.empty(hi - lo, dtype=torch.int64) if fingerprints else None
     first = lo // node.block_rows
     last = -(-hi // node.block_rows) if hi > lo else first
-    _prefetch(objects, list(tm.block_ids[first:last]))
 
     # Exact rows are their own codes: whole blocks decode straight into the returned table.
     direct = node.scheme == "exact" and width > 0
 
     def one(i: int) -> None:
+        ahead.started(i - first)
         start, stop = node.block_range(i)
         a, b = max(start, lo), min(stop, hi)
         if direct and (a, b) == (start, stop):
@@ -218,10 +206,12 @@ def read_table(
         if codes_out is not None:
             codes_out[a - lo:b - lo] = part
 
-    ahead = Prefault(out)  # out is fresh memory: its page faults were most of a restore
+    ahead = Readahead(objects, tm.block_ids[first:last], node.block_rows * node.row_nbytes)
+    faults = Prefault(out)  # out is fresh memory: its page faults were most of a restore
     try:
         list(pool.map(one, range(first, last)))
     finally:
+        faults.stop()
         ahead.stop()
     if pick is not None:
         out = out[torch.from_numpy(pick)]
@@ -251,9 +241,9 @@ def read_into(
               and dest.device.type == "cpu")
     codes_out = np.empty((node.rows, node.row_nbytes), dtype=np.uint8) if keep_codes else None
     fps = torch.empty(node.rows, dtype=torch.int64) if fingerprints else None
-    _prefetch(objects, list(tm.block_ids))
 
     def one(i: int) -> None:
+        ahead.started(i)
         start, stop = node.block_range(i)
         if direct and rows2d is not None:
             part = rows2d[start:stop]
@@ -278,7 +268,11 @@ def read_into(
         if codes_out is not None:
             codes_out[start:stop] = codes
 
-    list(pool.map(one, range(node.nblocks)))
+    ahead = Readahead(objects, tm.block_ids, node.block_rows * node.row_nbytes)
+    try:
+        list(pool.map(one, range(node.nblocks)))
+    finally:
+        ahead.stop()
     return codes_out, fps
 
 
