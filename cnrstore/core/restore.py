@@ -88,17 +88,20 @@ _scratch = threading.local()
 _SCRATCH_KEEP = 64 << 20  # larger block buffers are not kept between blocks
 
 
-def _codes_buffer(node, i: int) -> np.ndarray:
+def _codes_buffer(node, i: int) -> np.ndarray | None:
     """A C-contiguous uint8 [rows of block i, row_nbytes] buffer of this thread, reused
     from block to block: a lossy block's codes are read into it (no fresh buffer, no
-    copy of the record) and decoded from it before the thread's next block."""
+    copy of the record) and decoded from it before the thread's next block. None for a
+    block claiming more than _SCRATCH_KEEP bytes: then the record's own size is read
+    first (a crafted node must not make a restore allocate what it claims)."""
     start, stop = node.block_range(i)
     want = (stop - start) * node.row_nbytes
+    if want > _SCRATCH_KEEP:
+        return None
     buf = getattr(_scratch, "buf", None)
     if buf is None or len(buf) < want:
         buf = np.empty(want, dtype=np.uint8)
-        if want <= _SCRATCH_KEEP:
-            _scratch.buf = buf
+        _scratch.buf = buf
     return buf[:want].reshape(stop - start, node.row_nbytes)
 
 
