@@ -35,7 +35,9 @@ from .base import PackSink
 from .local import LocalSink, LocalStorage
 
 MARK = "commits"  # a shared-directory store has this directory; a directory store never
-_DIRS = ("packs", "claims", "commits")
+# MARK first: another process opening the store while this one creates it sees an empty
+# directory or one with MARK, never a directory that looks like someone else's.
+_DIRS = (MARK, "packs", "claims")
 TUNING = {"gc_grace_s": 21600.0}
 
 

@@ -101,3 +101,55 @@ def _listed(store) -> set[int]:
     index = store._core.index
     return set(index.read(lambda t: [int.from_bytes(bytes(k), "big") for k in
                                      t.cursor(db=index.packs).iternext(values=False)]))
+
+
+def test_a_creation_stopped_after_its_first_directory_still_opens(tmp_path, monkeypatch):
+    """Another process opening a new shared store while this one creates it sees what a
+    creation stopped early leaves. It must open: it was refused as "a non-empty
+    directory that is not a cnrstore store" when "packs" came before the marker."""
+    from engine.storage import shared
+
+    made = []
+    real = shared.makedirs_durable
+
+    def stop_after_two(path):
+        if len(made) == 2:  # the store's directory, then its first subdirectory
+            raise KeyboardInterrupt
+        made.append(path)
+        real(path)
+
+    monkeypatch.setattr(shared, "makedirs_durable", stop_after_two)
+    with pytest.raises(KeyboardInterrupt):
+        _open(tmp_path / "s", tmp_path / "c1")
+    monkeypatch.setattr(shared, "makedirs_durable", real)
+    with _open(tmp_path / "s", tmp_path / "c2") as s, s.writer() as w:
+        w.set_root("x", w.put(1, b"x"))
+    with _open(tmp_path / "s", tmp_path / "c3") as s:
+        assert list(s.roots()) == ["x"]
+
+
+RACE_OPEN = """
+import os, sys, time
+sys.path.insert(0, sys.argv[1])
+import engine
+base, cache, go, n = sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5])
+while not os.path.exists(go):
+    time.sleep(0.001)
+for i in range(n):
+    with engine.storage_open(os.path.join(base, str(i)), cache_dir=os.path.join(cache, str(i)),
+                             storage_options={"gc_grace_s": 0.0}):
+        pass
+print("ok")
+"""
+
+
+def test_two_processes_creating_the_same_shared_stores_both_open_them(tmp_path):
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    go = tmp_path / "go"
+    procs = [subprocess.Popen([sys.executable, "-c", RACE_OPEN, root, str(tmp_path / "s"),
+                               str(tmp_path / f"c{k}"), str(go), "40"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for k in range(2)]
+    go.touch()
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [o.strip() for o, _ in outs] == ["ok", "ok"], [e[-2000:] for _, e in outs]
