@@ -36,6 +36,18 @@ def listed_packs(store) -> set[int]:
                                      for k in t.cursor(db=index.packs).iternext(values=False)]))
 
 
+@pytest.fixture
+def workers():
+    """Worker processes of a test, killed at its end if still running: a test that fails
+    before it touches its go file would otherwise leave them polling for it."""
+    procs: list[subprocess.Popen] = []
+    yield procs
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
 def spawn(server, url: str, cache, **args) -> subprocess.Popen:
     doc = dict(url=url, cache=str(cache), options=server.options, **args)
     return subprocess.Popen([sys.executable, WORKER, json.dumps(doc)], stdout=subprocess.PIPE,
@@ -122,11 +134,12 @@ def test_gc_keeps_retired_packs_for_the_grace_period(bucket, tmp_path):
     a.close()
 
 
-def test_two_writers_on_two_caches_race_for_one_root(bucket, tmp_path):
+def test_two_writers_on_two_caches_race_for_one_root(bucket, tmp_path, workers):
     url = bucket.url()
     go = tmp_path / "go"
     procs = [spawn(bucket, url, tmp_path / f"c{i}", cmd="put", root="step/7", count=3,
                    size=50_000, go=str(go)) for i in range(2)]
+    workers.extend(procs)
     for p in procs:
         assert p.stdout.readline().strip() == "ready", p.stderr.read()
     go.touch()
@@ -140,11 +153,12 @@ def test_two_writers_on_two_caches_race_for_one_root(bucket, tmp_path):
         assert set(s._core.storage.sizes()) == listed_packs(s)
 
 
-def test_two_writers_of_different_roots_one_gets_concurrent_commit(bucket, tmp_path):
+def test_two_writers_of_different_roots_one_gets_concurrent_commit(bucket, tmp_path, workers):
     url = bucket.url()
     go = tmp_path / "go"
     procs = [spawn(bucket, url, tmp_path / f"c{i}", cmd="put", root=f"step/{i}", count=2,
                    size=1000, go=str(go)) for i in range(2)]
+    workers.extend(procs)
     for p in procs:
         assert p.stdout.readline().strip() == "ready", p.stderr.read()
     go.touch()
