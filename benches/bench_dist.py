@@ -58,6 +58,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dist", default="zipf", choices=["zipf", "uniform"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--systems", default="cnr,dcp,dcp_async")
+    p.add_argument("--block-rows", type=int, default=None,
+                   help="block_rows of the cnrstore stores (default: a new store's)")
     p.add_argument("--dir", default=None, help="where checkpoints go (default: a temp dir)")
     p.add_argument("--out", default=None, help="folder for results.json and results.md")
     p.add_argument("--timeout", type=float, default=1800.0)
@@ -204,6 +206,8 @@ def _open_cnr(args: argparse.Namespace, root: str, system: str, rank: int) -> An
     import cnrstore
 
     kw: dict = {"group": dist.group.WORLD, "timeout": args.timeout}
+    if getattr(args, "block_rows", None):
+        kw["block_rows"] = args.block_rows
     if system == "cnr_shared":
         kw["cache_dir"] = os.path.join(os.path.dirname(root), f"cache-{system}-{rank}")
     if system == "cnr_s3":
