@@ -31,6 +31,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
+from cnrstore.codec.cores import cores
+
 __all__ = ["row_fingerprints", "FINGERPRINT_VERSION"]
 
 # Bump when the construction or the keys change: stored fingerprints become incomparable.
@@ -229,10 +231,7 @@ def _split_parts(device: torch.device, rows: int, nbytes: int) -> int:
 
 
 def _cores() -> int:
-    try:
-        return max(1, min(8, len(os.sched_getaffinity(0))))
-    except AttributeError:  # no sched_getaffinity (macOS)
-        return max(1, min(8, os.cpu_count() or 1))
+    return min(8, cores())
 
 
 def _pool() -> ThreadPoolExecutor:

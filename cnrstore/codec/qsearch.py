@@ -27,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
+from cnrstore.codec.cores import cores
 from cnrstore.codec.qgrid import WIN_MARGIN, grid_task, grid_torch, sq_errors_numpy
 from cnrstore.codec.qparams import (
     FP16_MAX,
@@ -214,18 +215,11 @@ def _reset_pool() -> None:
 os.register_at_fork(after_in_child=_reset_pool)
 
 
-def _workers() -> int:
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # not Linux
-        return max(1, os.cpu_count() or 1)
-
-
 def _pool() -> ThreadPoolExecutor:
     global _POOL
     with _POOL_LOCK:
         if _POOL is None:
-            _POOL = ThreadPoolExecutor(_workers(), thread_name_prefix="cnrstore-qsearch")
+            _POOL = ThreadPoolExecutor(cores(), thread_name_prefix="cnrstore-qsearch")
         return _POOL
 
 
@@ -253,7 +247,7 @@ def _rows_cpu(rows: torch.Tensor, bits: int, dtype: torch.dtype, search: str):
         out_lo[start:stop] = lo
         out_hi[start:stop] = hi
 
-    if len(starts) == 1 or _workers() == 1:
+    if len(starts) == 1 or cores() == 1:
         for start in starts:
             task(start)
     else:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 
-from engine import ObjectStore, RecordLocation
+from engine import ObjectStore
 
 __all__ = ["Readahead"]
 
@@ -49,12 +49,6 @@ class Readahead:
         self._thread.join()
 
     def _run(self) -> None:
-        try:
-            # One read transaction for the whole table: a hint may be stale, a read never
-            # trusts it (each block's read locates its own chain when it starts).
-            found = self._objects.locate_closure(self._oids)
-        except Exception:  # noqa: BLE001 - no locations (not a pack store, closed): no hints
-            return
         for i, oid in enumerate(self._oids):
             with self._cv:
                 while not self._stopped and i >= self._begun + self._window:
@@ -62,22 +56,9 @@ class Readahead:
                 if self._stopped:
                     return
             try:
-                self._objects.prefetch_at(_chain(found, oid))
+                # The store's own hint: the block and all it reaches (its patch chain). A
+                # hint may be stale; a read never trusts it (each block's read locates its
+                # own chain when it starts).
+                self._objects.prefetch([oid])
             except Exception:  # noqa: BLE001 - a hint (the store may close meanwhile)
                 return
-
-
-def _chain(found: dict[bytes, RecordLocation], oid: bytes) -> list[RecordLocation]:
-    """The located records of block ``oid``'s chain: the block, its base, and so on."""
-    out = []
-    seen = set()
-    todo = [oid]
-    while todo:
-        cur = todo.pop()
-        loc = found.get(cur)
-        if loc is None or cur in seen:
-            continue
-        seen.add(cur)
-        out.append(loc)
-        todo.extend(loc.refs)
-    return out

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
+import os
+
 import torch
 
 import cnrstore
@@ -67,3 +70,15 @@ def race_writers(docs: list[dict], go) -> list[tuple[str, str]]:
     finally:
         for p in procs:
             p.kill()
+
+
+def checkpoint_machine(name: str):
+    """(OPTS, CheckpointMachine) of test_state_machine.py, loaded by path as module
+    ``name`` (tests/engine has a test_state_machine module of its own on sys.path), for the
+    machines that run it on other stores."""
+    spec = importlib.util.spec_from_file_location(
+        name, os.path.join(os.path.dirname(__file__), "test_state_machine.py"))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.OPTS, module.CheckpointMachine

@@ -44,7 +44,7 @@ def test_hints_follow_the_decode_within_the_window(tmp_path, monkeypatch):
                 if len(hinted) == len(tm.block_ids):
                     done.set()
 
-        monkeypatch.setattr(s.objects, "prefetch_at", spy)
+        monkeypatch.setattr(s.objects._core, "advise", spy)  # what prefetch hints
         block_nbytes = 64 * 8 * 4
         monkeypatch.setattr(readahead, "WINDOW_BYTES", 3 * block_nbytes)  # 3 blocks
         ra = Readahead(s.objects, tm.block_ids, block_nbytes)

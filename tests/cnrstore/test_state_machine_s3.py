@@ -13,20 +13,12 @@ import pytest
 pytest.importorskip("obstore")
 pytest.importorskip("moto")
 
-import importlib.util  # noqa: E402
-
+from ckpt_util import checkpoint_machine  # noqa: E402
 from hypothesis import settings  # noqa: E402
 
 import cnrstore  # noqa: E402
 
-# By path: tests/engine has a test_state_machine module of its own on sys.path.
-_spec = importlib.util.spec_from_file_location(
-    "cnr_checkpoint_state_machine", os.path.join(os.path.dirname(__file__),
-                                                 "test_state_machine.py"))
-assert _spec is not None and _spec.loader is not None
-_base = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_base)
-OPTS, CheckpointMachine = _base.OPTS, _base.CheckpointMachine
+OPTS, CheckpointMachine = checkpoint_machine("cnr_checkpoint_state_machine")
 
 _SERVER = None
 

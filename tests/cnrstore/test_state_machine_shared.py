@@ -5,22 +5,15 @@ from the commit documents and sees exactly the kept steps."""
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import os
 
+from ckpt_util import checkpoint_machine
 from hypothesis import settings
 
 import cnrstore
 
-# By path: tests/engine has a test_state_machine module of its own on sys.path.
-_spec = importlib.util.spec_from_file_location(
-    "cnr_checkpoint_state_machine_shared", os.path.join(os.path.dirname(__file__),
-                                                        "test_state_machine.py"))
-assert _spec is not None and _spec.loader is not None
-_base = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_base)
-OPTS, CheckpointMachine = _base.OPTS, _base.CheckpointMachine
+OPTS, CheckpointMachine = checkpoint_machine("cnr_checkpoint_state_machine_shared")
 
 
 class SharedCheckpointMachine(CheckpointMachine):

@@ -91,6 +91,20 @@ def run(world: int, fn, *args, timeout: float = 90.0, env: dict | None = None,
     return results
 
 
+def survivors(res: list, victim: int) -> list[tuple]:
+    """The results (err, seconds, closing, closed) of ``killed`` on every rank but
+    ``victim``, each checked to have failed its put with RankFailed."""
+    out = []
+    for r, got in enumerate(res):
+        if r == victim:
+            continue
+        assert not isinstance(got, Failed), got.trace
+        err, seconds, closing, closed = got
+        assert err is not None and err[0] == "RankFailed", err
+        out.append(got)
+    return out
+
+
 def located(where: Any, rank: int | None = None) -> tuple[str, dict]:
     """A store location as the tests pass it to ranks: a path (a directory store), or a
     dict ``{"path", "cache", "options"}`` for a bucket or a shared directory whose index
