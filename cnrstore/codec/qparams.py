@@ -7,11 +7,13 @@ per kernel, so no fused multiply-add can make the devices disagree).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 __all__ = [
     "FP16_MAX", "FP32_MAX", "fp16_qparams", "fp32_qparams", "fits_fp16", "quantize_codes",
-    "round_codes_", "dequantize",
+    "round_codes_", "dequantize", "within_limit",
 ]
 
 FP16_MAX = 65504.0
@@ -115,3 +117,20 @@ def dequantize(
     y = q.to(torch.float32) * scale
     y += offset
     return y.clamp_(-limit, limit)
+
+
+def within_limit(scale: torch.Tensor, offset: torch.Tensor, qmax: int, limit: float) -> bool:
+    """Whether no row's offset + q * scale (0 <= q <= qmax) can pass +-limit, rounding
+    included (float32 rounds each of the two steps by at most 2^-24 relatively): then
+    dequantize's clamp changes nothing and a caller may skip its pass over the rows.
+    False for NaN qparams."""
+    if scale.numel() == 0:
+        return True
+    # First one bound for all rows (max |qparam| * (qmax + 1)), four reductions: the
+    # per-row bound below costs ten times as much, in GIL-holding calls the restore's
+    # decode threads wait on, and is needed only for rows near the limit (or NaN).
+    ends = [abs(float(v)) for t in (scale, offset) for v in torch.aminmax(t)]
+    if max(ends) * (qmax + 1) <= limit * (1 - 2.0**-20) and not any(map(math.isnan, ends)):
+        return True
+    bound = offset.double().abs() + scale.double().abs() * qmax
+    return bool((bound <= limit * (1 - 2.0**-20)).all())

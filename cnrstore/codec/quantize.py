@@ -43,6 +43,7 @@ from cnrstore.codec.qparams import (
     fp16_qparams,
     fp32_qparams,
     quantize_codes,
+    within_limit,
 )
 from cnrstore.codec.qsearch import SEARCHES, choose_ranges, choose_row_ranges
 
@@ -311,18 +312,10 @@ def _decode_into(
         # uint8 x float32 multiply ran 1.5x slower than the same-dtype ops.
         out.copy_(q)
         out.mul_(scale).add_(offset)
-        if not _within(scale, offset, (1 << _BITS[scheme]) - 1, limit):
+        if not within_limit(scale, offset, (1 << _BITS[scheme]) - 1, limit):
             out.clamp_(-limit, limit)
         return
     out.copy_(dequantize(q, scale, offset, limit=limit))
-
-
-def _within(scale: torch.Tensor, offset: torch.Tensor, qmax: int, limit: float) -> bool:
-    """Whether no row's offset + q * scale (q <= qmax) can pass +-limit, rounding included
-    (float32 rounds each of the two steps by at most 2^-24 relatively): then the clamp
-    changes nothing and its pass over the rows is skipped. False for NaN qparams."""
-    bound = offset.double().abs() + scale.double().abs() * qmax
-    return bool((bound <= limit * (1 - 2.0**-20)).all())
 
 
 def _dense(t: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cnrstore.codec import qsearch
+from cnrstore.codec import qgrid, qsearch
+from cnrstore.codec.qparams import dequantize, fp16_qparams, quantize_codes
 from cnrstore.codec.quantize import LOSSY_DTYPES, decode_rows, encode_rows
 
 INT_SCHEMES = ("int4", "int3", "int2")
@@ -110,3 +111,22 @@ def test_non_finite_rows_are_refused_by_name():
     rows[17, 3] = float("nan")
     with pytest.raises(ValueError, match="row 17 "):
         encode_rows(rows, "int3")
+
+
+@settings(max_examples=60, deadline=None)
+@given(dtype=st.sampled_from(LOSSY_DTYPES), bits=st.sampled_from([2, 3, 4]),
+       magnitude=st.sampled_from([1e-3, 1.0, 3e4, 6.5e4, 1e5]), n=st.integers(1, 40),
+       width=st.integers(1, 24), seed=st.integers(0, 2**31))
+def test_numpy_decoded_rows_are_the_encoders_bit_for_bit(dtype, bits, magnitude, n, width,
+                                                         seed):
+    """The grid's final comparison decodes rows in numpy, and skips the +-FP16_MAX clamp
+    where no row can reach it: its values are still the encoder's and decoder's own,
+    near the limit too (rows up to 65504, whose top code rounds past it)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.rand(n, width, generator=gen) * 2 - 1) * magnitude
+    x = x.clamp(-65504.0, 65504.0).to(dtype).float()
+    scale, offset = fp16_qparams(x.amin(1), x.amax(1), bits)
+    want = dequantize(quantize_codes(x, scale, offset, bits), scale, offset).to(dtype)
+    got = qgrid._decoded(x.numpy(), scale.numpy(), offset.numpy(), bits, dtype)
+    got_t = torch.from_numpy(got).to(dtype)  # bf16: float32 with the low half zeroed
+    assert torch.equal(got_t.float().view(torch.int32), want.float().view(torch.int32))

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from cnrstore.codec.bitpack import pack_codes, packed_nbytes, unpack_codes
 from cnrstore.codec.errorbound import max_abs_error
-from cnrstore.codec.qparams import dequantize, fp16_qparams
+from cnrstore.codec.qparams import dequantize, fp16_qparams, within_limit
 from cnrstore.codec.qsearch import row_sq_errors
 from cnrstore.codec.quantize import (
     LOSSY_DTYPES,
@@ -440,3 +440,22 @@ def test_fp32_decode_matches_dequantize_bit_for_bit(scheme, width, params, seed)
     got = decode_rows(codes, scheme, torch.float32, width, out=torch.empty(n, width))
     assert torch.equal(got.view(torch.int32), want.view(torch.int32)) or torch.allclose(
         got, want, equal_nan=True, rtol=0, atol=0)
+
+
+_QPARAM = st.one_of(
+    st.floats(-1e6, 1e6, width=32),
+    st.sampled_from([0.0, -0.0, 255.9, 256.0, 65504.0, -65504.0, 65000.0, 1e30,
+                     float("inf"), float("-inf"), float("nan")]),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(pairs=st.lists(st.tuples(_QPARAM, _QPARAM), min_size=0, max_size=5),
+       qmax=st.sampled_from([3, 7, 15, 255]), limit=st.sampled_from([65504.0, 3.4e38]))
+def test_within_limit_is_the_per_row_bound(pairs, qmax, limit):
+    """within_limit (which first tries one bound for all rows) says exactly what the
+    per-row bound says: True iff no row's |offset| + |scale| * qmax can pass the limit,
+    and False for any NaN qparam (a fast path that let NaN through failed this)."""
+    qp = torch.tensor(pairs, dtype=torch.float32).reshape(-1, 2)
+    want = all(abs(o) + abs(s) * qmax <= limit * (1 - 2.0**-20) for s, o in qp.tolist())
+    assert within_limit(qp[:, :1], qp[:, 1:], qmax, limit) is want
