@@ -185,7 +185,8 @@ class ObjectStore(abc.ABC):
         """Read object ``oid`` (of ``kind``, payload = ``prefix`` bytes + ``len(out)``
         bytes) with its payload after the prefix landing in ``out``; return the prefix.
         None when this store cannot (a compressed record, another kind or size): use
-        ``get``. Checks as ``get`` (``id_check=False``: the record checksum only);
+        ``get``. Checks the header against the index and re-hashes refs and payload into the
+        id (``id_check=False``: the record checksum instead; the id hash makes it redundant);
         ``out`` is unspecified after an error. Stores without a direct read return None.
         ``fallback=True``: where the direct read does not apply, return ``get(oid)``."""
         return self.get(oid) if fallback else None

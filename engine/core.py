@@ -132,12 +132,13 @@ class StoreCore:
         another kind or size, or the pack is remote: read it with ``read`` (with
         ``fallback``, that read is done here and its Object returned: one lookup).
 
-        The record checksum (header, id, refs, payload) is always checked, so what lands
-        in ``out`` is what the writer wrote under this id; ``id_check=False`` skips only
-        re-hashing the payload into its id (a writer's own hash, which a deep verify
-        re-checks). On CorruptObject ``out`` holds unspecified bytes. ``at``: where
-        ``locate`` found the record (tried first, no index lookup; a stale one is looked
-        up again: the checks hold either way)."""
+        What lands in ``out`` is what the writer wrote under this id: the header is
+        compared with the index entry, and the payload and refs are re-hashed into the id
+        (``id_check=False``: the record checksum over header, refs and payload instead, a
+        writer's own hash that a deep verify re-checks; the id hash makes the checksum
+        redundant, so it is not computed as well). On CorruptObject ``out`` holds
+        unspecified bytes. ``at``: where ``locate`` found the record (tried first, no
+        index lookup; a stale one is looked up again: the checks hold either way)."""
         entry: ix.ObjectEntry | RecordLocation | None = at
         for _ in range(_READ_RETRIES):
             if entry is None:
@@ -256,19 +257,23 @@ def _check_raw(oid: bytes, kind: int, entry: ix.ObjectEntry | RecordLocation,
         problem = f"holds {h.oid.hex()} instead"
     elif h.codec != fmt.CODEC_RAW or h.nrefs != len(entry.refs) or h.length != entry.length:
         problem = "does not match its index entry"
+    elif id_check:
+        # One pass over the payload, not two: every header field was compared above (the
+        # magic and version by unpack), and the id hash covers the kind, refs, length and
+        # payload, so the checksum could catch nothing more. A corrupt checksum field
+        # alone (the data intact) is left to a deep verify.
+        refs = [bytes(head[fmt.RECORD_HEADER.size + i * ID_SIZE:][:ID_SIZE])
+                for i in range(h.nrefs)]
+        ih = id_hasher(kind, refs, h.raw_len)
+        ih.update(memoryview(head)[head_len:])
+        ih.update(out)
+        if ih.digest() != oid:
+            problem = "content does not hash to its id"
     else:
         s = xxhash.xxh3_64(head)
         s.update(out)
         if s.intdigest() != fmt.CHECKSUM.unpack(tail)[0]:
             problem = "checksum mismatch"
-        elif id_check:
-            refs = [bytes(head[fmt.RECORD_HEADER.size + i * ID_SIZE:][:ID_SIZE])
-                    for i in range(h.nrefs)]
-            ih = id_hasher(kind, refs, h.raw_len)
-            ih.update(memoryview(head)[head_len:])
-            ih.update(out)
-            if ih.digest() != oid:
-                problem = "content does not hash to its id"
     if problem:
         raise CorruptObject(f"{where}: {problem}", oid=oid, pack=name, offset=entry.offset)
 

@@ -94,6 +94,57 @@ def test_a_flipped_payload_byte_is_caught(tmp_path, id_check):
     assert os.path.exists(tmp_path / "store")
 
 
+def _flip_in_record(root, needle: bytes, delta: int) -> None:
+    """Flip one bit ``delta`` bytes after ``needle`` in the pack that holds it."""
+    for p in (root / "packs").rglob("*.pack"):
+        data = bytearray(p.read_bytes())
+        at = data.find(needle)
+        if at >= 0:
+            data[at + delta] ^= 1
+            p.write_bytes(bytes(data))
+            return
+    raise AssertionError("needle not found")
+
+
+@pytest.mark.parametrize("id_check", [True, False])
+def test_a_flipped_ref_byte_is_caught(tmp_path, id_check):
+    """With the id re-hash the record checksum is not computed too: the refs (in the
+    header, not in the payload) are still covered, by the id hash or by the checksum."""
+    payload = _noise(100_000, 4)
+    with open_store(tmp_path / "store") as store:
+        with store.writer() as w:
+            base = w.put(KIND, b"base")
+            oid = w.put(KIND, payload, [base])
+            w.set_root("r", oid)
+    _flip_in_record(tmp_path / "store", oid + base, 16 + 3)  # the header ends in oid, refs
+    with engine.open(str(tmp_path / "store")) as store:
+        with pytest.raises(CorruptObject):
+            store.get_into(oid, KIND, 0, memoryview(bytearray(len(payload))),
+                           id_check=id_check)
+
+
+def test_a_flipped_checksum_alone_leaves_a_checked_read_intact_and_verify_reports_it(
+        tmp_path):
+    """The id re-hash proves the payload and refs are the writer's, so a read that does
+    it returns them even when only the checksum field is damaged; a read without it, a
+    plain ``get`` and a deep verify report the damage."""
+    payload = _noise(100_000, 5)
+    with open_store(tmp_path / "store") as store:
+        with store.writer() as w:
+            oid = w.put(KIND, payload)
+            w.set_root("r", oid)
+    _flip_in_record(tmp_path / "store", payload[-64:], 64)  # the first checksum byte
+    with engine.open(str(tmp_path / "store")) as store:
+        out = bytearray(len(payload))
+        store.get_into(oid, KIND, 0, memoryview(out), id_check=True)
+        assert bytes(out) == payload
+        with pytest.raises(CorruptObject):
+            store.get_into(oid, KIND, 0, memoryview(out), id_check=False)
+        with pytest.raises(CorruptObject):
+            store.get(oid)
+        assert not store.verify(deep=True).ok
+
+
 def test_prefetch_is_a_hint(tmp_path):
     from engine.errors import StoreClosed
 
