@@ -194,7 +194,8 @@ def decode_full(obj: Object, oid: bytes | None = None, *, out: np.ndarray | None
 def decode_patch(
     obj: Object, oid: bytes | None = None
 ) -> tuple[BlockHeader, np.ndarray, np.ndarray]:
-    """(header, row indices int64, codes uint8[nchanged, row_nbytes]) of a patch."""
+    """(header, row indices int64, codes uint8[nchanged, row_nbytes]) of a patch; the
+    codes may be a read-only view of ``obj``'s payload."""
     head = read_header(obj, oid)
     if head.kind != KIND_BLOCK_PATCH:
         raise ManifestError("expected a patch block", oid=oid)
@@ -203,10 +204,11 @@ def decode_patch(
     idx = np.frombuffer(view, dtype=idt, count=head.nchanged).astype(np.int64)
     if head.nchanged and (idx[-1] >= head.nrows or np.any(np.diff(idx) <= 0)):
         raise ManifestError("patch row indices are out of range or not ascending", oid=oid)
-    codes = _unplanes(
-        view[head.nchanged * idt.itemsize:], head.nchanged, head.row_nbytes, head.elem
-    )
-    return head, idx, codes
+    rows = view[head.nchanged * idt.itemsize:]
+    if head.elem == 1:  # rows as stored: a read-only view of the payload, not a copy
+        codes = np.frombuffer(rows, dtype=np.uint8, count=head.nchanged * head.row_nbytes)
+        return head, idx, codes.reshape(head.nchanged, head.row_nbytes)
+    return head, idx, _unplanes(rows, head.nchanged, head.row_nbytes, head.elem)
 
 
 def _direct(get_into: Callable, oid: bytes, out: np.ndarray) -> Object | None:
