@@ -59,7 +59,8 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def unpack_codes(packed: torch.Tensor, bits: int, width: int) -> torch.Tensor:
-    """uint8 [n, packed_nbytes(width, bits)] -> uint8 [n, width] codes."""
+    """uint8 [n, packed_nbytes(width, bits)] -> uint8 [n, width] codes (8 bits: ``packed``
+    itself, which may be a strided view)."""
     _check_bits(bits)
     nbytes = packed_nbytes(width, bits)
     if packed.dtype != torch.uint8 or packed.ndim != 2 or packed.shape[1] != nbytes:
@@ -68,7 +69,7 @@ def unpack_codes(packed: torch.Tensor, bits: int, width: int) -> torch.Tensor:
             f"{packed.dtype} {list(packed.shape)}"
         )
     if bits == 8:
-        return packed.contiguous()
+        return packed
     n = packed.shape[0]
     mask = (1 << bits) - 1
     if 8 % bits == 0:

@@ -119,17 +119,20 @@ def dequantize(
     return y.clamp_(-limit, limit)
 
 
-def within_limit(scale: torch.Tensor, offset: torch.Tensor, qmax: int, limit: float) -> bool:
+def within_limit(scale: torch.Tensor, offset: torch.Tensor, qmax: int, limit: float, *,
+                 both: torch.Tensor | None = None) -> bool:
     """Whether no row's offset + q * scale (0 <= q <= qmax) can pass +-limit, rounding
     included (float32 rounds each of the two steps by at most 2^-24 relatively): then
     dequantize's clamp changes nothing and a caller may skip its pass over the rows.
-    False for NaN qparams."""
+    False for NaN qparams. ``both``: a tensor holding exactly the values of scale and
+    offset (their [n, 2] qparams), bounded with one reduction instead of two."""
     if scale.numel() == 0:
         return True
     # First one bound for all rows (max |qparam| * (qmax + 1)), four reductions: the
     # per-row bound below costs ten times as much, in GIL-holding calls the restore's
     # decode threads wait on, and is needed only for rows near the limit (or NaN).
-    ends = [abs(float(v)) for t in (scale, offset) for v in torch.aminmax(t)]
+    parts = (scale, offset) if both is None else (both,)
+    ends = [abs(float(v)) for t in parts for v in torch.aminmax(t)]
     if max(ends) * (qmax + 1) <= limit * (1 - 2.0**-20) and not any(map(math.isnan, ends)):
         return True
     bound = offset.double().abs() + scale.double().abs() * qmax

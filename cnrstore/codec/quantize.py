@@ -297,6 +297,8 @@ def _decode_into(
     if scheme in _CASTS:
         out.copy_(_dense(codes).view(_CASTS[scheme]).view(n, width))
         return
+    # The qparams are copied dense first (converting the strided fp16 columns directly
+    # ran 9x slower), bounded with one reduction, and 8-bit codes are read in place.
     if wide:
         params = _dense(codes[:, :WIDE_HEADER_NBYTES]).view(torch.float32)
         head, limit = WIDE_HEADER_NBYTES, FP32_MAX
@@ -312,7 +314,7 @@ def _decode_into(
         # uint8 x float32 multiply ran 1.5x slower than the same-dtype ops.
         out.copy_(q)
         out.mul_(scale).add_(offset)
-        if not within_limit(scale, offset, (1 << _BITS[scheme]) - 1, limit):
+        if not within_limit(scale, offset, (1 << _BITS[scheme]) - 1, limit, both=params):
             out.clamp_(-limit, limit)
         return
     out.copy_(dequantize(q, scale, offset, limit=limit))

@@ -459,3 +459,4 @@ def test_within_limit_is_the_per_row_bound(pairs, qmax, limit):
     qp = torch.tensor(pairs, dtype=torch.float32).reshape(-1, 2)
     want = all(abs(o) + abs(s) * qmax <= limit * (1 - 2.0**-20) for s, o in qp.tolist())
     assert within_limit(qp[:, :1], qp[:, 1:], qmax, limit) is want
+    assert within_limit(qp[:, :1], qp[:, 1:], qmax, limit, both=qp) is want
