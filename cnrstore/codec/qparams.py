@@ -128,9 +128,9 @@ def within_limit(scale: torch.Tensor, offset: torch.Tensor, qmax: int, limit: fl
     offset (their [n, 2] qparams), bounded with one reduction instead of two."""
     if scale.numel() == 0:
         return True
-    # First one bound for all rows (max |qparam| * (qmax + 1)), four reductions: the
-    # per-row bound below costs ten times as much, in GIL-holding calls the restore's
-    # decode threads wait on, and is needed only for rows near the limit (or NaN).
+    # First one bound for all rows (max |qparam| * (qmax + 1)), one or two reductions:
+    # the per-row bound below costs several times as much, in calls the restore's decode
+    # threads hand the GIL over for, and is needed only for rows near the limit (or NaN).
     parts = (scale, offset) if both is None else (both,)
     ends = [abs(float(v)) for t in parts for v in torch.aminmax(t)]
     if max(ends) * (qmax + 1) <= limit * (1 - 2.0**-20) and not any(map(math.isnan, ends)):

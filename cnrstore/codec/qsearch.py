@@ -199,8 +199,8 @@ _POOL_LOCK = threading.Lock()
 # Search chunks (of _CPU_CHUNK_ELEMS) per thread task: a task re-runs its unsure rows in one
 # torch walk, whose cost is per op rather than per row, so tasks must be large for that to
 # stay small; the numpy walk takes _WALK_CHUNKS chunks at a time, which amortizes numpy's
-# per-op cost (a grid candidate also runs ~10 ops on per-row vectors), and the grid walks a
-# whole task at once. 16 chunks (2 MB of float32 rows at 64 wide): 210 K x 64 rows took
+# per-op cost (a greedy step also runs ops on per-row vectors), and the grid walks a whole
+# task at once. 16 chunks (2 MB of float32 rows at 64 wide): 210 K x 64 rows took
 # 0.364 s against 0.397 s at 8 (the grid, 2 cores) and 60 K rows of the greedy walk 0.259
 # against 0.298 s, the same ranges row for row (rows never interact). A put of fewer rows
 # is split into at least one task per core (_task_rows).
