@@ -13,6 +13,7 @@ import datetime
 import importlib
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from cnrstore.errors import CheckpointError, RankFailed
@@ -94,6 +95,17 @@ class Comm:
             box, objs if self.coordinator else None,
             src=dist.get_global_rank(self.pg, 0), group=self.pg))
         return box[0]
+
+    def exchange(self, buf: torch.Tensor, sizes: list[int], expect: list[int], what: str
+                 ) -> list[torch.Tensor]:
+        """Point to point: ``sizes[r]`` bytes of the uint8 ``buf`` (in rank order) go to
+        rank r, and ``expect[r]`` bytes come from it (the ranks agreed on both before).
+        Returns the bytes from each rank. Unlike an all-gather, each byte crosses once,
+        to its one reader, unpickled and unpadded."""
+        out = torch.empty(sum(expect), dtype=torch.uint8)
+        self._run(what, lambda: dist.all_to_all_single(
+            out, buf, output_split_sizes=expect, input_split_sizes=sizes, group=self.pg))
+        return list(torch.split(out, expect))
 
     def agree(self, error: BaseException | None, what: str, payload: Any = None
               ) -> list[Any]:

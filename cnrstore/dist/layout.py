@@ -201,12 +201,50 @@ def sends(local: LocalTable, table: GlobalTable, block_rows: int, me: int
                 continue
             if run.rank == me:
                 parts.append((a, t[a - lo:z - lo]))
-            else:
-                # A copy of just these rows: a view pickles its whole storage (the shard).
-                out.append((run.rank, a, t[a - lo:z - lo].detach().to("cpu", copy=True)))
+            else:  # a view: ``pack`` copies just these rows into the send buffer
+                out.append((run.rank, a, t[a - lo:z - lo]))
         if run.rank == me:
             mine.append((run, parts))
     return out, mine
+
+
+# Each message starts on this boundary in a send buffer, so that its bytes view as any
+# table dtype (8 bytes at most, DTYPE_SIZES) without a copy.
+_ALIGN = 8
+
+
+def _padded(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+def message_nbytes(table: GlobalTable, nrows: int) -> int:
+    """Bytes that ``nrows`` rows of ``table`` take in a send buffer (padded)."""
+    return _padded(nrows * width(table.row_shape) * DTYPE_SIZES[table.dtype])
+
+
+def pack(messages: list[list[torch.Tensor]]) -> tuple[torch.Tensor, list[int]]:
+    """One uint8 CPU buffer holding ``messages[r]`` (row tensors, in order) for each rank r,
+    and the bytes for each rank: what ``Comm.exchange`` sends. The rows are copied once,
+    from wherever they live (a GPU shard too)."""
+    sizes = [sum(_padded(nbytes(t)) for t in ts) for ts in messages]
+    buf = torch.empty(sum(sizes), dtype=torch.uint8)
+    at = 0
+    for ts in messages:
+        for t in ts:
+            n = nbytes(t)
+            if n:
+                src = t.detach().contiguous().reshape(-1).view(torch.uint8)
+                buf[at:at + n].copy_(src)
+            at += _padded(n)
+    return buf, sizes
+
+
+def unpack(buf: torch.Tensor, table: GlobalTable, nrows: int) -> tuple[torch.Tensor, int]:
+    """The first message of ``buf`` as ``nrows`` rows of ``table`` (a view), and the
+    bytes it took (``message_nbytes``)."""
+    n = nrows * width(table.row_shape) * DTYPE_SIZES[table.dtype]
+    rows = buf[:n].view(table.torch_dtype).view((nrows, *table.row_shape))
+    return rows, message_nbytes(table, nrows)
 
 
 def assemble(run: Run, parts: list[tuple[int, torch.Tensor]], row_shape, dtype

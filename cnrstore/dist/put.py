@@ -117,8 +117,12 @@ def put(ds: DistributedStore, step: int, tables: Mapping, *, quant: Any,
             ds.states.clear()
             ds.failed = False
 
-        # Rows of blocks owned by another rank move to it (shards need not align).
+        # Rows of blocks owned by another rank move to it (shards need not align). The
+        # agreed round says which rows go where; the rows themselves go point to point.
         err, outgoing, runs, needs = None, [], [], []
+        rows_to: list[list[torch.Tensor]] = [[] for _ in range(comm.world)]
+        buf: torch.Tensor | None = None
+        sizes: list[int] = []
         try:
             for name, gt in gtables.items():
                 lt = local.get(name)
@@ -128,24 +132,21 @@ def put(ds: DistributedStore, step: int, tables: Mapping, *, quant: Any,
                 tt = rows_touched.get(name)
                 for dest, a, t in snd:
                     ids = None if tt is None else tt[(tt >= a) & (tt < a + t.shape[0])]
-                    outgoing.append((dest, name, a, t, ids))
+                    outgoing.append((dest, name, a, int(t.shape[0]), ids))
+                    rows_to[dest].append(t)
                 for run, parts in own:
                     ids = None if tt is None else tt[(tt >= run.lo) & (tt < run.hi)]
                     runs.append((run, parts, [ids]))
                     if opt.seed_from_store and (name, run.b0) not in ds.states:
                         needs.append((name, run.b0, run.b1))
+            buf, sizes = layout.pack(rows_to)
         except BaseException as exc:
             err = exc
+        del rows_to
         got = comm.agree(err, "put_tables: rows", (outgoing, needs))
         bases = _seed(ds, [g[1] for g in got], gtables, schemes)
-        for msgs, _ in got:
-            for dest, name, a, t, ids in msgs:
-                if dest != comm.rank:
-                    continue
-                for run, parts, tl in runs:
-                    if run.name == name and run.lo <= a < run.hi:
-                        parts.append((a, t))
-                        tl.append(ids)
+        _receive(comm, got, buf, sizes, gtables, runs)
+        del buf
 
         plans: list[tuple[str, int, TablePlan]] = []
         err = None
@@ -217,6 +218,26 @@ def put(ds: DistributedStore, step: int, tables: Mapping, *, quant: Any,
     if not blocking:
         return fut
     return fut.result()
+
+
+def _receive(comm: Any, got: list, buf: torch.Tensor | None, sizes: list[int],
+             gtables: dict, runs: list) -> None:
+    """Exchange the boundary rows that the agreed ``got`` announces and add those sent to
+    this rank to its runs (a view of the receive buffer each; ``assemble`` copies them)."""
+    if not any(msgs for msgs, _ in got):
+        return  # every rank sees the same: none enters the exchange
+    mine = [[m for m in msgs if m[0] == comm.rank] for msgs, _ in got]
+    expect = [sum(layout.message_nbytes(gtables[m[1]], m[3]) for m in ms) for ms in mine]
+    assert buf is not None  # the agreed round raised otherwise
+    received = comm.exchange(buf, sizes, expect, "put_tables: rows")
+    for ms, data in zip(mine, received):
+        for _, name, a, nrows, ids in ms:
+            t, used = layout.unpack(data, gtables[name], nrows)
+            data = data[used:]
+            for run, parts, tl in runs:
+                if run.name == name and run.lo <= a < run.hi:
+                    parts.append((a, t))
+                    tl.append(ids)
 
 
 def _seed(ds: DistributedStore, needs: list[list], gtables: dict, schemes: dict

@@ -330,3 +330,41 @@ def count_listings(rank: int, world: int, path: str, seed: int) -> int:
         s.gc()
         assert s.verify().ok
     return calls[0]
+
+
+def _rows_for(src: int, dest: int, k: int) -> torch.Tensor:
+    """Rows rank ``src`` sends rank ``dest`` as its message ``k``: fp16 then fp32, some
+    with no rows, odd counts of 6-byte rows (so the next message is off alignment)."""
+    g = torch.Generator().manual_seed(100 * src + 10 * dest + k)
+    n = (src + 2 * dest + 3 * k) % 4
+    return torch.randn(n, 3, generator=g).to((torch.float16, torch.float32)[k % 2])
+
+
+def exchange_rows(rank: int, world: int):
+    """Each rank sends two messages to every other rank through Comm.exchange; returns the
+    bytes received from each rank and whether every message arrived bit for bit."""
+    from cnrstore.codec.layout import dtype_name
+    from cnrstore.dist import layout
+    from cnrstore.dist.comm import Comm
+
+    def table(t):
+        return layout.GlobalTable("t", int(t.shape[0]), tuple(t.shape[1:]),
+                                  dtype_name(t.dtype), ((0, 0, int(t.shape[0])),))
+
+    comm = Comm(list(range(world)), 30.0)
+    out = [[_rows_for(rank, d, k) for k in range(2)] if d != rank else []
+           for d in range(world)]
+    buf, sizes = layout.pack(out)
+    inbound = [[_rows_for(s, rank, k) for k in range(2)] if s != rank else []
+               for s in range(world)]
+    expect = [sum(layout.message_nbytes(table(t), t.shape[0]) for t in ts) for ts in inbound]
+    got = comm.exchange(buf, sizes, expect, "test: exchange")
+    exact = True
+    for ts, data in zip(inbound, got):
+        for t in ts:
+            back, used = layout.unpack(data, table(t), t.shape[0])
+            exact &= back.dtype == t.dtype and torch.equal(back, t)
+            data = data[used:]
+        exact &= data.numel() == 0
+    comm.close()
+    return [int(g.numel()) for g in got], expect, exact

@@ -73,3 +73,16 @@ def test_touched_takes_global_row_ids_of_the_ranks_own_rows(tmp_path):
         ids, changed, written = r
         assert ids == want and changed == {"t": 6}
         assert written["t"] == 6  # patches: only the touched rows are encoded
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_boundary_rows_go_point_to_point_to_their_owner(world):
+    """Comm.exchange (what a put moves boundary rows with): each rank receives exactly
+    the bytes the others packed for it, nothing of what they packed for a third rank."""
+    from dist_workers import exchange_rows
+
+    for r, res in enumerate(run(world, exchange_rows)):
+        assert not isinstance(res, Failed), res.trace
+        received, expect, exact = res
+        assert received == expect and exact, f"rank {r}"
+        assert received[r] == 0 and sum(received) > 0
