@@ -1,10 +1,10 @@
 """The restore's read-ahead (cnrstore/core/readahead.py): each block's chain is hinted in
-decode order, never more than the window ahead of the decode."""
+decode order, never more than the window ahead of the decode, by the threads that
+decode (no thread of its own)."""
 
 from __future__ import annotations
 
 import threading
-import time
 
 import torch
 
@@ -47,20 +47,16 @@ def test_hints_follow_the_decode_within_the_window(tmp_path, monkeypatch):
         monkeypatch.setattr(s.objects._core, "advise", spy)  # what prefetch hints
         block_nbytes = 64 * 8 * 4
         monkeypatch.setattr(readahead, "WINDOW_BYTES", 3 * block_nbytes)  # 3 blocks
+        threads = threading.active_count()
         ra = Readahead(s.objects, tm.block_ids, block_nbytes)
-        deadline = time.monotonic() + 30
-        while len(hinted) < 3:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
-        time.sleep(0.1)
         with lock:
-            assert [b for b, _ in hinted] == [0, 1, 2]  # the window, and no further
+            assert [b for b, _ in hinted] == [0, 1, 2]  # the window at once, no further
         for k in range(len(tm.block_ids)):
             with lock:
                 begun[0] = k + 1
             ra.started(k)
-        assert done.wait(10)
-        ra.stop()
+            assert len(hinted) == min(k + 4, len(tm.block_ids))  # in this thread, now
+        assert done.is_set() and threading.active_count() == threads
         assert [b for b, _ in hinted] == list(range(len(tm.block_ids)))
         assert all(b < n + 3 for b, n in hinted)
         assert torch.equal(s.get_tables(3)["t"], t)
@@ -68,13 +64,34 @@ def test_hints_follow_the_decode_within_the_window(tmp_path, monkeypatch):
         s.close()
 
 
-def test_stop_ends_a_waiting_thread_and_a_closed_store_gives_no_hints(tmp_path):
+def test_threads_racing_hint_each_block_once_and_a_closed_store_gives_no_hints(
+        tmp_path, monkeypatch):
     s, _ = _store_with_chains(tmp_path / "s")
     tm = load_manifest(s.objects, 3).tables["t"]
-    ra = Readahead(s.objects, tm.block_ids, 1 << 30)  # window of 2 blocks: it waits
-    time.sleep(0.05)
-    ra.stop()
-    assert not ra._thread.is_alive()
+    hinted: list[bytes] = []
+    advise = s.objects._core.advise
+
+    def spy(locs):
+        locs = list(locs)
+        hinted.extend(loc.oid for loc in locs if loc.oid in tm.block_ids)
+        advise(locs)
+
+    monkeypatch.setattr(s.objects._core, "advise", spy)
+    ra = Readahead(s.objects, tm.block_ids, 1 << 30)  # window of 2 blocks
+    go = threading.Barrier(2)
+
+    def decode(ks):
+        go.wait()
+        for k in ks:
+            ra.started(k)
+
+    workers = [threading.Thread(target=decode, args=(range(i, 10, 2),)) for i in (0, 1)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    assert sorted(hinted) == sorted(tm.block_ids) and len(hinted) == 10
     s.close()
     late = Readahead(s.objects, tm.block_ids, 1)  # the closed store raises: nothing hinted
-    late.stop()
+    late.started(0)
+    assert len(hinted) == 10
