@@ -80,7 +80,7 @@ def _cpu_chunk_elems() -> int:
     return _CPU_CHUNK_ELEMS * (_SERIAL_CHUNK_FACTOR if torch.get_num_threads() == 1 else 1)
 
 
-# Decoding takes a block in one chunk (a default block of 16384 x 64 is 1 M elements; up to
+# Decoding takes a block in one chunk (a default block of 32768 x 64 is 2 M elements; up to
 # 16 MiB fp32): at the encode chunk per-op overhead was half of an int8 restore
 # (docs/PERFORMANCE.md, "Issue 14, third pass"). int8 into fp32 has no chunk temporary.
 _CPU_DECODE_CHUNK_ELEMS = 1 << 22

@@ -29,7 +29,7 @@ OPTIONS_ROOT = "cnrstore/options"
 KIND_OPTIONS = 6
 # The options that describe stored data (persisted, checked on open).
 DATA_OPTIONS = ("block_rows", "fanout")
-_DEFAULT_GEOMETRY = {"block_rows": 16384, "fanout": 256}
+_DEFAULT_GEOMETRY = {"block_rows": 32768, "fanout": 256}
 
 
 class OptionsMismatch(InvalidInput):
@@ -40,7 +40,7 @@ class OptionsMismatch(InvalidInput):
 class Options:
     """Options of a store handle (``cnrstore.open(path, **options)`` takes the same names).
 
-    - ``block_rows`` (stored; new store 16384): rows per block, the unit of patching and of
+    - ``block_rows`` (stored; new store 32768): rows per block, the unit of patching and of
       partial restores. None: the store's.
     - ``fanout`` (stored; new store 256): blocks per segment node. None: the store's.
     - ``max_chain`` (16): patches allowed above a full block before it is rewritten full.

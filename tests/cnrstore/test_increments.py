@@ -225,7 +225,7 @@ def test_touched_rows_skip_fingerprinting_the_rest():
 def test_scattered_update_at_default_block_size(tmp_path, quant):
     g = torch.Generator().manual_seed(11)
     t = random_table(g, 200_000, 64)
-    with cnrstore.open(tmp_path / "s") as s:  # block_rows 16384, fanout 256
+    with cnrstore.open(tmp_path / "s") as s:  # block_rows 32768, fanout 256
         full = s.put_tables(1, {"t": t}, quant=quant)
         idx = _scattered(g, t, 0.05)
         info = s.put_tables(2, {"t": t}, quant=quant)

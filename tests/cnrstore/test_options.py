@@ -92,7 +92,7 @@ def test_a_store_without_stored_options_keeps_its_steps_geometry(tmp_path):
     with cnrstore.open(tmp_path / "c") as s:  # the put stored the options it used
         assert s.options.block_rows == 4096
     with cnrstore.open(tmp_path / "e") as s:  # a new store takes the default
-        assert s.options.block_rows == 16384
+        assert s.options.block_rows == 32768
 
 
 def test_the_memory_twin_stores_options_too():
