@@ -18,14 +18,15 @@ import torch
 from cnrstore.codec.fingerprint import row_fingerprints
 from cnrstore.codec.quantize import decode_rows
 from cnrstore.core.prefault import Prefault
-from cnrstore.core.readahead import Readahead
+from cnrstore.core.readahead import Readahead, Started
 from cnrstore.core.tablestate import DeferredBase, parse_dtype
 from cnrstore.errors import CheckpointError, InvalidInput, InvalidType, ManifestError
 from cnrstore.format.blocks import resolve
 from cnrstore.format.manifest import TableManifest
 from engine import Object, ObjectStore, StoreClosed, StoreError
 
-__all__ = ["check_slice", "row_range", "read_table", "read_codes", "read_into", "seed_later"]
+__all__ = ["block_span", "check_slice", "row_range", "read_table", "read_codes", "read_into",
+           "run_all", "seed_later"]
 
 
 def row_range(sel: slice | None, rows: int) -> tuple[int, int, np.ndarray | None]:
@@ -173,6 +174,14 @@ def read_codes(
     return out
 
 
+def block_span(tm: TableManifest, rows: slice | None = None) -> tuple[int, int]:
+    """Blocks ``[first, last)`` that ``read_table(tm, rows=rows)`` reads."""
+    block_rows = tm.node.block_rows
+    lo, hi, _ = row_range(rows, tm.node.rows)
+    first = lo // block_rows
+    return first, (-(-hi // block_rows) if hi > lo else first)
+
+
 def read_table(
     objects: ObjectStore,
     tm: TableManifest,
@@ -181,6 +190,7 @@ def read_table(
     rows: slice | None = None,
     keep_codes: bool = False,
     fingerprints: bool = False,
+    started: Started | None = None,
 ) -> tuple[torch.Tensor, np.ndarray | None, torch.Tensor | None]:
     """Decode a stored table (or the rows ``rows`` of it) on the CPU. With ``keep_codes`` also
     return the encoded rows of the range read (for seeding a lossy diff base); with
@@ -200,14 +210,13 @@ def read_table(
             f"to restore into: {exc}"
         ) from None
     fps = torch.empty(hi - lo, dtype=torch.int64) if fingerprints else None
-    first = lo // node.block_rows
-    last = -(-hi // node.block_rows) if hi > lo else first
+    first, last = block_span(tm, rows)
 
     # Exact rows are their own codes: whole blocks decode straight into the returned table.
     direct = node.scheme == "exact" and width > 0
 
     def one(i: int) -> None:
-        ahead.started(i - first)
+        hint(i - first)
         start, stop = node.block_range(i)
         a, b = max(start, lo), min(stop, hi)
         if direct and (a, b) == (start, stop):
@@ -225,7 +234,8 @@ def read_table(
         if codes_out is not None:
             codes_out[a - lo:b - lo] = part
 
-    ahead = Readahead(objects, tm.block_ids[first:last], node.block_rows * node.row_nbytes)
+    hint = started or Readahead(objects, tm.block_ids[first:last],
+                                node.block_rows * node.row_nbytes).started
     faults = Prefault(out)  # out is fresh memory: its page faults were most of a restore
     try:
         run_all(pool, one, range(first, last))
@@ -244,6 +254,7 @@ def read_into(
     *,
     fingerprints: bool = False,
     keep_codes: bool = False,
+    started: Started | None = None,
 ) -> tuple[np.ndarray | None, torch.Tensor | None]:
     """Decode a whole stored table into ``dest`` (its shape and dtype, any device), block by
     block: no table-sized buffer is allocated. A contiguous CPU ``dest`` of an exact table
@@ -261,7 +272,7 @@ def read_into(
     fps = torch.empty(node.rows, dtype=torch.int64) if fingerprints else None
 
     def one(i: int) -> None:
-        ahead.started(i)
+        hint(i)
         start, stop = node.block_range(i)
         if direct and rows2d is not None:
             part = rows2d[start:stop]
@@ -286,7 +297,7 @@ def read_into(
         if codes_out is not None:
             codes_out[start:stop] = codes
 
-    ahead = Readahead(objects, tm.block_ids, node.block_rows * node.row_nbytes)
+    hint = started or Readahead(objects, tm.block_ids, node.block_rows * node.row_nbytes).started
     run_all(pool, one, range(node.nblocks))
     return codes_out, fps
 

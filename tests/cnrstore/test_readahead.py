@@ -95,3 +95,33 @@ def test_threads_racing_hint_each_block_once_and_a_closed_store_gives_no_hints(
     late = Readahead(s.objects, tm.block_ids, 1)  # the closed store raises: nothing hinted
     late.started(0)
     assert len(hinted) == 10
+
+
+def test_one_read_ahead_runs_on_into_the_next_table(tmp_path, monkeypatch):
+    """get_tables hints across tables: the next table's first blocks are hinted while the
+    decode is still in the last blocks of the one before (hints per table left the disk
+    idle at every table's start)."""
+    g = torch.Generator().manual_seed(3)
+    tables = {"a": torch.randn(64 * 2, 8, generator=g), "b": torch.randn(64 * 4, 8, generator=g)}
+    with cnrstore.open(tmp_path / "s", block_rows=64) as s:
+        s.put_tables(1, tables)
+    with cnrstore.open(tmp_path / "s") as s:
+        m = load_manifest(s.objects, 1)
+        a, b = m.tables["a"].block_ids, m.tables["b"].block_ids
+        hinted: list[bytes] = []
+        monkeypatch.setattr(s.objects._core, "advise",
+                            lambda locs: hinted.extend(loc.oid for loc in locs))
+        monkeypatch.setattr(readahead, "WINDOW_BYTES", 3 * 64 * 8 * 4)  # 3 blocks
+        ahead, (in_a, in_b) = readahead.table_blocks(s.objects, [(a, 64 * 8 * 4),
+                                                                 (b, 64 * 8 * 4)])
+        assert hinted == [a[0], a[1], b[0]]
+        in_a(0)
+        in_a(1)
+        assert hinted == [a[0], a[1], b[0], b[1], b[2]]
+        in_b(0)
+        assert hinted[-1] == b[3] and len(hinted) == 6
+        # and a whole get_tables hints every block once, in decode order
+        hinted.clear()
+        back = s.get_tables(1)
+        assert sorted(hinted) == sorted([*a, *b]) and hinted[:2] == [a[0], a[1]]
+        assert all(torch.equal(back[n], t) for n, t in tables.items())
