@@ -15,6 +15,7 @@ import ctypes
 import os
 import sys
 import threading
+from collections.abc import Sequence
 
 import torch
 
@@ -40,36 +41,43 @@ def _madvise():
 
 
 class Prefault:
-    """Populates ``tensor``'s pages in order on a daemon thread until done or stopped.
-    ``stop()`` waits for it: the memory must outlive every madvise on it."""
+    """Populates the pages of ``tensors`` in order on a daemon thread until done or
+    stopped: all the tables of one restore, so that the next table's memory is mapped
+    while the decode finishes one. ``stop()`` waits for it: the memory must outlive every
+    madvise on it."""
 
-    def __init__(self, tensor: torch.Tensor) -> None:
+    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
-        nbytes = tensor.numel() * tensor.element_size()
-        if (_broken or not sys.platform.startswith("linux") or tensor.device.type != "cpu"
-                or nbytes < _MIN_BYTES):
+        spans = []
+        if not _broken and sys.platform.startswith("linux"):
+            page = os.sysconf("SC_PAGE_SIZE")
+            for t in tensors:
+                nbytes = t.numel() * t.element_size()
+                if t.device.type != "cpu" or nbytes < _MIN_BYTES:
+                    continue
+                start = -(-t.data_ptr() // page) * page
+                end = (t.data_ptr() + nbytes) // page * page
+                if end > start:
+                    spans.append((start, end))
+        if not spans:
             return
-        page = os.sysconf("SC_PAGE_SIZE")
-        start = -(-tensor.data_ptr() // page) * page
-        end = (tensor.data_ptr() + nbytes) // page * page
-        if end <= start:
-            return
-        self._tensor = tensor  # keeps the memory mapped while the thread runs
-        self._thread = threading.Thread(target=self._run, args=(start, end),
+        self._tensors = list(tensors)  # keeps the memory mapped while the thread runs
+        self._thread = threading.Thread(target=self._run, args=(spans,),
                                         name="cnrstore-prefault", daemon=True)
         self._thread.start()
 
-    def _run(self, start: int, end: int) -> None:
+    def _run(self, spans: list[tuple[int, int]]) -> None:
         global _broken
         madvise = _madvise()
-        for at in range(start, end, _CHUNK):
-            if self._stop.is_set():
-                return
-            if madvise(at, min(_CHUNK, end - at), _MADV_POPULATE_WRITE) != 0:
-                if ctypes.get_errno() == 22:  # EINVAL: no MADV_POPULATE_WRITE here
-                    _broken = True
-                return  # ENOMEM & co: the decode's own faults report any real shortage
+        for start, end in spans:
+            for at in range(start, end, _CHUNK):
+                if self._stop.is_set():
+                    return
+                if madvise(at, min(_CHUNK, end - at), _MADV_POPULATE_WRITE) != 0:
+                    if ctypes.get_errno() == 22:  # EINVAL: no MADV_POPULATE_WRITE here
+                        _broken = True
+                    return  # ENOMEM & co: the decode's own faults report a real shortage
 
     def stop(self) -> None:
         """Stop populating (what is left the decode faults in itself) and wait."""
@@ -81,4 +89,4 @@ class Prefault:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-            del self._tensor
+            del self._tensors

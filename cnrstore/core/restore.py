@@ -25,8 +25,8 @@ from cnrstore.format.blocks import resolve
 from cnrstore.format.manifest import TableManifest
 from engine import Object, ObjectStore, StoreClosed, StoreError
 
-__all__ = ["block_span", "check_slice", "row_range", "read_table", "read_codes", "read_into",
-           "run_all", "seed_later"]
+__all__ = ["block_span", "check_slice", "new_output", "row_range", "read_table", "read_codes",
+           "read_into", "run_all", "seed_later"]
 
 
 def row_range(sel: slice | None, rows: int) -> tuple[int, int, np.ndarray | None]:
@@ -182,6 +182,19 @@ def block_span(tm: TableManifest, rows: slice | None = None) -> tuple[int, int]:
     return first, (-(-hi // block_rows) if hi > lo else first)
 
 
+def new_output(tm: TableManifest, rows: slice | None = None) -> torch.Tensor:
+    """Fresh memory for ``read_table(tm, rows=rows)`` to decode into: [rows, width]."""
+    node = tm.node
+    lo, hi, _ = row_range(rows, node.rows)
+    try:
+        return torch.empty((hi - lo, node.width), dtype=parse_dtype(node.dtype))
+    except (RuntimeError, MemoryError) as exc:
+        raise CheckpointError(
+            f"table {node.name!r}: cannot allocate {hi - lo} rows of {node.width} "
+            f"{node.dtype} to restore into: {exc}"
+        ) from None
+
+
 def read_table(
     objects: ObjectStore,
     tm: TableManifest,
@@ -191,8 +204,10 @@ def read_table(
     keep_codes: bool = False,
     fingerprints: bool = False,
     started: Started | None = None,
+    into: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, np.ndarray | None, torch.Tensor | None]:
-    """Decode a stored table (or the rows ``rows`` of it) on the CPU. With ``keep_codes`` also
+    """Decode a stored table (or the rows ``rows`` of it) on the CPU, into ``into`` when
+    given (``new_output``'s, its page faults the caller's business). With ``keep_codes`` also
     return the encoded rows of the range read (for seeding a lossy diff base); with
     ``fingerprints`` the row fingerprints of the decoded rows (for seeding an exact one),
     computed per block in the decode threads while the block is still in cache: a separate
@@ -201,13 +216,12 @@ def read_table(
     dtype = parse_dtype(node.dtype)
     width = node.width
     lo, hi, pick = row_range(rows, node.rows)
+    out = new_output(tm, rows) if into is None else into
     try:
-        out = torch.empty((hi - lo, width), dtype=dtype)
         codes_out = np.empty((hi - lo, node.row_nbytes), dtype=np.uint8) if keep_codes else None
     except (RuntimeError, MemoryError) as exc:
         raise CheckpointError(
-            f"table {node.name!r}: cannot allocate {hi - lo} rows of {width} {node.dtype} "
-            f"to restore into: {exc}"
+            f"table {node.name!r}: cannot allocate the codes of {hi - lo} rows: {exc}"
         ) from None
     fps = torch.empty(hi - lo, dtype=torch.int64) if fingerprints else None
     first, last = block_span(tm, rows)
@@ -236,11 +250,13 @@ def read_table(
 
     hint = started or Readahead(objects, tm.block_ids[first:last],
                                 node.block_rows * node.row_nbytes).started
-    faults = Prefault(out)  # out is fresh memory: its page faults were most of a restore
+    # out is fresh memory: its page faults were most of a restore
+    faults = Prefault([out]) if into is None else None
     try:
         run_all(pool, one, range(first, last))
     finally:
-        faults.stop()
+        if faults is not None:
+            faults.stop()
     if pick is not None:
         out = out[torch.from_numpy(pick)]
     return out.reshape((out.shape[0], *node.shape[1:])), codes_out, fps

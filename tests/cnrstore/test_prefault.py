@@ -35,7 +35,7 @@ def test_populates_a_fresh_tensor_and_leaves_written_data_alone():
     t = torch.empty((80 << 20) // 4, dtype=torch.float32)  # fresh mmap: nothing resident
     before = _resident_fraction(t)
     t[: 1 << 20] = 7.0  # written first: must survive
-    p = Prefault(t)
+    p = Prefault([t])
     p.join()
     if prefault._broken:
         pytest.skip("this kernel has no MADV_POPULATE_WRITE")
@@ -49,7 +49,7 @@ def test_writes_racing_the_prefault_are_kept():
     n = (96 << 20) // 8
     t = torch.empty(n, dtype=torch.int64)
     want = torch.arange(n, dtype=torch.int64)
-    p = Prefault(t)
+    p = Prefault([t])
 
     def write(lo: int, hi: int) -> None:
         for a in range(lo, hi, 1 << 16):
@@ -67,8 +67,8 @@ def test_writes_racing_the_prefault_are_kept():
 
 def test_small_tensors_are_left_alone():
     small = torch.empty(1000)
-    Prefault(small).stop()  # below the size: no thread
-    assert Prefault(small)._thread is None
+    Prefault([small]).stop()  # below the size: no thread
+    assert Prefault([small])._thread is None
 
 
 @linux
@@ -79,9 +79,9 @@ def test_restores_with_the_prefault_are_exact(tmp_path, monkeypatch, quant):
     ran = []
     real = Prefault._run
 
-    def spy(self, start, end):
-        ran.append(end - start)
-        real(self, start, end)
+    def spy(self, spans):
+        ran.extend(end - start for start, end in spans)
+        real(self, spans)
 
     monkeypatch.setattr(prefault, "_MIN_BYTES", 0)
     monkeypatch.setattr(prefault, "_CHUNK", 3 * PAGE)
