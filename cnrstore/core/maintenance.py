@@ -9,9 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cnrstore.core.handle import StoreCore
-from cnrstore.core.prefault import Prefault
-from cnrstore.core.readahead import table_blocks
-from cnrstore.core.restore import block_span, check_slice, new_output, read_table, seed_later
+from cnrstore.core.restore import check_slice, read_tables, seed_later
 from cnrstore.core.retention import check_retention, kept_steps
 from cnrstore.core.validate import check_device, check_step
 from cnrstore.core.verify import StepProblem, verify_objects
@@ -101,22 +99,13 @@ def _read_step(core: StoreCore, step: int, names: Any, rows: dict, device: Any) 
         check_slice(sel, manifest.tables[name].node.rows, name=name)
     out = {}
     seeds = []
-    spans = {name: block_span(tm, rows.get(name)) for name, tm in manifest.tables.items()}
-    _, started = table_blocks(core.objects, [
-        (tm.block_ids[slice(*spans[name])], tm.node.block_rows * tm.node.row_nbytes)
-        for name, tm in manifest.tables.items()])
-    # Every table's memory at once, populated in read order by one thread (prefault.py).
-    fresh = [new_output(tm, rows.get(name)) for name, tm in manifest.tables.items()]
-    faults = Prefault(fresh)
-    try:
-        for (name, tm), hint, dest in zip(manifest.tables.items(), started, fresh):
-            if rows.get(name) is None and core.wants_seed(name):
-                seeds.append((name, tm))
-            tensor, _, _ = read_table(core.objects, tm, core.pool, rows=rows.get(name),
-                                      started=hint, into=dest)
-            out[name] = tensor.to(device)
-    finally:
-        faults.stop()
+    wanted = list(manifest.tables.items())
+    tensors = read_tables(core.objects, core.pool, [(tm, rows.get(n)) for n, tm in wanted],
+                          device)
+    for (name, tm), tensor in zip(wanted, tensors):
+        if rows.get(name) is None and core.wants_seed(name):
+            seeds.append((name, tm))
+        out[name] = tensor
     # The diff bases of the restored tables are computed from the stored step after the
     # restore returns (restore.seed_later); the next put of a table waits for its own.
     for name, tm in seeds:

@@ -18,15 +18,15 @@ import torch
 from cnrstore.codec.fingerprint import row_fingerprints
 from cnrstore.codec.quantize import decode_rows
 from cnrstore.core.prefault import Prefault
-from cnrstore.core.readahead import Readahead, Started
+from cnrstore.core.readahead import Readahead, Started, table_blocks
 from cnrstore.core.tablestate import DeferredBase, parse_dtype
 from cnrstore.errors import CheckpointError, InvalidInput, InvalidType, ManifestError
 from cnrstore.format.blocks import resolve
 from cnrstore.format.manifest import TableManifest
 from engine import Object, ObjectStore, StoreClosed, StoreError
 
-__all__ = ["block_span", "check_slice", "new_output", "row_range", "read_table", "read_codes",
-           "read_into", "run_all", "seed_later"]
+__all__ = ["block_span", "check_slice", "new_output", "row_range", "read_table", "read_tables",
+           "read_codes", "read_into", "run_all", "seed_later"]
 
 
 def row_range(sel: slice | None, rows: int) -> tuple[int, int, np.ndarray | None]:
@@ -260,6 +260,31 @@ def read_table(
     if pick is not None:
         out = out[torch.from_numpy(pick)]
     return out.reshape((out.shape[0], *node.shape[1:])), codes_out, fps
+
+
+def read_tables(objects: ObjectStore, pool: Executor,
+                wanted: list[tuple[TableManifest, slice | None]], device: torch.device
+                ) -> list[torch.Tensor]:
+    """``read_table`` of several tables (each with its ``rows``) as one restore, each
+    moved to ``device``: one read-ahead over all their blocks, and for a CPU restore every
+    output allocated first and populated in read order by one prefault thread. Per table,
+    both started over at every table's start (docs/DECISIONS.md, "One read-ahead and one
+    prefault"). For another device each table is decoded in host memory of its own and
+    moved before the next, so the host never holds more than one table."""
+    cpu = device.type == "cpu"
+    _, started = table_blocks(objects, [
+        (tm.block_ids[slice(*block_span(tm, rows))], tm.node.block_rows * tm.node.row_nbytes)
+        for tm, rows in wanted])
+    fresh = [new_output(tm, rows) if cpu else None for tm, rows in wanted]
+    faults = Prefault([t for t in fresh if t is not None])
+    try:
+        out = []
+        for (tm, rows), hint, dest in zip(wanted, started, fresh):
+            t, _, _ = read_table(objects, tm, pool, rows=rows, started=hint, into=dest)
+            out.append(t.to(device))
+        return out
+    finally:
+        faults.stop()
 
 
 def read_into(

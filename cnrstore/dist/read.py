@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from cnrstore.core.restore import check_slice, read_into, read_table, row_range
+from cnrstore.core.restore import check_slice, read_into, read_table, read_tables, row_range
 from cnrstore.core.state import SEP, check_structure, fill, flatten, unflatten
 from cnrstore.core.validate import check_device, check_step
 from cnrstore.dist import put as dput
@@ -166,14 +166,14 @@ def get_tables(ds: DistributedStore, step: Any, *, names: Any, rows: Any, device
     result: dict = {}
     err = None
     try:
-        for n, (tm, ranges) in tables.items():
-            if out is not None:
+        if out is not None:
+            for n, (tm, ranges) in tables.items():
                 _fill(ds, objects, tm, ranges, out[n])
                 result[n] = out[n]
-                continue
-            sel = (rows or {}).get(n)
-            t, _, _ = read_table(objects, tm, ds.pool, rows=sel)
-            result[n] = t.to(check_device(device))
+        else:
+            wanted = [(tm, (rows or {}).get(n)) for n, (tm, _) in tables.items()]
+            result = dict(zip(tables, read_tables(objects, ds.pool, wanted,
+                                                  check_device(device))))
     except BaseException as exc:
         err = exc
     _finish(ds, err, "get_tables: read")
@@ -289,8 +289,9 @@ def get_state(ds: DistributedStore, step: Any, *, device: Any) -> Any:
     result: dict = {}
     err = None
     try:
-        for n, (tm, _) in tables.items():
-            result[n] = read_table(objects, tm, ds.pool)[0].to(check_device(device))
+        result = dict(zip(tables, read_tables(objects, ds.pool,
+                                              [(tm, None) for tm, _ in tables.values()],
+                                              check_device(device))))
         if doc is not None:
             shapes = check_structure(doc)
 
