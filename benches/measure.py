@@ -56,7 +56,8 @@ def fsync_dir(path: str | os.PathLike) -> None:
 
 
 def evict_page_cache(path: str | os.PathLike, *, drop_caches: bool = False) -> str:
-    """Make the next reads of files under ``path`` come from disk, as far as allowed.
+    """Make the next reads of ``path`` (a file, or the files under a directory) come from
+    disk, as far as allowed.
 
     Returns how: "drop_caches" (the whole cache was dropped), "fadvise" (each file's clean
     pages were dropped), or "none" (not supported here: reads may be warm).
@@ -71,7 +72,10 @@ def evict_page_cache(path: str | os.PathLike, *, drop_caches: bool = False) -> s
             pass  # not root, or /proc/sys read-only in a container: fall back per file
     if not hasattr(os, "posix_fadvise"):
         return "none"
-    for root, _dirs, files in os.walk(path):
+    # A file is evicted as itself (os.walk of a file yields nothing: it was left warm).
+    walk = ([(os.path.dirname(path), [], [os.path.basename(path)])] if os.path.isfile(path)
+            else os.walk(path))
+    for root, _dirs, files in walk:
         for name in files:
             fd = os.open(os.path.join(root, name), os.O_RDONLY)
             try:

@@ -125,6 +125,36 @@ def test_disk_bytes_counts_allocated_blocks_not_apparent_size(tmp_path):
     assert dense.read_bytes()[:4] == dense.read_bytes()[:4]  # still readable after eviction
 
 
+def _cached(path) -> bool:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.preadv(fd, [bytearray(4096)], 0, os.RWF_NOWAIT)
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.skipif(not hasattr(os, "RWF_NOWAIT"), reason="needs preadv2 RWF_NOWAIT")
+def test_eviction_takes_a_file_or_a_directory(tmp_path):
+    # Regression: a file's path was walked as a directory, and nothing was evicted (a
+    # torch.load measured "cold" was warm).
+    f = tmp_path / "d" / "f.bin"
+    f.parent.mkdir()
+    f.write_bytes(os.urandom(1 << 20))
+    os.sync()
+    f.read_bytes()
+    assert _cached(f)
+    evict_page_cache(f.parent)
+    if _cached(f):
+        pytest.skip("this filesystem keeps the pages (no POSIX_FADV_DONTNEED)")
+    f.read_bytes()
+    assert _cached(f)
+    evict_page_cache(f)
+    assert not _cached(f)
+
+
 def test_peak_memory_sees_a_transient_allocation():
     mem = PeakMemory()
     mem.start()
