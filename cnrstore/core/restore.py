@@ -212,11 +212,27 @@ def read_table(
     ``fingerprints`` the row fingerprints of the decoded rows (for seeding an exact one),
     computed per block in the decode threads while the block is still in cache: a separate
     pass over a restored table cost as much again as decoding it."""
+    out = new_output(tm, rows) if into is None else into
+    blocks, one, finish = _table_read(objects, tm, rows, keep_codes, fingerprints, started, out)
+    # out is fresh memory: its page faults were most of a restore
+    faults = Prefault([out]) if into is None else None
+    try:
+        run_all(pool, one, blocks)
+    finally:
+        if faults is not None:
+            faults.stop()
+    return finish()
+
+
+def _table_read(objects: ObjectStore, tm: TableManifest, rows: slice | None, keep_codes: bool,
+                fingerprints: bool, started: Started | None, out: torch.Tensor
+                ) -> tuple[range, Callable[[int], None], Callable[[], tuple]]:
+    """(the blocks to decode, decode block i into ``out``, the result once all are) of
+    ``read_table``."""
     node = tm.node
     dtype = parse_dtype(node.dtype)
     width = node.width
     lo, hi, pick = row_range(rows, node.rows)
-    out = new_output(tm, rows) if into is None else into
     try:
         codes_out = np.empty((hi - lo, node.row_nbytes), dtype=np.uint8) if keep_codes else None
     except (RuntimeError, MemoryError) as exc:
@@ -248,18 +264,13 @@ def read_table(
         if codes_out is not None:
             codes_out[a - lo:b - lo] = part
 
+    def finish() -> tuple[torch.Tensor, np.ndarray | None, torch.Tensor | None]:
+        table = out if pick is None else out[torch.from_numpy(pick)]
+        return table.reshape((table.shape[0], *node.shape[1:])), codes_out, fps
+
     hint = started or Readahead(objects, tm.block_ids[first:last],
                                 node.block_rows * node.row_nbytes).started
-    # out is fresh memory: its page faults were most of a restore
-    faults = Prefault([out]) if into is None else None
-    try:
-        run_all(pool, one, range(first, last))
-    finally:
-        if faults is not None:
-            faults.stop()
-    if pick is not None:
-        out = out[torch.from_numpy(pick)]
-    return out.reshape((out.shape[0], *node.shape[1:])), codes_out, fps
+    return range(first, last), one, finish
 
 
 def read_tables(objects: ObjectStore, pool: Executor,
@@ -267,24 +278,27 @@ def read_tables(objects: ObjectStore, pool: Executor,
                 ) -> list[torch.Tensor]:
     """``read_table`` of several tables (each with its ``rows``) as one restore, each
     moved to ``device``: one read-ahead over all their blocks, and for a CPU restore every
-    output allocated first and populated in read order by one prefault thread. Per table,
-    both started over at every table's start (docs/DECISIONS.md, "One read-ahead and one
-    prefault"). For another device each table is decoded in host memory of its own and
-    moved before the next, so the host never holds more than one table."""
-    cpu = device.type == "cpu"
+    output allocated first, populated in read order by one prefault thread, and every
+    block of every table decoded in one pass of the pool (per table, all three started
+    over at every table: docs/DECISIONS.md, "One read-ahead and one prefault"). For
+    another device each table is decoded in host memory of its own and moved before the
+    next, so the host never holds more than one table."""
     _, started = table_blocks(objects, [
         (tm.block_ids[slice(*block_span(tm, rows))], tm.node.block_rows * tm.node.row_nbytes)
         for tm, rows in wanted])
-    fresh = [new_output(tm, rows) if cpu else None for tm, rows in wanted]
-    faults = Prefault([t for t in fresh if t is not None])
+    if device.type != "cpu":
+        return [read_table(objects, tm, pool, rows=rows, started=hint)[0].to(device)
+                for (tm, rows), hint in zip(wanted, started)]
+    fresh = [new_output(tm, rows) for tm, rows in wanted]
+    reads = [_table_read(objects, tm, rows, False, False, hint, dest)
+             for (tm, rows), hint, dest in zip(wanted, started, fresh)]
+    tasks = [(one, i) for blocks, one, _ in reads for i in blocks]
+    faults = Prefault(fresh)
     try:
-        out = []
-        for (tm, rows), hint, dest in zip(wanted, started, fresh):
-            t, _, _ = read_table(objects, tm, pool, rows=rows, started=hint, into=dest)
-            out.append(t.to(device))
-        return out
+        run_all(pool, lambda k: tasks[k][0](tasks[k][1]), range(len(tasks)))
     finally:
         faults.stop()
+    return [finish()[0] for _, _, finish in reads]
 
 
 def read_into(
