@@ -71,13 +71,13 @@ class Readahead:
 
 
 def table_blocks(objects: ObjectStore, tables: Sequence[tuple[Sequence[bytes], int]]
-                 ) -> tuple[Readahead, list[Started]]:
-    """One read-ahead over the blocks of several tables, read in this order (each given as
-    (block ids, bytes of a block)), and the ``started`` of each table."""
+                 ) -> list[Started]:
+    """The ``started`` of each of several tables, read in this order (each given as
+    (block ids, bytes of a block)), over one read-ahead of all their blocks."""
     oids: list[bytes] = []
     bases = []
     for ids, _ in tables:
         bases.append(len(oids))
         oids.extend(ids)
     ahead = Readahead(objects, oids, max((n for _, n in tables), default=1))
-    return ahead, [ahead.at(b) for b in bases]
+    return [ahead.at(b) for b in bases]

@@ -11,6 +11,7 @@ import operator
 import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_EXCEPTION, Executor, wait
+from typing import Any
 
 import numpy as np
 import torch
@@ -26,7 +27,7 @@ from cnrstore.format.manifest import TableManifest
 from engine import Object, ObjectStore, StoreClosed, StoreError
 
 __all__ = ["block_span", "check_slice", "new_output", "row_range", "read_table", "read_tables",
-           "read_codes", "read_into", "run_all", "seed_later"]
+           "read_codes", "read_into", "run_all", "seed_later", "table_hints"]
 
 
 def row_range(sel: slice | None, rows: int) -> tuple[int, int, np.ndarray | None]:
@@ -135,7 +136,7 @@ def _chain_reads(objects: ObjectStore, oid: bytes) -> tuple[Callable, Callable] 
     return get, get_into
 
 
-def run_all(pool: Executor, fn: Callable[[int], None], items: Iterable[int]) -> None:
+def run_all(pool: Executor, fn: Callable[[Any], None], items: Iterable[Any]) -> None:
     """``fn`` over ``items`` on ``pool``; raises the error of the lowest item that failed,
     as ``list(pool.map(...))`` would, once every started call has ended. The caller sleeps
     until then in one wait: ``map`` woke it at each block, and each wake took the GIL from
@@ -189,10 +190,8 @@ def new_output(tm: TableManifest, rows: slice | None = None) -> torch.Tensor:
     try:
         return torch.empty((hi - lo, node.width), dtype=parse_dtype(node.dtype))
     except (RuntimeError, MemoryError) as exc:
-        raise CheckpointError(
-            f"table {node.name!r}: cannot allocate {hi - lo} rows of {node.width} "
-            f"{node.dtype} to restore into: {exc}"
-        ) from None
+        raise CheckpointError(f"table {node.name!r}: cannot allocate {hi - lo} rows of "
+                              f"{node.width} {node.dtype} to restore into: {exc}") from None
 
 
 def read_table(
@@ -273,19 +272,24 @@ def _table_read(objects: ObjectStore, tm: TableManifest, rows: slice | None, kee
     return range(first, last), one, finish
 
 
+def table_hints(objects: ObjectStore, wanted: list[tuple[TableManifest, slice | None]]
+                ) -> list[Started]:
+    """The ``started`` of each table of ``wanted``, over one read-ahead of all they read."""
+    return table_blocks(objects, [
+        (tm.block_ids[slice(*block_span(tm, rows))], tm.node.block_rows * tm.node.row_nbytes)
+        for tm, rows in wanted])
+
+
 def read_tables(objects: ObjectStore, pool: Executor,
                 wanted: list[tuple[TableManifest, slice | None]], device: torch.device
                 ) -> list[torch.Tensor]:
-    """``read_table`` of several tables (each with its ``rows``) as one restore, each
-    moved to ``device``: one read-ahead over all their blocks, and for a CPU restore every
-    output allocated first, populated in read order by one prefault thread, and every
-    block of every table decoded in one pass of the pool (per table, all three started
-    over at every table: docs/DECISIONS.md, "One read-ahead and one prefault"). For
-    another device each table is decoded in host memory of its own and moved before the
-    next, so the host never holds more than one table."""
-    _, started = table_blocks(objects, [
-        (tm.block_ids[slice(*block_span(tm, rows))], tm.node.block_rows * tm.node.row_nbytes)
-        for tm, rows in wanted])
+    """``read_table`` of several tables (each with its ``rows``) as one restore, moved to
+    ``device``: one read-ahead; for a CPU restore every output allocated first, one
+    prefault thread over them in read order and one pass of the pool over all blocks (per
+    table, each started over: docs/DECISIONS.md, "One read-ahead and one prefault"). For
+    another device each table is decoded into host memory of its own and moved before
+    the next: the host never holds more than one table."""
+    started = table_hints(objects, wanted)
     if device.type != "cpu":
         return [read_table(objects, tm, pool, rows=rows, started=hint)[0].to(device)
                 for (tm, rows), hint in zip(wanted, started)]
@@ -295,7 +299,7 @@ def read_tables(objects: ObjectStore, pool: Executor,
     tasks = [(one, i) for blocks, one, _ in reads for i in blocks]
     faults = Prefault(fresh)
     try:
-        run_all(pool, lambda k: tasks[k][0](tasks[k][1]), range(len(tasks)))
+        run_all(pool, lambda task: task[0](task[1]), tasks)
     finally:
         faults.stop()
     return [finish()[0] for _, _, finish in reads]

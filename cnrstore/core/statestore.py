@@ -18,8 +18,7 @@ import torch
 from cnrstore.core import maintenance
 from cnrstore.core.handle import StoreCore
 from cnrstore.core.put import put
-from cnrstore.core.readahead import table_blocks
-from cnrstore.core.restore import read_into, seed_later
+from cnrstore.core.restore import read_into, seed_later, table_hints
 from cnrstore.core.state import check_structure, fill, flatten, unflatten
 from cnrstore.core.tablestate import parse_dtype
 from cnrstore.errors import InvalidInput, InvalidType, ManifestError, TableNotFound
@@ -128,9 +127,7 @@ def get_into(core: StoreCore, step, out: Mapping, *, names=None, rows=None) -> d
             )
     anchor = (root_name(step), manifest.oid)
     seeds = [name for name in manifest.tables if core.wants_seed(name)]
-    _, started = table_blocks(core.objects, [
-        (tm.block_ids, tm.node.block_rows * tm.node.row_nbytes)
-        for tm in manifest.tables.values()])
+    started = table_hints(core.objects, [(tm, None) for tm in manifest.tables.values()])
     for (name, tm), hint in zip(manifest.tables.items(), started):
         # detach: restoring into a parameter is not an autograd operation
         read_into(core.objects, tm, core.pool, out[name].detach(), started=hint)

@@ -244,7 +244,7 @@ def unpack(buf: torch.Tensor, table: GlobalTable, nrows: int) -> tuple[torch.Ten
     bytes it took (``message_nbytes``)."""
     n = nrows * width(table.row_shape) * DTYPE_SIZES[table.dtype]
     rows = buf[:n].view(table.torch_dtype).view((nrows, *table.row_shape))
-    return rows, message_nbytes(table, nrows)
+    return rows, _padded(n)
 
 
 def assemble(run: Run, parts: list[tuple[int, torch.Tensor]], row_shape, dtype

@@ -112,8 +112,7 @@ def test_one_read_ahead_runs_on_into_the_next_table(tmp_path, monkeypatch):
         monkeypatch.setattr(s.objects._core, "advise",
                             lambda locs: hinted.extend(loc.oid for loc in locs))
         monkeypatch.setattr(readahead, "WINDOW_BYTES", 3 * 64 * 8 * 4)  # 3 blocks
-        ahead, (in_a, in_b) = readahead.table_blocks(s.objects, [(a, 64 * 8 * 4),
-                                                                 (b, 64 * 8 * 4)])
+        in_a, in_b = readahead.table_blocks(s.objects, [(a, 64 * 8 * 4), (b, 64 * 8 * 4)])
         assert hinted == [a[0], a[1], b[0]]
         in_a(0)
         in_a(1)
