@@ -70,6 +70,7 @@ def _row(result: dict[str, Any]) -> dict[str, Any]:
         "restore_latest_s": result["restore_latest_s"],
         "restore_oldest_s": result["restore_oldest_s"],
         "restore_warm_s": result.get("restore_warm_s"),
+        "restore_warm_first_s": result.get("restore_warm_first_s"),
         "restore_inplace_s": result.get("restore_inplace_s"),
         "inplace_peak_over_start": result.get("inplace_peak_over_start"),
         "inplace_bit_exact": result.get("inplace_bit_exact"),
@@ -113,6 +114,8 @@ def summarize(merged: dict[str, dict[str, Any]]) -> dict[str, dict[str, dict[str
                 row["full_put_ratio"] = _ratio(row["full_put_s"], ref_row["full_put_s"])
                 row["warm_restore_ratio"] = _ratio(row["restore_warm_s"],
                                                    ref_row["restore_warm_s"])
+                row["warm_first_ratio"] = _ratio(row["restore_warm_first_s"],
+                                                 ref_row["restore_warm_first_s"])
                 row["inplace_ratio"] = _ratio(row["restore_inplace_s"],
                                               ref_row["restore_inplace_s"])
             out[w][system] = row
@@ -187,6 +190,7 @@ COLUMNS = (
     ("restore/ts", "restore_ratio", "x"),
     ("warm restore s", "restore_warm_s", "s"),
     ("warm/ts", "warm_restore_ratio", "x"),
+    ("1st warm/ts", "warm_first_ratio", "x"),
     ("in-place s", "restore_inplace_s", "s"),
     ("in-place/(ts+copy)", "inplace_ratio", "x"),
     ("full put/ts", "full_put_ratio", "x"),

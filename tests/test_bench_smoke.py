@@ -241,6 +241,13 @@ def test_quick_run_numbers_are_sane(quick_run):
         assert all(s["put_s"] > 0 and s["stall_s"] <= s["put_s"] + 1e-9 for s in res["steps"])
         assert res["restore_latest_s"] > 0 and res["restore_oldest_s"] > 0
         assert res["latest_error"]["same_layout"] is True
+        # Warm is the median of three restores, the first kept beside it (worker.py).
+        warm = res["restore_warm_samples_s"]
+        assert len(warm) == 3 and all(w > 0 for w in warm), system
+        assert res["restore_warm_s"] == sorted(warm)[1], system
+        assert res["restore_warm_first_s"] == warm[0], system
+    assert rows["cnr_exact"]["warm_first_ratio"] == pytest.approx(
+        rows["cnr_exact"]["restore_warm_first_s"] / rows["torch_save"]["restore_warm_first_s"])
     for system in ("torch_save", "dcp"):  # full copies each step, bit-exact
         row = rows[system]
         assert logical <= row["incr_bytes"] < 1.5 * logical + (1 << 20)
