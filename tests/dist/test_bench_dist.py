@@ -23,6 +23,8 @@ def test_quick_run_reports_every_system(tmp_path):
     assert set(systems) == {"cnr", "dcp", "dcp_async"}
     for r in systems.values():
         assert r["restore_exact"] and len(r["steps"]) == 2
+        assert r["restore_inplace_s"] > 0  # cnr: into existing Shards, as dcp.load does
+    assert systems["dcp"]["restore_inplace_s"] == systems["dcp"]["restore_s"]
     # the incremental step: cnrstore writes a fraction of what DCP writes again
     assert systems["cnr"]["steps"][1]["bytes"] < systems["dcp"]["steps"][1]["bytes"] / 4
     assert "| cnr |" in (tmp_path / "results.md").read_text()
