@@ -139,7 +139,14 @@ def _bring_up_to_date(store: StoreCore, locked: bool) -> RepairReport | None:
         store.index.refresh_if_replaced()
         if stale_problem(store) is not None:
             report = _rebuild(store)
-        store.index.upgrade_entries()
+        try:
+            store.index.upgrade_entries()
+        except CorruptObject:
+            # An entry that fails its checksum (or its length): the index is damaged, not
+            # merely old (an upgrade is one transaction, so a true legacy index has no
+            # checksummed entry to fail). Raising here left a store that could not even be
+            # opened to repair it; rebuild from the packs, as for a stale index.
+            report = _rebuild(store)
     finally:
         if not locked:
             store.lock.release()

@@ -175,6 +175,29 @@ def test_legacy_entries_without_checksums_are_upgraded_on_open(store_path):
         assert store.verify(deep=True).ok
 
 
+def test_a_damaged_entry_met_by_the_legacy_upgrade_does_not_fail_the_open(store_path):
+    # Two flips, one clearing the "every entry has its checksum" mark and one inside an
+    # entry, made the open's legacy upgrade meet an entry that fails its checksum: the
+    # open raised CorruptObject and the store could not even be opened to repair it
+    # (seen once in test_random_flips_in_data_mdb_long). The open must rebuild instead.
+    with open_store(store_path) as store:
+        top = store.root("r2")
+    _flip_in_entry(store_path, top, 34 + 5)  # inside the node's first ref
+    env = lmdb.open(str(store_path / "index"), max_dbs=4)
+    try:
+        meta = env.open_db(b"meta")
+        with env.begin(write=True) as txn:
+            assert txn.delete(b"entry_checksums", db=meta)
+    finally:
+        env.close()
+    with open_store(store_path) as store:
+        assert store.opened_with_repair is not None
+        assert not store._core.index.legacy_entries
+        for i in ROOTS:
+            check_dag(store, i)
+        assert store.verify(deep=True).ok
+
+
 def _flip_bytes(path, seed: int) -> None:
     data = path / "index" / "data.mdb"
     raw = bytearray(data.read_bytes())
