@@ -3,7 +3,11 @@
 LMDB maps data.mdb and trusts the page numbers in it: a file shorter than its newest meta
 page says (truncated, or a foreign file) makes the first access past the end kill the
 process with SIGBUS. So the two meta pages are checked before LMDB ever sees the file
-(docs/FORMAT.md "Index freshness"). Offsets are those of LMDB 0.9 on 64-bit platforms.
+(docs/FORMAT.md "Index freshness"). It trusts its node pointers and sizes as much: one
+flipped bit in a leaf's pointer array sent a read of the roots past the end of the file.
+So the trees that every open reads (the main database and the small ones it names) are
+walked with plain reads too, page by page. Offsets are those of LMDB 0.9 on 64-bit
+platforms.
 """
 
 from __future__ import annotations
@@ -66,6 +70,121 @@ def data_file_problem(data: pathlib.Path) -> str | None:
         if (last + 1) * psize > size:
             return (f"{data.name} is {size} bytes but its meta page {number} needs "
                     f"{(last + 1) * psize} (truncated or damaged)")
+    return _trees_problem(data, psize)
+
+
+# Page and node layout (mdb.c): page header, node header, the sub-database record.
+_PAGE_HEAD = struct.Struct("<QHHHH")   # pgno, pad, flags, lower, upper
+_NODE_HEAD = struct.Struct("<HHHH")    # lo, hi, flags, key size
+_U64 = struct.Struct("<Q")
+_P_BRANCH, _P_LEAF, _P_OVERFLOW = 0x01, 0x02, 0x04
+_F_BIGDATA, _F_SUBDATA = 0x01, 0x02
+_DB_RECORD = 48                        # sizeof(MDB_db); md_root at offset 40
+_NO_PAGE = 0xFFFFFFFFFFFFFFFF          # P_INVALID: an empty database
+_WALK_TRIES = 3
+
+
+def _trees_problem(data: pathlib.Path, psize: int) -> str | None:
+    """Walk the newest meta's main database and the small databases it names. A writer
+    in another process may commit meanwhile; LMDB reuses a page only two commits after
+    the last meta that reached it, so a walk that ends with the meta it began with saw one
+    snapshot. One that did not is walked again, and after a few, trusted to LMDB."""
+    try:
+        with open(data, "rb") as f:
+            fd = f.fileno()
+            for _ in range(_WALK_TRIES):
+                before = _newest_meta(fd, psize)
+                problem = _walk_all(fd, psize, *before[1:])
+                if problem is None or _newest_meta(fd, psize) == before:
+                    return problem
+    except FileNotFoundError:
+        return None  # swapped out by a repair meanwhile: as a missing file above
+    except OSError as exc:
+        return f"cannot read {data.name}: {exc}"
+    return None
+
+
+def _newest_meta(fd: int, psize: int) -> tuple[int, int, int]:
+    """(txn id, last page, main database root) of the newer meta page."""
+    metas = []
+    for number in (0, 1):
+        page = os.pread(fd, _META_END, number * psize)
+        last, txn = _LMDB_LAST.unpack_from(page, 136)
+        (main,) = _U64.unpack_from(page, 88 + 40)
+        metas.append((txn, last, main))
+    return max(metas)
+
+
+def _walk_all(fd: int, psize: int, last: int, main: int) -> str | None:
+    seen: set[int] = set()
+    named: list[tuple[bytes, int]] = []
+    problem = _walk(fd, psize, last, main, b"(main)", seen, named)
+    for name, root in named:
+        if problem is None and name in SMALL_DATABASES:
+            problem = _walk(fd, psize, last, root, name, seen, [])
+    return problem
+
+
+# Read at every open (FORMAT.md "Index"); objects is checked by LMDB alone.
+SMALL_DATABASES = frozenset({b"meta", b"roots", b"packs"})
+
+
+def _walk(fd: int, psize: int, last: int, root: int, name: bytes, seen: set[int],
+          named: list[tuple[bytes, int]]) -> str | None:
+    if root == _NO_PAGE:
+        return None
+    todo = [root]
+    while todo:
+        pgno = todo.pop()
+        where = f"database {name.decode(errors='replace')}, page {pgno}"
+        if pgno < 2 or pgno > last or pgno in seen:
+            return f"{where}: out of range or reached twice"
+        seen.add(pgno)
+        page = os.pread(fd, psize, pgno * psize)
+        if len(page) < psize:
+            return f"{where}: past the end of the file"
+        head_pgno, _, flags, lower, upper = _PAGE_HEAD.unpack_from(page, 0)
+        if head_pgno != pgno or flags & (_P_BRANCH | _P_LEAF) not in (_P_BRANCH, _P_LEAF):
+            return f"{where}: not a tree page"
+        if not _PAGE_HEAD.size <= lower <= upper <= psize or (lower - _PAGE_HEAD.size) % 2:
+            return f"{where}: bad bounds {lower}..{upper}"
+        for i in range((lower - _PAGE_HEAD.size) // 2):
+            (off,) = struct.unpack_from("<H", page, _PAGE_HEAD.size + 2 * i)
+            if not upper <= off <= psize - _NODE_HEAD.size:
+                return f"{where}: node {i} at {off} is outside the page"
+            lo, hi, nflags, ksize = _NODE_HEAD.unpack_from(page, off)
+            body = off + _NODE_HEAD.size + ksize
+            if flags & _P_BRANCH:
+                if body > psize:
+                    return f"{where}: node {i} runs past the page"
+                todo.append(lo | hi << 16 | nflags << 32)
+                continue
+            size = lo | hi << 16
+            if nflags & _F_BIGDATA:
+                if body + 8 > psize:
+                    return f"{where}: node {i} runs past the page"
+                (first,) = _U64.unpack_from(page, body)
+                problem = _overflow_problem(fd, psize, last, first, size)
+                if problem:
+                    return f"{where}: node {i}: {problem}"
+                continue
+            if body + size > psize:
+                return f"{where}: node {i} runs past the page"
+            if nflags & _F_SUBDATA and name == b"(main)" and size == _DB_RECORD:
+                (sub,) = _U64.unpack_from(page, body + 40)
+                named.append((bytes(page[off + _NODE_HEAD.size : body]), sub))
+    return None
+
+
+def _overflow_problem(fd: int, psize: int, last: int, first: int, size: int) -> str | None:
+    if first < 2 or first > last:
+        return f"overflow page {first} out of range"
+    head = os.pread(fd, 16, first * psize)
+    head_pgno, _, flags, pages = struct.unpack_from("<QHHI", head, 0)
+    if head_pgno != first or not flags & _P_OVERFLOW or pages < 1:
+        return f"page {first} is not an overflow page"
+    if first + pages - 1 > last or size > pages * psize - 16:
+        return f"overflow run {first}+{pages} does not hold {size} bytes"
     return None
 
 

@@ -20,6 +20,7 @@ import pytest
 from _helpers import check_dag, open_store, pack_files, put_dag, run
 
 import engine
+from engine import index as ix
 from engine.gc import GCRefused
 
 ROOTS = list(range(6))
@@ -227,14 +228,12 @@ def _point_past_page(path, db_name: bytes) -> None:
     data.write_bytes(bytes(raw))
 
 
-@pytest.mark.xfail(strict=True, reason="known limit, not fixed yet: LMDB trusts the node "
-                   "pointers of its pages; one past its page makes the open's read of the "
-                   "roots run off the end of the mapped file (SIGBUS). Needs a structural "
-                   "check of the small databases before LMDB maps them (DECISIONS.md).")
 def test_a_node_pointer_past_its_page_does_not_kill_the_open(store_path):
     # Found by test_random_flips_in_data_mdb_long (seed 694, about 1 run in 3000): a flip
-    # in a leaf page's pointer array of the roots database.
+    # in a leaf page's pointer array of the roots database sent the open's read of the
+    # roots past the end of data.mdb (SIGBUS) until lmdbcheck walked the small trees.
     _point_past_page(store_path, b"roots")
+    assert ix.data_file_problem(store_path / "index" / "data.mdb") is not None
     _survive(store_path)
 
 
