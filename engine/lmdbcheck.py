@@ -104,21 +104,26 @@ def _trees_problem(data: pathlib.Path, psize: int) -> str | None:
     return None
 
 
-def _newest_meta(fd: int, psize: int) -> tuple[int, int, int]:
-    """(txn id, last page, main database root) of the newer meta page."""
+def _newest_meta(fd: int, psize: int) -> tuple[int, int, int, int]:
+    """(txn id, last page, main database root, free-list root) of the newer meta page."""
     metas = []
     for number in (0, 1):
         page = os.pread(fd, _META_END, number * psize)
         last, txn = _LMDB_LAST.unpack_from(page, 136)
         (main,) = _U64.unpack_from(page, 88 + 40)
-        metas.append((txn, last, main))
+        (free,) = _U64.unpack_from(page, 40 + 40)
+        metas.append((txn, last, main, free))
     return max(metas)
 
 
-def _walk_all(fd: int, psize: int, last: int, main: int) -> str | None:
+def _walk_all(fd: int, psize: int, last: int, main: int, free: int) -> str | None:
     seen: set[int] = set()
     named: list[tuple[bytes, int]] = []
-    problem = _walk(fd, psize, last, main, b"(main)", seen, named)
+    # The free list too: a write transaction takes pages from it, and a flipped page
+    # number there made a gc write off the end of the file (SIGBUS).
+    problem = _walk(fd, psize, last, free, _FREE, seen, [])
+    if problem is None:
+        problem = _walk(fd, psize, last, main, b"(main)", seen, named)
     for name, root in named:
         if problem is None and name in SMALL_DATABASES:
             problem = _walk(fd, psize, last, root, name, seen, [])
@@ -127,6 +132,7 @@ def _walk_all(fd: int, psize: int, last: int, main: int) -> str | None:
 
 # Read at every open (FORMAT.md "Index"); objects is checked by LMDB alone.
 SMALL_DATABASES = frozenset({b"meta", b"roots", b"packs"})
+_FREE = b"(free list)"
 
 
 def _walk(fd: int, psize: int, last: int, root: int, name: bytes, seen: set[int],
@@ -165,11 +171,17 @@ def _walk(fd: int, psize: int, last: int, root: int, name: bytes, seen: set[int]
                     return f"{where}: node {i} runs past the page"
                 (first,) = _U64.unpack_from(page, body)
                 problem = _overflow_problem(fd, psize, last, first, size)
+                if problem is None and name == _FREE:
+                    problem = _free_list_problem(os.pread(fd, size, first * psize + 16), last)
                 if problem:
                     return f"{where}: node {i}: {problem}"
                 continue
             if body + size > psize:
                 return f"{where}: node {i} runs past the page"
+            if name == _FREE:
+                problem = _free_list_problem(page[body : body + size], last)
+                if problem:
+                    return f"{where}: node {i}: {problem}"
             if nflags & _F_SUBDATA and name == b"(main)" and size == _DB_RECORD:
                 (sub,) = _U64.unpack_from(page, body + 40)
                 named.append((bytes(page[off + _NODE_HEAD.size : body]), sub))
@@ -185,6 +197,20 @@ def _overflow_problem(fd: int, psize: int, last: int, first: int, size: int) -> 
         return f"page {first} is not an overflow page"
     if first + pages - 1 > last or size > pages * psize - 16:
         return f"overflow run {first}+{pages} does not hold {size} bytes"
+    return None
+
+
+def _free_list_problem(value: bytes, last: int) -> str | None:
+    """A free-list record: a count, then that many page numbers, descending (midl.h)."""
+    if len(value) < 8 or len(value) % 8:
+        return f"a free-list record of {len(value)} bytes"
+    ids = struct.unpack(f"<{len(value) // 8}Q", value)
+    if ids[0] != len(ids) - 1:
+        return f"a free-list record counts {ids[0]} pages but holds {len(ids) - 1}"
+    pages = ids[1:]
+    if pages and (pages[-1] < 2 or pages[0] > last
+                  or any(a <= b for a, b in zip(pages, pages[1:]))):
+        return "a free-list record with pages out of range or order"
     return None
 
 
