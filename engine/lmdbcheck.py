@@ -76,10 +76,14 @@ def data_file_problem(data: pathlib.Path) -> str | None:
 # Page and node layout (mdb.c): page header, node header, the sub-database record.
 _PAGE_HEAD = struct.Struct("<QHHHH")   # pgno, pad, flags, lower, upper
 _NODE_HEAD = struct.Struct("<HHHH")    # lo, hi, flags, key size
+_OVERFLOW_HEAD = struct.Struct("<QHHI")  # pgno, pad, flags, pages
+_U16 = struct.Struct("<H")
 _U64 = struct.Struct("<Q")
+_FREE_DB, _MAIN_DB = 40, 88              # the two MDB_db records of a meta page
 _P_BRANCH, _P_LEAF, _P_OVERFLOW = 0x01, 0x02, 0x04
 _F_BIGDATA, _F_SUBDATA = 0x01, 0x02
-_DB_RECORD = 48                        # sizeof(MDB_db); md_root at offset 40
+_DB_RECORD = 48                        # sizeof(MDB_db)
+_DB_ROOT = 40                          # md_root within it
 _NO_PAGE = 0xFFFFFFFFFFFFFFFF          # P_INVALID: an empty database
 _WALK_TRIES = 3
 
@@ -110,8 +114,8 @@ def _newest_meta(fd: int, psize: int) -> tuple[int, int, int, int]:
     for number in (0, 1):
         page = os.pread(fd, _META_END, number * psize)
         last, txn = _LMDB_LAST.unpack_from(page, 136)
-        (main,) = _U64.unpack_from(page, 88 + 40)
-        (free,) = _U64.unpack_from(page, 40 + 40)
+        (main,) = _U64.unpack_from(page, _MAIN_DB + _DB_ROOT)
+        (free,) = _U64.unpack_from(page, _FREE_DB + _DB_ROOT)
         metas.append((txn, last, main, free))
     return max(metas)
 
@@ -121,9 +125,8 @@ def _walk_all(fd: int, psize: int, last: int, main: int, free: int) -> str | Non
     named: list[tuple[bytes, int]] = []
     # The free list too: a write transaction takes pages from it, and a flipped page
     # number there made a gc write off the end of the file (SIGBUS).
-    problem = _walk(fd, psize, last, free, _FREE, seen, [])
-    if problem is None:
-        problem = _walk(fd, psize, last, main, b"(main)", seen, named)
+    problem = (_walk(fd, psize, last, free, _FREE, seen, [])
+               or _walk(fd, psize, last, main, b"(main)", seen, named))
     for name, root in named:
         if problem is None and name in SMALL_DATABASES:
             problem = _walk(fd, psize, last, root, name, seen, [])
@@ -155,7 +158,7 @@ def _walk(fd: int, psize: int, last: int, root: int, name: bytes, seen: set[int]
         if not _PAGE_HEAD.size <= lower <= upper <= psize or (lower - _PAGE_HEAD.size) % 2:
             return f"{where}: bad bounds {lower}..{upper}"
         for i in range((lower - _PAGE_HEAD.size) // 2):
-            (off,) = struct.unpack_from("<H", page, _PAGE_HEAD.size + 2 * i)
+            (off,) = _U16.unpack_from(page, _PAGE_HEAD.size + 2 * i)
             if not upper <= off <= psize - _NODE_HEAD.size:
                 return f"{where}: node {i} at {off} is outside the page"
             lo, hi, nflags, ksize = _NODE_HEAD.unpack_from(page, off)
@@ -172,7 +175,8 @@ def _walk(fd: int, psize: int, last: int, root: int, name: bytes, seen: set[int]
                 (first,) = _U64.unpack_from(page, body)
                 problem = _overflow_problem(fd, psize, last, first, size)
                 if problem is None and name == _FREE:
-                    problem = _free_list_problem(os.pread(fd, size, first * psize + 16), last)
+                    value = os.pread(fd, size, first * psize + _OVERFLOW_HEAD.size)
+                    problem = _free_list_problem(value, last)
                 if problem:
                     return f"{where}: node {i}: {problem}"
                 continue
@@ -183,7 +187,7 @@ def _walk(fd: int, psize: int, last: int, root: int, name: bytes, seen: set[int]
                 if problem:
                     return f"{where}: node {i}: {problem}"
             if nflags & _F_SUBDATA and name == b"(main)" and size == _DB_RECORD:
-                (sub,) = _U64.unpack_from(page, body + 40)
+                (sub,) = _U64.unpack_from(page, body + _DB_ROOT)
                 named.append((bytes(page[off + _NODE_HEAD.size : body]), sub))
     return None
 
@@ -191,11 +195,11 @@ def _walk(fd: int, psize: int, last: int, root: int, name: bytes, seen: set[int]
 def _overflow_problem(fd: int, psize: int, last: int, first: int, size: int) -> str | None:
     if first < 2 or first > last:
         return f"overflow page {first} out of range"
-    head = os.pread(fd, 16, first * psize)
-    head_pgno, _, flags, pages = struct.unpack_from("<QHHI", head, 0)
+    head = os.pread(fd, _OVERFLOW_HEAD.size, first * psize)
+    head_pgno, _, flags, pages = _OVERFLOW_HEAD.unpack_from(head, 0)
     if head_pgno != first or not flags & _P_OVERFLOW or pages < 1:
         return f"page {first} is not an overflow page"
-    if first + pages - 1 > last or size > pages * psize - 16:
+    if first + pages - 1 > last or size > pages * psize - _OVERFLOW_HEAD.size:
         return f"overflow run {first}+{pages} does not hold {size} bytes"
     return None
 

@@ -22,8 +22,7 @@ _entry = st.tuples(st.sampled_from(_NAMES), st.binary(min_size=1, max_size=120),
                    st.integers(0, 9000))
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow,
-                                                                  HealthCheck.function_scoped_fixture])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(entries=st.lists(_entry, max_size=400), bulk=st.integers(0, 3000),
        drop=st.integers(0, 3), seed=st.integers(0, 2**16))
 def test_healthy_files_pass_the_walk(tmp_path_factory, entries, bulk, drop, seed):
@@ -73,7 +72,6 @@ def test_a_node_past_its_page_is_found(tmp_path):
     assert data_file_problem(data) is None
     raw = bytearray(data.read_bytes())
     psize = int.from_bytes(raw[40:44], "little")
-    # The roots tree's only page is the newest page of its one write: the last page.
     last = max(int.from_bytes(raw[n * psize + 136 : n * psize + 144], "little") for n in (0, 1))
     candidates = [p for p in range(2, last + 1)
                   if int.from_bytes(raw[p * psize : p * psize + 8], "little") == p]
