@@ -19,7 +19,7 @@ system, same seed, so every system saves the same states:
 
 Bytes per checkpoint are bytes allocated on disk that the checkpoint added. Then
 ``--restore-world`` ranks build the DMP under another plan and restore the last checkpoint
-(cnrstore: cnrstore.dist.torchrec.load; DCP: dcp.load into the new DMP's state), after
+(cnrstore: cnrstore.distributed.torchrec.load; DCP: dcp.load into the new DMP's state), after
 evicting the page cache; the restored local rows of both are compared.
 """
 
@@ -143,8 +143,8 @@ def _restore(rank: int, world: int, a, root: str, system: str) -> dict:
     import torch.distributed as dist
 
     from benches.measure import evict_page_cache
-    from cnrstore.dist.leaves import shard_leaf
-    from cnrstore.dist.torchrec import _leaf_paths
+    from cnrstore.distributed.leaves import shard_leaf
+    from cnrstore.distributed.torchrec import _leaf_paths
 
     dmp, _ = _dmp(a, world, rank)
     last = a.checkpoints - 1
@@ -154,7 +154,7 @@ def _restore(rank: int, world: int, a, root: str, system: str) -> dict:
     t0 = time.perf_counter()
     if system == "cnr":
         import cnrstore
-        from cnrstore.dist import torchrec as ctr
+        from cnrstore.distributed import torchrec as ctr
 
         store = cnrstore.open(os.path.join(root, system), group=dist.group.WORLD)
         ctr.load(store, last, dmp)

@@ -53,9 +53,9 @@ if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and
     from cnrstore.core.options import Options, OptionsMismatch
     from cnrstore.core.store import CheckpointStore
     from cnrstore.core.writer import StepInfo
-    from cnrstore.dist.opener import open
-    from cnrstore.dist.shard import Shard
-    from cnrstore.dist.store import DistributedStore
+    from cnrstore.distributed.opener import open
+    from cnrstore.distributed.shard import Shard
+    from cnrstore.distributed.store import DistributedStore
 
 __all__ = [
     "SCHEMES",
@@ -102,10 +102,10 @@ _LAZY = {
     "CheckpointStore": "cnrstore.core.store",
     "Options": "cnrstore.core.options",
     "OptionsMismatch": "cnrstore.core.options",
-    "open": "cnrstore.dist.opener",  # dispatches: plain, group= (and later s3://)
-    "DistributedStore": "cnrstore.dist.store",
+    "open": "cnrstore.distributed.opener",  # dispatches: plain, group= (and later s3://)
+    "DistributedStore": "cnrstore.distributed.store",
     "StepInfo": "cnrstore.core.writer",
-    "Shard": "cnrstore.dist.shard",
+    "Shard": "cnrstore.distributed.shard",
 }
 
 

@@ -258,7 +258,7 @@ class WriteFailed(CheckpointError):
 
 
 class RankFailed(CheckpointError):
-    """A collective operation of a distributed store (cnrstore/dist/) failed because a rank
+    """A collective operation of a distributed store (cnrstore/distributed/) failed because a rank
     died, hung past the store's ``timeout`` or lost its connection: nothing of the
     operation became visible (unless the coordinator's commit already had, which
     ``steps()`` of a reopened store tells). The handle's process group is then broken:

@@ -6,7 +6,7 @@ Three jobs, each a group of spawned gloo ranks: the reference trains all steps a
 ``--world`` ranks; the interrupted job trains at ``--world`` ranks with a non-blocking
 checkpoint every ``--every`` steps until this process SIGKILLs every rank at ``--fail-at``;
 the resumed job opens the store at ``--resume-world`` ranks (another plan: the tables are
-laid out by world size), restores the latest step with cnrstore.dist.torchrec.load and
+laid out by world size), restores the latest step with cnrstore.distributed.torchrec.load and
 finishes. Both final states are then loaded into plain unsharded DLRMs in this one process
 (load_unsharded) and evaluated on the same held-out batches.
 
@@ -128,7 +128,7 @@ def _rank_main(rank: int, world: int, port: int, job: dict[str, Any]) -> None:
     from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
     import cnrstore
-    from cnrstore.dist import torchrec as ctr
+    from cnrstore.distributed import torchrec as ctr
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.manual_seed(job["seed"])
@@ -231,7 +231,7 @@ def _job(world: int, job: dict[str, Any], *, kill: bool, timeout: float = 900) -
 def evaluate(store_path: str, step: int, seed: int) -> tuple[float, dict[str, torch.Tensor]]:
     """Eval loss of ``step`` in a plain unsharded DLRM in this process, and its tables."""
     import cnrstore
-    from cnrstore.dist import torchrec as ctr
+    from cnrstore.distributed import torchrec as ctr
 
     net = model(None)
     with cnrstore.open(store_path) as store:

@@ -17,7 +17,7 @@ RANK = {
     "format": 2,
     "core": 3,
     "tools": 4,
-    "dist": 4,       # many ranks: the store over torch.distributed
+    "distributed": 4,  # many ranks: the store over torch.distributed
     "demo": 5,       # an application: the public facade and the tools (progress, sizes)
     "cli": 6,
     "__init__": 7,   # the public facade

@@ -88,7 +88,7 @@ def test_open_arguments_of_a_location(moto, tmp_path):
         cnrstore.open(moto.url(), storage_options=moto.options)
     with pytest.raises(cnrstore.InvalidInput, match="storage_options"):
         cnrstore.open(tmp_path / "dir", storage_options=moto.options)
-    # A directory with cache_dir is a shared-directory store (tests/dist/test_dist_remote.py)
+    # A directory with cache_dir is a shared-directory store (tests/distributed/test_dist_remote.py)
     with cnrstore.open(tmp_path / "dir", cache_dir=tmp_path / "cache") as s:
         assert s.steps() == [] and (tmp_path / "dir" / "commits").is_dir()
     with pytest.raises(cnrstore.StorageError, match="plain http"):

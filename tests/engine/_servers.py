@@ -1,5 +1,5 @@
 """The S3 servers on loopback as pytest fixtures, one definition for every conftest that
-offers them (tests/engine, tests/dist): moto for the fast tests, SeaweedFS for the slow
+offers them (tests/engine, tests/distributed): moto for the fast tests, SeaweedFS for the slow
 ones. Each conftest imports them; each server lives for the session."""
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ import torch
 import trspawn
 from trcheck import check_tiling, describe, table
 
-from cnrstore.dist.leaves import fill_leaf, shard_leaf
-from cnrstore.dist.shard import Shard
+from cnrstore.distributed.leaves import fill_leaf, shard_leaf
+from cnrstore.distributed.shard import Shard
 from cnrstore.errors import InvalidInput
 
 TIMEOUT = 90

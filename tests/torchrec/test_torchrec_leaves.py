@@ -13,7 +13,7 @@ import trmodels  # noqa: E402
 import trspawn  # noqa: E402
 from trcheck import check_tiling, describe, table  # noqa: E402
 
-from cnrstore.dist.leaves import fill_leaf, shard_leaf  # noqa: E402
+from cnrstore.distributed.leaves import fill_leaf, shard_leaf  # noqa: E402
 from cnrstore.errors import InvalidInput  # noqa: E402
 
 TIMEOUT = 180

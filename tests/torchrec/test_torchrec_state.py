@@ -23,8 +23,8 @@ OPTIM = {"ebc": "rowwise", "ec": "full_adagrad"}
 
 def _pieces(state) -> dict:
     """path -> [(row offset, local rows)] of this rank, for assembling whole tables."""
-    from cnrstore.dist.leaves import shard_leaf
-    from cnrstore.dist.torchrec import _leaf_paths
+    from cnrstore.distributed.leaves import shard_leaf
+    from cnrstore.distributed.torchrec import _leaf_paths
 
     out = {}
     for path, leaf in _leaf_paths(state):
@@ -70,7 +70,7 @@ def _save_worker(rank, world, path):
     import torch.distributed as dist
 
     import cnrstore
-    from cnrstore.dist import torchrec as ctr
+    from cnrstore.distributed import torchrec as ctr
     from cnrstore.errors import InvalidInput
 
     models = _models(world, SAVE, False, seed=1)
@@ -98,8 +98,8 @@ def _load_worker(rank, world, path, layouts, dtensor):
     import torch.distributed as dist
 
     import cnrstore
-    from cnrstore.dist import torchrec as ctr
-    from cnrstore.dist.leaves import fill_leaf
+    from cnrstore.distributed import torchrec as ctr
+    from cnrstore.distributed.leaves import fill_leaf
 
     models = _models(world, layouts, dtensor, seed=2)  # other initial values
     store = cnrstore.open(path, group=dist.group.WORLD)
@@ -146,7 +146,7 @@ def test_restore_at_three_ranks_under_another_plan_in_dtensor_mode(saved):
 
 def test_restore_into_plain_unsharded_modules_in_one_process(saved):
     import cnrstore
-    from cnrstore.dist import torchrec as ctr
+    from cnrstore.distributed import torchrec as ctr
 
     path, before, _ = saved
     with cnrstore.open(path) as store:  # no group: one process reads the sharded save

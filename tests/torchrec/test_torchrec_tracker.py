@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cnrstore.dist.shard import Shard
-from cnrstore.dist.torchrec import is_tracker, resolve_touched, touched_rows
+from cnrstore.distributed.shard import Shard
+from cnrstore.distributed.torchrec import is_tracker, resolve_touched, touched_rows
 from cnrstore.errors import InvalidInput
 
 
@@ -52,7 +52,7 @@ def test_ids_over_several_local_pieces_and_the_old_api():
     st = _state()
     pieces = st["model"]["m.ebc.a.weight"] = [Shard(torch.zeros(5, 2), 10, 40),
                                               Shard(torch.zeros(4, 2), 30, 40)]
-    from cnrstore.dist import torchrec as ctr
+    from cnrstore.distributed import torchrec as ctr
 
     # a list of Shards is one leaf to the store; the tracker counts rows across pieces
     ids = ctr._to_global("a", pieces[0], torch.tensor([0, 4]))
@@ -86,7 +86,7 @@ def _tracker_worker(rank, world, path_a, path_b):
     from torchrec.distributed.model_tracker.types import DeltaTrackerConfig
 
     import cnrstore
-    from cnrstore.dist import torchrec as ctr
+    from cnrstore.distributed import torchrec as ctr
     from cnrstore.errors import StepExists
 
     layout = {"t0": "tw:1", "t1": "rw", "t2": "twrw"}

@@ -19,14 +19,14 @@ from cnrstore.core.options import ensure_stored
 from cnrstore.core.snapshot import TablePlan
 from cnrstore.core.tablestate import BlockSlot, TableState
 from cnrstore.core.writer import StepInfo, write_blocks, write_nodes
-from cnrstore.dist import layout, transfer
+from cnrstore.distributed import layout, transfer
 from cnrstore.errors import CheckpointError, StepExists, WriteFailed, translate
 from cnrstore.format.manifest import KIND_STEP, StepNode, root_name
 from engine import RootExists, StoreError, crashpoints, object_id
 
 __all__ = ["Step", "write", "CRASH_POINTS"]
 
-# The DistributedStore (cnrstore/dist/store.py): typed loosely, no import cycle.
+# The DistributedStore (cnrstore/distributed/store.py): typed loosely, no import cycle.
 DistributedStore = Any
 
 # Named points of the distributed commit where crash tests SIGKILL a rank

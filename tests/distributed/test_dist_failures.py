@@ -78,7 +78,7 @@ def test_a_killed_rank_at_each_point_of_the_commit(tmp_path, victim, point, comm
 def _killed(tmp_path, victim, point, committed):
     path = tmp_path / "s"
     res = run(2, killed, str(path), victim, point, timeout=90, expect_dead=(victim,))
-    for err, seconds, closing, closed in survivors(res, victim):
+    for _err, seconds, closing, closed in survivors(res, victim):
         assert seconds < 15 + 10 and closing < 5, (seconds, closing)
         assert closed == "store is closed"
     _check_store(path, committed)

@@ -6,7 +6,7 @@ CheckpointStore at ``path``, with ``cache_dir`` for a bucket or a shared directo
 other ranks never open an index nor touch a cache_dir: they reach the same packs through
 the storage the coordinator names (its locator; a bucket's client is rebuilt on each rank
 from its own AWS_* environment and ``storage_options``), write packs there and read
-records by the locations the coordinator sends (cnrstore/dist/transfer.py). Every
+records by the locations the coordinator sends (cnrstore/distributed/transfer.py). Every
 method is collective: every rank calls it, in the same order, and every rank returns the
 same result or raises the same error. The store runs its collectives on gloo groups of
 its own (one for the calling thread, one for the background writer), so they never
@@ -29,9 +29,9 @@ from cnrstore.core.snapshot import HostBuffers
 from cnrstore.core.store import CheckpointStore
 from cnrstore.core.store import open as open_plain
 from cnrstore.core.writer import BackgroundWriter, StepInfo
-from cnrstore.dist import put as dput
-from cnrstore.dist import read, transfer
-from cnrstore.dist.comm import Comm, rebuild_error, wire_error
+from cnrstore.distributed import put as dput
+from cnrstore.distributed import read, transfer
+from cnrstore.distributed.comm import Comm, rebuild_error, wire_error
 from cnrstore.errors import CheckpointError, InvalidInput, translate, translating
 from engine import StoreError
 
@@ -297,7 +297,7 @@ class DistributedStore:
 
 def _shard_leaf() -> Callable[[Any], Any] | None:
     try:
-        from cnrstore.dist.leaves import shard_leaf
+        from cnrstore.distributed.leaves import shard_leaf
     except ImportError:
         return None
     return shard_leaf

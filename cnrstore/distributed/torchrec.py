@@ -1,18 +1,18 @@
 """TorchRec: checkpoint a DistributedModelParallel model and its fused optimizer, restore it
 under another plan, world size, or into a plain unsharded model (docs/TORCHREC.md).
 
-    state = cnrstore.dist.torchrec.state_dict(dmp)         # {"model": ..., "optim": ...}
+    state = cnrstore.distributed.torchrec.state_dict(dmp)         # {"model": ..., "optim": ...}
     store.put_state(step, state, touched=tracker)          # tracker: optional, see touched_rows
-    cnrstore.dist.torchrec.load(store, step, dmp)          # in place, any plan / world size
-    cnrstore.dist.torchrec.load_unsharded(store, step, ebc)  # one process, plain module
+    cnrstore.distributed.torchrec.load(store, step, dmp)          # in place, any plan / world size
+    cnrstore.distributed.torchrec.load_unsharded(store, step, ebc)  # one process, plain module
 
 TorchRec's fused optimizer state names only the tables a rank holds rows of, in an order
 that differs between ranks, while a collective put stores one structure: the distributed
-put_state/load_state make the nesting the same on every rank (cnrstore.dist.leaves.uniform;
+put_state/load_state make the nesting the same on every rank (cnrstore.distributed.leaves.uniform;
 a rank holding no row of a table names it by a zero-row ``cnrstore.Shard``), so the raw
 ``{"model": dmp.state_dict(), "optim": dmp.fused_optimizer.state_dict()}`` works; these
 helpers build it, load it back, and map the tracker. The sharded leaves go through
-cnrstore.dist.leaves, which reads TorchRec's real offsets in both output modes.
+cnrstore.distributed.leaves, which reads TorchRec's real offsets in both output modes.
 
 TorchRec is imported by nobody here: a DMP and a tracker are used through their methods
 (``state_dict``, ``fused_optimizer``, ``get_unique_ids``), so cnrstore imports without it.
@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from cnrstore.dist.leaves import is_sharded_leaf, shard_leaf, uniform
-from cnrstore.dist.shard import Shard
+from cnrstore.distributed.leaves import is_sharded_leaf, shard_leaf, uniform
+from cnrstore.distributed.shard import Shard
 from cnrstore.errors import InvalidInput, InvalidType
 
 __all__ = ["state_dict", "load", "load_unsharded", "touched_rows",

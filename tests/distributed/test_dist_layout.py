@@ -1,4 +1,4 @@
-"""The tiling check and block ownership (cnrstore/dist/layout.py), in one process."""
+"""The tiling check and block ownership (cnrstore/distributed/layout.py), in one process."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from cnrstore import InvalidInput, Shard
 from cnrstore.codec.layout import dtype_name
-from cnrstore.dist import layout
+from cnrstore.distributed import layout
 
 
 def _specs(*ranks):

@@ -8,8 +8,9 @@ coordinator adopts them into its one commit (``Writer.adopt``). For a read, the
 coordinator sends the locations of the records a rank needs (``locate_closure``) and the
 rank reads them through the same storage (``engine.LocatedObjects``), so
 core/restore.py runs unchanged on it. Ranks reach the storage from the coordinator's
-locator (``attach``): a bucket client is built on each rank, never pickled. A store that is not a pack store (no ``reserve_packs``) gets the bytes
-themselves through the process group instead: same protocol, only slower.
+locator (``attach``): a bucket client is built on each rank, never pickled. A store that
+is not a pack store (no ``reserve_packs``) gets the bytes themselves through the process
+group instead: same protocol, only slower.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from cnrstore.dist.shard import Shard
+from cnrstore.distributed.shard import Shard
 from cnrstore.errors import InvalidInput, InvalidType
 
 __all__ = ["shard_leaf", "fill_leaf", "is_sharded_leaf", "uniform"]
@@ -117,8 +117,8 @@ def _pieces(x, *, for_fill: bool) -> list[tuple[torch.Tensor, int]] | None:
 
 
 def _placed_piece(x, local: torch.Tensor, gshape, *, for_fill: bool):
-    from torch.distributed.tensor import Replicate, Shard as PShard  # noqa: N811
-
+    from torch.distributed.tensor import Replicate  # noqa: N811
+    from torch.distributed.tensor import Shard as PShard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     mesh, placements = x.device_mesh, x.placements
@@ -130,8 +130,8 @@ def _placed_piece(x, local: torch.Tensor, gshape, *, for_fill: bool):
             if not for_fill and coords[dim] != 0:
                 return []
         elif not isinstance(p, PShard):
-            raise InvalidInput(f"DTensor with placement {type(p).__name__} {p} (mesh dimension {dim}): only "
-                               "Shard and Replicate placements hold plain rows")
+            raise InvalidInput(f"DTensor with placement {type(p).__name__} {p} (mesh dimension "
+                               f"{dim}): only Shard and Replicate placements hold plain rows")
     shape, offset = compute_local_shape_and_global_offset(gshape, mesh, placements)
     _check_rows_only("DTensor", tuple(offset), tuple(shape), gshape)
     if tuple(local.shape) != tuple(shape):

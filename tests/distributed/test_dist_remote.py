@@ -11,8 +11,7 @@ import os
 
 import pytest
 import torch
-from dist_util import (BLOCK_ROWS, FANOUT, Failed, oracle, put_sequence, run, sequence,
-                       survivors)
+from dist_util import BLOCK_ROWS, FANOUT, Failed, oracle, put_sequence, run, sequence, survivors
 from dist_workers import _table, killed, layouts, restore_layouts, save_layouts
 
 import cnrstore

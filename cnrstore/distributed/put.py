@@ -24,20 +24,20 @@ from cnrstore.core.snapshot import TablePlan, plan_table
 from cnrstore.core.tablestate import TableState
 from cnrstore.core.validate import check_step, pack_metadata, resolve_quant
 from cnrstore.core.writer import StepInfo
-from cnrstore.dist import layout, seed
-from cnrstore.dist.commit import Step, write
+from cnrstore.distributed import layout, seed
+from cnrstore.distributed.commit import Step, write
 from cnrstore.errors import (
     InvalidInput,
-    ReadOnlyStore,
     InvalidType,
     NonFiniteValues,
+    ReadOnlyStore,
     StepExists,
     StepOrderError,
     ValueOutOfRange,
 )
 from cnrstore.format.manifest import list_steps, root_name
 
-# The DistributedStore (cnrstore/dist/store.py, which imports this module): typed loosely
+# The DistributedStore (cnrstore/distributed/store.py, which imports this module): typed loosely
 # so the layers test sees no import cycle.
 DistributedStore = Any
 
@@ -242,7 +242,7 @@ def _receive(comm: Any, got: list, buf: torch.Tensor | None, sizes: list[int],
 
 def _seed(ds: DistributedStore, needs: list[list], gtables: dict, schemes: dict
           ) -> dict[tuple[str, int], TableState]:
-    """Diff bases from the store for the runs that have none (cnrstore/dist/seed.py).
+    """Diff bases from the store for the runs that have none (cnrstore/distributed/seed.py).
     A damaged or unreadable store never stops a checkpoint: those runs get no base."""
     if not any(needs):
         return {}

@@ -15,10 +15,10 @@ import torch
 from cnrstore.core.restore import check_slice, read_into, read_table, read_tables, row_range
 from cnrstore.core.state import SEP, check_structure, fill, flatten, unflatten
 from cnrstore.core.validate import check_device, check_step
-from cnrstore.dist import put as dput
-from cnrstore.dist import transfer
-from cnrstore.dist.comm import rebuild_error, wire_error
-from cnrstore.dist.shard import Shard
+from cnrstore.distributed import put as dput
+from cnrstore.distributed import transfer
+from cnrstore.distributed.comm import rebuild_error, wire_error
+from cnrstore.distributed.shard import Shard
 from cnrstore.errors import (
     CheckpointError,
     InvalidInput,
@@ -29,7 +29,7 @@ from cnrstore.errors import (
 )
 from cnrstore.format.manifest import list_steps, load_manifest, load_step
 
-# The DistributedStore (cnrstore/dist/store.py, which imports this module): typed loosely
+# The DistributedStore (cnrstore/distributed/store.py, which imports this module): typed loosely
 # so the layers test sees no import cycle.
 DistributedStore = Any
 
@@ -233,8 +233,8 @@ def _sharded(state: Any, shard_leaf: Any) -> tuple[Any, dict[str, Any]]:
 
 def _uniform(ds: DistributedStore, state: Any, what: str) -> Any:
     """One nesting on every rank: TorchRec's state names a table's optimizer state only
-    where a rank holds its rows (cnrstore.dist.leaves.uniform)."""
-    from cnrstore.dist.leaves import uniform
+    where a rank holds its rows (cnrstore.distributed.leaves.uniform)."""
+    from cnrstore.distributed.leaves import uniform
 
     # Every rank enters the same rounds: whether states are mappings is agreed first.
     kinds = ds.comm.agree(None, what, isinstance(state, Mapping))
@@ -270,8 +270,8 @@ def put_state(ds: DistributedStore, step: Any, state: Any, *, quant: Any, metada
             quant = "exact"
         elif isinstance(quant, str) and quant != "exact":
             quant = {"*": quant}
-        # touched= may be TorchRec's ModelDeltaTracker (cnrstore/dist/torchrec.py)
-        from cnrstore.dist.torchrec import resolve_touched
+        # touched= may be TorchRec's ModelDeltaTracker (cnrstore/distributed/torchrec.py)
+        from cnrstore.distributed.torchrec import resolve_touched
 
         touched, done = resolve_touched(touched, state)
     except BaseException as exc:
@@ -354,7 +354,7 @@ def load_state(ds: DistributedStore, step: Any, state: Any, *, strict: bool) -> 
             elif isinstance(leaf, Shard):
                 _fill(ds, objects, tm, ranges, leaf)
             else:
-                from cnrstore.dist.leaves import fill_leaf
+                from cnrstore.distributed.leaves import fill_leaf
 
                 def rows(lo: int, hi: int, tm: Any = tm) -> torch.Tensor:
                     return read_table(objects, tm, ds.pool, rows=slice(lo, hi))[0]
@@ -371,7 +371,7 @@ def _fill_pieces(leaf: Any) -> list[tuple[torch.Tensor, int]]:
     replica too, where a put stores one."""
     if isinstance(leaf, Shard):
         return [(leaf.local, leaf.row_offset)]
-    from cnrstore.dist.leaves import _pieces
+    from cnrstore.distributed.leaves import _pieces
 
     return _pieces(leaf, for_fill=True) or []
 

@@ -20,7 +20,7 @@ __all__ = ["open"]
 def _opener(path: str | os.PathLike, group: Any) -> Callable[..., Any]:
     """The function that opens ``path`` (a seam: one branch per kind of store)."""
     if group is not None:
-        from cnrstore.dist.store import open_distributed
+        from cnrstore.distributed.store import open_distributed
 
         return open_distributed
     from cnrstore.core.store import open as open_plain

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from cnrstore.core.tablestate import BlockSlot, TableState
-from cnrstore.dist import transfer
+from cnrstore.distributed import transfer
 from cnrstore.errors import CheckpointError
 from cnrstore.format.blocks import resolve
 from cnrstore.format.manifest import list_steps, load_step, load_table_manifest, root_name

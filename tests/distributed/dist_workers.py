@@ -344,8 +344,8 @@ def exchange_rows(rank: int, world: int):
     """Each rank sends two messages to every other rank through Comm.exchange; returns the
     bytes received from each rank and whether every message arrived bit for bit."""
     from cnrstore.codec.layout import dtype_name
-    from cnrstore.dist import layout
-    from cnrstore.dist.comm import Comm
+    from cnrstore.distributed import layout
+    from cnrstore.distributed.comm import Comm
 
     def table(t):
         return layout.GlobalTable("t", int(t.shape[0]), tuple(t.shape[1:]),

@@ -1,4 +1,4 @@
-"""Rank programs of tests/dist/test_dist_remote.py (module-level: spawned ranks import
+"""Rank programs of tests/distributed/test_dist_remote.py (module-level: spawned ranks import
 them by name)."""
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def moved_read(rank: int, world: int, where: dict, other_cache: str, retry: bool
                 report = other.gc(threshold=0.0)
         dist.barrier()
         if not retry:
-            from cnrstore.dist import transfer
+            from cnrstore.distributed import transfer
 
             transfer.again = lambda ds, read: read()  # the read as it was before the retry
         lo, hi = (0, 96) if rank == 0 else (96, 200)

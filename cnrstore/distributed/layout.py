@@ -19,7 +19,7 @@ import torch
 
 from cnrstore.codec.layout import DTYPE_SIZES, dtype_name, parse_dtype
 from cnrstore.core.validate import check_name
-from cnrstore.dist.shard import Shard
+from cnrstore.distributed.shard import Shard
 from cnrstore.errors import InvalidInput, InvalidType
 
 __all__ = ["LocalTable", "GlobalTable", "local_tables", "global_tables", "Run", "runs"]
