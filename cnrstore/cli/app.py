@@ -74,7 +74,13 @@ def _step(text: str) -> int:
 
 
 def _step_or_latest(text: str) -> int | str:
-    return LATEST if text == LATEST else _step(text)
+    if text == LATEST:
+        return LATEST
+    try:
+        return _step(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"a step is a non-negative integer or {LATEST}, got {text!r}") from None
 
 
 def _count(text: str) -> int:
