@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _servers import moto_s3  # noqa: F401 - the fixture, registered by import
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -214,6 +215,34 @@ def test_changes_read_the_patches_not_the_tables():
     objects.read = 0
     assert sum(len(c.rows) for c in s.changes(2, 3, strict=True)) == rows
     assert objects.read < table_bytes // 20  # one step: its patches only
+
+
+@pytest.fixture(params=["shared", "s3"])
+def remote(request, tmp_path):
+    """(location, storage options) of a store on a shared directory or a moto bucket."""
+    if request.param == "shared":
+        return str(tmp_path / "shared"), {"gc_grace_s": 0.0}
+    pytest.importorskip("obstore")
+    server = request.getfixturevalue("moto_s3")
+    return server.url(), server.options
+
+
+def test_changes_on_shared_directory_and_s3_stores(remote, tmp_path):
+    url, options = remote
+    t = _t(100)
+    with cnrstore.open(url, cache_dir=tmp_path / "c0", storage_options=options, **OPTS) as s:
+        s.put_tables(1, {"u": t.clone()})
+        t[[3, 50, 99]] += 1
+        s.put_tables(2, {"u": t.clone(), "v": torch.arange(4)}, quant={"u": "int8"})
+        t[[50]] -= 3
+        s.put_tables(3, {"u": t.clone()}, quant={"u": "int8"})
+        for a, b in ((1, 3), (3, 1), (2, 3)):
+            check_pair(s, a, b)
+    # Another host's empty cache, rebuilt from the storage, sees the same changes.
+    with cnrstore.open(url, cache_dir=tmp_path / "c1", storage_options=options) as s:
+        assert [(c.kind, c.rows.tolist()) for c in s.changes(2, 3)] == [
+            ("rows", [50]), ("dropped", [])]
+        check_pair(s, 2, 3)
 
 
 # -- properties -------------------------------------------------------------------------
