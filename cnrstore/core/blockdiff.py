@@ -139,7 +139,8 @@ def new_block(get: Get, oid: bytes) -> BlockDiff:
 
 
 def diff_block(get: Get, a: bytes, b: bytes, common: int, *, exact: bool, b_newer: bool,
-               strict: bool = False, depths: tuple[int, int] | None = None) -> BlockDiff:
+               strict: bool = False, depths: tuple[int, int] | None = None,
+               codes: bool = True) -> BlockDiff:
     """The rows of block b that may differ from block a: rows below ``common`` (rows both
     versions hold) whose codes differ, and every row from ``common`` on. ``exact``: the
     table's scheme is "exact" (a row one patch wrote differs). ``b_newer``: b is the later
@@ -147,7 +148,9 @@ def diff_block(get: Get, a: bytes, b: bytes, common: int, *, exact: bool, b_newe
     a row whose codes may be unchanged (written more than once, or lossy) is compared with
     a's codes when a's own patches hold them; with ``strict`` a's full block is read for
     the rest, otherwise they are reported (with b's codes: a replay stays exact).
-    ``depths``: the segment nodes' patch depths of a and b, when known."""
+    ``depths``: the segment nodes' patch depths of a and b, when known. ``codes=False``:
+    only the rows are wanted (``BlockDiff.codes`` is then empty where b's codes would
+    cost reads of their own)."""
     cached = _Cached(get)
     first, second = ((b, a), (a, b)) if b_newer else ((a, b), (b, a))
     for top, base in (first, second):
@@ -158,14 +161,14 @@ def diff_block(get: Get, a: bytes, b: bytes, common: int, *, exact: bool, b_newe
         rnb = top_codes.shape[1]
         check = np.ones(len(rows), dtype=bool) if not exact else counts > 1
         # b's codes are what a replica receives: when b is the base, all of them are read.
-        need = np.ones(len(rows), dtype=bool) if top == a else check
+        need = np.ones(len(rows), dtype=bool) if top == a and codes else check
         base_codes = np.empty((len(rows), rnb), dtype=np.uint8)
         found = np.zeros(len(rows), dtype=bool)
         decoded = 0
         if need.any():
             depth = None if depths is None else depths[0 if base == a else 1]
             got, hit, decoded = _codes_at(cached, base, rows[need], rnb,
-                                          full=strict or top == a, depth=depth)
+                                          full=strict or (top == a and codes), depth=depth)
             base_codes[need], found[need] = got, hit
         differs = np.ones(len(rows), dtype=bool)
         cmp = check & found
@@ -173,9 +176,12 @@ def diff_block(get: Get, a: bytes, b: bytes, common: int, *, exact: bool, b_newe
             differs[cmp] = np.any(top_codes[cmp] != base_codes[cmp], axis=1)
         else:
             differs[cmp] = False
-        b_codes = top_codes if top == b else base_codes
         keep = differs & (rows < common)
-        return BlockDiff(rows[keep], b_codes[keep], len(chain), decoded)
+        if top == b:
+            b_codes = top_codes[keep]
+        else:
+            b_codes = base_codes[keep] if codes else np.empty((0, rnb), dtype=np.uint8)
+        return BlockDiff(rows[keep], b_codes, len(chain), decoded)
     ca, cb = resolve(cached, a), resolve(cached, b)
     n = min(common, len(ca), len(cb))
     if ca.shape[1] != cb.shape[1]:
