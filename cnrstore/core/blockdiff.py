@@ -86,6 +86,9 @@ def _patch_rows(chain: list[tuple[bytes, Object]]) -> tuple[np.ndarray, np.ndarr
     """(rows written by the chain, how many patches wrote each, the newest codes of each)."""
     parts = [decode_patch(obj, oid) for oid, obj in chain]
     rnb = parts[0][0].row_nbytes
+    for (oid, _), (head, _, _) in zip(chain, parts):
+        if (head.nrows, head.row_nbytes) != (parts[0][0].nrows, rnb):
+            raise ManifestError("patch does not match the patches above it", oid=oid)
     idx_all = np.concatenate([p[1] for p in parts])
     rows, counts = np.unique(idx_all, return_counts=True)
     codes = np.empty((len(rows), rnb), dtype=np.uint8)

@@ -166,6 +166,21 @@ def test_changes_of_a_step_with_itself_and_bad_requests():
         s.changes(-1, 2)
 
 
+def test_a_step_collected_while_its_changes_are_read_is_step_not_found(tmp_path):
+    s = cnrstore.open(tmp_path / "s", **OPTS)
+    t = _t(64)
+    s.put_tables(1, {"u": t.clone(), "v": t.clone()})
+    t += 1  # every block rewritten: step 1's blocks are read by the changes
+    s.put_tables(2, {"u": t.clone(), "v": t.clone()})
+    it = s.changes(1, 2)
+    assert next(it).table == "u"
+    s.delete_step(1)
+    s.gc(threshold=0.0)
+    with pytest.raises(cnrstore.StepNotFound, match="deleted while its changes"):
+        list(it)
+    s.close()
+
+
 def test_names_and_rows_pick_what_is_read():
     s = _store()
     t, v = _t(64), _t(16, seed=3)
