@@ -84,7 +84,10 @@ class Change:
                 new[:n] = old[:n]
             tables[self.table] = new
         if len(self.rows):
-            dest = tables[self.table]
+            dest = tables.get(self.table)
+            if dest is None:
+                raise InvalidInput(f"changes of table {self.table!r}: the replica does not "
+                                   "hold it (is it a replica of step a?)")
             dest[self.rows.to(dest.device)] = self.values.to(dest.device)
 
 

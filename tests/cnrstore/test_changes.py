@@ -153,6 +153,9 @@ def test_changes_of_a_step_with_itself_and_bad_requests():
     s.put_tables(1, {"u": _t(10)})
     s.put_tables(2, {"u": _t(10, seed=2)})
     assert list(s.changes(2, 2)) == []
+    (ch,) = list(s.changes(1, 2))
+    with pytest.raises(cnrstore.InvalidInput, match="replica"):
+        ch.apply({})
     s.delete_step(1)
     with pytest.raises(cnrstore.StepNotFound):
         s.changes(1, 2)  # raised by the call, not by the first next()
