@@ -158,10 +158,56 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
                    help="scheme of table NAME, or without NAME of every floating-point "
                    "table (integer tables stay exact); repeatable. Default: the schemes "
                    "the file was exported with, else exact")
+    _add_changes(sub, common)
     p = add("demo", "run the demo: a small DLRM trained with checkpoints, killed, resumed")
     if argv is None or "demo" in argv:
         _add_demo_arguments(p)
     return parser
+
+
+def _add_changes(sub, common: argparse.ArgumentParser) -> None:
+    help_ = ("write the changes from step A to step B to a .safetensors file a serving "
+             "job can read, or (--apply) replay such a file onto a replica file")
+    p = sub.add_parser("changes", parents=[common], help=help_, description=help_,
+                       usage="cnrstore changes STORE A B --out FILE.safetensors "
+                             "[--table NAME ...] [--strict] [--force]\n"
+                             "       cnrstore changes --apply FILE.safetensors "
+                             "--to REPLICA.safetensors")
+    p.add_argument("store", nargs="?", metavar="STORE",
+                   help="path of the store directory, or s3://bucket/prefix")
+    p.add_argument("a", nargs="?", type=_step, metavar="A")
+    p.add_argument("b", nargs="?", type=_step, metavar="B")
+    p.add_argument("--out", metavar="FILE.safetensors", help="the changes file to write")
+    p.add_argument("--table", action="append", dest="names", metavar="NAME",
+                   help="only this table (repeatable)")
+    p.add_argument("--strict", action="store_true",
+                   help="also read the older blocks it takes to leave out rows written "
+                        "back to their value")
+    p.add_argument("--force", action="store_true", help="overwrite an existing --out file")
+    p.add_argument("--apply", metavar="FILE.safetensors",
+                   help="replay this changes file onto --to")
+    p.add_argument("--to", metavar="REPLICA.safetensors",
+                   help="a safetensors file of step A's tables (cnrstore export), "
+                        "rewritten as step B")
+
+
+def _changes(args: argparse.Namespace) -> int:
+    from cnrstore.tools import changefile
+
+    if args.apply is not None:
+        if args.to is None or args.store is not None or args.out is not None:
+            raise UsageError("changes --apply FILE takes --to REPLICA and no STORE A B or --out")
+        result = changefile.apply_file(args.apply, args.to)
+    else:
+        if args.b is None or args.out is None or args.to is not None:
+            raise UsageError("changes: give STORE A B --out FILE.safetensors "
+                             "(or --apply FILE --to REPLICA)")
+        with open_store(args.store, readonly=True, cache_dir=cache_dir_of(args)) as store:
+            result = changefile.write_changes(store, args.a, args.b, args.out,
+                                              names=args.names, overwrite=args.force,
+                                              strict=args.strict)
+    _emit(args, result, result.text())
+    return EXIT_OK
 
 
 def _add_demo_arguments(parser: argparse.ArgumentParser) -> None:
@@ -227,6 +273,8 @@ def _run(args: argparse.Namespace) -> int:
         from cnrstore.demo import driver as demo
 
         return int(demo.main(args) or 0)
+    if cmd == "changes":
+        return _changes(args)
     if cmd == "repair":
         from cnrstore.tools import info
 
