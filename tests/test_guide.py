@@ -295,6 +295,35 @@ def inspecting(block: Block, tmp: pathlib.Path, request) -> None:
         assert torch.equal(s.get_tables(9)["user"], _tables(1)["user"])
 
 
+def publishing(block: Block, tmp: pathlib.Path, request) -> None:
+    _run(block, {})    # it checks its own replica
+
+
+def publishing_file(block: Block, tmp: pathlib.Path, request) -> None:
+    # The section's commands, then this plain-torch replay of the file they wrote onto a
+    # replica of step 100, which must give step 120.
+    import shlex
+
+    from cnrstore.cli.app import main
+
+    _store_with({100: _tables(0), 120: _tables(1)})
+    section = GUIDE.read_text().split("## Publishing changes\n", 1)[1].split("\n## ", 1)[0]
+    (commands,) = re.findall(r"```sh\n(.*?)```", section, re.S)
+    for line in commands.strip().splitlines():
+        argv = shlex.split(line)
+        assert argv[0] == "cnrstore" and main(argv[1:]) == 0, line
+    ns = _run(block, {})
+    with cnrstore.open("ckpt/") as store:
+        replica, want = store.get_tables(100), store.get_tables(120)
+    ns["apply_changes_file"]("changes.safetensors", replica)
+    assert sorted(replica) == sorted(want)
+    assert all(torch.equal(replica[n], t) for n, t in want.items())
+    from safetensors.torch import load_file
+
+    back = load_file("replica.safetensors")     # --apply rewrote the replica as step 120
+    assert sorted(back) == sorted(want) and all(torch.equal(back[n], want[n]) for n in want)
+
+
 RUNNERS: dict[str, Callable] = {
     "Opening a store#0": opening,
     "Stores on S3#0": on_s3,
@@ -308,6 +337,8 @@ RUNNERS: dict[str, Callable] = {
     "Retention and garbage collection#0": retention,
     "Integrity: verify and repair#0": verifying,
     "The command line#0": inspecting,
+    "Publishing changes#0": publishing,
+    "Publishing changes#1": publishing_file,
 }
 
 
