@@ -6,8 +6,9 @@ there). An example names things the reader has (their tables, their model, their
 step); the setup of each block below makes those, small, and the store state the example
 starts from. The only other change to an example's text maps the absolute paths it names
 (/local/nvme/..., /lustre/...) into the test's directory; and each runs with cnrstore and
-torch imported, as they are for a reader who goes through the guide from the top. A block with no setup here fails
-the suite, so an example added to the guide is run from its first commit on."""
+torch imported, as they are for a reader who goes through the guide from the top. A block
+with no setup here fails the suite, so an example added to the guide is run from its first
+commit on."""
 
 from __future__ import annotations
 
