@@ -145,9 +145,12 @@ def test_repair_skips_damaged_records_and_trailers(tmp_path):
         assert {p.what for p in report.damaged} >= {"corrupt", "damaged-trailer"}
         assert report.objects_indexed == 4  # 3 data + the meta node
         assert not store.has(ids[1]) and store.get(ids[2]).payload
-        # the root's DAG is incomplete, so repair drops it rather than point at a hole
-        assert store.roots() == {}
-        assert any(p.what == "dangling-root" for p in report.damaged)
+        # the root's DAG is incomplete, but the rest of it reads: repair keeps it (issue 23)
+        assert set(store.roots()) == {"r"}
+        assert [(r.action, r.lost) for r in report.roots] == [("damaged", (ids[1],))]
+        assert any(p.what == "damaged-root" for p in report.damaged)
+        skipped = [p for p in report.damaged if p.what == "corrupt"]
+        assert [(p.oid, p.offset) for p in skipped] == [(ids[1], victim.offset)]
 
 def test_repair_rolls_a_damaged_root_back_and_keeps_the_others(tmp_path):
     path = tmp_path / "s"
