@@ -92,13 +92,8 @@ def choose_roots(snapshots: list[Snapshot], objects: dict[bytes, ix.ObjectEntry]
         out.full_bytes = size if rec.full else out.full_bytes
     if (old_roots is not None and old_seq is not None and old_seq >= out.max_seq
             and old_roots != state):
-        gone, moved = state.keys() - old_roots.keys(), old_roots.keys() - state.keys()
-        damaged.append(Problem(
-            "roots-from-index", f"the roots records in the packs name {len(state)} roots, "
-            f"the index (commit {old_seq}, roots checksum intact) {len(old_roots)}: roots "
-            f"records were lost; the index's roots are kept ({len(moved)} the records "
-            f"lack, {len(gone)} only they name)", pack=pack_name(out.newest_pack)))
-        state = dict(old_roots)
+        state = _merge_index_roots(state, old_roots, objects, damaged,
+                                   pack_name(out.newest_pack))
         regular = False
     out.roots = dict(state)
     if lost_under(objects, list(state.values())):  # one walk when nothing is lost
@@ -118,6 +113,34 @@ def choose_roots(snapshots: list[Snapshot], objects: dict[bytes, ix.ObjectEntry]
     if not regular:
         out.chain, out.delta_bytes = [], 0
     return out
+
+
+def _merge_index_roots(state: dict[str, bytes], old_roots: dict[str, bytes],
+                       objects: dict[bytes, ix.ObjectEntry], damaged: list[Problem],
+                       pack: str) -> dict[str, bytes]:
+    """The replayed roots with what an index at least as new as every roots record adds:
+    names the records lost, and targets the index moved them to (when the packs hold
+    them). Never a name less: one only the records name was deleted by a commit whose
+    record is lost, or dropped by an earlier repair; keeping it loses nothing."""
+    merged = dict(state)
+    taken = []
+    for name, oid in sorted(old_roots.items()):
+        if state.get(name) != oid and (name not in state or oid in objects):
+            merged[name] = oid
+            taken.append(name)
+    if taken:
+        damaged.append(Problem(
+            "roots-from-index", f"roots records are lost: {len(taken)} roots taken from the "
+            f"index (current, roots checksum intact): {', '.join(map(repr, taken[:8]))}"
+            + (" ..." if len(taken) > 8 else ""), pack=pack))
+    extra = sorted(state.keys() - old_roots.keys())
+    if extra:
+        damaged.append(Problem(
+            "root-not-in-index", f"{len(extra)} roots the packs' roots records name are not "
+            f"in the index (deleted by a commit whose roots record is lost, or dropped by "
+            f"an earlier repair); kept: {', '.join(map(repr, extra[:8]))}"
+            + (" ..." if len(extra) > 8 else ""), pack=pack))
+    return merged
 
 
 def _history(ordered: list[Snapshot]) -> dict[str, list[tuple[int, bytes | None]]]:
