@@ -136,6 +136,7 @@ class _OldMeta:
     next_pack: int = 0
     seq: int | None = None
     roots: dict[str, bytes] | None = None
+    packs: frozenset[int] = frozenset()  # the packs it lists
 
 
 def _read_old(txn: Any, meta: Any, packs: Any, roots_db: Any) -> _OldMeta:
@@ -143,6 +144,7 @@ def _read_old(txn: Any, meta: Any, packs: Any, roots_db: Any) -> _OldMeta:
     if not txn.stat(packs)["entries"]:
         return _OldMeta(nxt)
     seq = ix.get_u64(txn, meta, ix.META_SEQ)
+    listed = frozenset(ix.unpack_pack_key(bytes(k)) for k, _ in txn.cursor(db=packs))
     raw = {bytes(k): bytes(v) for k, v in txn.cursor(db=roots_db)}
     stored = txn.get(ix.META_ROOTS_SUM, db=meta)
     roots = None
@@ -152,7 +154,7 @@ def _read_old(txn: Any, meta: Any, packs: Any, roots_db: Any) -> _OldMeta:
             roots = {k.decode("utf-8"): v for k, v in raw.items()}
         except UnicodeDecodeError:
             roots = None
-    return _OldMeta(nxt, seq, roots)
+    return _OldMeta(nxt, seq, roots, listed)
 
 
 def _old_meta(index: ix.Index) -> _OldMeta:
@@ -198,6 +200,10 @@ class _Plan:
 
 def _plan(path: pathlib.Path, old: _OldMeta) -> _Plan:
     found, next_pack = _scan(path)
+    for n in sorted(old.packs - found.packs.keys()):
+        found.damaged.append(Problem(
+            "missing-pack", f"pack {pack_name(n)} is listed by the index but its file is "
+            "gone: the objects it held are lost", pack=pack_name(n)))
     chosen = choose_roots(found.snapshots, found.objects, found.damaged, old.seq, old.roots)
     files = list_pack_files(path)
     for i, r in enumerate(chosen.repairs):  # the layer above names what a root lost

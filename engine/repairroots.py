@@ -128,6 +128,12 @@ def _merge_index_roots(state: dict[str, bytes], old_roots: dict[str, bytes],
         if state.get(name) != oid and (name not in state or oid in objects):
             merged[name] = oid
             taken.append(name)
+    for name, oid in sorted(old_roots.items()):
+        if name in state and state[name] != oid and oid not in objects:
+            damaged.append(Problem(
+                "root-rolled-back", f"root {name!r}: the index pointed it at {hexid(oid)}, "
+                f"which no pack holds; kept at {hexid(state[name])}, the target the packs' "
+                "roots records name", oid=oid, pack=pack))
     if taken:
         damaged.append(Problem(
             "roots-from-index", f"roots records are lost: {len(taken)} roots taken from the "

@@ -170,7 +170,8 @@ def test_repair_rolls_a_damaged_root_back_and_keeps_the_others(tmp_path):
     with engine.open(path) as store:
         report = store.repair()
         assert store.roots() == {"a": old, "b": expect_b, "c": expect_c}
-        assert [p.what for p in report.damaged] == ["root-rolled-back"]
+        assert [p.what for p in report.damaged] == ["missing-pack", "root-rolled-back"]
+        assert report.damaged[0].pack == engine.pack.pack_name(lost)
         assert store.verify(deep=True).ok
 
 def test_open_finishes_a_repair_swap_a_crash_interrupted(tmp_path):
