@@ -131,7 +131,11 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
                        help="check only the structure: no payload re-hash or block decoding")
     p.add_argument("--step", type=_step_or_latest, action="append", dest="steps",
                    metavar="S", help="check only this step, or latest (repeatable)")
-    add("repair", "rebuild the index from the pack files")
+    p = add("repair", "rebuild the index from the pack files, keeping every step that "
+                      "still partly reads (prints its plan first)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="only scan the packs and say what repair would keep, roll back or "
+                        "drop; change nothing")
     p = add("gc", "drop old steps and reclaim their bytes")
     p.add_argument("--keep-last", type=_count, metavar="N",
                    help="keep the newest N steps")
@@ -283,8 +287,18 @@ def _run(args: argparse.Namespace) -> int:
                              "the index cache of a store on S3 or a shared directory "
                              "rebuilds itself on open (give it an empty --cache-dir)")
         require_store(args.store)
-        report = info.repair(args.store)
-        _emit(args, report, fmt.repair_text(report))
+
+        def say_plan(plan) -> None:  # before anything is written
+            if not args.json:
+                sys.stdout.write(fmt.repair_plan_text(plan) + "\n")
+                sys.stdout.flush()
+
+        report = info.repair(args.store, dry_run=args.dry_run, on_plan=say_plan)
+        if args.dry_run:
+            if args.json:
+                _emit(args, report, "")
+        else:
+            _emit(args, report, fmt.repair_text(report))
         return EXIT_PROBLEMS if report.damaged else EXIT_OK
     if _is_view(args):
         with open_objects(args.store, cache_dir_of(args)) as objects:

@@ -213,13 +213,52 @@ def verify_text(r, *, limit: int = 20) -> str:
     return "\n".join(lines)
 
 
-def repair_text(r) -> str:
-    lines = [f"index rebuilt: {plural(r.packs_scanned, 'pack')} scanned, "
-             f"{plural(r.objects_indexed, 'object')} indexed, "
-             f"{plural(r.roots_restored, 'root')} restored"]
-    for p in r.damaged:
-        lines.append(f"  damaged: {p.what}: {p.message}")
+_ROOT_PROBLEMS = ("damaged-root", "root-rolled-back", "dangling-root")
+
+
+def repair_plan_text(r, *, limit: int = 20) -> str:
+    """What repair will do (or, ``r.dry_run``, would do): the damage its scan found in the
+    packs, then each step or root that is not intact and what becomes of it."""
+    head = "repair plan (dry run: nothing is changed)" if r.dry_run else "repair plan"
+    lines = [f"{head}: {plural(r.packs_scanned, 'pack')} scanned, "
+             f"{plural(r.objects_indexed, 'intact object')}"]
+    found = [p for p in r.damaged if p.what not in _ROOT_PROBLEMS]
+    for p in found[:limit]:
+        where = f" [object {p.oid.hex()}]" if p.oid and p.oid.hex() not in p.message else ""
+        lines.append(f"  damaged: {p.what}: {p.message}{where}")
+    if len(found) > limit:
+        lines.append(f"  ... and {len(found) - limit} more (--json lists them all)")
+    verb = {"damaged": "would keep", "rolled-back": "would roll back",
+            "dropped": "would drop"} if r.dry_run else {
+        "damaged": "keeps", "rolled-back": "rolls back", "dropped": "drops"}
+    for d in r.roots[:limit]:
+        who = f"step {d.step}" if d.step is not None else f"root {d.root!r}"
+        lost = plural(len(d.lost), "lost object")
+        if d.action == "damaged":
+            tables = ", ".join(repr(t) for t in d.tables)
+            what = (f"tables {tables} raise CorruptData ({lost}), every other table reads"
+                    if tables else f"{lost}; everything else it reaches reads")
+            lines.append(f"  {who}: {verb['damaged']} it: {what}")
+        else:
+            lines.append(f"  {who}: {verb[d.action]}: {d.reason} ({lost})")
+    if len(r.roots) > limit:
+        lines.append(f"  ... and {len(r.roots) - limit} more (--json lists them all)")
+    dropped = sum(d.action == "dropped" for d in r.roots)
+    damaged = sum(d.action == "damaged" for d in r.roots)
+    lines.append(f"  {'would keep' if r.dry_run else 'keeps'} "
+                 f"{plural(r.roots_restored, 'root')} ({damaged} damaged), "
+                 f"{'would drop' if r.dry_run else 'drops'} {dropped}")
     return "\n".join(lines)
+
+
+def repair_text(r) -> str:
+    damaged = sum(d.action == "damaged" for d in r.roots)
+    dropped = sum(d.action == "dropped" for d in r.roots)
+    skipped = sum(p.what == "corrupt" for p in r.damaged)
+    return (f"index rebuilt: {plural(r.packs_scanned, 'pack')} scanned, "
+            f"{plural(r.objects_indexed, 'object')} indexed, "
+            f"{plural(r.roots_restored, 'root')} restored ({damaged} damaged, {dropped} "
+            f"dropped); {plural(skipped, 'damaged record')} skipped")
 
 
 def gc_plan_text(p) -> str:

@@ -391,8 +391,9 @@ def verify(store, *, deep: bool = True, steps: Iterable[int] | None = None,
 
 
 @translating
-def repair(path: str | os.PathLike):
-    """cnrstore.tools.check.repair: rebuild the index of the store at ``path`` from its packs."""
+def repair(path: str | os.PathLike, *, dry_run: bool = False, on_plan=None):
+    """cnrstore.tools.check.repair: rebuild the index of the store at ``path`` from its packs
+    (``dry_run``: only say what it would do); returns a RepairResult."""
     from cnrstore.tools.check import repair as _repair
 
-    return _repair(path)
+    return _repair(path, dry_run=dry_run, on_plan=on_plan)
