@@ -4,8 +4,9 @@ Runs with the writer lock held. Each phase ends in a state a crash may leave beh
 
 1. mark: walk refs from every root through the index alone (payloads are never read);
 2. sweep: ONE transaction drops dead object entries and lowers their packs' live bytes;
-3. compact: live records of mostly-dead packs are copied verbatim (checksum checked) into
-   new packs, which are sealed and fsync'ed; ONE transaction moves their entries and drops
+3. compact: live records of mostly-dead packs, and of small packs (merged, so that many
+   tiny puts end up in a few files), are copied verbatim (checksum checked) into new
+   packs, which are sealed and fsync'ed; ONE transaction moves their entries and drops
    the old packs' entries (plus a fresh roots snapshot when the current one was in them);
 4. delete: only now are the old pack files, and files no index entry lists (crash
    leftovers), unlinked. A reader whose older transaction still names a deleted pack gets
@@ -109,6 +110,14 @@ def sweep(index: ix.Index, live: dict[bytes, int], swept: list[bytes] | None = N
     return index.write(apply)
 
 
+# A pack smaller than pack_target_size / SMALL_PACK_DIVISOR is small: gc merges the small
+# packs of one kind (data, meta) when there are at least two (docs/FORMAT.md "Garbage
+# collection"). Every pack a merge writes but the last of its kind is then at least
+# target - limit > limit, so one gc leaves at most one small pack per kind and the next gc,
+# with no new puts, merges nothing.
+SMALL_PACK_DIVISOR = 16
+
+
 @dataclass
 class _Plan:
     rewrite: list[int] = field(default_factory=list)  # packs whose live records move
@@ -122,10 +131,12 @@ class _Plan:
     roots: dict[str, bytes] = field(default_factory=dict)
 
 
-def _plan(store: StoreCore, threshold: float, live_packs: set[int]) -> _Plan:
+def _plan(store: StoreCore, threshold: float, live_packs: set[int], held: set[int]) -> _Plan:
     """Which packs to drop or rewrite. A pack that a live object lives in is never
-    dropped, whatever its (unchecksummed) counters say: at worst it is rewritten."""
+    dropped, whatever its (unchecksummed) counters say: at worst it is rewritten (and a
+    size that lies only makes a pack merged or not: rewriting is always safe)."""
     index = store.index
+    small_limit = store.options.pack_target_size // SMALL_PACK_DIVISOR
 
     def read(txn: ix.Txn) -> _Plan:
         plan = _Plan()
@@ -134,9 +145,12 @@ def _plan(store: StoreCore, threshold: float, live_packs: set[int]) -> _Plan:
         plan.snapshot_pack = ix.get_snapshot_pack(txn, index.meta)
         plan.chain = set(ix.get_chain(txn, index.meta)[0])
         plan.roots = {k.decode(): bytes(v) for k, v in txn.cursor(db=index.roots)}
+        small: dict[bool, list[int]] = {False: [], True: []}
         for key, raw in txn.cursor(db=index.packs):
             n, p = ix.unpack_pack_key(key), ix.PackEntry.decode(raw)
             plan.meta[n] = p.meta
+            if n in held:
+                continue  # a live lease's pack: gc leaves it alone
             if p.count == 0 and n in live_packs:
                 plan.rewrite.append(n)
             elif p.count == 0:
@@ -146,8 +160,18 @@ def _plan(store: StoreCore, threshold: float, live_packs: set[int]) -> _Plan:
                     plan.drop.append(n)
                 else:
                     plan.chain_only.add(n)
+                    if p.size < small_limit:
+                        small[p.meta].append(n)
             elif p.dead_fraction > threshold:
                 plan.rewrite.append(n)
+            elif p.size < small_limit:
+                small[p.meta].append(n)
+        for meta, packs in small.items():
+            # One small pack alone would only be copied to another, unless packs of its
+            # kind are being rewritten anyway (it joins their new pack).
+            if len(packs) >= 2 or any(plan.meta[n] == meta for n in plan.rewrite):
+                plan.rewrite.extend(packs)
+        plan.rewrite.sort()
         return plan
 
     return index.read(read)
@@ -226,12 +250,10 @@ def collect(store: StoreCore, *, threshold: float, progress: ProgressFn | None) 
     if progress:
         progress(1, 3)
 
-    plan = _plan(store, threshold, set(live.values()))
     # Packs of a distributed put in flight (a live lease, engine/lease.py): unlisted until
     # its commit adopts them, so neither dropped, rewritten nor deleted as leftovers.
     held = leased(store.path)
-    plan.rewrite = [n for n in plan.rewrite if n not in held]
-    plan.drop = [n for n in plan.drop if n not in held]
+    plan = _plan(store, threshold, set(live.values()), held)
     unreadable: list[Problem] = []
     out = PackSet(store.storage, plan.next_pack, store.options.pack_target_size)
     published = keep_uploaded = False
