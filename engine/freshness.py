@@ -63,8 +63,12 @@ def open_index(store: StoreCore) -> RepairReport | None:
             _open_readonly(store)
         except ix.UnknownIndexVersion as exc:
             _refuse_newer(store, exc)
-            raise StaleIndex(f"store {store.path}: {exc}, but every pack is: open it "
-                             "writable to rebuild the index from them") from None
+            raise StaleIndex(f"store {store.path}: {exc}; every pack is of version "
+                             f"{fmt.FORMAT_VERSION}: open the store writable to rebuild "
+                             "the index from them") from None
+        except ix.DamagedIndex as exc:
+            _refuse_newer(store, exc)
+            raise
         return None
     try:
         return _open_writable(store, damaged=False)
@@ -72,17 +76,20 @@ def open_index(store: StoreCore) -> RepairReport | None:
         # A bit flip (1 -> 17) made a healthy store unopenable; a newer cnrstore's store
         # shows in its packs. The index is derived data: rebuilt from packs we read.
         _refuse_newer(store, exc)
-        why = f"{exc}, but every pack is: index rebuilt from the packs"
+        why = f"{exc}; every pack is of version {fmt.FORMAT_VERSION}: index rebuilt from them"
         return _reported(_open_writable(store, damaged=True), why)
     except ix.DamagedIndex as exc:
         # LMDB itself found pages it cannot use, or the meta values fail their checksum:
-        # derived data, rebuilt from the packs.
+        # derived data, rebuilt from the packs (unless they are a newer cnrstore's, which
+        # this code would take for damaged records).
+        _refuse_newer(store, exc)
         return _reported(_open_writable(store, damaged=True), f"{exc}: index rebuilt")
 
 
-def _refuse_newer(store: StoreCore, exc: ix.UnknownIndexVersion) -> None:
+def _refuse_newer(store: StoreCore, exc: FormatError) -> None:
     """Raise FormatError (upgrade cnrstore) when a pack of ``store`` is of a newer format
-    version than this code reads: then the index's version is no damage."""
+    version than this code reads: then the index is a newer cnrstore's, not damaged, and
+    must not be rebuilt by this code (it would take the newer records for damage)."""
     for n, path in sorted(list_pack_files(store.path).items()):
         try:
             with open(path, "rb") as f:
