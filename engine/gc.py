@@ -6,8 +6,9 @@ Runs with the writer lock held. Each phase ends in a state a crash may leave beh
 2. sweep: ONE transaction drops dead object entries and lowers their packs' live bytes;
 3. compact: live records of mostly-dead packs, and of small packs (merged, so that many
    tiny puts end up in a few files), are copied verbatim (checksum checked) into new
-   packs, which are sealed and fsync'ed; ONE transaction moves their entries and drops
-   the old packs' entries (plus a fresh roots snapshot when the current one was in them);
+   packs (with the roots records of the chain packs among them, or a fresh snapshot
+   when a chain pack is dropped), which are sealed and fsync'ed; ONE transaction moves
+   their entries and drops the old packs' entries;
 4. delete: only now are the old pack files, and files no index entry lists (crash
    leftovers), unlinked. A reader whose older transaction still names a deleted pack gets
    FileNotFoundError, looks the object up again and finds its new place.
