@@ -113,7 +113,7 @@ class StoreCore:
         """Read and check one record; None when its pack vanished (gc moved it: look up
         again in a fresh transaction)."""
         return read_checked(self.readers, oid, entry.pack, entry.offset, entry.length,
-                            entry.kind, self._dctx())
+                            entry.kind, self._dctx(), raw_len=entry.raw_len)
 
     def pack_missing(self, n: int) -> None:
         """A read found pack ``n`` gone (a gc moved its objects): drop its descriptor and,
@@ -191,6 +191,18 @@ class StoreCore:
             if self.closed:  # closed meanwhile (a hint runs on its own thread)
                 return
             self.readers.advise(pack, [(a, b - a) for a, b in runs])
+
+    def check(self, oid: bytes) -> None:
+        """``read``'s checks without keeping the payload (deep verify: a record that
+        expands to gigabytes is hashed as it streams, never held)."""
+        for _ in range(_READ_RETRIES):
+            entry = self.lookup(oid)
+            if read_checked(self.readers, oid, entry.pack, entry.offset, entry.length,
+                            entry.kind, self._dctx(), raw_len=entry.raw_len,
+                            keep=False) is not None:
+                return
+            self.pack_missing(entry.pack)
+        self.read(oid)  # its pack keeps vanishing: read's own error
 
     def read(self, oid: bytes, at: RecordLocation | None = None) -> Object:
         """The checked object ``oid``, looked up again when a gc moved it meanwhile
@@ -279,10 +291,14 @@ def _check_raw(oid: bytes, kind: int, entry: ix.ObjectEntry | RecordLocation,
 
 
 def read_checked(readers: PackReaders, oid: bytes, pack: int, offset: int, length: int,
-                 kind: int, dctx: zstandard.ZstdDecompressor) -> Object | None:
-    """Read the record of ``oid`` at (pack, offset, length) and check checksum, id and
-    kind: the one checked read of the store and of ranks reading by location
-    (engine/located.py). None when the pack file is gone (gc moved the record)."""
+                 kind: int, dctx: zstandard.ZstdDecompressor, *, raw_len: int | None = None,
+                 keep: bool = True) -> Object | None:
+    """Read the record of ``oid`` at (pack, offset, length) and check checksum, id, kind
+    and that its payload is the ``raw_len`` bytes its index entry says (before anything is
+    decompressed): the one checked read of the store and of ranks reading by location
+    (engine/located.py). None when the pack file is gone (gc moved the record).
+    ``keep=False`` (a deep verify): the payload is checked as it streams by and not kept;
+    the Object returned then has an empty payload."""
     name = pack_name(pack)
     try:
         data = readers.read(pack, offset, length)
@@ -298,16 +314,20 @@ def read_checked(readers: PackReaders, oid: bytes, pack: int, offset: int, lengt
         raise CorruptObject(f"object {hexid(oid)}: {exc}", oid=oid, pack=name,
                             offset=offset) from exc
     try:
-        rec = fmt.decode_record(data, 0, pack=name, dctx=dctx)
+        if keep:
+            rec = fmt.decode_record(data, 0, pack=name, dctx=dctx, raw_len=raw_len)
+            h, refs, payload = rec.header, rec.refs, rec.payload
+        else:
+            h = fmt.check_payload(data, 0, pack=name, dctx=dctx, raw_len=raw_len)
+            refs, payload = (), b""
     except CorruptObject as exc:
         raise CorruptObject(
             f"object {hexid(oid)} in pack {name} at offset {offset} is corrupt: {exc}",
             oid=oid, pack=name, offset=offset,
         ) from exc
-    h = rec.header
     if h.oid != oid or h.rtype != fmt.RECORD_OBJECT or h.kind != kind:
         raise CorruptObject(
             f"object {hexid(oid)}: pack {name} offset {offset} holds "
             f"{h.oid.hex()} instead", oid=oid, pack=name, offset=offset,
         )
-    return Object(h.kind, rec.refs, rec.payload)
+    return Object(h.kind, refs, payload)

@@ -16,11 +16,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from cnrstore.errors import InvalidInput
-from cnrstore.format.blocks import decode_patch, resolve
+from cnrstore.format.blocks import decode_patch, plan_chain, resolve
 from cnrstore.format.manifest import (
     KIND_BLOCK_PATCH,
-    SegmentNode,
     TableNode,
+    load_segment,
     load_step,
     load_table,
 )
@@ -94,9 +94,13 @@ class _Rows:
                 return chain
         return None
 
-    def differing(self, a: bytes, b: bytes, common: int) -> np.ndarray:
+    def differing(self, a: bytes, b: bytes, common: int, shape_a: tuple[int, int],
+                  shape_b: tuple[int, int]) -> np.ndarray:
         """Sorted row offsets (< ``common``) of the block where versions ``a`` and ``b``
-        differ."""
+        (of the shapes their tables give them) differ."""
+        # Both chains' sizes checked in the index before any payload is read.
+        plan_chain(self.objects.info, a, *shape_a)
+        plan_chain(self.objects.info, b, *shape_b)
         chain = self._chain_to(b, a) or self._chain_to(a, b)
         if chain is not None:
             parts = []
@@ -156,8 +160,8 @@ def diff_tables(objects: ObjectStore, name: str, a_id: bytes | None, b_id: bytes
             continue
         if sb is None:
             continue  # only in A: rows removed, counted above
-        blocks_b = SegmentNode.decode(objects.get(sb), sb).block_ids
-        blocks_a = SegmentNode.decode(objects.get(sa), sa).block_ids if sa else ()
+        blocks_b = load_segment(objects, tb, j).block_ids
+        blocks_a = load_segment(objects, ta, j).block_ids if sa else ()
         for k, bid in enumerate(blocks_b):
             i = j * tb.fanout + k
             aid = blocks_a[k] if k < len(blocks_a) else None
@@ -172,7 +176,8 @@ def diff_tables(objects: ObjectStore, name: str, a_id: bytes | None, b_id: bytes
                 continue
             # Equal content may be stored under another id (a patch vs a full block of
             # the same rows, written by another handle): only differing rows count.
-            found = finder.differing(aid, bid, common)
+            found = finder.differing(aid, bid, common, (rows_a, ta.row_nbytes),
+                                     (stop_b - start, tb.row_nbytes))
             if found.size or rows_a != stop_b - start:
                 changed.append(i)
                 row_ids.append(found + start)
