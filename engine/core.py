@@ -314,20 +314,17 @@ def read_checked(readers: PackReaders, oid: bytes, pack: int, offset: int, lengt
         raise CorruptObject(f"object {hexid(oid)}: {exc}", oid=oid, pack=name,
                             offset=offset) from exc
     try:
-        if keep:
-            rec = fmt.decode_record(data, 0, pack=name, dctx=dctx, raw_len=raw_len)
-            h, refs, payload = rec.header, rec.refs, rec.payload
-        else:
-            h = fmt.check_payload(data, 0, pack=name, dctx=dctx, raw_len=raw_len)
-            refs, payload = (), b""
+        decode = fmt.decode_record if keep else fmt.check_payload
+        rec = decode(data, 0, pack=name, dctx=dctx, raw_len=raw_len)
     except CorruptObject as exc:
         raise CorruptObject(
             f"object {hexid(oid)} in pack {name} at offset {offset} is corrupt: {exc}",
             oid=oid, pack=name, offset=offset,
         ) from exc
+    h = rec.header
     if h.oid != oid or h.rtype != fmt.RECORD_OBJECT or h.kind != kind:
         raise CorruptObject(
             f"object {hexid(oid)}: pack {name} offset {offset} holds "
             f"{h.oid.hex()} instead", oid=oid, pack=name, offset=offset,
         )
-    return Object(h.kind, refs, payload)
+    return Object(h.kind, rec.refs, rec.payload)

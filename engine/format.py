@@ -279,10 +279,11 @@ def _check_raw_len(header: RecordHeader, raw_len: int | None, where: str, pack: 
 
 def check_payload(buf: bytes | memoryview, offset: int = 0, *, pack: str | None = None,
                   dctx: zstandard.ZstdDecompressor | None = None,
-                  raw_len: int | None = None) -> RecordHeader:
-    """``decode_record``'s checks without keeping the payload (a deep verify): a zstd
-    payload is streamed through the id hash in STREAM_CHUNK pieces, so checking a record
-    never holds more than its stored bytes and one chunk, whatever it expands to."""
+                  raw_len: int | None = None) -> Record:
+    """``decode_record``'s checks without keeping an object's payload (deep verify,
+    repair's scan): a zstd payload is streamed through the id hash in STREAM_CHUNK pieces,
+    so checking a record never holds more than its stored bytes and one chunk, whatever
+    it expands to. The Record returned has an empty payload (a roots record: its own)."""
     header = check_record(buf, offset, pack=pack)
     where = f"pack {pack} offset {offset}, object {header.oid.hex()}"
     _check_raw_len(header, raw_len, where, pack, offset)
@@ -294,8 +295,16 @@ def check_payload(buf: bytes | memoryview, offset: int = 0, *, pack: str | None 
     stored = view[pos + ID_SIZE * header.nrefs : pos + ID_SIZE * header.nrefs
                   + header.stored_len]
     if header.rtype != RECORD_OBJECT:
-        decode_record(buf, offset, pack=pack, dctx=dctx, raw_len=raw_len)  # small, rare
-    elif header.codec == CODEC_ZSTD:
+        return decode_record(buf, offset, pack=pack, dctx=dctx, raw_len=raw_len)  # small
+    if header.codec == CODEC_ZSTD:
+        try:  # as _decompress requires, so what verify passes ``get`` reads
+            size = zstandard.frame_content_size(stored)
+        except zstandard.ZstdError as exc:
+            raise CorruptObject(f"{where}: cannot decompress: {exc}", oid=header.oid,
+                                pack=pack, offset=offset) from exc
+        if size != header.raw_len:
+            raise CorruptObject(f"{where}: zstd frame claims {size} bytes, header says "
+                                f"{header.raw_len}", oid=header.oid, pack=pack, offset=offset)
         _stream_check(stored, header, header.kind, refs, dctx, where, pack, offset)
     else:
         try:
@@ -307,7 +316,7 @@ def check_payload(buf: bytes | memoryview, offset: int = 0, *, pack: str | None 
         if h.digest() != header.oid:
             raise CorruptObject(f"{where}: content does not match its id",
                                 oid=header.oid, pack=pack, offset=offset)
-    return header
+    return Record(header, refs, b"")
 
 
 def _stream_check(stored: bytes | memoryview, header: RecordHeader, kind: int,

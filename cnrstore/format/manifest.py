@@ -24,14 +24,12 @@ from cnrstore.format.nodecaps import (
     KIND_STEP,
     KIND_TABLE,
     MAX_NDIM,
-    NODE_NAMES,
     STEP_NODE_BYTES,
     STEP_NODE_ITEMS,
-    TooLarge,
     check_node_size,
     node_caps,
     read_node,
-    unpack_bounded,
+    unpack_node,
 )
 from engine import Object, ObjectStore
 
@@ -65,7 +63,7 @@ __all__ = [
     "read_node",
     "load_segment",
     "segment_blocks",
-    "unpack_bounded",
+    "unpack_node",
     "STEP_NODE_BYTES",
     "STEP_NODE_ITEMS",
 ]
@@ -115,18 +113,7 @@ def _checked(kind: int, payload: bytes, refs: tuple[bytes, ...], what: str
 def _unpack(obj: Object, kind: int, oid: bytes | None) -> dict:
     if obj.kind != kind:
         raise ManifestError(f"expected node kind {kind}, found {obj.kind}", oid=oid)
-    max_bytes, max_items = node_caps(kind, len(obj.refs))
-    name = f"{NODE_NAMES[kind]} node" + (f" {oid.hex()}" if oid is not None else "")
-    if len(obj.payload) > max_bytes:
-        raise ManifestError(f"{name} payload is {len(obj.payload)} bytes, more than the "
-                            f"{max_bytes} its kind may have", oid=oid)
-    try:
-        doc = unpack_bounded(obj.payload, max_items)
-    except TooLarge:
-        raise ManifestError(f"{name} holds more than the {max_items} msgpack entries its "
-                            "kind may have", oid=oid) from None
-    except Exception as exc:  # msgpack raises several unrelated types
-        raise ManifestError(f"manifest node of kind {kind} is not msgpack: {exc}", oid=oid) from exc
+    doc = unpack_node(obj, kind, oid)
     if not isinstance(doc, dict) or doc.get("v") != FORMAT_VERSION:
         version = doc.get("v") if isinstance(doc, dict) else None
         raise ManifestError(f"manifest node has unknown format version {version!r}", oid=oid)

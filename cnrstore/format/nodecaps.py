@@ -11,8 +11,8 @@ import msgpack
 from cnrstore.errors import ManifestError
 from engine import Object, ObjectStore
 
-__all__ = ["KIND_STEP", "KIND_TABLE", "KIND_SEGMENT", "NODE_NAMES", "MAX_NDIM", "TooLarge",
-           "node_caps", "unpack_bounded", "check_node_size", "read_node"]
+__all__ = ["KIND_STEP", "KIND_TABLE", "KIND_SEGMENT", "NODE_NAMES", "MAX_NDIM",
+           "node_caps", "unpack_bounded", "unpack_node", "check_node_size", "read_node"]
 
 # Engine object kinds of the nodes (docs/MANIFEST.md, "Object kinds").
 KIND_STEP = 1
@@ -25,7 +25,7 @@ KIND_SEGMENT = 3
 # from one payload byte), so a crafted node of a few KB that zstd expands to a 32 MiB
 # array no longer makes a reader build a 256 MiB list. Writers refuse a node past these
 # (check_node_size), so everything stored is readable.
-MAX_NDIM = 64                       # dims of a table's shape (torch's own limit is 64 too)
+MAX_NDIM = 64                       # dims of a table's shape (put refuses more: validate.py)
 STEP_NODE_BYTES = 16 << 20          # + STEP_NODE_BYTES_PER_TABLE per table ref
 STEP_NODE_BYTES_PER_TABLE = 256
 STEP_NODE_ITEMS = 1 << 19           # + STEP_NODE_ITEMS_PER_TABLE per table ref
@@ -52,13 +52,13 @@ def node_caps(kind: int, nrefs: int) -> tuple[int, int]:
     raise ValueError(f"kind {kind} is not a manifest node")
 
 
-class TooLarge(Exception):
+class _TooLarge(Exception):
     pass
 
 
 def unpack_bounded(payload: bytes, max_items: int) -> object:
     """msgpack ``payload`` with at most ``max_items`` entries in all its arrays and maps
-    (each container counts one more): ``TooLarge`` as soon as the count passes, so a
+    (each container counts one more): ``_TooLarge`` as soon as the count passes, so a
     reader never builds more than that plus the container being built (whose length
     msgpack bounds by ``max_items`` too)."""
     count = 0
@@ -67,12 +67,29 @@ def unpack_bounded(payload: bytes, max_items: int) -> object:
         nonlocal count
         count += len(container) * (2 if isinstance(container, dict) else 1) + 1
         if count > max_items:
-            raise TooLarge
+            raise _TooLarge
         return container
 
     return msgpack.unpackb(payload, raw=False, strict_map_key=False, list_hook=counted,
                            object_hook=counted, max_array_len=max_items,
                            max_map_len=max_items // 2, max_ext_len=0)
+
+
+def unpack_node(obj: Object, kind: int, oid: bytes | None) -> object:
+    """The msgpack document of node ``obj`` (of ``kind``), held to its kind's caps;
+    ManifestError naming it otherwise, or when it is not msgpack."""
+    max_bytes, max_items = node_caps(kind, len(obj.refs))
+    name = f"{NODE_NAMES[kind]} node" + (f" {oid.hex()}" if oid is not None else "")
+    if len(obj.payload) > max_bytes:
+        raise ManifestError(f"{name} payload is {len(obj.payload)} bytes, more than the "
+                            f"{max_bytes} its kind may have", oid=oid)
+    try:
+        return unpack_bounded(obj.payload, max_items)
+    except _TooLarge:
+        raise ManifestError(f"{name} holds more than the {max_items} msgpack entries its "
+                            "kind may have", oid=oid) from None
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise ManifestError(f"{name} is not msgpack: {exc}", oid=oid) from exc
 
 
 def check_node_size(kind: int, payload: bytes, nrefs: int) -> None:
@@ -85,7 +102,7 @@ def check_node_size(kind: int, payload: bytes, nrefs: int) -> None:
                          f"{max_bytes} a {name} node may (docs/MANIFEST.md, 'Memory caps')")
     try:
         unpack_bounded(payload, max_items)
-    except TooLarge:
+    except _TooLarge:
         raise ValueError(f"the {name} node would hold more than {max_items} msgpack "
                          "entries (docs/MANIFEST.md, 'Memory caps')") from None
 
