@@ -64,6 +64,7 @@ __all__ = [
     "load_segment",
     "segment_blocks",
     "unpack_node",
+    "check_step_fits",
     "STEP_NODE_BYTES",
     "STEP_NODE_ITEMS",
 ]
@@ -174,6 +175,14 @@ class StepNode:
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ManifestError(f"malformed step node: {exc}", oid=oid) from exc
+
+
+def check_step_fits(step: int, names: Sequence[str], metadata: dict, state: dict | None) -> None:
+    """InvalidInput unless the step node of a put of tables ``names`` fits its caps, with
+    every statistic at its widest: a put checks this before anything is written."""
+    widest = (1 << 64) - 1
+    StepNode(step, 0.0, tuple(names), (bytes(16),) * len(names), metadata, widest, widest,
+             dict.fromkeys(names, widest), state).encode()
 
 
 @dataclass(frozen=True)

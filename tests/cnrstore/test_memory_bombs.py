@@ -209,6 +209,12 @@ def test_nodes_past_their_caps_are_refused_when_written(tmp_path):
         with pytest.raises(cnrstore.InvalidInput, match="Memory caps"):
             s.put_tables(2, {"t": torch.zeros(4, 2)},
                          metadata={"m": "x" * (mf.STEP_NODE_BYTES + 1)})
+        # Each name fits, all of them do not: the step node is checked before writing.
+        many = {"x" * 400 + str(i): torch.zeros(1) for i in range(80_000)}
+        with pytest.raises(cnrstore.InvalidInput, match="Memory caps"):
+            s.put_tables(2, many)
+        with pytest.raises(cnrstore.InvalidInput, match="at most 64"):
+            s.put_tables(2, {"t": torch.zeros([1] * 65)})
         assert s.steps() == [1]
         s.put_tables(2, {"t": torch.zeros(4, 2)}, metadata={"m": [0] * 1000})
         assert s.metadata(2) == {"m": [0] * 1000}
@@ -236,8 +242,7 @@ with cnrstore.open({str(tmp_path / 's')!r}, block_rows=8, fanout=4) as s:
                          timeout=120)
     assert out.returncode == 0, out.stderr
     assert store_bytes(tmp_path / "s") < 1 << 20
-    for r in probe(tmp_path / "s", "get", "metadata", "verify", "cli ls {store}",
-                   "cli show {store} 2"):
+    for r in probe(tmp_path / "s", "get", "metadata", "verify", "cli ls {store}"):
         assert r["growth"] < CAP, r
         assert r["error"] is None and r["result"] in ("dict", "VerifyReport", OK), r
 
