@@ -13,6 +13,7 @@ import torch
 from cnrstore.codec.layout import DTYPES, dtype_name
 from cnrstore.core.quantspec import resolve_quant  # noqa: F401 - re-exported: patterns live there
 from cnrstore.errors import InvalidInput, InvalidType
+from cnrstore.format.manifest import KIND_STEP, MAX_NDIM, check_node_size
 
 __all__ = [
     "check_step", "check_name", "check_device", "check_tables", "resolve_quant",
@@ -56,6 +57,9 @@ def check_tables(tables) -> None:
             raise InvalidType(f"table {name!r} must be a torch.Tensor, got {type(value).__name__}")
         if value.ndim < 1:
             raise InvalidInput(f"table {name!r} has ndim 0; a table needs rows (ndim >= 1)")
+        if value.ndim > MAX_NDIM:
+            raise InvalidInput(f"table {name!r} has {value.ndim} dims; a table node holds "
+                               f"at most {MAX_NDIM}")
         if dtype_name(value.dtype) not in DTYPES:
             raise InvalidInput(f"table {name!r}: dtype {value.dtype} cannot be stored")
         if value.is_meta:
@@ -72,9 +76,13 @@ def pack_metadata(metadata) -> dict:
         raise InvalidType(f"metadata must be a mapping, got {type(metadata).__name__}")
     doc = dict(metadata)
     try:
-        msgpack.packb(doc, use_bin_type=True)
+        packed = msgpack.packb(doc, use_bin_type=True)
     except (TypeError, ValueError, OverflowError) as exc:
         raise InvalidInput(f"metadata is not msgpack-serializable: {exc}") from exc
+    try:  # the step node's caps (docs/MANIFEST.md, "Memory caps"), refused before writing
+        check_node_size(KIND_STEP, packed, 0)
+    except ValueError as exc:
+        raise InvalidInput(f"metadata: {exc}") from None
     return doc
 
 

@@ -19,9 +19,10 @@ import numpy as np
 
 from cnrstore.core.blockdiff import diff_block
 from cnrstore.errors import InvalidInput
+from cnrstore.format.blocks import plan_chain
 from cnrstore.format.manifest import (
-    SegmentNode,
     TableNode,
+    load_segment,
     load_step,
     load_table,
 )
@@ -77,10 +78,13 @@ class _Rows:
         self.decoded = 0
         self.patches = 0
 
-    def differing(self, a: bytes, b: bytes, common: int, depths: tuple[int, int]
-                  ) -> np.ndarray:
+    def differing(self, a: bytes, b: bytes, common: int, depths: tuple[int, int],
+                  shape_a: tuple[int, int], shape_b: tuple[int, int]) -> np.ndarray:
         """Sorted row offsets (< ``common``) of the block where versions ``a`` and ``b``
-        differ."""
+        (of the shapes their tables give them) differ."""
+        # Both chains' sizes checked in the index before any payload is read.
+        plan_chain(self.objects.info, a, *shape_a)
+        plan_chain(self.objects.info, b, *shape_b)
         d = diff_block(self.objects.get, a, b, common, exact=True, b_newer=True,
                        depths=depths, codes=False)
         self.decoded += d.decoded
@@ -132,8 +136,8 @@ def diff_tables(objects: ObjectStore, name: str, a_id: bytes | None, b_id: bytes
             continue
         if sb is None:
             continue  # only in A: rows removed, counted above
-        seg_b = SegmentNode.decode(objects.get(sb), sb)
-        seg_a = SegmentNode.decode(objects.get(sa), sa) if sa else None
+        seg_b = load_segment(objects, tb, j)
+        seg_a = load_segment(objects, ta, j) if sa else None
         blocks_a = seg_a.block_ids if seg_a is not None else ()
         for k, bid in enumerate(seg_b.block_ids):
             i = j * tb.fanout + k
@@ -150,7 +154,8 @@ def diff_tables(objects: ObjectStore, name: str, a_id: bytes | None, b_id: bytes
             # Equal content may be stored under another id (a patch vs a full block of
             # the same rows, written by another handle): only differing rows count.
             assert seg_a is not None
-            found = finder.differing(aid, bid, common, (seg_a.depth[k], seg_b.depth[k]))
+            found = finder.differing(aid, bid, common, (seg_a.depth[k], seg_b.depth[k]),
+                                     (rows_a, ta.row_nbytes), (stop_b - start, tb.row_nbytes))
             if found.size or rows_a != stop_b - start:
                 changed.append(i)
                 row_ids.append(found + start)

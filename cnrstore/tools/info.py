@@ -27,6 +27,7 @@ from cnrstore.format.manifest import (
     DTYPE_SIZES,
     TableNode,
     load_step,
+    load_table,
     load_table_manifest,
 )
 from cnrstore.tools.access import objects_of, opened, tick
@@ -301,7 +302,7 @@ def disk_usage(store, *, progress: ProgressFn | None = None) -> Usage:
             logical += node.logical_bytes
             referenced += sizes.raw(mine)
             for name, toid in zip(node.tables, node.table_ids):
-                t = TableNode.decode(objects.get(toid), toid)
+                t = load_table(objects, toid)
                 ids = sizes.reach(toid)
                 acc = per_table.setdefault(name, [0, 0, 0, set()])
                 acc[0] += 1
