@@ -29,23 +29,13 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
 
-from cnrstore.errors import InvalidInput
+from cnrstore.codec.layout import DTYPE_SIZES, dtype_name, parse_dtype
+from cnrstore.errors import InvalidInput, ManifestError
 
-__all__ = ["KEY", "build", "to_metadata", "table_shape", "dtype_name", "parse_dtype"]
+__all__ = ["KEY", "build", "to_metadata", "table_shape"]
 
 KEY = "dcp"
 VERSION = 1
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def parse_dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise InvalidInput(f"DCP metadata names an unknown dtype {name!r}")
-    return dtype
 
 
 def table_shape(size: list[int] | tuple[int, ...]) -> tuple[int, ...]:
@@ -85,6 +75,8 @@ def build(plans: list[SavePlan]) -> dict:
             props = td.properties
             entry = [dtype_name(props.dtype), [int(n) for n in td.size],
                      bool(props.requires_grad), bool(props.pin_memory)]
+            if entry[0] not in DTYPE_SIZES:
+                raise InvalidInput(f"DCP save: {fqn!r}: dtype {props.dtype} cannot be stored")
             if tensors.setdefault(fqn, entry) != entry:
                 raise InvalidInput(f"DCP save: ranks describe {fqn!r} differently "
                                    f"({tensors[fqn]} and {entry})")
@@ -97,21 +89,26 @@ def build(plans: list[SavePlan]) -> dict:
 
 
 def to_metadata(doc: Any, step: int) -> Metadata:
-    """The DCP Metadata of a step's document."""
-    if not isinstance(doc, Mapping) or doc.get("version") != VERSION:
-        raise InvalidInput(f"step {step}: its DCP metadata has an unknown layout "
-                           f"(version {doc.get('version') if isinstance(doc, Mapping) else doc!r})")
-    md: dict[str, Any] = {}
-    for fqn, (dtype, size, requires_grad, pin_memory) in doc["tensors"].items():
-        props = TensorProperties(dtype=parse_dtype(dtype), requires_grad=requires_grad,
-                                 pin_memory=pin_memory)
-        shape = torch.Size(size)
-        md[fqn] = TensorStorageMetadata(
-            properties=props, size=shape,
-            chunks=[ChunkStorageMetadata(offsets=torch.Size([0] * len(size)), sizes=shape)])
-    for fqn in doc["bytes"]:
-        md[fqn] = BytesStorageMetadata()
-    planner = doc.get("planner_data")
-    return Metadata(state_dict_metadata=md,
-                    planner_data=None if planner is None else
-                    {k: tuple(v) for k, v in planner.items()})
+    """The DCP Metadata of a step's document (ManifestError for one that is malformed)."""
+    version = doc.get("version") if isinstance(doc, Mapping) else doc
+    if version != VERSION:
+        raise ManifestError(f"step {step}: its DCP metadata has an unknown layout "
+                            f"(version {version!r})")
+    try:
+        md: dict[str, Any] = {}
+        for fqn, (dtype, size, requires_grad, pin_memory) in doc["tensors"].items():
+            props = TensorProperties(dtype=parse_dtype(dtype), requires_grad=bool(requires_grad),
+                                     pin_memory=bool(pin_memory))
+            shape = torch.Size([int(n) for n in size])
+            md[fqn] = TensorStorageMetadata(
+                properties=props, size=shape,
+                chunks=[ChunkStorageMetadata(offsets=torch.Size([0] * len(shape)), sizes=shape)])
+        for fqn, value in doc["bytes"].items():
+            if not isinstance(value, bytes):
+                raise TypeError(f"value {fqn!r} is not bytes")
+            md[fqn] = BytesStorageMetadata()
+        planner = doc.get("planner_data")
+        planner = None if planner is None else {k: tuple(v) for k, v in planner.items()}
+    except (TypeError, ValueError, KeyError, AttributeError) as exc:
+        raise ManifestError(f"step {step}: its DCP metadata is malformed: {exc}") from None
+    return Metadata(state_dict_metadata=md, planner_data=planner)

@@ -14,14 +14,18 @@ import io
 import os
 from typing import Any
 
+import torch
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader as _DCPReader
 from torch.futures import Future
 
 import cnrstore.dcp.docmeta as docmeta
+from cnrstore.codec.layout import dtype_name
 from cnrstore.core.validate import check_step
 from cnrstore.dcp.handle import Target
+from cnrstore.distributed.shard import Shard
+from cnrstore.distributed.store import DistributedStore
 from cnrstore.errors import InvalidInput, StepNotFound
 
 __all__ = ["StorageReader"]
@@ -107,44 +111,73 @@ class StorageReader(_DCPReader):
     def _read(self, plan: LoadPlan, planner: LoadPlanner) -> None:
         err: BaseException | None = None
         spans: dict[str, tuple[int, int]] = {}
+        direct: dict[str, Any] = {}     # fqn -> the destination cnrstore decodes into
+        copied: list[tuple[ReadItem, torch.Tensor]] = []
         try:
-            if self.doc is None or self.target.store is None:
+            doc = self.doc
+            if doc is None or self.target.store is None:
                 raise InvalidInput("DCP load: read_data before read_metadata")
+            tensors = [i for i in plan.items if i.type != LoadItemType.BYTE_IO]
+            per_fqn: dict[str, int] = {}
             for item in plan.items:
                 fqn = item.storage_index.fqn
                 if item.type == LoadItemType.BYTE_IO:
-                    if fqn not in self.doc["bytes"]:
+                    if fqn not in doc["bytes"]:
                         raise InvalidInput(f"DCP load: step {self.read_step} holds no value "
                                            f"{fqn!r}")
-                    planner.load_bytes(item, io.BytesIO(self.doc["bytes"][fqn]))
-                    continue
-                if fqn not in self.doc["tensors"]:
+                    planner.load_bytes(item, io.BytesIO(doc["bytes"][fqn]))
+                elif fqn not in doc["tensors"]:
                     raise InvalidInput(f"DCP load: step {self.read_step} holds no tensor {fqn!r}")
-                lo, hi = _rows(item)
-                a, b = spans.get(fqn, (lo, hi))
-                spans[fqn] = (min(a, lo), max(b, hi))
+                else:
+                    per_fqn[fqn] = per_fqn.get(fqn, 0) + 1
+            for item in tensors:
+                fqn = item.storage_index.fqn
+                dest = planner.resolve_tensor(item).detach()
+                target = self._direct(item, dest, doc) if per_fqn[fqn] == 1 else None
+                if target is not None:
+                    direct[fqn] = target
+                else:
+                    lo, hi = _rows(item)
+                    a, b = spans.get(fqn, (lo, hi))
+                    spans[fqn] = (min(a, lo), max(b, hi))
+                copied.append((item, dest))
         except BaseException as exc:
             err = exc
         self.target.agree(err, "DCP load: plan")
         store, doc = self.target.store, self.doc
         assert doc is not None
+        # Two collective reads, the same on every rank: pieces of whole rows decode
+        # straight into their destination, the others are read and copied.
+        store.get_tables(self.read_step, out=direct)
         got = store.get_tables(self.read_step, names=sorted(spans),
                                rows={fqn: slice(lo, hi) for fqn, (lo, hi) in spans.items()})
-        for item in plan.items:
-            if item.type == LoadItemType.BYTE_IO:
-                continue
+        for item, dest in copied:
             fqn = item.storage_index.fqn
-            size = doc["tensors"][fqn][1]
-            lo, hi = _rows(item)
-            first = spans[fqn][0]
-            src = got[fqn][lo - first:hi - first]
-            if not size:
-                src = src.reshape(())
-            for dim in range(1, len(size)):
-                src = src.narrow(dim, int(item.storage_offsets[dim]), int(item.lengths[dim]))
-            dest = planner.resolve_tensor(item).detach()
-            if dest.shape != src.shape:
-                raise InvalidInput(f"DCP load: {fqn!r}: the target's piece is {tuple(dest.shape)}"
-                                   f", the stored piece {tuple(src.shape)}")
-            dest.copy_(src)
+            if fqn in spans:
+                size = doc["tensors"][fqn][1]
+                lo, hi = _rows(item)
+                first = spans[fqn][0]
+                src = got[fqn][lo - first:hi - first]
+                if not size:
+                    src = src.reshape(())
+                for dim in range(1, len(size)):
+                    src = src.narrow(dim, int(item.storage_offsets[dim]), int(item.lengths[dim]))
+                if dest.shape != src.shape:
+                    raise InvalidInput(f"DCP load: {fqn!r}: the target's piece is "
+                                       f"{tuple(dest.shape)}, the stored piece {tuple(src.shape)}")
+                dest.copy_(src)
             planner.commit_tensor(item, dest)
+
+    def _direct(self, item: ReadItem, dest: torch.Tensor, doc: dict) -> Any:
+        """What ``get_tables(out=...)`` fills for ``item``, or None when it must be copied:
+        the piece holds whole rows, in a contiguous CPU tensor of the stored dtype."""
+        dtype, size, _, _ = doc["tensors"][item.storage_index.fqn]
+        if not size or list(item.lengths[1:]) != list(size[1:]) or any(item.storage_offsets[1:]):
+            return None
+        if (not dest.is_contiguous() or dest.device.type != "cpu"
+                or dtype_name(dest.dtype) != dtype or list(dest.shape) != list(item.lengths)):
+            return None
+        lo, hi = _rows(item)
+        if isinstance(self.target.store, DistributedStore):
+            return Shard(dest, row_offset=lo, rows=int(size[0]))
+        return dest if (lo, hi) == (0, int(size[0])) else None

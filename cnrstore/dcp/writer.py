@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 import cnrstore.dcp.docmeta as docmeta
+from cnrstore.codec.layout import parse_dtype
 from cnrstore.core.options import Options
 from cnrstore.core.quantspec import resolve_quant
 from cnrstore.core.validate import check_step, pack_metadata
@@ -96,7 +97,7 @@ class StorageWriter(_DCPWriter):
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         doc = docmeta.build(plans)
-        metas = {fqn: torch.empty(docmeta.table_shape(size), dtype=docmeta.parse_dtype(dt),
+        metas = {fqn: torch.empty(docmeta.table_shape(size), dtype=parse_dtype(dt),
                                   device="meta")
                  for fqn, (dt, size, _, _) in doc["tensors"].items()}
         # A typo in a quant pattern fails here, before any rank writes.
