@@ -131,6 +131,11 @@ def load(rank: int, world: int, path: str, kind: str, step: int | None, expect: 
     return True
 
 
+def loads(rank: int, world: int, path: str, cases: list[tuple[str, int]]) -> bool:
+    """``load`` of each (kind, step) of ``cases``."""
+    return all(load(rank, world, path, kind, step, step) for kind, step in cases)
+
+
 def check(target: dict, expect: int) -> None:
     got = gathered(target)
     t = full(expect)
@@ -218,6 +223,8 @@ def failures(rank: int, world: int, path: str) -> list:
                                        planner=FaultyPlanner()),
         "columns": lambda: dcp.save(state("dtensor_col", 2, rank, world),
                                     storage_writer=StorageWriter(path, step=2)),
+        "disk full": lambda: _disk_full(rank, lambda: dcp.save(
+            state("dtensor", 2, rank, world), storage_writer=StorageWriter(path, step=2))),
         "step exists": lambda: dcp.save(state("dtensor", 2, rank, world),
                                         storage_writer=StorageWriter(path, step=1)),
         "missing step": lambda: dcp.load(zeroed(state("dtensor", 1, rank, world)),
@@ -226,7 +233,7 @@ def failures(rank: int, world: int, path: str) -> list:
             {"model": {"emb": torch.zeros(ROWS + 1, DIM)}},
             storage_reader=StorageReader(path, step=1)),
     }
-    out = []
+    out: list = []
     for name, fn in cases.items():
         try:
             fn()
@@ -242,3 +249,16 @@ def failures(rank: int, world: int, path: str) -> list:
     with cnrstore.open(path, group=dist.group.WORLD) as store:
         out.append((store.steps(), store.verify().ok))
     return out
+
+
+def _disk_full(rank: int, fn) -> None:
+    """``fn()`` with rank 1's pack writes failing as a full disk would, inside the put
+    that DCP's write_data runs (cnrstore/distributed/commit.py's test hook)."""
+    import os
+
+    if rank == 1:
+        os.environ["CNRSTORE_DIST_FAIL_AT"] = "dist.rank_before_seal"
+    try:
+        fn()
+    finally:
+        os.environ.pop("CNRSTORE_DIST_FAIL_AT", None)

@@ -246,3 +246,19 @@ def test_checkpoint_id_names_the_store(tmp_path):
                  storage_writer=StorageWriter(str(tmp_path / "a"), step=1))
     assert _steps(tmp_path / "b") == [1]
     assert not (tmp_path / "a").exists()
+
+
+def test_cnrstore_errors_survive_pickling():
+    # DCP gathers each rank's exception to the coordinator by pickling it: an error whose
+    # constructor pickle could not call back broke the gather itself (TypeError in
+    # torch's gather_object) instead of reaching the caller as DCP reports it.
+    from cnrstore import errors as E
+
+    cases = [E.WriteFailed(3, "disk full"), E.StepExists(4), E.StepNotFound(5),
+             E.TableNotFound("t", 6), E.StepOrderError(1, 2), E.NonFiniteValues("t", 3, "int8"),
+             E.RankFailed("gone", rank=1), E.CorruptData("bad", oid=b"\x01", pack="p"),
+             E.BadPath("no", path="/x"), E.InvalidInput("plain")]
+    for exc in cases:
+        got = pickle.loads(pickle.dumps(exc))
+        assert type(got) is type(exc) and str(got) == str(exc), (got, exc)
+        assert vars(got) == vars(exc)

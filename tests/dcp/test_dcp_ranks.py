@@ -14,7 +14,7 @@ import torch.distributed.checkpoint as dcp
 from dist_util import Failed, run
 
 import cnrstore
-from cnrstore.dcp import StorageReader
+from cnrstore.dcp import StorageReader, StorageWriter
 
 
 def _ok(results: list) -> list:
@@ -42,14 +42,17 @@ def test_saved_at_two_ranks_loads_at_three_and_in_one_process(tmp_path):
     assert saved[0] == saved[1]
     ids = _plain_put_ids(str(tmp_path / "plain"), [1, 2])
     assert [s[2] for s in saved[0]] == ids
-    # Another world size and another kind of sharding (ShardedTensor rows).
-    assert _ok(run(3, W.load, path, "sharded", None, 2)) == [True] * 3
-    # No group at all: plain tensors in this process (DCP's no_dist).
+    # No group at all: plain tensors in this process (DCP's no_dist), loaded and saved.
     target = W.zeroed(W.state("plain", 1, 0, 1))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp.load(target, storage_reader=StorageReader(path, step=1), no_dist=True)
-    W.check(target, 1)
+        W.check(target, 1)
+        dcp.save(W.state("plain", 3, 0, 1), storage_writer=StorageWriter(path, step=3),
+                 no_dist=True)
+    # Another world size and other kinds of sharding: the DTensors' step as ShardedTensor
+    # rows, the plain tensors' step as DTensors.
+    assert _ok(run(3, W.loads, path, [("sharded", 2), ("dtensor", 3)])) == [True] * 3
 
 
 def test_async_executors_and_an_open_group_store(tmp_path):
@@ -77,6 +80,7 @@ def test_failures_reach_every_rank_and_leave_the_store(tmp_path):
         assert got["columns"][0] == [0, 1] and "'model.emb'" in got["columns"][1]
         assert got["columns"][1].count("sharded along a dim other than rows") == 2
         assert "StepExists" in got["step exists"][1]
+        assert got["disk full"][0] == [0, 1] and "No space left" in got["disk full"][1]
         assert got["missing step"][0] == [0, 1] and "step 5" in got["missing step"][1]
         assert got["shape"][0] == [0, 1] and "Size mismatch" in got["shape"][1]
 
