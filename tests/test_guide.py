@@ -17,6 +17,7 @@ import os
 import pathlib
 import re
 import textwrap
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -325,6 +326,47 @@ def publishing_file(block: Block, tmp: pathlib.Path, request) -> None:
     assert sorted(back) == sorted(want) and all(torch.equal(back[n], want[n]) for n in want)
 
 
+def from_dcp(block: Block, tmp: pathlib.Path, request) -> None:
+    # One process (DCP's no_dist mode): the model is trained a little, saved twice, then
+    # zeroed so that the load has something to bring back.
+    model = DLRM()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    _trainer(None)(model, optimizer)
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    want_opt = copy.deepcopy(optimizer.state_dict())
+
+    import torch.distributed.checkpoint as dcp
+
+    from cnrstore.tools.info import show_step
+
+    real_load = dcp.load
+
+    def load(state, **kw):  # the example's load, into a state zeroed first
+        for t in list(state["model"].values()) + [v for st in state["optim"]["state"].values()
+                                                  for v in st.values()]:
+            t.detach().zero_()
+        state["epoch"] = None
+        return real_load(state, **kw)
+
+    with pytest.MonkeyPatch.context() as mp, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mp.setattr(dcp, "load", load)
+        ns = _run(block, {"model": model, "optimizer": optimizer, "epoch": 3, "step": 10})
+    assert ns["state"]["epoch"] == 3
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, want[name]), name
+    got = optimizer.state_dict()["state"]
+    for k, st in want_opt["state"].items():
+        for n, v in st.items():
+            assert torch.equal(got[k][n], v), (k, n)
+    with cnrstore.open("ckpt/") as s:
+        assert s.steps() == [10, 11]
+        tables = s.get_tables(10)
+        assert "model.embs.0.weight" in tables and "optim.state.mlp.0.weight.exp_avg" in tables
+    stored = {t.name: t.scheme for t in show_step("ckpt/", 10).tables}
+    assert stored["model.embs.0.weight"] == "int8" and stored["model.mlp.0.weight"] == "exact"
+
+
 RUNNERS: dict[str, Callable] = {
     "Opening a store#0": opening,
     "Stores on S3#0": on_s3,
@@ -333,6 +375,7 @@ RUNNERS: dict[str, Callable] = {
     "Resume from an older step#0": resume_older,
     "Many ranks (torch.distributed)#0": many_ranks,
     "Many ranks (torch.distributed)#1": many_ranks_storage,
+    "From DCP#0": from_dcp,
     "Asynchronous puts#0": asynchronous,
     "Restoring, whole or in part#0": restoring,
     "Retention and garbage collection#0": retention,

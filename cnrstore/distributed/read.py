@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from cnrstore.codec.layout import dtype_name
 from cnrstore.core.restore import check_slice, read_into, read_table, read_tables, row_range
 from cnrstore.core.state import SEP, check_structure, fill, flatten, unflatten
 from cnrstore.core.validate import check_device, check_step
@@ -193,8 +194,16 @@ def _out_spec(name: str, t: Any) -> Any:
 def _fill(ds: DistributedStore, objects: Any, tm: Any, ranges: Ranges, dest: Any) -> None:
     if isinstance(dest, Shard):
         if dest.local.shape[0]:
-            t, _, _ = read_table(objects, tm, ds.pool, rows=slice(dest.row_offset, dest.row_end))
-            dest.local.detach().copy_(t.view(dest.local.shape))
+            local = dest.local.detach()
+            rows = slice(dest.row_offset, dest.row_end)
+            if (local.is_contiguous() and local.device.type == "cpu"
+                    and dtype_name(local.dtype) == tm.node.dtype):
+                # decoded in place (read_table fills rows x width): no second copy
+                read_table(objects, tm, ds.pool, rows=rows,
+                           into=local.view(local.shape[0], math.prod(local.shape[1:])))
+            else:
+                t, _, _ = read_table(objects, tm, ds.pool, rows=rows)
+                local.copy_(t.view(local.shape))
         return
     read_into(objects, tm, ds.pool, dest.detach())
 
