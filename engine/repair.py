@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import pathlib
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Container, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -40,13 +40,15 @@ class _Found:
     damaged: list[Problem]
 
 
-def _scan(store: StoreCore) -> tuple[_Found, int]:
+def _scan(store: StoreCore, exclude: Container[int] = ()) -> tuple[_Found, int]:
     found = _Found({}, {}, [], [])
-    files = list_pack_files(store.path)
-    for n, path in sorted(files.items()):
+    read_all, trailer_of, files = _pack_reader(store)
+    for n in sorted(files):
+        if n in exclude:
+            continue
         name = pack_name(n)
         try:
-            data = path.read_bytes()
+            data = read_all(n)
         except OSError as exc:
             raise store_error(f"cannot read pack {name}", exc) from exc
         try:
@@ -56,7 +58,7 @@ def _scan(store: StoreCore) -> tuple[_Found, int]:
             meta = None  # its records may still be intact: scan them all the same
             found.damaged.append(Problem("corrupt-pack", str(exc), pack=name, offset=0))
         try:
-            entries = read_trailer(path, name=name)
+            entries = trailer_of(n)
         except CorruptObject as exc:
             entries = None  # unsealed crash leftover or damaged trailer: scan sequentially
             found.damaged.append(Problem("damaged-trailer", str(exc), pack=name,
@@ -89,6 +91,22 @@ def _scan(store: StoreCore) -> tuple[_Found, int]:
             count += 1
         found.packs[n] = ix.PackEntry(len(data), total, live, meta, count)
     return found, max(files, default=-1) + 1
+
+
+def _pack_reader(store: StoreCore) -> tuple[Callable[[int], bytes],
+                                            Callable[[int], list[fmt.TrailerEntry]], list[int]]:
+    """(read a whole pack, read its trailer, every pack number) for the store's packs: its
+    own directory's files, or those of its bucket / shared directory."""
+    if store.remote is None:
+        paths = list_pack_files(store.path)
+        return ((lambda n: paths[n].read_bytes()),
+                (lambda n: read_trailer(paths[n], name=pack_name(n))), list(paths))
+    storage = store.storage
+    try:
+        numbers = list(storage.sizes())
+    except OSError as exc:
+        raise store_error(f"cannot list the packs of {storage.describe()}", exc) from exc
+    return storage.read_all, storage.read_trailer, numbers
 
 
 def _add_snapshot(found: _Found, rec: fmt.Record, n: int, name: str, offset: int) -> None:
@@ -186,16 +204,20 @@ def _choose_roots(found: _Found) -> _Roots:
     return out
 
 
-def rebuild(store: StoreCore) -> RepairReport:
+def rebuild(store: StoreCore, *, from_packs: bool = False, exclude: Container[int] = (),
+            extra_meta: Mapping[bytes, bytes] | None = None) -> RepairReport:
     """Called by ``PackStore.repair`` with the writer lock held.
 
     The new index is written into a fresh environment beside the old one, which is never
     trusted nor written (it may be the damage being repaired), and swapped in; other
     processes notice the swap (``Index.refresh_if_replaced``) before their next writer,
-    gc or repair and within a second on reads."""
-    if store.remote is not None:  # a bucket store: the commit documents are the truth
+    gc or repair and within a second on reads. A bucket or shared-directory store rebuilds
+    from its commit documents (engine/storage/remote.py), which calls back here with
+    ``from_packs`` when they are damaged: packs in ``exclude`` are skipped, and
+    ``extra_meta`` is written into the new index with the rest."""
+    if store.remote is not None and not from_packs:
         return store.remote.rebuild(store)
-    found, next_pack = _scan(store)
+    found, next_pack = _scan(store, exclude)
     chosen = _choose_roots(found)
     seq, snap_pack, roots = chosen.max_seq, chosen.newest_pack, chosen.roots
     old = store.index
@@ -214,6 +236,7 @@ def rebuild(store: StoreCore) -> RepairReport:
         ix.META_CHAIN: ix.chain_value(chosen.chain, chosen.delta_bytes, chosen.full_bytes),
         ix.META_ENTRY_SUMS: ix.U64.pack(1),
         ix.META_ROOTS_SUM: ix.roots_digest(roots),
+        **(extra_meta or {}),
     }
 
     def fill(index: ix.Index, txn: Any, *, drop: bool) -> None:
