@@ -25,8 +25,6 @@ from typing import TYPE_CHECKING
 from cnrstore.cli.locate import (
     CACHE_ENV,
     cache_dir_of,
-    is_shared,
-    is_url,
     open_objects,
     open_store,
     require_store,
@@ -200,12 +198,9 @@ def _run(args: argparse.Namespace) -> int:
     if cmd == "repair":
         from cnrstore.tools import info
 
-        if is_url(args.store) or is_shared(args.store) or args.cache_dir:
-            raise UsageError(f"{args.store}: repair rebuilds a directory store's index; "
-                             "the index cache of a store on S3 or a shared directory "
-                             "rebuilds itself on open (give it an empty --cache-dir)")
-        require_store(args.store)
-        report = info.repair(args.store)
+        cache_dir = cache_dir_of(args)  # a store on S3 or a shared directory: its cache
+        require_store(args.store, cache_dir)
+        report = info.repair(args.store, cache_dir=cache_dir)
         _emit(args, report, fmt.repair_text(report))
         return EXIT_PROBLEMS if report.damaged else EXIT_OK
     if cmd in _VIEW_COMMANDS:

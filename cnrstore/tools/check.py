@@ -22,8 +22,15 @@ def verify(store, *, deep: bool = False, steps: Iterable[int] | None = None,
         return verify_objects(objects, deep=deep, steps=steps, progress=progress)
 
 
-def repair(path: str | os.PathLike) -> engine.RepairReport:
-    """Rebuild the index of the store at ``path`` from its packs (engine.repair)."""
+def repair(path: str | os.PathLike, *, cache_dir: str | os.PathLike | None = None
+           ) -> engine.RepairReport:
+    """Rebuild the index of the store at ``path`` from its packs (engine.repair); a store
+    on S3 or a shared directory rebuilds its index cache in ``cache_dir`` from its commit
+    documents, or from its packs when one is damaged (the report names it)."""
+    if cache_dir is not None or os.fspath(path).startswith("s3://"):
+        with engine.storage_open(os.fspath(path), cache_dir=cache_dir,
+                                 create=False) as objects:
+            return objects.repair()
     if not os.path.isdir(path):
         raise FileNotFoundError(f"no store at {os.fspath(path)!r}")
     with engine.open(path, create=False) as objects:

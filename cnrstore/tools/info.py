@@ -333,8 +333,8 @@ def verify(store, *, deep: bool = True, steps: Iterable[int] | None = None,
 
 
 @translating
-def repair(path: str | os.PathLike):
+def repair(path: str | os.PathLike, *, cache_dir: str | os.PathLike | None = None):
     """cnrstore.tools.check.repair: rebuild the index of the store at ``path`` from its packs."""
     from cnrstore.tools.check import repair as _repair
 
-    return _repair(path)
+    return _repair(path, cache_dir=cache_dir)

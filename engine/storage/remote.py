@@ -28,7 +28,6 @@ from typing import TYPE_CHECKING
 
 import msgpack
 
-from .. import format as fmt
 from .. import index as ix
 from ..api import Problem, RepairReport
 from ..errors import (
@@ -40,7 +39,6 @@ from ..errors import (
     StoreError,
     StoreLocked,
 )
-from ..ids import hexid
 from . import chain
 from .chain import ChainDamaged
 from .commitdoc import commit_key, decode_commit, encode_commit
@@ -335,38 +333,11 @@ class Remote:
     def begin_gc(self, core: StoreCore) -> None:
         """Before gc sweeps the cache: should it die before its commit is published, the
         next open rebuilds the cache instead of trusting a sweep the bucket never saw."""
-        self.check_chain(core)
+        from .gcproof import check_chain
+
+        check_chain(self, core)
         index = core.index
         index.write(lambda t: t.put(META_REMOTE_DIRTY, b"1", db=index.meta))
-
-    def check_chain(self, core: StoreCore) -> None:
-        """gc deletes only what it can prove dead: refuse (GCRefused, nothing changed)
-        when a commit document is damaged, or the cache and the documents disagree on the
-        newest commit or on the packs that hold the store."""
-        where = self.storage.url
-        damage = self.damage(core)
-        if damage:
-            raise GCRefused(f"gc refused on {where}: this cache was rebuilt from the packs "
-                            f"because {damage[0]}; put the document back (or repair once "
-                            "it is) and gc again")
-        found = chain.survey(self.storage)
-        if found.problems:
-            raise GCRefused(f"gc refused on {where}: {found.problems[0].message} "
-                            f"({len(found.problems)} problems); nothing was deleted")
-        index = core.index
-
-        def view(t: ix.Txn) -> tuple[int, set[int]]:
-            keys = t.cursor(db=index.packs).iternext(values=False)
-            return (ix.get_u64(t, index.meta, META_REMOTE_SEQ),
-                    {ix.unpack_pack_key(k) for k in keys})
-
-        seq, packs = index.read(view)
-        if seq != found.newest or packs != found.packs:
-            odd = sorted(packs ^ found.packs)[:5]
-            raise GCRefused(f"gc refused on {where}: the cache (commit {seq}) and the commit "
-                            f"documents (commit {found.newest}) disagree on the store's "
-                            f"packs (e.g. {odd}); nothing was deleted: open a fresh cache "
-                            "or repair")
 
     def settle_gc(self, core: StoreCore, seq: int | None) -> None:
         """A gc that moved no pack: record its commit (if it swept anything) and clear
@@ -393,6 +364,8 @@ class Remote:
             return listed, msgpack.unpackb(_get(t, index, META_RETIRED) or b"\x80",
                                            strict_map_key=False)
 
+        from .gcproof import still_needed
+
         listed, retired = index.read(state)
         now = time.time()
         deleted = 0
@@ -404,7 +377,7 @@ class Remote:
             since = retired.get(n, mtime.timestamp())
             if now - since < self.gc_grace_s:
                 continue
-            why = _still_needed(self.storage, core, n, present)
+            why = still_needed(self.storage, core, n, present)
             if why is not None:
                 kept.append(f"pack {n}: {why}")
                 continue
@@ -417,45 +390,3 @@ class Remote:
                             f"longer lists but still needs ({kept[0]}); its commit stands, "
                             "nothing of them was deleted: verify, then repair")
         return deleted
-
-
-def _still_needed(storage: S3Storage, core: StoreCore, n: int,
-                  present: dict[int, tuple]) -> str | None:
-    """Why unlisted pack ``n`` must stay, by its own trailer: an object in it is indexed
-    there, or indexed in a pack that is not there or does not hold it at that offset (a
-    damaged commit document named the wrong pack). None when every object in it is dead
-    or held whole elsewhere, or it has no trailer (never sealed, so never committed)."""
-    try:
-        entries = storage.read_trailer(n)
-    except (CorruptObject, FileNotFoundError):
-        return None
-    oids = [e.oid for e in entries if e.rtype == fmt.RECORD_OBJECT]
-    index = core.index
-
-    def look(t: ix.Txn) -> list[tuple[bytes, bytes]]:
-        out = []
-        for oid in oids:
-            raw = t.get(oid, db=index.objects)
-            if raw is not None:
-                out.append((oid, bytes(raw)))
-        return out
-
-    held: dict[int, set[tuple[bytes, int]]] = {}
-    for oid, raw in index.read(look):
-        try:
-            e = index.entry(oid, raw)
-        except CorruptObject:
-            return f"the index entry of {hexid(oid)} is damaged"
-        if e.pack == n:
-            return f"object {hexid(oid)} is indexed in it"
-        if e.pack not in present:
-            return f"object {hexid(oid)} is indexed in pack {e.pack}, which is not there"
-        if e.pack not in held:
-            try:
-                held[e.pack] = {(t.oid, t.offset) for t in storage.read_trailer(e.pack)}
-            except (CorruptObject, FileNotFoundError):
-                held[e.pack] = set()
-        if (oid, e.offset) not in held[e.pack]:
-            return f"object {hexid(oid)} is indexed in pack {e.pack}, which does not hold it"
-    return None
-

@@ -330,3 +330,42 @@ def test_decode_names_the_key_and_checks_the_checksum():
     for key in ("commits/backup/00000000000000000005", _key(5) + ".bak",
                 "commits/0000000000000000000٥", "commits/00000000000000000000"):
         assert commitdoc.seq_of_key(key) is None
+
+
+def test_cli_repair_works_on_a_shared_store_and_names_the_document(tmp_path, capsys):
+    from cnrstore.cli.app import main
+
+    shared = tmp_path / "shared"
+    opts = {"gc_grace_s": 0.0}
+    with engine.storage_open(os.fspath(shared), cache_dir=tmp_path / "w",
+                             storage_options=opts) as a:
+        for i in range(2):
+            with a.writer() as w:
+                _dag(w, f"step/{i}")
+    assert main(["repair", os.fspath(shared), "--cache-dir", os.fspath(tmp_path / "c")]) == 0
+    capsys.readouterr()
+    (shared / "commits" / "00000000000000000001").write_bytes(b"junk")
+    code = main(["repair", os.fspath(shared), "--cache-dir", os.fspath(tmp_path / "c"),
+                 "--json"])
+    out = capsys.readouterr().out
+    assert code == 1 and _key(1) in out
+
+
+def test_an_existing_cache_catching_up_over_a_damaged_document_rebuilds(bucket, tmp_path):
+    url = bucket.url()
+    a = bucket.store(tmp_path / "writer", url, pack_target_size=4096)
+    tops = {}
+    with a.writer() as w:
+        tops["step/0"] = _dag(w, "step/0")
+    with bucket.store(tmp_path / "stale", url) as s:
+        assert s.roots() == tops
+    for i in (1, 2):
+        with a.writer() as w:
+            tops[f"step/{i}"] = _dag(w, f"step/{i}")
+    _write(a, _key(2), b"\x93junk")
+    with bucket.store(tmp_path / "stale", url) as s:
+        _readable(s, tops)
+        assert any(_key(2) in p.message for p in s.opened_with_repair.damaged)
+        with s.writer() as w:
+            tops["step/s"] = _dag(w, "step/s")
+    a.close()
