@@ -28,6 +28,8 @@ def repair(path: str | os.PathLike, *, cache_dir: str | os.PathLike | None = Non
     on S3 or a shared directory rebuilds its index cache in ``cache_dir`` from its commit
     documents, or from its packs when one is damaged (the report names it)."""
     if cache_dir is not None or os.fspath(path).startswith("s3://"):
+        if cache_dir is None:
+            raise ValueError(f"{os.fspath(path)}: a store on S3 needs a cache_dir")
         with engine.storage_open(os.fspath(path), cache_dir=cache_dir,
                                  create=False) as objects:
             return objects.repair()
