@@ -67,7 +67,7 @@ def encode_commit(doc: dict) -> bytes:
     if len(data) > MAX_COMMIT_BYTES:
         raise CommitTooLarge(
             f"commit {doc.get('seq')} would need a {len(data)}-byte commit document, more "
-            f"than the {MAX_COMMIT_BYTES} a store may hold (about 250,000 objects): "
+            f"than the {MAX_COMMIT_BYTES} a store may hold (about 350,000 objects): "
             "nothing was published; put the tables in several commits")
     return data
 
