@@ -178,11 +178,16 @@ class Remote:
                                   f"{self.storage.url}")
             if owner is None:
                 index.write(lambda t: t.put(META_REMOTE_ID, location, db=index.meta))
-            if dirty or self.damage(core):  # a mended chain is read again
-                report = self.rebuild(core)
+            damaged = bool(self.damage(core)) and not dirty
+            found = chain.survey(self.storage) if damaged else None
+            if dirty or (found is not None and not found.problems):
+                report = self.rebuild(core)  # a mended chain is read again
             else:
+                # Still damaged: the packs were indexed already; newer commits apply.
                 self.catch_up(core)
                 report, self.last_rebuild = self.last_rebuild, None
+                if report is None and found is not None:
+                    report = self._counts(core, tuple(found.problems))
             if not create and self.seq(core) == 0:
                 raise FormatError(f"no store at {self.storage.url} (pass create=True to "
                                   "make one)")
@@ -254,11 +259,15 @@ class Remote:
             rebuild_beside(core, fill)
         except ChainDamaged as exc:
             return self._rebuild_from_packs(core, exc)
+        return self._counts(core, ())
+
+    @staticmethod
+    def _counts(core: StoreCore, damaged: tuple[Problem, ...]) -> RepairReport:
         index = core.index
         counts = index.read(lambda t: (t.stat(index.packs)["entries"],
                                        t.stat(index.objects)["entries"],
                                        t.stat(index.roots)["entries"]))
-        return RepairReport(*counts)
+        return RepairReport(*counts, damaged)
 
     def _rebuild_from_packs(self, core: StoreCore, exc: ChainDamaged) -> RepairReport:
         """The commit documents cannot say what the store holds: index every pack
