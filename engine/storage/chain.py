@@ -119,9 +119,10 @@ class Survey:
     packs: set[int] = field(default_factory=set)   # listed by one and not retired since
 
 
-def survey(storage: Any) -> Survey:
-    """Read every commit document (bounded memory: only pack numbers are kept)."""
-    items = listed(storage, 0)
+def survey(storage: Any, upto: int | None = None) -> Survey:
+    """Read every commit document, or those up to commit ``upto`` (bounded memory: only
+    pack numbers are kept)."""
+    items = [i for i in listed(storage, 0) if upto is None or i[0] <= upto]
     out = Survey(newest=items[-1][0] if items else 0)
     for expect, item in _gaps(items, 0):
         if item is None:

@@ -19,7 +19,7 @@ pytest.importorskip("obstore")
 pytest.importorskip("moto")
 
 import engine  # noqa: E402
-from engine.storage import commitdoc  # noqa: E402
+from engine.storage import chain, commitdoc  # noqa: E402
 from engine.storage.shared import SharedStorage  # noqa: E402
 
 GOLDEN = pathlib.Path(__file__).parent / "golden"
@@ -375,4 +375,18 @@ def test_an_existing_cache_catching_up_over_a_damaged_document_rebuilds(bucket, 
         assert any(_key(2) in p.message for p in s.opened_with_repair.damaged)
         with s.writer() as w:
             tops["step/s"] = _dag(w, "step/s")
+    a.close()
+
+
+def test_gc_refuses_when_the_cache_is_ahead_of_the_documents(bucket, tmp_path):
+    # The newest document lost (a bucket restored from an older copy): the writer's
+    # cache still holds commit 3 and its packs; gc must not act on a view the documents
+    # do not prove, nor publish a commit 4 over a missing 3.
+    url = bucket.url()
+    a, tops = _store_with_steps(bucket, tmp_path, url)
+    _delete(a, _key(3))
+    with pytest.raises(engine.GCRefused, match="disagree"):
+        a.gc(threshold=0.0)
+    assert [s for s, _, _ in chain.listed(_storage(a))] == [1, 2]  # nothing published
+    _readable(a, tops)
     a.close()
