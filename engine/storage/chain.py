@@ -48,8 +48,9 @@ def _fetched(storage: Any, items: list[tuple[int, str, int]]
     def fetch(item: tuple[int, str, int]) -> dict | ChainDamaged:
         seq, key, size = item
         if size > MAX_COMMIT_BYTES:
-            return ChainDamaged(f"commit document {key} is damaged: {size} bytes, more than "
-                                f"the {MAX_COMMIT_BYTES} a document may have", key=key)
+            return ChainDamaged(f"commit document {key} is damaged: listed at {size} bytes, "
+                                f"more than the {MAX_COMMIT_BYTES} a document may have "
+                                "(not read)", key=key)
         try:
             return decode_commit(storage.get(key, limit=MAX_COMMIT_BYTES), key)
         except FileNotFoundError:

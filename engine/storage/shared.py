@@ -63,7 +63,10 @@ class SharedStorage(LocalStorage):
         """The file ``key`` (FileNotFoundError when there is none), at most ``limit + 1``
         bytes of it: a sparse file may claim any size."""
         with open(self._file(key), "rb") as f:
-            return f.read(-1 if limit is None else limit + 1)
+            if limit is None:
+                return f.read()
+            # read(n) allocates n bytes up front: ask for no more than the file holds.
+            return f.read(min(os.fstat(f.fileno()).st_size, limit) + 1)
 
     def put_create(self, key: str, data: bytes) -> None:
         """Create ``key`` durably, only if absent; FileExistsError otherwise."""

@@ -390,3 +390,45 @@ def test_gc_refuses_when_the_cache_is_ahead_of_the_documents(bucket, tmp_path):
     assert [s for s, _, _ in chain.listed(_storage(a))] == [1, 2]  # nothing published
     _readable(a, tops)
     a.close()
+
+
+def test_an_oversized_document_is_refused_by_its_listed_size(bucket, tmp_path):
+    # Issue 23 item 9 on a bucket: a document over the cap is never downloaded.
+    import tracemalloc
+
+    url = bucket.url()
+    a, tops = _store_with_steps(bucket, tmp_path, url)
+    _write(a, _key(4), b"\x80" * (commitdoc.MAX_COMMIT_BYTES + 1))
+    tracemalloc.start()
+    try:
+        with bucket.store(tmp_path / "fresh", url) as b:
+            _readable(b, tops)
+            assert any(_key(4) in p.message and "(not read)" in p.message
+                       for p in b.opened_with_repair.damaged)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    if isinstance(_storage(a), SharedStorage):  # moto serves from this process's memory
+        assert peak < commitdoc.MAX_COMMIT_BYTES // 4, peak
+    a.close()
+
+
+def test_reading_many_small_documents_allocates_what_they_hold(tmp_path):
+    # A capped read must not allocate the cap: 16 documents fetched at once would
+    # otherwise cost 16 x 12 MiB at every open of a shared-directory store.
+    import tracemalloc
+
+    shared, opts = os.fspath(tmp_path / "shared"), {"gc_grace_s": 0.0}
+    with engine.storage_open(shared, cache_dir=tmp_path / "w", storage_options=opts) as a:
+        for i in range(20):
+            with a.writer() as w:
+                w.set_root(f"r{i}", w.put(1, os.urandom(100)))
+    tracemalloc.start()
+    try:
+        with engine.storage_open(shared, cache_dir=tmp_path / "fresh",
+                                 storage_options=opts) as b:
+            assert len(b.roots()) == 20
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 << 20, peak
