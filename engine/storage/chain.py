@@ -9,6 +9,7 @@ one, unreadable or failing its checks.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -58,28 +59,26 @@ def _fetched(storage: Any, items: list[tuple[int, str, int]]
         except CorruptObject as exc:
             return ChainDamaged(str(exc), key=key)
 
-    pool = None
-    try:
-        start = 0
-        while start < len(items):
-            end, budget = start, 0
-            while (end < len(items) and end - start < _IN_FLIGHT
-                   and (end == start or budget + items[end][2] <= MAX_COMMIT_BYTES)):
-                budget += items[end][2]
-                end += 1
-            batch = items[start:end]
-            if len(batch) == 1:
-                results = [fetch(batch[0])]
-            else:
-                if pool is None:
-                    pool = concurrent.futures.ThreadPoolExecutor(_IN_FLIGHT)
-                results = list(pool.map(fetch, batch))
-            for (seq, key, _), doc in zip(batch, results):
-                yield seq, key, doc
-            start = end
-    finally:
-        if pool is not None:
-            pool.shutdown(wait=True)
+    if len(items) <= 1:
+        for seq, key, size in items:
+            yield seq, key, fetch((seq, key, size))
+        return
+    # A sliding window: at most _IN_FLIGHT documents and MAX_COMMIT_BYTES of them (by
+    # their listed sizes) in flight or done but not yet handed on, in order.
+    window: collections.deque = collections.deque()
+    budget = 0
+    with concurrent.futures.ThreadPoolExecutor(_IN_FLIGHT) as pool:
+        for item in items:
+            while window and (len(window) >= _IN_FLIGHT
+                              or budget + item[2] > MAX_COMMIT_BYTES):
+                (seq, key, size), future = window.popleft()
+                budget -= size
+                yield seq, key, future.result()
+            window.append((item, pool.submit(fetch, item)))
+            budget += item[2]
+        while window:
+            (seq, key, _), future = window.popleft()
+            yield seq, key, future.result()
 
 
 def _gaps(items: list[tuple[int, str, int]], after: int
