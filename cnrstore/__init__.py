@@ -49,6 +49,7 @@ from cnrstore.errors import (
 )
 
 if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and IDEs
+    from cnrstore.core.changes import Change
     from cnrstore.core.maintenance import GCReport, StoreStats, VerifyReport
     from cnrstore.core.options import Options, OptionsMismatch
     from cnrstore.core.store import CheckpointStore
@@ -61,6 +62,7 @@ __all__ = [
     "SCHEMES",
     "Shard",
     "BadPath",
+    "Change",
     "CheckpointError",
     "CheckpointStore",
     "ConcurrentCommit",
@@ -96,6 +98,7 @@ __all__ = [
 # Public name -> the module that defines it; imported on first access. These modules
 # import torch, which costs a second or more: a command that only lists steps never pays it.
 _LAZY = {
+    "Change": "cnrstore.core.changes",
     "GCReport": "cnrstore.core.maintenance",
     "StoreStats": "cnrstore.core.maintenance",
     "VerifyReport": "cnrstore.core.maintenance",

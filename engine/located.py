@@ -149,7 +149,7 @@ class LocatedObjects(ObjectStore):
            progress: ProgressFn | None = None) -> GCReport:
         raise ReadOnly("gc() on located objects (a rank's read-only view)")
 
-    def repair(self) -> RepairReport:
+    def repair(self, *, dry_run: bool = False) -> RepairReport:
         raise ReadOnly("repair() on located objects (a rank's read-only view)")
 
     def verify(self, *, deep: bool = False, roots: Iterable[str] | None = None,

@@ -21,10 +21,16 @@ from cnrstore.codec.quantize import decode_rows
 from cnrstore.core.prefault import Prefault
 from cnrstore.core.readahead import Readahead, Started, table_blocks
 from cnrstore.core.tablestate import DeferredBase, parse_dtype
-from cnrstore.errors import CheckpointError, InvalidInput, InvalidType, ManifestError
+from cnrstore.errors import (
+    CheckpointError,
+    CorruptData,
+    InvalidInput,
+    InvalidType,
+    ManifestError,
+)
 from cnrstore.format.blocks import resolve
 from cnrstore.format.manifest import TableManifest
-from engine import Object, ObjectStore, StoreClosed, StoreError
+from engine import CorruptObject, Object, ObjectNotFound, ObjectStore, StoreClosed, StoreError
 
 __all__ = ["block_span", "check_slice", "new_output", "row_range", "read_table", "read_tables",
            "read_codes", "read_into", "run_all", "seed_later", "table_hints"]
@@ -75,8 +81,16 @@ def _block_codes(
     oid = tm.block_ids[i]
     reads = _chain_reads(objects, oid)
     get, get_into = reads if reads is not None else (objects.get, objects.get_into)
-    codes = resolve(get, oid, out=out, get_into=get_into)
     start, stop = node.block_range(i)
+    try:
+        codes = resolve(get, oid, out=out, get_into=get_into)
+    except (CorruptObject, ObjectNotFound, CorruptData) as exc:
+        # Name the table and block: after a repair that kept a damaged step, this is how
+        # a user learns which table lost what (the type stays, for the callers' checks).
+        if exc.args and isinstance(exc.args[0], str) and not exc.args[0].startswith("table "):
+            exc.args = (f"table {node.name!r} block {i} (rows {start}..{stop - 1}): "
+                        f"{exc.args[0]}", *exc.args[1:])
+        raise
     if codes.shape != (stop - start, node.row_nbytes):
         raise ManifestError(
             f"table {node.name!r} block {i} holds {codes.shape} codes, expected "

@@ -21,6 +21,7 @@ bucket.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import time
 from collections.abc import Iterator
@@ -290,8 +291,7 @@ class Remote:
                 t.put(ix.META_SEQ, ix.U64.pack(found.newest), db=index.meta)
 
         index.write(at_least)
-        return RepairReport(report.packs_scanned, report.objects_indexed,
-                            report.roots_restored, (*problems, *report.damaged))
+        return dataclasses.replace(report, damaged=(*problems, *report.damaged))
 
     # -- publishing -----------------------------------------------------------------------
     def publish(self, core: StoreCore, base: int, doc: dict) -> int:
