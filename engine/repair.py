@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import pathlib
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Container, Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +30,7 @@ from .lease import live_ranges
 from .options import read_stored
 from .pack import list_pack_files, pack_name, read_trailer, scan_records
 from .repairroots import ChosenRoots, Snapshot, choose_roots
+from .storage import PackStorage
 
 if TYPE_CHECKING:
     from .core import StoreCore
@@ -43,13 +44,15 @@ class _Found:
     damaged: list[Problem]
 
 
-def _scan(store_path: pathlib.Path) -> tuple[_Found, int]:
+def _scan(source: _Source, exclude: Container[int] = ()) -> tuple[_Found, int]:
     found = _Found({}, {}, [], [])
-    files = list_pack_files(store_path)
-    for n, path in sorted(files.items()):
+    files = source.numbers()
+    for n in files:
+        if n in exclude:
+            continue
         name = pack_name(n)
         try:
-            data = path.read_bytes()
+            data = source.read_all(n)
         except OSError as exc:
             raise store_error(f"cannot read pack {name}", exc) from exc
         try:
@@ -59,7 +62,7 @@ def _scan(store_path: pathlib.Path) -> tuple[_Found, int]:
             meta = None  # its records may still be intact: scan them all the same
             found.damaged.append(Problem("corrupt-pack", str(exc), pack=name, offset=0))
         try:
-            entries = read_trailer(path, name=name)
+            entries = source.trailer(n)
         except CorruptObject as exc:
             entries = None  # unsealed crash leftover or damaged trailer: scan sequentially
             found.damaged.append(Problem("damaged-trailer", str(exc), pack=name,
@@ -99,6 +102,41 @@ def _scan(store_path: pathlib.Path) -> tuple[_Found, int]:
             count += 1
         found.packs[n] = ix.PackEntry(len(data), total, live, meta, count)
     return found, max(files, default=-1) + 1
+
+
+class _Source:
+    """Where a repair reads packs: the files of a store directory (or of a shared
+    directory's packs/), or a bucket's objects through its PackStorage."""
+
+    def __init__(self, where: pathlib.Path | PackStorage) -> None:
+        self._storage = where if isinstance(where, PackStorage) else None
+        self._files = list_pack_files(where) if isinstance(where, pathlib.Path) else {}
+
+    def numbers(self) -> list[int]:
+        if self._storage is None:
+            return sorted(self._files)
+        try:
+            return sorted(self._storage.sizes())
+        except OSError as exc:
+            raise store_error(f"cannot list the packs of {self._storage.describe()}",
+                              exc) from exc
+
+    def read_all(self, n: int) -> bytes:
+        if self._storage is None:
+            return self._files[n].read_bytes()
+        return self._storage.read_all(n)
+
+    def trailer(self, n: int) -> list[fmt.TrailerEntry]:
+        if self._storage is None:
+            return read_trailer(self._files[n], name=pack_name(n))
+        return self._storage.read_trailer(n)
+
+    def read(self, n: int, offset: int, length: int) -> bytes:
+        if self._storage is None:
+            with open(self._files[n], "rb") as f:
+                f.seek(offset)
+                return f.read(length)
+        return self._storage.read(n, offset, length)
 
 
 def _salvage(data: bytes, offset: int, name: str) -> fmt.Record | None:
@@ -198,26 +236,25 @@ class _Plan:
                             dry_run=dry_run, roots=tuple(self.chosen.repairs))
 
 
-def _plan(path: pathlib.Path, old: _OldMeta) -> _Plan:
-    found, next_pack = _scan(path)
+def _plan(where: pathlib.Path | PackStorage, old: _OldMeta,
+          exclude: Container[int] = ()) -> _Plan:
+    source = _Source(where)
+    found, next_pack = _scan(source, exclude)
     for n in sorted(old.packs - found.packs.keys()):
         found.damaged.append(Problem(
             "missing-pack", f"pack {pack_name(n)} is listed by the index but its file is "
             "gone: the objects it held are lost", pack=pack_name(n)))
     chosen = choose_roots(found.snapshots, found.objects, found.damaged, old.seq, old.roots)
-    files = list_pack_files(path)
     for i, r in enumerate(chosen.repairs):  # the layer above names what a root lost
         if r.action == "damaged":
-            chosen.repairs[i] = replace(r, node=_read_found(files, found.objects[r.oid], r.oid))
+            chosen.repairs[i] = replace(r, node=_read_found(source, found.objects[r.oid],
+                                                            r.oid))
     return _Plan(found, next_pack, chosen, old)
 
 
-def _read_found(files: dict[int, pathlib.Path], entry: ix.ObjectEntry,
-                oid: bytes) -> Object | None:
+def _read_found(source: _Source, entry: ix.ObjectEntry, oid: bytes) -> Object | None:
     try:
-        with open(files[entry.pack], "rb") as f:
-            f.seek(entry.offset)
-            raw = f.read(entry.length)
+        raw = source.read(entry.pack, entry.offset, entry.length)
         rec = fmt.decode_record(raw, 0, pack=pack_name(entry.pack))
     except (OSError, KeyError, CorruptObject):
         return None
@@ -233,19 +270,25 @@ def plan_at(path: str | os.PathLike) -> RepairReport:
     return _plan(p, _old_meta_at(p)).report(dry_run=True)
 
 
-def rebuild(store: StoreCore, *, dry_run: bool = False) -> RepairReport:
+def rebuild(store: StoreCore, *, dry_run: bool = False, from_packs: bool = False,
+            exclude: Container[int] = (),
+            extra_meta: Mapping[bytes, bytes] | None = None) -> RepairReport:
     """Called by ``PackStore.repair`` with the writer lock held.
 
     The new index is written into a fresh environment beside the old one, which is never
     trusted nor written (it may be the damage being repaired), and swapped in; other
     processes notice the swap (``Index.refresh_if_replaced``) before their next writer,
-    gc or repair and within a second on reads."""
-    if store.remote is not None:  # a bucket store: the commit documents are the truth
+    gc or repair and within a second on reads. A bucket or shared-directory store rebuilds
+    from its commit documents (engine/storage/remote.py), which calls back here with
+    ``from_packs`` when they are damaged: its packs are read through its storage, those in
+    ``exclude`` skipped, and ``extra_meta`` written into the new index with the rest."""
+    if store.remote is not None and not from_packs:  # the commit documents are the truth
         if dry_run:
             raise NotSupported("repair(dry_run=True) of a bucket or shared-directory store: "
                                "its index cache rebuilds from the commit documents")
         return store.remote.rebuild(store)
-    plan = _plan(store.path, _old_meta(store.index))
+    plan = _plan(store.storage if from_packs else store.path, _old_meta(store.index),
+                 exclude)
     if dry_run:
         return plan.report(dry_run=True)
     found, next_pack, chosen = plan.found, plan.next_pack, plan.chosen
@@ -261,6 +304,7 @@ def rebuild(store: StoreCore, *, dry_run: bool = False) -> RepairReport:
         ix.META_CHAIN: ix.chain_value(chosen.chain, chosen.delta_bytes, chosen.full_bytes),
         ix.META_ENTRY_SUMS: ix.U64.pack(1),
         ix.META_ROOTS_SUM: ix.roots_digest(roots),
+        **(extra_meta or {}),
     }
 
     def fill(index: ix.Index, txn: Any, *, drop: bool) -> None:

@@ -282,10 +282,16 @@ def _run(args: argparse.Namespace) -> int:
     if cmd == "repair":
         from cnrstore.tools import info
 
-        if is_url(args.store) or is_shared(args.store) or args.cache_dir:
-            raise UsageError(f"{args.store}: repair rebuilds a directory store's index; "
-                             "the index cache of a store on S3 or a shared directory "
-                             "rebuilds itself on open (give it an empty --cache-dir)")
+        cache_dir = cache_dir_of(args)
+        if is_url(args.store) or is_shared(args.store) or cache_dir:
+            # Its index cache, rebuilt from the commit documents (or the packs when one is
+            # damaged, named in the report).
+            if args.dry_run:
+                raise UsageError(f"{args.store}: --dry-run is for directory stores")
+            require_store(args.store, cache_dir)
+            report = info.repair(args.store, cache_dir=cache_dir)
+            _emit(args, report, fmt.repair_text(report))
+            return EXIT_PROBLEMS if report.damaged else EXIT_OK
         require_store(args.store)
 
         def say_plan(plan) -> None:  # before anything is written

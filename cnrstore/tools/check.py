@@ -52,13 +52,25 @@ class RepairResult:
 
 
 def repair(path: str | os.PathLike, *, dry_run: bool = False,
-           on_plan: Callable[[RepairResult], None] | None = None) -> RepairResult:
+           on_plan: Callable[[RepairResult], None] | None = None,
+           cache_dir: str | os.PathLike | None = None) -> RepairResult:
     """Rebuild the index of the store at ``path`` from its packs (engine.repair).
 
     The packs are scanned first into a plan (never writing a byte), given to ``on_plan``
     (the CLI prints it); with ``dry_run`` that plan is the result. Repair keeps every step
     that still partly reads: a table that lost objects raises CorruptData (MissingObject)
-    naming them, every other table of the step reads as before."""
+    naming them, every other table of the step reads as before.
+
+    A store on S3 or a shared directory (``cache_dir``) rebuilds its index cache from its
+    commit documents, or from its packs when one is damaged (the report names it); it has
+    no dry run."""
+    if cache_dir is not None or os.fspath(path).startswith("s3://"):
+        if cache_dir is None or dry_run:
+            raise ValueError(f"{os.fspath(path)}: repair of a store on S3 or a shared "
+                             "directory needs its cache_dir and has no dry run")
+        with engine.storage_open(os.fspath(path), cache_dir=cache_dir,
+                                 create=False) as objects:
+            return _named(objects.repair())
     if not os.path.isdir(path):
         raise FileNotFoundError(f"no store at {os.fspath(path)!r}")
     plan = replace(_named(plan_at(path)), dry_run=dry_run)  # what is about to be done

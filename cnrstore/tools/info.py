@@ -392,9 +392,10 @@ def verify(store, *, deep: bool = True, steps: Iterable[int] | None = None,
 
 
 @translating
-def repair(path: str | os.PathLike, *, dry_run: bool = False, on_plan=None):
+def repair(path: str | os.PathLike, *, dry_run: bool = False, on_plan=None,
+           cache_dir: str | os.PathLike | None = None):
     """cnrstore.tools.check.repair: rebuild the index of the store at ``path`` from its packs
     (``dry_run``: only say what it would do); returns a RepairResult."""
     from cnrstore.tools.check import repair as _repair
 
-    return _repair(path, dry_run=dry_run, on_plan=on_plan)
+    return _repair(path, dry_run=dry_run, on_plan=on_plan, cache_dir=cache_dir)

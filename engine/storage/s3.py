@@ -159,8 +159,9 @@ class S3Storage(PackStorage):
         return f"packs/{pack_name(n)}"
 
     # -- plain objects (claims, commits) --------------------------------------------------
-    def get(self, key: str) -> bytes:
-        """The object ``key``; FileNotFoundError when there is none."""
+    def get(self, key: str, *, limit: int | None = None) -> bytes:
+        """The object ``key``; FileNotFoundError when there is none. ``limit`` is checked
+        by the caller against the listed size (a bucket has no sparse objects)."""
         try:
             return bytes(obstore.get(self.store, key).bytes())
         except FileNotFoundError:
