@@ -21,9 +21,22 @@ def _changed(t: torch.Tensor) -> torch.Tensor:
 
 def moved_read(rank: int, world: int, where: dict, other_cache: str, retry: bool):
     """Step 1, then step 2 from a handle that does not seed (its unchanged blocks
-    deduplicate into step 1's packs); then a gc on ANOTHER cache (another "job") deletes
-    step 1 and compacts those packs, so the coordinator's cache hands out stale
-    locations. Rank 1 meets a gone pack; with the retry the read still succeeds."""
+    deduplicate into step 1's packs); then both ranks read step 2. Once the coordinator
+    has located rank 1's blocks, and before rank 1 reads them, a gc on ANOTHER cache
+    (another "job", grace 0) deletes step 1 and compacts: rank 1 holds locations in packs
+    that are gone. With the retry the read still succeeds.
+
+    A gc before the read no longer makes such a rank: since gc merges small packs it
+    also moves step 2's meta packs, so the coordinator met a gone pack itself loading the
+    step node, caught its cache up (engine: pack_missing, refresh) and handed out fresh
+    locations.
+
+    Returns (outcome, rounds, seen): outcome ("ok", equal) or ("error", class, message);
+    rounds, how many times this rank ran the collective read; seen (rank 1): the packs
+    its first locations named, the packs present before and after the gc, and the gc's
+    packs_rewritten and packs_deleted."""
+    from engine import RecordLocation
+
     t1 = _table(1)
     with _open(where) as s:
         s.put_tables(1, {"t": _mine(t1, rank, world)})
@@ -31,24 +44,46 @@ def moved_read(rank: int, world: int, where: dict, other_cache: str, retry: bool
     from dist_util import located
 
     path, kw = located(where)
+    seen: dict = {}
     with cnrstore.open(path, group=dist.group.WORLD, block_rows=BLOCK_ROWS, fanout=FANOUT,
                        timeout=20, seed_from_store=False, **kw) as s:
         s.put_tables(2, {"t": _mine(t2, rank, world)})
         dist.barrier()
-        if rank == 0:
-            grace0 = dict(kw.get("storage_options") or {}, gc_grace_s=0.0)  # delete now
-            with cnrstore.open(path, cache_dir=other_cache, storage_options=grace0) as other:
-                other.delete_step(1)
-                report = other.gc(threshold=0.0)
-        dist.barrier()
-        if not retry:
-            from cnrstore.distributed import transfer
+        if rank == 1:
+            source = s.readers.source
 
-            transfer.again = lambda ds, read: read()  # the read as it was before the retry
+            def gc_first(answer):
+                if not seen:
+                    assert answer[0] == "locs", answer[0]
+                    seen["given"] = {RecordLocation.from_wire(w).pack for w in answer[2]}
+                    grace0 = dict(kw.get("storage_options") or {}, gc_grace_s=0.0)
+                    with cnrstore.open(path, cache_dir=other_cache,
+                                       storage_options=grace0) as other:
+                        storage = other.objects.storage
+                        seen["before"] = set(storage.sizes())
+                        other.delete_step(1)
+                        report = other.gc(threshold=0.0)
+                        seen["after"] = set(storage.sizes())
+                    seen["gc"] = (report.packs_rewritten, report.packs_deleted)
+                return source(answer)
+
+            s.readers.source = gc_first
+        from cnrstore.distributed import transfer
+
+        rounds = 0
+        again = transfer.again if retry else (lambda ds, read: read())  # no retry
+
+        def counted(ds, read):
+            def once():
+                nonlocal rounds
+                rounds += 1
+                return read()
+            return again(ds, once)
+
+        transfer.again = counted
         lo, hi = (0, 96) if rank == 0 else (96, 200)
         try:
             got = s.get_tables(2, rows={"t": slice(lo, hi)})["t"]
         except cnrstore.CheckpointError as exc:
-            return ("error", type(exc).__name__, str(exc))
-        moved = report.packs_rewritten if rank == 0 else None
-        return ("ok", torch.equal(got, t2[lo:hi]), moved)
+            return ("error", type(exc).__name__, str(exc)), rounds, seen
+        return ("ok", torch.equal(got, t2[lo:hi])), rounds, seen

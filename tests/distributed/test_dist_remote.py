@@ -15,6 +15,7 @@ from dist_util import BLOCK_ROWS, FANOUT, Failed, oracle, put_sequence, run, seq
 from dist_workers import _table, killed, layouts, restore_layouts, save_layouts
 
 import cnrstore
+from engine.pack import pack_name
 
 pytest.importorskip("obstore")
 
@@ -135,21 +136,28 @@ def test_group_put_and_restore_on_seaweedfs(weed_s3, tmp_path):
 @pytest.mark.parametrize("retry", [True, False])
 def test_a_rank_meeting_a_moved_pack_reads_again_with_fresh_locations(where, tmp_path,
                                                                       retry):
-    """A gc by another job (another cache, grace 0) compacts packs under a distributed
-    store whose coordinator's cache is stale: the rank that meets a gone pack makes every
-    rank read again after the coordinator caught up. (retry=False shows the failure the
-    retry exists for.)"""
+    """A gc by another job (another cache, grace 0) compacts the packs a rank was just
+    given locations in: that rank meets a gone pack and makes every rank read again after
+    the coordinator caught up. (retry=False shows the failure the retry exists for.)"""
     from remote_workers import moved_read
 
     res = run(2, moved_read, where, os.fspath(tmp_path / "otherjob"), retry, timeout=120)
     for r in res:
         assert not isinstance(r, Failed), r.trace
+    seen = res[1][2]
+    # The premise: rank 1's locations named packs that existed, and the gc rewrote and
+    # deleted at least one of them before rank 1 read.
+    gone = seen["given"] - seen["after"]
+    assert seen["given"] and seen["given"] <= seen["before"], seen
+    assert gone and min(seen["gc"]) >= 1, seen
     if retry:
-        assert res[0][0] == "ok" and res[0][1] and res[0][2] >= 1, res  # a pack moved
-        assert res[1] == ("ok", True, None), res
+        assert [r[:2] for r in res] == [(("ok", True), 2)] * 2, res  # read twice, right
     else:
-        assert res[0][0] == res[1][0] == "error", res
-        assert res[0] == res[1] and "locate it again" in res[1][2], res
+        assert res[0][0][0] == "error" and res[0][:2] == res[1][:2], res
+        message = res[1][0][2]
+        assert "locate it again" in message, res
+        assert any(pack_name(n) in message for n in gone), (message, gone)
+        assert res[1][1] == 1, res
 
 
 def test_only_the_coordinator_lists_the_storage(where, tmp_path):
