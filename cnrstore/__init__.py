@@ -27,6 +27,7 @@ from cnrstore.codec.layout import SCHEMES
 from cnrstore.errors import (
     BadPath,
     CheckpointError,
+    CollectiveMismatch,
     ConcurrentCommit,
     CorruptData,
     InvalidInput,
@@ -64,6 +65,7 @@ __all__ = [
     "BadPath",
     "CheckpointError",
     "CheckpointStore",
+    "CollectiveMismatch",
     "ConcurrentCommit",
     "CorruptData",
     "DistributedStore",

@@ -20,6 +20,7 @@ Structure document (msgpack, one map per node):
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -29,7 +30,8 @@ import torch
 from cnrstore.core.validate import is_shard, not_a_tensor
 from cnrstore.errors import InvalidInput, InvalidType, ManifestError
 
-__all__ = ["FlatState", "flatten", "unflatten", "fill", "lazy_tables", "check_structure"]
+__all__ = ["FlatState", "flatten", "unflatten", "fill", "lazy_tables", "stored_leaf",
+           "check_structure"]
 
 _SCALARS = (type(None), bool, int, float, str, bytes)
 SEP = "/"
@@ -208,6 +210,21 @@ def lazy_tables(given, doc: dict, *, is_tensor: Callable[[Any], bool] | None = N
 
     walk(given, doc)
     return out
+
+
+def stored_leaf(step: int, tables: Mapping[str, torch.Tensor]
+                ) -> Callable[[str, tuple[int, ...]], torch.Tensor]:
+    """``unflatten``'s tensor leaf from the tables read for a step: each in the shape its
+    leaf was put with (a 0-dim tensor was stored as one row)."""
+
+    def leaf(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        t = tables[name]
+        if t.numel() != math.prod(shape):
+            raise ManifestError(f"step {step}: table {name!r} holds {tuple(t.shape)}, its "
+                                f"state leaf says {shape}")
+        return t.reshape(shape)
+
+    return leaf
 
 
 def fill(given, doc: dict, *, strict: bool, path: str = "",

@@ -10,16 +10,20 @@ byte is written.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Mapping
-
-import torch
+from collections.abc import Mapping
 
 from cnrstore.core import maintenance
 from cnrstore.core.handle import StoreCore
 from cnrstore.core.put import put
 from cnrstore.core.restore import read_into, seed_later, table_hints
-from cnrstore.core.state import check_structure, fill, flatten, lazy_tables, unflatten
+from cnrstore.core.state import (
+    check_structure,
+    fill,
+    flatten,
+    lazy_tables,
+    stored_leaf,
+    unflatten,
+)
 from cnrstore.core.tablestate import parse_dtype
 from cnrstore.core.validate import check_destination
 from cnrstore.errors import InvalidInput, InvalidType, ManifestError, TableNotFound
@@ -52,19 +56,6 @@ def _stored(core: StoreCore, step) -> tuple[int, StepNode, dict[str, tuple[int, 
     return step, node, shapes
 
 
-def _leaf(step: int, tables: Mapping) -> Callable[[str, tuple[int, ...]], torch.Tensor]:
-    """A state's tensor leaf from the table read for it, in the shape it was put with."""
-
-    def leaf(name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        t = tables[name]
-        if t.numel() != math.prod(shape):
-            raise ManifestError(f"step {step}: table {name!r} holds {tuple(t.shape)}, its "
-                                f"state leaf says {shape}")
-        return t.reshape(shape)
-
-    return leaf
-
-
 def get_state(core: StoreCore, step, *, device):
     core.check_open()
     if step is None:
@@ -73,7 +64,7 @@ def get_state(core: StoreCore, step, *, device):
     tables = maintenance.get_tables(core, step, names=None, rows=None, device=device)
     if node.state is None:  # a put_tables step: its tables are its state
         return tables
-    return unflatten(node.state, _leaf(step, tables))
+    return unflatten(node.state, stored_leaf(step, tables))
 
 
 def load_state(core: StoreCore, step, state, *, strict: bool):
@@ -100,7 +91,7 @@ def load_state(core: StoreCore, step, state, *, strict: bool):
         fresh = maintenance.get_tables(core, step, names=sorted(lazy), rows=None,
                                        device="cpu") if lazy else {}
         result = fill(state, node.state, strict=strict,
-                      adopt=lambda doc: unflatten(doc, _leaf(step, fresh)))
+                      adopt=lambda doc: unflatten(doc, stored_leaf(step, fresh)))
     elif strict and _has_python_leaves(flat.doc):
         raise InvalidInput(f"step {step} was put with put_tables and holds no Python values; "
                            "pass only tensors or strict=False")

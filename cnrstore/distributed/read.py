@@ -6,15 +6,23 @@ each rank then decodes with core/restore.py. Every rank returns, or every rank r
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 
 from cnrstore.core.restore import check_slice, read_into, read_table, read_tables, row_range
-from cnrstore.core.state import SEP, check_structure, fill, flatten, unflatten
-from cnrstore.core.validate import check_device, check_step
+from cnrstore.core.state import (
+    MAX_DEPTH,
+    SEP,
+    check_structure,
+    fill,
+    flatten,
+    lazy_tables,
+    stored_leaf,
+    unflatten,
+)
+from cnrstore.core.validate import check_destination, check_device, check_step
 from cnrstore.distributed import put as dput
 from cnrstore.distributed import transfer
 from cnrstore.distributed.comm import rebuild_error, wire_error
@@ -23,7 +31,6 @@ from cnrstore.errors import (
     CheckpointError,
     InvalidInput,
     InvalidType,
-    ManifestError,
     StepNotFound,
     TableNotFound,
 )
@@ -182,11 +189,13 @@ def get_tables(ds: DistributedStore, step: Any, *, names: Any, rows: Any, device
 
 def _out_spec(name: str, t: Any) -> Any:
     if isinstance(t, Shard):
+        check_destination(f"out[{name!r}]", t.local)
         return ("shards", [(t.row_offset, t.row_end, tuple(t.local.shape[1:]),
                             str(t.local.dtype).removeprefix("torch."))])
     if not isinstance(t, torch.Tensor):
         raise InvalidType(f"out[{name!r}] must be a torch.Tensor or Shard, got "
                           f"{type(t).__name__}")
+    check_destination(f"out[{name!r}]", t)
     return ("whole", tuple(t.shape), str(t.dtype).removeprefix("torch."))
 
 
@@ -206,7 +215,10 @@ def _sharded(state: Any, shard_leaf: Any) -> tuple[Any, dict[str, Any]]:
     of their global shape (so core/state.py flattens it), and those leaves by table name."""
     found: dict[str, Any] = {}
 
-    def walk(value: Any, path: str) -> Any:
+    def walk(value: Any, path: str, depth: int = 0) -> Any:
+        if depth > MAX_DEPTH:  # before Python's own recursion limit (a RecursionError)
+            raise InvalidInput(f"state nests deeper than {MAX_DEPTH} at {path[:200]!r}... "
+                               "(a cycle?)")
         shards = None
         if isinstance(value, Shard):
             shards = [value]
@@ -222,9 +234,11 @@ def _sharded(state: Any, shard_leaf: Any) -> tuple[Any, dict[str, Any]]:
                 shape, dtype = tuple(value.shape), value.dtype
             return torch.empty(shape, dtype=dtype, device="meta")
         if isinstance(value, Mapping):
-            return {k: walk(v, f"{path}{SEP}{k}" if path else str(k)) for k, v in value.items()}
+            return {k: walk(v, f"{path}{SEP}{k}" if path else str(k), depth + 1)
+                    for k, v in value.items()}
         if isinstance(value, (list, tuple)):
-            items = [walk(v, f"{path}{SEP}{i}" if path else str(i)) for i, v in enumerate(value)]
+            items = [walk(v, f"{path}{SEP}{i}" if path else str(i), depth + 1)
+                     for i, v in enumerate(value)]
             return tuple(items) if isinstance(value, tuple) else items
         return value
 
@@ -293,17 +307,8 @@ def get_state(ds: DistributedStore, step: Any, *, device: Any) -> Any:
                                               [(tm, None) for tm, _ in tables.values()],
                                               check_device(device))))
         if doc is not None:
-            shapes = check_structure(doc)
-
-            def leaf(name: str, shape: tuple[int, ...]) -> torch.Tensor:
-                t = result[name]
-                if t.numel() != math.prod(shape):
-                    raise ManifestError(f"step {s}: table {name!r} holds {tuple(t.shape)}, "
-                                        f"its state leaf says {shape}")
-                return t.reshape(shape)
-
-            assert shapes is not None
-            result = unflatten(doc, leaf)
+            check_structure(doc)
+            result = unflatten(doc, stored_leaf(s, result))
     except BaseException as exc:
         err = exc
     _finish(ds, err, "get_state: read")
@@ -321,6 +326,8 @@ def load_state(ds: DistributedStore, step: Any, state: Any, *, strict: bool) -> 
         req: dict[str, Any] = {}
         for n, t in flat.tables.items():
             leaf = sharded.get(n)
+            for dest in [t] if leaf is None else [p for p, _ in _fill_pieces(leaf)]:
+                check_destination(f"state entry {n!r}", dest)
             if leaf is None:
                 req[n] = ("whole", tuple(t.shape), str(t.dtype).removeprefix("torch."))
             else:
@@ -341,12 +348,17 @@ def load_state(ds: DistributedStore, step: Any, state: Any, *, strict: bool) -> 
     s, doc, tables, objects = _collective_read(ds, step, None, "load_state", make)
     err = None
     result = state
+
+    def is_tensor(v: Any) -> bool:
+        return isinstance(v, Shard) or (ds.shard_leaf is not None
+                                        and ds.shard_leaf(v) is not None)
+
+    lazy: dict[str, tuple[int, ...]] = {}
     try:
         flat, sharded = box["flat"], box["sharded"]
         if doc is not None:
-            result = fill(state, doc, strict=strict,
-                          is_tensor=lambda v: isinstance(v, Shard) or (
-                              ds.shard_leaf is not None and ds.shard_leaf(v) is not None))
+            result = fill(state, doc, strict=strict, is_tensor=is_tensor)
+            lazy = lazy_tables(state, doc, is_tensor=is_tensor)
         for n, (tm, ranges) in tables.items():
             leaf = sharded.get(n)
             if leaf is None:
@@ -363,7 +375,30 @@ def load_state(ds: DistributedStore, step: Any, state: Any, *, strict: bool) -> 
     except BaseException as exc:
         err = exc
     _finish(ds, err, "load_state: read")
+    # Empty containers the step holds filled (a fresh Adam's "state": {}, core/state.py)
+    # get the stored entries as fresh tensors, read in one more collective round.
+    if doc is not None and any(ds.comm.all_gather(bool(lazy), "load_state: adopt")):
+        fresh = _read_whole(ds, s, sorted(lazy), "load_state: adopt")
+        result = fill(state, doc, strict=strict, is_tensor=is_tensor,
+                      adopt=lambda d: unflatten(d, stored_leaf(s, fresh)))
     return result
+
+
+def _read_whole(ds: DistributedStore, step: int, names: list[str], what: str) -> dict:
+    """Tables ``names`` of ``step``, whole, as fresh CPU tensors (collective: every rank
+    enters, ``names`` may be empty on some)."""
+    _, _, tables, objects = _collective_read(ds, step, None, what,
+                                             lambda: {n: None for n in names})
+    got: dict = {}
+    err = None
+    try:
+        got = dict(zip(tables, read_tables(objects, ds.pool,
+                                           [(tm, None) for tm, _ in tables.values()],
+                                           torch.device("cpu"))))
+    except BaseException as exc:
+        err = exc
+    _finish(ds, err, f"{what}: read")
+    return got
 
 
 def _fill_pieces(leaf: Any) -> list[tuple[torch.Tensor, int]]:

@@ -56,7 +56,11 @@ class DistributedStore:
         self.path = os.fspath(path)
         ranks = dist.get_process_group_ranks(group)
         self.comm = Comm(ranks, float(timeout))      # the calling thread's collectives
-        self.wcomm = Comm(ranks, float(timeout))     # the background writer's
+        try:
+            self.wcomm = Comm(ranks, float(timeout))  # the background writer's
+        except BaseException:
+            self.comm.close()
+            raise
         self.local: CheckpointStore | None = None
         err: BaseException | None = None
         resolved = None
@@ -151,6 +155,9 @@ class DistributedStore:
         error on every rank."""
         self.check_open()
         self.drain()
+        # Every call begins with an all-gather, where ranks in different calls meet
+        # (comm.py): a broadcast alone would pair this call with another's round.
+        self.comm.all_gather(None, what)
         return self.from_coordinator(self.comm, what, lambda: fn(self.coordinator_store),
                                      scatter=False)
 
