@@ -235,13 +235,15 @@ def fill(given, doc: dict, *, strict: bool, path: str = "",
     entries ``doc`` lacks are kept as they are (strict checking happens before).
     ``is_tensor``: what else the caller restored in place as a tensor leaf (the
     distributed store's Shards). ``adopt(node)``: the stored subtree for an empty
-    container of ``given`` that the store holds filled (``lazy_tables``); without it such
-    a container stays empty."""
+    container of ``given`` that the store holds filled (``lazy_tables``), or None to keep
+    it empty; without ``adopt`` such containers stay empty."""
     if isinstance(given, torch.Tensor) or (is_tensor is not None and "T" in doc
                                            and is_tensor(given)):
         return given
     if adopt is not None and _lazy(given, doc):
-        return adopt(doc)
+        adopted = adopt(doc)
+        if adopted is not None:
+            return adopted
     if isinstance(given, Mapping) and "d" in doc:
         stored = {key: child for key, child in doc["d"]}
         out: Any = copy.copy(given)  # keeps the mapping's type and attributes (state_dict metadata)

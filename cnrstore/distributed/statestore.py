@@ -201,11 +201,21 @@ def load_state(ds: DistributedStore, step: Any, state: Any, *, strict: bool) -> 
         err = exc
     finish_read(ds, err, "load_state: read")
     # Empty containers the step holds filled (a fresh Adam's "state": {}, core/state.py)
-    # get the stored entries as fresh tensors, read in one more collective round.
-    if doc is not None and any(ds.comm.all_gather(bool(lazy), "load_state: adopt")):
-        fresh = _read_whole(ds, s, sorted(lazy), "load_state: adopt")
-        result = fill(state, doc, strict=strict, is_tensor=is_tensor,
-                      adopt=lambda d: unflatten(d, stored_leaf(s, fresh)))
+    # get the stored entries as fresh tensors, read in one more collective round. Only
+    # what is empty on every rank: a rank whose dict lacks a table another rank holds
+    # (table-wise, given as a plain tensor there) must not read the whole table.
+    if doc is not None:
+        every = ds.comm.all_gather(sorted(lazy), "load_state: adopt")
+        agreed = set(every[0]).intersection(*every[1:])
+        if agreed:
+            fresh = _read_whole(ds, s, sorted(agreed), "load_state: adopt")
+
+            def adopt(d: dict) -> Any:
+                if not set(check_structure(d)) <= agreed:
+                    return None
+                return unflatten(d, stored_leaf(s, fresh))
+
+            result = fill(state, doc, strict=strict, is_tensor=is_tensor, adopt=adopt)
     return result
 
 

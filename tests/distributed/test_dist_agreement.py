@@ -53,7 +53,8 @@ def test_bad_input_on_a_rank_and_a_fresh_optimizer(tmp_path):
             assert got[kind][0] == "InvalidInput" and "meta" in got[kind][1], kind
         assert got["untouched"]
         assert got["resumed"] and got["epoch"] == 3
+    assert res[0].pop("table-wise") == ["tw"] and res[1].pop("table-wise") == []
     assert res[0] == res[1]
     with cnrstore.open(tmp_path / "s") as s:
-        assert s.steps() == [1, 2, 4]
+        assert s.steps() == [1, 2, 4, 5]
         assert s.get_tables(2)["dense"].eq(1).all()
