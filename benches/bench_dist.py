@@ -293,7 +293,14 @@ def _restore(rank: int, world: int, args: argparse.Namespace, root: str, system:
 def _rank_main(rank: int, world: int, port: int, out: str, fn: str, fargs: tuple) -> None:
     _init(rank, world, port)
     try:
-        result: Any = globals()[fn](rank, world, *fargs)
+        if ":" in fn:  # another bench's rank program ("module:function"), same plumbing
+            import importlib
+
+            module, _, name = fn.partition(":")
+            program = getattr(importlib.import_module(module), name)
+        else:
+            program = globals()[fn]
+        result: Any = program(rank, world, *fargs)
     except BaseException as exc:  # reported by the parent
         import traceback
 

@@ -51,6 +51,7 @@ from cnrstore.errors import (
 )
 
 if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and IDEs
+    from cnrstore.core.changes import Change
     from cnrstore.core.maintenance import GCReport, StoreStats, VerifyReport
     from cnrstore.core.options import Options, OptionsMismatch
     from cnrstore.core.store import CheckpointStore
@@ -63,6 +64,7 @@ __all__ = [
     "SCHEMES",
     "Shard",
     "BadPath",
+    "Change",
     "CheckpointError",
     "CheckpointStore",
     "CollectiveMismatch",
@@ -99,6 +101,7 @@ __all__ = [
 # Public name -> the module that defines it; imported on first access. These modules
 # import torch, which costs a second or more: a command that only lists steps never pays it.
 _LAZY = {
+    "Change": "cnrstore.core.changes",
     "GCReport": "cnrstore.core.maintenance",
     "StoreStats": "cnrstore.core.maintenance",
     "VerifyReport": "cnrstore.core.maintenance",

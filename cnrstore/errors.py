@@ -96,6 +96,19 @@ class CheckpointError(Exception):
 
     exit_code: int = EXIT_PROBLEMS
 
+    def __reduce__(self):
+        # The subclasses' constructors take their own arguments (a step, a table), which
+        # pickle cannot call back with ``args``; rebuilt as they stand instead, so an error
+        # crosses a process boundary (DCP gathers every rank's error by pickling it).
+        return (_rebuilt, (type(self), self.args, self.__dict__))
+
+
+def _rebuilt(cls: type[BaseException], args: tuple, attrs: dict) -> BaseException:
+    exc = cls.__new__(cls)
+    BaseException.__init__(exc, *args)
+    exc.__dict__.update(attrs)
+    return exc
+
 
 class InvalidInput(CheckpointError, ValueError):
     """Bad arguments. Raised before anything is written; the store is left as it was."""

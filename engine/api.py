@@ -82,11 +82,33 @@ class GCReport:
 
 
 @dataclass(frozen=True)
+class RootRepair:
+    """What repair does with one root whose DAG is not intact (docs/FORMAT.md "Recovery
+    and repair"): ``action`` is "damaged" (kept at ``oid``: everything it reaches but
+    ``lost`` still reads), "rolled-back" (pointed at ``target``, an older one) or
+    "dropped"."""
+
+    name: str
+    oid: bytes                     # the target the packs' newest roots records name
+    action: str
+    target: bytes | None           # what the rebuilt index points the name at
+    reason: str
+    lost: tuple[bytes, ...] = ()   # objects it reaches that no pack holds intact
+    # (ref of the root's object, the lost objects reached through it), in ref order
+    branches: tuple[tuple[bytes, tuple[bytes, ...]], ...] = ()
+    # The root's object as the scan read it ("damaged" only): lets the layer above name
+    # its refs (cnrstore's table names).
+    node: Object | None = field(default=None, repr=False, compare=False)
+
+
+@dataclass(frozen=True)
 class RepairReport:
     packs_scanned: int
     objects_indexed: int
     roots_restored: int
     damaged: tuple[Problem, ...] = field(default_factory=tuple)
+    dry_run: bool = False          # True: the plan only, nothing was written
+    roots: tuple[RootRepair, ...] = ()  # the roots that are not intact, by name
 
 
 @dataclass(frozen=True)
@@ -268,8 +290,9 @@ class ObjectStore(abc.ABC):
         ``deep=True`` re-read and re-hash every reachable object."""
 
     @abc.abstractmethod
-    def repair(self) -> RepairReport:
-        """Rebuild the index (objects, packs, roots) from the packs alone."""
+    def repair(self, *, dry_run: bool = False) -> RepairReport:
+        """Rebuild the index (objects, packs, roots) from the packs alone; never drops a
+        root whose DAG still partly reads. ``dry_run``: only scan and report the plan."""
 
     @abc.abstractmethod
     def stats(self) -> Stats: ...

@@ -113,7 +113,7 @@ class StoreCore:
         """Read and check one record; None when its pack vanished (gc moved it: look up
         again in a fresh transaction)."""
         return read_checked(self.readers, oid, entry.pack, entry.offset, entry.length,
-                            entry.kind, self._dctx())
+                            entry.kind, self._dctx(), raw_len=entry.raw_len)
 
     def pack_missing(self, n: int) -> None:
         """A read found pack ``n`` gone (a gc moved its objects): drop its descriptor and,
@@ -191,6 +191,18 @@ class StoreCore:
             if self.closed:  # closed meanwhile (a hint runs on its own thread)
                 return
             self.readers.advise(pack, [(a, b - a) for a, b in runs])
+
+    def check(self, oid: bytes) -> None:
+        """``read``'s checks without keeping the payload (deep verify: a record that
+        expands to gigabytes is hashed as it streams, never held)."""
+        for _ in range(_READ_RETRIES):
+            entry = self.lookup(oid)
+            if read_checked(self.readers, oid, entry.pack, entry.offset, entry.length,
+                            entry.kind, self._dctx(), raw_len=entry.raw_len,
+                            keep=False) is not None:
+                return
+            self.pack_missing(entry.pack)
+        self.read(oid)  # its pack keeps vanishing: read's own error
 
     def read(self, oid: bytes, at: RecordLocation | None = None) -> Object:
         """The checked object ``oid``, looked up again when a gc moved it meanwhile
@@ -279,10 +291,14 @@ def _check_raw(oid: bytes, kind: int, entry: ix.ObjectEntry | RecordLocation,
 
 
 def read_checked(readers: PackReaders, oid: bytes, pack: int, offset: int, length: int,
-                 kind: int, dctx: zstandard.ZstdDecompressor) -> Object | None:
-    """Read the record of ``oid`` at (pack, offset, length) and check checksum, id and
-    kind: the one checked read of the store and of ranks reading by location
-    (engine/located.py). None when the pack file is gone (gc moved the record)."""
+                 kind: int, dctx: zstandard.ZstdDecompressor, *, raw_len: int | None = None,
+                 keep: bool = True) -> Object | None:
+    """Read the record of ``oid`` at (pack, offset, length) and check checksum, id, kind
+    and that its payload is the ``raw_len`` bytes its index entry says (before anything is
+    decompressed): the one checked read of the store and of ranks reading by location
+    (engine/located.py). None when the pack file is gone (gc moved the record).
+    ``keep=False`` (a deep verify): the payload is checked as it streams by and not kept;
+    the Object returned then has an empty payload."""
     name = pack_name(pack)
     try:
         data = readers.read(pack, offset, length)
@@ -298,7 +314,8 @@ def read_checked(readers: PackReaders, oid: bytes, pack: int, offset: int, lengt
         raise CorruptObject(f"object {hexid(oid)}: {exc}", oid=oid, pack=name,
                             offset=offset) from exc
     try:
-        rec = fmt.decode_record(data, 0, pack=name, dctx=dctx)
+        decode = fmt.decode_record if keep else fmt.check_payload
+        rec = decode(data, 0, pack=name, dctx=dctx, raw_len=raw_len)
     except CorruptObject as exc:
         raise CorruptObject(
             f"object {hexid(oid)} in pack {name} at offset {offset} is corrupt: {exc}",

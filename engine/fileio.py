@@ -43,11 +43,16 @@ def atomic_write(path: str | os.PathLike, data: bytes) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        write_all(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+        try:
+            write_all(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        # A full disk (or any failed write) leaves no half-written temporary file behind.
+        tmp.unlink(missing_ok=True)
+        raise
     fsync_dir(path.parent)
 
 

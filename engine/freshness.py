@@ -16,6 +16,7 @@ one behind. A head file alone would not do: it can be as stale as the index it s
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pathlib
 import shutil
@@ -24,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import format as fmt
 from . import index as ix
-from .errors import CorruptObject, StaleIndex, StoreLocked
+from .errors import CorruptObject, FormatError, StaleIndex, StoreLocked
 from .fileio import fsync_dir
 from .pack import list_pack_files, pack_name, pack_numbers, read_trailer
 
@@ -58,13 +59,57 @@ def open_index(store: StoreCore) -> RepairReport | None:
     Returns the report of the rebuild open had to do, if any; closes what it opened when
     it raises."""
     if store.readonly:
-        _open_readonly(store)
+        try:
+            _open_readonly(store)
+        except ix.UnknownIndexVersion as exc:
+            _refuse_newer(store, exc)
+            raise StaleIndex(f"store {store.path}: {exc}; every pack is of version "
+                             f"{fmt.FORMAT_VERSION}: open the store writable to rebuild "
+                             "the index from them") from None
+        except ix.DamagedIndex as exc:
+            _refuse_newer(store, exc)
+            raise
         return None
     try:
         return _open_writable(store, damaged=False)
-    except ix.DamagedIndex:
-        # LMDB itself found pages it cannot use: derived data, rebuilt from the packs.
-        return _open_writable(store, damaged=True)
+    except ix.UnknownIndexVersion as exc:
+        # A bit flip (1 -> 17) made a healthy store unopenable; a newer cnrstore's store
+        # shows in its packs. The index is derived data: rebuilt from packs we read.
+        _refuse_newer(store, exc)
+        why = f"{exc}; every pack is of version {fmt.FORMAT_VERSION}: index rebuilt from them"
+        return _reported(_open_writable(store, damaged=True), why)
+    except ix.DamagedIndex as exc:
+        # LMDB itself found pages it cannot use, or the meta values fail their checksum:
+        # derived data, rebuilt from the packs (unless they are a newer cnrstore's, which
+        # this code would take for damaged records).
+        _refuse_newer(store, exc)
+        return _reported(_open_writable(store, damaged=True), f"{exc}: index rebuilt")
+
+
+def _refuse_newer(store: StoreCore, exc: FormatError) -> None:
+    """Raise FormatError (upgrade cnrstore) when a pack of ``store`` is of a newer format
+    version than this code reads: then the index is a newer cnrstore's, not damaged, and
+    must not be rebuilt by this code (it would take the newer records for damage)."""
+    for n, path in sorted(list_pack_files(store.path).items()):
+        try:
+            with open(path, "rb") as f:
+                head = f.read(fmt.PACK_HEADER.size)
+        except OSError:
+            continue  # unreadable: proves nothing either way
+        if head[:4] == fmt.PACK_MAGIC and len(head) > 4 and head[4] > fmt.FORMAT_VERSION:
+            raise FormatError(f"{exc}, and pack {pack_name(n)} has format version "
+                              f"{head[4]}: upgrade cnrstore to open this store") from None
+
+
+def _reported(report: RepairReport | None, why: str) -> RepairReport:
+    """``report`` of an open's rebuild, saying why the old index was dropped (a bucket
+    cache rebuilds from its commits later, in attach: then no pack was scanned here)."""
+    from .api import Problem, RepairReport
+
+    problem = Problem("damaged-index", why)
+    if report is None:
+        return RepairReport(0, 0, 0, (problem,))
+    return dataclasses.replace(report, damaged=(problem, *report.damaged))
 
 
 def _open_writable(store: StoreCore, *, damaged: bool) -> RepairReport | None:
@@ -115,7 +160,7 @@ def _rebuild(store: StoreCore) -> RepairReport:
 
 def _bring_up_to_date(store: StoreCore, locked: bool) -> RepairReport | None:
     problem = stale_problem(store)
-    if problem is None and not store.index.legacy_entries:
+    if problem is None and not store.index.legacy_entries and not _legacy_meta(store):
         return None
     if not locked:
         deadline = time.monotonic() + _CATCH_UP_WAIT_S
@@ -147,10 +192,19 @@ def _bring_up_to_date(store: StoreCore, locked: bool) -> RepairReport | None:
             # checksummed entry to fail). Raising here left a store that could not even be
             # opened to repair it; rebuild from the packs, as for a stale index.
             report = _rebuild(store)
+        if _legacy_meta(store):  # an index from before the meta checksum (its version
+            # was checked at open): checksummed from now on
+            index = store.index
+            index.write(lambda t: ix.put_meta_checksum(t, index.meta))
     finally:
         if not locked:
             store.lock.release()
     return report
+
+
+def _legacy_meta(store: StoreCore) -> bool:
+    index = store.index
+    return index.read(lambda t: t.get(ix.META_META_SUM, db=index.meta) is None)
 
 
 def _open_readonly(store: StoreCore) -> None:

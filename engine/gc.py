@@ -4,9 +4,11 @@ Runs with the writer lock held. Each phase ends in a state a crash may leave beh
 
 1. mark: walk refs from every root through the index alone (payloads are never read);
 2. sweep: ONE transaction drops dead object entries and lowers their packs' live bytes;
-3. compact: live records of mostly-dead packs are copied verbatim (checksum checked) into
-   new packs, which are sealed and fsync'ed; ONE transaction moves their entries and drops
-   the old packs' entries (plus a fresh roots snapshot when the current one was in them);
+3. compact: live records of mostly-dead packs, and of small packs (merged, so that many
+   tiny puts end up in a few files), are copied verbatim (checksum checked) into new
+   packs (with the roots records of the chain packs among them, or a fresh snapshot
+   when a chain pack is dropped), which are sealed and fsync'ed; ONE transaction moves
+   their entries and drops the old packs' entries;
 4. delete: only now are the old pack files, and files no index entry lists (crash
    leftovers), unlinked. A reader whose older transaction still names a deleted pack gets
    FileNotFoundError, looks the object up again and finds its new place.
@@ -25,6 +27,7 @@ from . import index as ix
 from .api import GCReport, Problem, ProgressFn
 from .errors import ConcurrentCommit, CorruptObject, GCRefused
 from .fileio import store_error
+from .gcplan import Plan, plan_packs
 from .ids import ID_SIZE, hexid
 from .lease import leased
 from .pack import PackSet, pack_name
@@ -110,55 +113,21 @@ def sweep(index: ix.Index, live: dict[bytes, int], swept: list[bytes] | None = N
 
 
 @dataclass
-class _Plan:
-    rewrite: list[int] = field(default_factory=list)  # packs whose live records move
-    drop: list[int] = field(default_factory=list)     # packs with nothing live
-    meta: dict[int, bool] = field(default_factory=dict)
-    next_pack: int = 0
-    seq: int = 0
-    snapshot_pack: int = -1
-    chain: set[int] = field(default_factory=set)  # packs holding the current roots chain
-    chain_only: set[int] = field(default_factory=set)  # of those, packs holding nothing else
-    roots: dict[str, bytes] = field(default_factory=dict)
+class _Copied:
+    moves: dict[bytes, ix.ObjectEntry] = field(default_factory=dict)
+    chain: set[int] = field(default_factory=set)  # new packs holding copied chain records
+    snapshot_pack: int | None = None  # where the newest roots record went, if it moved
 
 
-def _plan(store: StoreCore, threshold: float, live_packs: set[int]) -> _Plan:
-    """Which packs to drop or rewrite. A pack that a live object lives in is never
-    dropped, whatever its (unchecksummed) counters say: at worst it is rewritten."""
+def _copy_live(store: StoreCore, plan: Plan, out: PackSet, unreadable: list[Problem],
+               *, copy_chain: bool) -> _Copied:
+    """Copy the live records of ``plan.rewrite`` into ``out`` and, with ``copy_chain``,
+    the roots records of its packs in the roots chain (so a merge of small packs needs
+    no fresh snapshot, whose higher sequence would make a gc killed before its commit
+    look like a lost commit). Packs that cannot be read cleanly are left in place (and
+    out of the plan), listed in ``unreadable``."""
     index = store.index
-
-    def read(txn: ix.Txn) -> _Plan:
-        plan = _Plan()
-        plan.next_pack = ix.get_u64(txn, index.meta, ix.META_NEXT_PACK)
-        plan.seq = ix.get_u64(txn, index.meta, ix.META_SEQ)
-        plan.snapshot_pack = ix.get_snapshot_pack(txn, index.meta)
-        plan.chain = set(ix.get_chain(txn, index.meta)[0])
-        plan.roots = {k.decode(): bytes(v) for k, v in txn.cursor(db=index.roots)}
-        for key, raw in txn.cursor(db=index.packs):
-            n, p = ix.unpack_pack_key(key), ix.PackEntry.decode(raw)
-            plan.meta[n] = p.meta
-            if p.count == 0 and n in live_packs:
-                plan.rewrite.append(n)
-            elif p.count == 0:
-                # Nothing live; a snapshot-only pack of the current roots chain stays,
-                # or every gc would replace it with an identical snapshot.
-                if p.total > 0 or n not in plan.chain:
-                    plan.drop.append(n)
-                else:
-                    plan.chain_only.add(n)
-            elif p.dead_fraction > threshold:
-                plan.rewrite.append(n)
-        return plan
-
-    return index.read(read)
-
-
-def _copy_live(store: StoreCore, plan: _Plan, out: PackSet,
-               unreadable: list[Problem]) -> dict[bytes, ix.ObjectEntry]:
-    """Copy the live records of ``plan.rewrite`` into ``out``; packs that cannot be read
-    cleanly are left in place (and out of the plan), listed in ``unreadable``."""
-    index = store.index
-    moves: dict[bytes, ix.ObjectEntry] = {}
+    copied = _Copied()
     kept = []
     for n in plan.rewrite:
         name = pack_name(n)
@@ -166,19 +135,23 @@ def _copy_live(store: StoreCore, plan: _Plan, out: PackSet,
             entries = store.storage.read_trailer(n)
             live = index.read(functools.partial(_live_entries, index=index, n=n,
                                                 entries=entries))
-            records = []
+            roots = [t for t in entries if t.rtype in fmt.ROOTS_RECORDS] if (
+                copy_chain and n in plan.chain) else []
+            spans = [(e.offset, e.length) for _, e in live]
+            spans += [(t.offset, t.length) for t in roots]
             # From a bucket, one GET of the pack beats one per live record.
-            whole = store.storage.read_all(n) if store.storage.remote and live else None
-            for oid, e in live:
+            whole = store.storage.read_all(n) if store.storage.remote and spans else None
+            datas = []
+            for offset, length in spans:
                 if whole is not None:
-                    data = whole[e.offset:e.offset + e.length]
-                    if len(data) != e.length:
+                    data = whole[offset:offset + length]
+                    if len(data) != length:
                         raise CorruptObject(f"pack {name} is shorter than its records",
-                                            pack=name, offset=e.offset)
+                                            pack=name, offset=offset)
                 else:
-                    data = store.readers.read(n, e.offset, e.length)
+                    data = store.readers.read(n, offset, length)
                 fmt.check_record(data, 0, pack=name)
-                records.append((oid, e, data))
+                datas.append(data)
         except CorruptObject as exc:
             unreadable.append(Problem("corrupt", f"gc left pack {name} in place: {exc}",
                                       oid=exc.oid, pack=name, offset=exc.offset))
@@ -187,12 +160,18 @@ def _copy_live(store: StoreCore, plan: _Plan, out: PackSet,
             unreadable.append(Problem("unreadable", f"gc left pack {name} in place: {exc}",
                                       pack=name))
             continue
-        for oid, e, data in records:
+        for (oid, e), data in zip(live, datas):
             pack, offset = out.append(data, fmt.RECORD_OBJECT, oid, meta=plan.meta[n])
-            moves[oid] = ix.ObjectEntry(pack, offset, e.length, e.kind, e.raw_len, e.meta, e.refs)
+            copied.moves[oid] = ix.ObjectEntry(pack, offset, e.length, e.kind, e.raw_len,
+                                               e.meta, e.refs)
+        for t, data in zip(roots, datas[len(live):]):
+            pack, _ = out.append(data, t.rtype, t.oid, meta=True)  # roots: meta packs only
+            copied.chain.add(pack)
+            if n == plan.snapshot_pack:
+                copied.snapshot_pack = pack
         kept.append(n)
     plan.rewrite = kept
-    return moves
+    return copied
 
 
 def _live_entries(txn: Any, index: ix.Index, n: int, entries: list[fmt.TrailerEntry]
@@ -226,25 +205,30 @@ def collect(store: StoreCore, *, threshold: float, progress: ProgressFn | None) 
     if progress:
         progress(1, 3)
 
-    plan = _plan(store, threshold, set(live.values()))
     # Packs of a distributed put in flight (a live lease, engine/lease.py): unlisted until
     # its commit adopts them, so neither dropped, rewritten nor deleted as leftovers.
     held = leased(store.path)
-    plan.rewrite = [n for n in plan.rewrite if n not in held]
-    plan.drop = [n for n in plan.drop if n not in held]
+    plan = plan_packs(store, threshold, set(live.values()), held)
     unreadable: list[Problem] = []
     out = PackSet(store.storage, plan.next_pack, store.options.pack_target_size)
     published = keep_uploaded = False
+    # Dropping any record of the current roots chain (full snapshot + deltas) would leave
+    # repair without it: a fresh full snapshot restarts the chain. Packs rewritten have
+    # their chain records copied instead; dropped ones are not even read.
+    fresh = bool(set(plan.drop) & plan.chain) or (not plan.chain and plan.seq > 0)
     try:
-        moves = _copy_live(store, plan, out, unreadable)
+        copied = _copy_live(store, plan, out, unreadable, copy_chain=not fresh)
+        moves = copied.moves
         # Packs live objects are in after the moves: never dropped nor deleted, whatever
         # the (unchecksummed) packs table says.
         in_use = {moves[o].pack if o in moves else n for o, n in live.items()}
         gone = (set(plan.rewrite) | set(plan.drop)) - in_use
         seq, snap, chain = plan.seq, plan.snapshot_pack, None
-        # Dropping any record of the current roots chain (full snapshot + deltas) would
-        # leave repair without it: a fresh full snapshot restarts the chain first.
-        if gone & plan.chain or (not plan.chain and plan.seq > 0):
+        if not fresh and copied.chain:  # the chain is whole, some of it in new packs
+            chain = ix.chain_value((plan.chain - gone) | copied.chain, *plan.chain_bytes)
+            if copied.snapshot_pack is not None:
+                snap = copied.snapshot_pack
+        if fresh:
             seq += 1
             payload = fmt.encode_snapshot(seq, plan.roots)
             sid = fmt.snapshot_id(payload)

@@ -29,20 +29,30 @@ from .errors import FormatError, StoreError
 from .indexmeta import (  # noqa: F401 - meta helpers, re-exported for index users
     I64,
     META_CHAIN,
+    META_META_SUM,
+    META_OPTIONS,
     META_ROOTS_SUM,
     META_SEQ,
     META_SNAPSHOT_PACK,
+    META_VERSION,
     U64,
     Txn,
     chain_value,
     get_chain,
     get_snapshot_pack,
     get_u64,
+    meta_problem,
+    put_meta_checksum,
     roots_digest,
     roots_problem,
     updated_digest,
 )
-from .lmdbcheck import CORRUPTION, DamagedIndex, data_file_problem  # noqa: F401
+from .lmdbcheck import (  # noqa: F401
+    CORRUPTION,
+    DamagedIndex,
+    UnknownIndexVersion,
+    data_file_problem,
+)
 
 T = TypeVar("T")
 
@@ -53,9 +63,7 @@ DB_META = b"meta"
 
 _REFRESH_S = 1.0  # how often readers look for an index directory swapped by repair
 
-META_VERSION = b"format_version"
 META_NEXT_PACK = b"next_pack"
-META_OPTIONS = b"options"
 META_ENTRY_SUMS = b"entry_checksums"  # u64 1: every object entry carries its checksum
 
 
@@ -203,10 +211,12 @@ class Index:
                 txn.put(META_OPTIONS, msgpack.packb(options), db=self.meta)
                 txn.put(META_ENTRY_SUMS, U64.pack(1), db=self.meta)
                 txn.put(META_ROOTS_SUM, roots_digest({}), db=self.meta)
+                put_meta_checksum(txn, self.meta)
                 return fmt.FORMAT_VERSION
             return U64.unpack(raw)[0] if len(raw) == U64.size else -1
 
-        has_version = self.read(lambda t: t.get(META_VERSION, db=self.meta))
+        has_version, problem = self.read(lambda t: (t.get(META_VERSION, db=self.meta),
+                                                    meta_problem(t, self.meta)))
         if has_version is None and self.readonly:
             version = fmt.FORMAT_VERSION  # an empty index: nothing to read, nothing to init
         elif has_version is None:
@@ -214,11 +224,15 @@ class Index:
         else:
             version = U64.unpack(has_version)[0] if len(has_version) == U64.size else -1
         if version != fmt.FORMAT_VERSION:
+            # A newer cnrstore's index, or a damaged one: only the packs can tell
+            # (freshness.open_index), the index's own checksum could be a newer scheme.
             self.close()
-            raise FormatError(
+            raise UnknownIndexVersion(
                 f"index {self.path} has format version {version}; this cnrstore reads "
-                f"version {fmt.FORMAT_VERSION} only (upgrade cnrstore, or repair from packs)"
-            )
+                f"version {fmt.FORMAT_VERSION} only", version=version)
+        if problem is not None:
+            self.close()
+            raise DamagedIndex(f"index {self.path}: {problem}")
         self.legacy_entries = self.read(
             lambda t: t.get(META_ENTRY_SUMS, db=self.meta)) != U64.pack(1)
 

@@ -1,10 +1,10 @@
 """Helpers for the index's ``meta`` database, used inside transactions (docs/FORMAT.md
-"Index"): counters, the roots chain, and the roots checksum."""
+"Index"): counters, the roots chain, the roots checksum and the meta checksum."""
 
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import lmdb
@@ -20,6 +20,13 @@ I64 = struct.Struct("<q")
 # ours are bytes (no transaction is opened with buffers=True), hence Any over the stubs.
 Txn = Any
 
+META_VERSION = b"format_version"
+META_OPTIONS = b"options"
+META_META_SUM = b"meta_checksum"  # u64 meta_digest of the values in META_SUMMED
+# The meta values written once, when an index is created: a flipped bit in the version
+# made a healthy store unopenable ("upgrade cnrstore"), one in the options silently
+# changed the tuning of every later open. Counters that every commit moves are not here.
+META_SUMMED = (META_VERSION, META_OPTIONS)
 META_SEQ = b"commit_seq"
 META_SNAPSHOT_PACK = b"snapshot_pack"
 META_CHAIN = b"roots_chain"  # msgpack [packs of the current roots chain, delta bytes, full]
@@ -91,3 +98,38 @@ def roots_problem(txn: lmdb.Transaction, index: Index) -> str | None:
 
 def chain_value(packs: Iterable[int], delta_bytes: int, full_bytes: int) -> bytes:
     return msgpack.packb([sorted(set(packs)), int(delta_bytes), int(full_bytes)])
+
+
+_ABSENT = U64.pack(_MASK)  # a summed key that is not there (no value is 2^64-1 bytes long)
+
+
+def meta_digest(values: Mapping[bytes, bytes | None]) -> bytes:
+    """Checksum of the META_SUMMED values (absent ones included as absent)."""
+    parts = []
+    for key in META_SUMMED:
+        value = values.get(key)
+        parts += [U64.pack(len(key)), key]
+        parts += [_ABSENT] if value is None else [U64.pack(len(value)), bytes(value)]
+    return U64.pack(xxhash.xxh3_64_intdigest(b"".join(parts)))
+
+
+def summed_values(txn: lmdb.Transaction, db: Any) -> dict[bytes, bytes | None]:
+    return {key: (None if (v := txn.get(key, db=db)) is None else bytes(v))
+            for key in META_SUMMED}
+
+
+def meta_problem(txn: lmdb.Transaction, db: Any) -> str | None:
+    """Why the META_SUMMED values cannot be trusted (they fail their checksum), or None.
+    An index without the checksum (from before it) is accepted: a writable open adds it."""
+    stored = txn.get(META_META_SUM, db=db)
+    if stored is None:
+        return None
+    if bytes(stored) != meta_digest(summed_values(txn, db)):
+        return "its format version or options fail their checksum (a damaged meta table)"
+    return None
+
+
+def put_meta_checksum(txn: lmdb.Transaction, db: Any) -> None:
+    """Checksum the META_SUMMED values as they are now (a new index, or one from before
+    the checksum, whose version was just checked)."""
+    txn.put(META_META_SUM, meta_digest(summed_values(txn, db)), db=db)

@@ -32,6 +32,16 @@ class DamagedIndex(FormatError):
     index must be rebuilt from the packs (a writable open does so by itself)."""
 
 
+class UnknownIndexVersion(FormatError):
+    """The index claims a format version this code does not read: a newer cnrstore's
+    index, or a damaged value. An open rebuilds it from the packs when every pack is of
+    a version this code reads (freshness.open_index), else says to upgrade."""
+
+    def __init__(self, message: str, *, version: int) -> None:
+        super().__init__(message)
+        self.version = version
+
+
 # What LMDB reports for pages it cannot make sense of (as opposed to resource errors).
 CORRUPTION = (lmdb.CorruptedError, lmdb.InvalidError, lmdb.PageNotFoundError,
               lmdb.BadTxnError, lmdb.PanicError, lmdb.VersionMismatchError,

@@ -68,7 +68,7 @@ class LocatedReader:
         if not isinstance(loc, RecordLocation):
             raise TypeError(f"expected a RecordLocation, got {type(loc).__name__}")
         obj = read_checked(self._readers, loc.oid, loc.pack, loc.offset, loc.length,
-                           loc.kind, self._dctx())
+                           loc.kind, self._dctx(), raw_len=loc.raw_len)
         if obj is None:
             self._readers.forget(loc.pack)
             raise PackMoved(f"object {hexid(loc.oid)}: pack {pack_name(loc.pack)} is gone "
@@ -149,7 +149,7 @@ class LocatedObjects(ObjectStore):
            progress: ProgressFn | None = None) -> GCReport:
         raise ReadOnly("gc() on located objects (a rank's read-only view)")
 
-    def repair(self) -> RepairReport:
+    def repair(self, *, dry_run: bool = False) -> RepairReport:
         raise ReadOnly("repair() on located objects (a rank's read-only view)")
 
     def verify(self, *, deep: bool = False, roots: Iterable[str] | None = None,

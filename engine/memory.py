@@ -143,9 +143,9 @@ class MemoryStore(ObjectStore):
                     problems.append(Problem("corrupt", f"object {hexid(oid)} corrupt", oid=oid))
         return VerifyReport(not problems, tuple(problems), len(live), nbytes)
 
-    def repair(self) -> RepairReport:
+    def repair(self, *, dry_run: bool = False) -> RepairReport:
         self._check_open()
-        return RepairReport(0, len(self._objects), len(self._roots))
+        return RepairReport(0, len(self._objects), len(self._roots), dry_run=dry_run)
 
     def stats(self) -> Stats:
         self._check_open()

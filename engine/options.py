@@ -105,10 +105,12 @@ def resolve(asked: Mapping[str, int | None], stored: Mapping[Any, Any] | None, *
 
 
 def read_stored(index: ix.Index) -> dict[Any, Any] | None:
-    """``meta.options`` of ``index``, or None when it is absent or not a msgpack map (it is
-    derived data: a damaged copy only loses the stored tuning defaults)."""
-    raw = index.read(lambda t: t.get(ix.META_OPTIONS, db=index.meta))
-    if raw is None:
+    """``meta.options`` of ``index``, or None when it is absent, fails the meta checksum or
+    is not a msgpack map (it is derived data: a damaged copy only loses the stored tuning
+    defaults)."""
+    raw, damaged = index.read(lambda t: (t.get(ix.META_OPTIONS, db=index.meta),
+                                         ix.meta_problem(t, index.meta)))
+    if raw is None or damaged:
         return None
     try:
         value = msgpack.unpackb(bytes(raw), raw=False, strict_map_key=False)

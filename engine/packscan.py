@@ -35,7 +35,7 @@ def read_trailer(path: pathlib.Path, *, name: str) -> list[fmt.TrailerEntry]:
 @dataclass(frozen=True)
 class ScannedRecord:
     offset: int
-    record: fmt.Record | None  # None when damaged
+    record: fmt.Record | None  # None when damaged; an object's payload is not kept (b"")
     error: CorruptObject | None
 
 
@@ -65,8 +65,10 @@ def scan_records(data: bytes, *, name: str, entries: list[fmt.TrailerEntry] | No
 
 def _decode_at(data: bytes, offset: int, name: str,
                dctx: zstandard.ZstdDecompressor | None) -> ScannedRecord:
+    # An object's payload is checked as it streams and not kept: repair indexes records
+    # by header and refs, and a crafted record of a few KB may expand to gigabytes.
     try:
-        return ScannedRecord(offset, fmt.decode_record(data, offset, pack=name, dctx=dctx),
+        return ScannedRecord(offset, fmt.check_payload(data, offset, pack=name, dctx=dctx),
                              None)
     except CorruptObject as exc:
         return ScannedRecord(offset, None, exc)

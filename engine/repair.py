@@ -1,10 +1,10 @@
 """Rebuild the index from the pack files alone (docs/FORMAT.md "Recovery and repair").
 
 Every pack is read by its trailer, or record by record when the trailer is missing or
-damaged; damaged records are skipped and reported. Roots come from the roots snapshot with
-the highest (sequence, pack, offset) whose DAGs are complete, so a snapshot of a commit a
-crash cut short can never bring back roots over missing objects. The new index is written
-beside the old one (``index.new``), synced, and swapped in by two renames that
+damaged; damaged records are skipped and reported (pack, offset, id). Which roots are kept
+and where they point is engine/repairroots.py: never is a root dropped whose DAG still
+partly reads. ``plan_at`` and ``rebuild(dry_run=True)`` stop after the plan. The new index
+is written beside the old one (``index.new``), synced, and swapped in by two renames that
 ``PackStore`` finishes on open should a crash fall between them.
 """
 
@@ -13,20 +13,24 @@ from __future__ import annotations
 import os
 import pathlib
 import shutil
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Container, Mapping
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
+
+import lmdb
+import xxhash
 
 from . import format as fmt
 from . import index as ix
-from .api import Problem, RepairReport
-from .errors import CorruptObject
+from .api import Object, Problem, RepairReport
+from .errors import CorruptObject, FormatError, NotSupported
 from .fileio import fsync_dir, store_error
-from .ids import hexid
+from .ids import ID_SIZE
 from .lease import live_ranges
 from .options import read_stored
 from .pack import list_pack_files, pack_name, read_trailer, scan_records
-from .walk import Via, walk
+from .repairroots import ChosenRoots, Snapshot, choose_roots
+from .storage import PackStorage
 
 if TYPE_CHECKING:
     from .core import StoreCore
@@ -36,17 +40,19 @@ if TYPE_CHECKING:
 class _Found:
     objects: dict[bytes, ix.ObjectEntry]
     packs: dict[int, ix.PackEntry]
-    snapshots: list[tuple[int, int, int, fmt.RootsRecord, int]]  # seq, pack, offset, rec, size
+    snapshots: list[Snapshot]
     damaged: list[Problem]
 
 
-def _scan(store: StoreCore) -> tuple[_Found, int]:
+def _scan(source: _Source, exclude: Container[int] = ()) -> tuple[_Found, int]:
     found = _Found({}, {}, [], [])
-    files = list_pack_files(store.path)
-    for n, path in sorted(files.items()):
+    files = source.numbers()
+    for n in files:
+        if n in exclude:
+            continue
         name = pack_name(n)
         try:
-            data = path.read_bytes()
+            data = source.read_all(n)
         except OSError as exc:
             raise store_error(f"cannot read pack {name}", exc) from exc
         try:
@@ -56,7 +62,7 @@ def _scan(store: StoreCore) -> tuple[_Found, int]:
             meta = None  # its records may still be intact: scan them all the same
             found.damaged.append(Problem("corrupt-pack", str(exc), pack=name, offset=0))
         try:
-            entries = read_trailer(path, name=name)
+            entries = source.trailer(n)
         except CorruptObject as exc:
             entries = None  # unsealed crash leftover or damaged trailer: scan sequentially
             found.damaged.append(Problem("damaged-trailer", str(exc), pack=name,
@@ -64,13 +70,20 @@ def _scan(store: StoreCore) -> tuple[_Found, int]:
         except OSError as exc:
             raise store_error(f"cannot read pack {name}", exc) from exc
         objects = []
+        listed = {e.offset: e.oid for e in entries or ()}  # ids even of damaged records
         for scanned in scan_records(data, name=name, entries=entries):
             rec = scanned.record
+            if rec is None and (rec := _salvage(data, scanned.offset, name)) is not None:
+                found.damaged.append(Problem(
+                    "bad-checksum", f"pack {name} offset {scanned.offset}: the record's "
+                    "checksum field is damaged but its content hashes to its id; indexed",
+                    pack=name, oid=rec.header.oid, offset=scanned.offset))
             if rec is None:
                 err = scanned.error
-                found.damaged.append(Problem("corrupt", str(err), pack=name,
-                                             oid=err.oid if err is not None else None,
-                                             offset=scanned.offset))
+                oid = err.oid if err is not None and err.oid else listed.get(scanned.offset)
+                found.damaged.append(Problem(
+                    "corrupt", f"{err}; record skipped, not indexed", pack=name, oid=oid,
+                    offset=scanned.offset))
             elif rec.header.rtype in fmt.ROOTS_RECORDS:
                 _add_snapshot(found, rec, n, name, scanned.offset)
             else:
@@ -91,6 +104,58 @@ def _scan(store: StoreCore) -> tuple[_Found, int]:
     return found, max(files, default=-1) + 1
 
 
+class _Source:
+    """Where a repair reads packs: the files of a store directory (or of a shared
+    directory's packs/), or a bucket's objects through its PackStorage."""
+
+    def __init__(self, where: pathlib.Path | PackStorage) -> None:
+        self._storage = where if isinstance(where, PackStorage) else None
+        self._files = list_pack_files(where) if isinstance(where, pathlib.Path) else {}
+
+    def numbers(self) -> list[int]:
+        if self._storage is None:
+            return sorted(self._files)
+        try:
+            return sorted(self._storage.sizes())
+        except OSError as exc:
+            raise store_error(f"cannot list the packs of {self._storage.describe()}",
+                              exc) from exc
+
+    def read_all(self, n: int) -> bytes:
+        if self._storage is None:
+            return self._files[n].read_bytes()
+        return self._storage.read_all(n)
+
+    def trailer(self, n: int) -> list[fmt.TrailerEntry]:
+        if self._storage is None:
+            return read_trailer(self._files[n], name=pack_name(n))
+        return self._storage.read_trailer(n)
+
+    def read(self, n: int, offset: int, length: int) -> bytes:
+        if self._storage is None:
+            with open(self._files[n], "rb") as f:
+                f.seek(offset)
+                return f.read(length)
+        return self._storage.read(n, offset, length)
+
+
+def _salvage(data: bytes, offset: int, name: str) -> fmt.Record | None:
+    """The record at ``offset`` if only its checksum field is damaged: everything else it
+    holds is proven by its id (readers that re-hash the id read it the same way)."""
+    try:
+        h = fmt.RecordHeader.unpack(data, offset, pack=name)
+        if offset + h.length > len(data):
+            return None
+        raw = bytearray(data[offset:offset + h.length])
+        body = memoryview(raw)[:-fmt.CHECKSUM.size]
+        fmt.CHECKSUM.pack_into(raw, len(raw) - fmt.CHECKSUM.size,
+                               xxhash.xxh3_64_intdigest(body))
+        body.release()
+        return fmt.decode_record(bytes(raw), 0, pack=name)
+    except CorruptObject:
+        return None
+
+
 def _add_snapshot(found: _Found, rec: fmt.Record, n: int, name: str, offset: int) -> None:
     try:
         roots = fmt.decode_roots_record(rec.payload, rec.header.rtype, pack=name, offset=offset)
@@ -100,110 +165,135 @@ def _add_snapshot(found: _Found, rec: fmt.Record, n: int, name: str, offset: int
     found.snapshots.append((roots.seq, n, offset, roots, len(rec.payload)))
 
 
-def _complete(objects: dict[bytes, ix.ObjectEntry], roots: dict[str, bytes]) -> bool:
-    """Whether every object the roots reach was found in the packs."""
+@dataclass(frozen=True)
+class _OldMeta:
+    """What the index being replaced still says. ``seq`` is None when it cannot say which
+    commits were published (damaged, or empty: a lost index, rebuilt at open); ``roots``
+    None unless they pass their checksum."""
 
-    def refs_of(oid: bytes, via: Via) -> tuple[bytes, ...] | None:
-        entry = objects.get(oid)
-        if entry is None:
-            raise _Incomplete
-        return entry.refs
+    next_pack: int = 0
+    seq: int | None = None
+    roots: dict[str, bytes] | None = None
+    packs: frozenset[int] = frozenset()  # the packs it lists
 
+
+def _read_old(txn: Any, meta: Any, packs: Any, roots_db: Any) -> _OldMeta:
+    nxt = ix.get_u64(txn, meta, ix.META_NEXT_PACK)
+    if not txn.stat(packs)["entries"]:
+        return _OldMeta(nxt)
+    seq = ix.get_u64(txn, meta, ix.META_SEQ)
+    listed = frozenset(ix.unpack_pack_key(bytes(k)) for k, _ in txn.cursor(db=packs))
+    raw = {bytes(k): bytes(v) for k, v in txn.cursor(db=roots_db)}
+    stored = txn.get(ix.META_ROOTS_SUM, db=meta)
+    roots = None
+    if stored is not None and ix.roots_digest(raw) == bytes(stored) and all(
+            len(v) == ID_SIZE for v in raw.values()):
+        try:
+            roots = {k.decode("utf-8"): v for k, v in raw.items()}
+        except UnicodeDecodeError:
+            roots = None
+    return _OldMeta(nxt, seq, roots, listed)
+
+
+def _old_meta(index: ix.Index) -> _OldMeta:
     try:
-        walk(((oid, name) for name, oid in roots.items()), refs_of)
-    except _Incomplete:
-        return False
-    return True
+        return index.read(lambda t: _read_old(t, index.meta, index.packs, index.roots))
+    except Exception:  # the old index may be the damaged thing we are replacing
+        return _OldMeta()
 
 
-class _Incomplete(Exception):
-    """Stops ``_complete``'s walk at the first missing object."""
+def _old_meta_at(path: pathlib.Path) -> _OldMeta:
+    """``_old_meta`` of the index of a store not open, read without writing a byte (no
+    lock file: a dry run changes nothing) and only when plain reads find it sound."""
+    data = path / "index" / "data.mdb"
+    if not data.exists() or ix.data_file_problem(data) is not None:
+        return _OldMeta()
+    try:
+        env = lmdb.open(os.fspath(path / "index"), readonly=True, lock=False, subdir=True,
+                        max_dbs=4, readahead=False, map_size=max(data.stat().st_size, 1))
+    except Exception:
+        return _OldMeta()
+    try:
+        with env.begin() as t:
+            dbs = (env.open_db(name, txn=t) for name in (ix.DB_META, ix.DB_PACKS, ix.DB_ROOTS))
+            return _read_old(t, *dbs)
+    except Exception:
+        return _OldMeta()
+    finally:
+        env.close()
 
 
 @dataclass
-class _Roots:
-    max_seq: int = 0
-    newest_pack: int = -1
-    roots: dict[str, bytes] = field(default_factory=dict)
-    chain: list[int] = field(default_factory=list)  # [] demands a full snapshot next
-    delta_bytes: int = 0
-    full_bytes: int = 0
+class _Plan:
+    found: _Found
+    next_pack: int
+    chosen: ChosenRoots
+    old: _OldMeta
+
+    def report(self, *, dry_run: bool) -> RepairReport:
+        return RepairReport(len(self.found.packs), len(self.found.objects),
+                            len(self.chosen.roots), tuple(self.found.damaged),
+                            dry_run=dry_run, roots=tuple(self.chosen.repairs))
 
 
-def _choose_roots(found: _Found) -> _Roots:
-    """Replay the newest full snapshot and the deltas after it.
-
-    Of records sharing a sequence (a dead writer's and the next commit's) the one with the
-    highest (pack, offset) wins. A name whose DAG is incomplete falls back to its newest
-    older target whose DAG is complete (reported as "root-rolled-back"), or is dropped
-    ("dangling-root"); other roots are never held back by one damaged root. A gap in the
-    delta chain is reported ("roots-gap") and the later deltas still apply."""
-    by_seq: dict[int, tuple] = {}
-    for snap in found.snapshots:
-        if snap[0] not in by_seq or snap[1:3] > by_seq[snap[0]][1:3]:
-            by_seq[snap[0]] = snap
-    ordered = [by_seq[k] for k in sorted(by_seq)]
-    if not ordered:
-        return _Roots()
-    out = _Roots(max_seq=ordered[-1][0], newest_pack=ordered[-1][1])
-    history: dict[str, list[bytes]] = {}  # every target each name had, oldest first
-    for _, _, _, rec, _ in ordered:
-        for name, oid in rec.roots.items():
-            history.setdefault(name, []).append(oid)
-    start = max((i for i, s in enumerate(ordered) if s[3].full), default=None)
-    state: dict[str, bytes] = {}
-    regular = start is not None
-    prev = ordered[start][0] - 1 if start is not None else None
-    for seq, n, offset, rec, size in ordered[start or 0:]:
-        if prev is not None and seq != prev + 1:
-            regular = False
-            found.damaged.append(Problem(
-                "roots-gap", f"roots records {prev + 1}..{seq - 1} are missing or damaged; "
-                "later ones applied regardless", pack=pack_name(n), offset=offset))
-        prev = seq
-        state = rec.apply(state)
-        out.chain.append(n)
-        out.delta_bytes += 0 if rec.full else size
-        out.full_bytes = size if rec.full else out.full_bytes
-    newest_offset = ordered[-1][2]
-    for name, oid in sorted(state.items()):
-        if _complete(found.objects, {name: oid}):
-            out.roots[name] = oid
-            continue
-        regular = False
-        older = next((o for o in reversed(history.get(name, [])) if o != oid
-                      and _complete(found.objects, {name: o})), None)
-        if older is not None:
-            out.roots[name] = older
-            what, tail = "root-rolled-back", f"restored to its older target {hexid(older)}"
-        else:
-            what, tail = "dangling-root", "dropped"
+def _plan(where: pathlib.Path | PackStorage, old: _OldMeta,
+          exclude: Container[int] = ()) -> _Plan:
+    source = _Source(where)
+    found, next_pack = _scan(source, exclude)
+    for n in sorted(old.packs - found.packs.keys()):
         found.damaged.append(Problem(
-            what, f"root {name!r} -> {hexid(oid)} reaches missing objects; {tail}",
-            oid=oid, pack=pack_name(out.newest_pack), offset=newest_offset))
-    if not regular:  # the packs' chain does not say what the index now holds
-        out.chain, out.delta_bytes = [], 0
-    return out
+            "missing-pack", f"pack {pack_name(n)} is listed by the index but its file is "
+            "gone: the objects it held are lost", pack=pack_name(n)))
+    chosen = choose_roots(found.snapshots, found.objects, found.damaged, old.seq, old.roots)
+    for i, r in enumerate(chosen.repairs):  # the layer above names what a root lost
+        if r.action == "damaged":
+            chosen.repairs[i] = replace(r, node=_read_found(source, found.objects[r.oid],
+                                                            r.oid))
+    return _Plan(found, next_pack, chosen, old)
 
 
-def rebuild(store: StoreCore) -> RepairReport:
+def _read_found(source: _Source, entry: ix.ObjectEntry, oid: bytes) -> Object | None:
+    try:
+        raw = source.read(entry.pack, entry.offset, entry.length)
+        rec = fmt.decode_record(raw, 0, pack=pack_name(entry.pack))
+    except (OSError, KeyError, CorruptObject):
+        return None
+    return Object(rec.header.kind, rec.refs, rec.payload) if rec.header.oid == oid else None
+
+
+def plan_at(path: str | os.PathLike) -> RepairReport:
+    """What ``repair`` of the store at ``path`` would do, without opening its index for
+    writing or writing anything (``cnrstore repair --dry-run``)."""
+    p = pathlib.Path(path).absolute()
+    if not (p / "packs").is_dir():
+        raise FormatError(f"no store at {p} (it has no packs/ directory)")
+    return _plan(p, _old_meta_at(p)).report(dry_run=True)
+
+
+def rebuild(store: StoreCore, *, dry_run: bool = False, from_packs: bool = False,
+            exclude: Container[int] = (),
+            extra_meta: Mapping[bytes, bytes] | None = None) -> RepairReport:
     """Called by ``PackStore.repair`` with the writer lock held.
 
     The new index is written into a fresh environment beside the old one, which is never
     trusted nor written (it may be the damage being repaired), and swapped in; other
     processes notice the swap (``Index.refresh_if_replaced``) before their next writer,
-    gc or repair and within a second on reads."""
-    if store.remote is not None:  # a bucket store: the commit documents are the truth
+    gc or repair and within a second on reads. A bucket or shared-directory store rebuilds
+    from its commit documents (engine/storage/remote.py), which calls back here with
+    ``from_packs`` when they are damaged: its packs are read through its storage, those in
+    ``exclude`` skipped, and ``extra_meta`` written into the new index with the rest."""
+    if store.remote is not None and not from_packs:  # the commit documents are the truth
+        if dry_run:
+            raise NotSupported("repair(dry_run=True) of a bucket or shared-directory store: "
+                               "its index cache rebuilds from the commit documents")
         return store.remote.rebuild(store)
-    found, next_pack = _scan(store)
-    chosen = _choose_roots(found)
+    plan = _plan(store.storage if from_packs else store.path, _old_meta(store.index),
+                 exclude)
+    if dry_run:
+        return plan.report(dry_run=True)
+    found, next_pack, chosen = plan.found, plan.next_pack, plan.chosen
     seq, snap_pack, roots = chosen.max_seq, chosen.newest_pack, chosen.roots
-    old = store.index
-    try:
-        old_next = old.read(lambda t: ix.get_u64(t, old.meta, ix.META_NEXT_PACK))
-        old_seq = old.read(lambda t: ix.get_u64(t, old.meta, ix.META_SEQ))
-    except Exception:  # the old index may be the damaged thing we are replacing
-        old_next = old_seq = 0
+    old_next, old_seq = plan.old.next_pack, plan.old.seq or 0
     meta = {
         ix.META_VERSION: ix.U64.pack(fmt.FORMAT_VERSION),
         # Past live leases too: their ranks may not have created every reserved pack yet.
@@ -214,6 +304,7 @@ def rebuild(store: StoreCore) -> RepairReport:
         ix.META_CHAIN: ix.chain_value(chosen.chain, chosen.delta_bytes, chosen.full_bytes),
         ix.META_ENTRY_SUMS: ix.U64.pack(1),
         ix.META_ROOTS_SUM: ix.roots_digest(roots),
+        **(extra_meta or {}),
     }
 
     def fill(index: ix.Index, txn: Any, *, drop: bool) -> None:
@@ -234,8 +325,7 @@ def rebuild(store: StoreCore) -> RepairReport:
     rebuild_beside(store, lambda new, txn: fill(new, txn, drop=False))
     store.index.legacy_entries = False
     store.readers.close()
-    return RepairReport(len(found.packs), len(found.objects), len(roots),
-                        tuple(found.damaged))
+    return plan.report(dry_run=False)
 
 
 def rebuild_beside(store: StoreCore, fill: Callable[[ix.Index, Any], None]) -> None:

@@ -339,13 +339,15 @@ class PackStore(DirectReads, ObjectStore):
             return VerifyReport(False, (Problem("unreadable-index", str(exc)),), 0, 0)
 
     @_translated
-    def repair(self) -> RepairReport:
+    def repair(self, *, dry_run: bool = False) -> RepairReport:
         from .repair import rebuild
 
         self._check_open()
+        if dry_run and self.readonly:  # only reads: a read-only handle may plan
+            return rebuild(self._core, dry_run=True)
         self._check_writable("repair()")
         with self._locked(None):
-            return rebuild(self._core)
+            return rebuild(self._core, dry_run=dry_run)
 
     @contextlib.contextmanager
     def _locked(self, timeout: float | None) -> Iterator[None]:

@@ -145,7 +145,7 @@ def _listed(store: StoreCore) -> set[int]:
 
 def _deep_check(store: StoreCore, oid: bytes) -> Problem | None:
     try:
-        store.read(oid)
+        store.check(oid)
     except CorruptObject as exc:
         return Problem("corrupt", str(exc), oid=oid, pack=exc.pack, offset=exc.offset)
     except ObjectNotFound:

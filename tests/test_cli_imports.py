@@ -64,6 +64,7 @@ def test_help_imports_neither_torch_nor_numpy():
     ("ls", []), ("show", ["2"]), ("show", ["3"]), ("du", []), ("diff", ["1", "2"]),
     ("verify", ["--shallow"]), ("verify", []), ("verify", ["--step", "2"]),
     ("show", ["99"]),  # an error path too
+    ("gc", ["--dry-run"]), ("gc", ["--keep-last", "1", "--dry-run"]), ("show", ["latest"]),
 ])
 def test_read_only_commands_do_not_import_torch(store, command, rest):
     code, modules = _modules(command, str(store), *rest, "--json")

@@ -42,6 +42,9 @@ def test_demo_kills_resumes_and_matches_the_uninterrupted_run(tmp_path):
     assert all(0 < int(rows.replace(",", "")) <= total for rows in table.values()), text
     assert "(bit-identical)" in text
     assert "full torch.save of the same state" in text
+    # A serving copy followed every kept step by changes only, across the kill.
+    assert re.search(r"serving copy: followed steps \[0, 10, (20, )?30\] by changes only: "
+                     r".* identical to the store at every step", text), text
     # gc kept the two newest steps; the store is left for inspection.
     assert "-> [20, 30]" in text
     with cnrstore.open(store) as s:

@@ -9,8 +9,8 @@ traceback instead.
 Start-up is part of the interface: ``--help`` imports no more than argparse and the error
 classes, and the read-only commands (ls, show, du, diff, verify) open the engine store
 directly and never import torch (tests/test_cli_imports.py; figures in docs/PERFORMANCE.md).
-Only the commands that put or get tables (import, export, gc, rm, rollback, demo) load
-the store API.
+``gc --dry-run`` is one of them. Only the commands that put or get tables (import,
+export, gc, rm, rollback, demo) load the store API.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 from cnrstore.cli.locate import (
     CACHE_ENV,
     cache_dir_of,
+    gc_grace_of,
     is_shared,
     is_url,
     open_objects,
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
 
 __all__ = ["build_parser", "main"]
 
+LATEST = "latest"  # a STEP argument naming the store's highest step
 
 
 def _common(*, suppress: bool) -> argparse.ArgumentParser:
@@ -69,6 +71,16 @@ def _step(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"a step is a non-negative integer, got {text!r}")
     return value
+
+
+def _step_or_latest(text: str) -> int | str:
+    if text == LATEST:
+        return LATEST
+    try:
+        return _step(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"a step is a non-negative integer or {LATEST}, got {text!r}") from None
 
 
 def _count(text: str) -> int:
@@ -102,10 +114,10 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
 
     add("ls", "list the kept steps with their sizes")
     p = add("show", "show the tables of one step")
-    p.add_argument("step", type=_step, metavar="STEP")
+    p.add_argument("step", type=_step_or_latest, metavar="STEP", help="a step, or latest")
     p = add("diff", "which tables, blocks and rows differ between two steps")
-    p.add_argument("a", type=_step, metavar="A")
-    p.add_argument("b", type=_step, metavar="B")
+    p.add_argument("a", type=_step_or_latest, metavar="A", help="a step, or latest")
+    p.add_argument("b", type=_step_or_latest, metavar="B", help="a step, or latest")
     p.add_argument("--no-rows", action="store_true",
                    help="stop at blocks: do not decode changed blocks to find rows")
     p.add_argument("--max-rows", type=int, default=20, metavar="N",
@@ -117,9 +129,13 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
                             "(the default, as in Python's verify())")
     depth.add_argument("--shallow", action="store_true",
                        help="check only the structure: no payload re-hash or block decoding")
-    p.add_argument("--step", type=_step, action="append", dest="steps", metavar="S",
-                   help="check only this step (repeatable)")
-    add("repair", "rebuild the index from the pack files")
+    p.add_argument("--step", type=_step_or_latest, action="append", dest="steps",
+                   metavar="S", help="check only this step, or latest (repeatable)")
+    p = add("repair", "rebuild the index from the pack files, keeping every step that "
+                      "still partly reads (prints its plan first)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="only scan the packs and say what repair would keep, roll back or "
+                        "drop; change nothing")
     p = add("gc", "drop old steps and reclaim their bytes")
     p.add_argument("--keep-last", type=_count, metavar="N",
                    help="keep the newest N steps")
@@ -133,11 +149,12 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     p.add_argument("step", type=_step, metavar="STEP")
     add("du", "logical vs stored bytes, dedup and compression, per table")
     p = add("export", "write one step's tables to a .safetensors file")
-    p.add_argument("step", type=_step, metavar="STEP")
+    p.add_argument("step", type=_step_or_latest, metavar="STEP", help="a step, or latest")
     p.add_argument("path", metavar="OUT.safetensors")
     p.add_argument("--table", action="append", dest="names", metavar="NAME",
                    help="export only this table (repeatable)")
-    p.add_argument("--force", action="store_true", help="overwrite an existing file")
+    p.add_argument("--force", action="store_true",
+                   help="replace an existing regular file (never a device, FIFO or folder)")
     p = add("import", "store the tensors of a .safetensors file as a new step")
     p.add_argument("step", type=_step, metavar="STEP")
     p.add_argument("path", metavar="IN.safetensors")
@@ -145,10 +162,56 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
                    help="scheme of table NAME, or without NAME of every floating-point "
                    "table (integer tables stay exact); repeatable. Default: the schemes "
                    "the file was exported with, else exact")
+    _add_changes(sub, common)
     p = add("demo", "run the demo: a small DLRM trained with checkpoints, killed, resumed")
     if argv is None or "demo" in argv:
         _add_demo_arguments(p)
     return parser
+
+
+def _add_changes(sub, common: argparse.ArgumentParser) -> None:
+    help_ = ("write the changes from step A to step B to a .safetensors file a serving "
+             "job can read, or (--apply) replay such a file onto a replica file")
+    p = sub.add_parser("changes", parents=[common], help=help_, description=help_,
+                       usage="cnrstore changes STORE A B --out FILE.safetensors "
+                             "[--table NAME ...] [--strict] [--force]\n"
+                             "       cnrstore changes --apply FILE.safetensors "
+                             "--to REPLICA.safetensors")
+    p.add_argument("store", nargs="?", metavar="STORE",
+                   help="path of the store directory, or s3://bucket/prefix")
+    p.add_argument("a", nargs="?", type=_step, metavar="A")
+    p.add_argument("b", nargs="?", type=_step, metavar="B")
+    p.add_argument("--out", metavar="FILE.safetensors", help="the changes file to write")
+    p.add_argument("--table", action="append", dest="names", metavar="NAME",
+                   help="only this table (repeatable)")
+    p.add_argument("--strict", action="store_true",
+                   help="also read the older blocks it takes to leave out rows written "
+                        "back to their value")
+    p.add_argument("--force", action="store_true", help="overwrite an existing --out file")
+    p.add_argument("--apply", metavar="FILE.safetensors",
+                   help="replay this changes file onto --to")
+    p.add_argument("--to", metavar="REPLICA.safetensors",
+                   help="a safetensors file of step A's tables (cnrstore export), "
+                        "rewritten as step B")
+
+
+def _changes(args: argparse.Namespace) -> int:
+    from cnrstore.tools import changefile
+
+    if args.apply is not None:
+        if args.to is None or args.store is not None or args.out is not None:
+            raise UsageError("changes --apply FILE takes --to REPLICA and no STORE A B or --out")
+        result = changefile.apply_file(args.apply, args.to)
+    else:
+        if args.b is None or args.out is None or args.to is not None:
+            raise UsageError("changes: give STORE A B --out FILE.safetensors "
+                             "(or --apply FILE --to REPLICA)")
+        with open_store(args.store, readonly=True, cache_dir=cache_dir_of(args)) as store:
+            result = changefile.write_changes(store, args.a, args.b, args.out,
+                                              names=args.names, overwrite=args.force,
+                                              strict=args.strict)
+    _emit(args, result, result.text())
+    return EXIT_OK
 
 
 def _add_demo_arguments(parser: argparse.ArgumentParser) -> None:
@@ -163,8 +226,25 @@ def _add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     torchrec_demo.add_arguments(parser)
 
 
-# Commands served by cnrstore.tools on the engine store alone (no torch).
+# Commands served by cnrstore.tools on the engine store alone (no torch); so is gc --dry-run.
 _VIEW_COMMANDS = frozenset({"ls", "show", "diff", "du", "verify"})
+
+
+def _is_view(args: argparse.Namespace) -> bool:
+    return args.command in _VIEW_COMMANDS or (args.command == "gc" and args.dry_run)
+
+
+def _resolve(objects: ObjectStore, step: int | str) -> int:
+    """A STEP argument as a step: ``latest`` is the store's highest step."""
+    if step != LATEST:
+        return int(step)
+    from cnrstore.errors import NotFound
+    from cnrstore.format.manifest import list_steps
+
+    steps = list_steps(objects)
+    if not steps:
+        raise NotFound("the store holds no steps, so there is no latest step")
+    return steps[-1]
 
 
 def _progress(args: argparse.Namespace, label: str) -> Progress:
@@ -197,20 +277,42 @@ def _run(args: argparse.Namespace) -> int:
         from cnrstore.demo import driver as demo
 
         return int(demo.main(args) or 0)
+    if cmd == "changes":
+        return _changes(args)
     if cmd == "repair":
         from cnrstore.tools import info
 
-        if is_url(args.store) or is_shared(args.store) or args.cache_dir:
-            raise UsageError(f"{args.store}: repair rebuilds a directory store's index; "
-                             "the index cache of a store on S3 or a shared directory "
-                             "rebuilds itself on open (give it an empty --cache-dir)")
+        cache_dir = cache_dir_of(args)
+        if is_url(args.store) or is_shared(args.store) or cache_dir:
+            # Its index cache, rebuilt from the commit documents (or the packs when one is
+            # damaged, named in the report).
+            if args.dry_run:
+                raise UsageError(f"{args.store}: --dry-run is for directory stores")
+            require_store(args.store, cache_dir)
+            report = info.repair(args.store, cache_dir=cache_dir)
+            _emit(args, report, fmt.repair_text(report))
+            return EXIT_PROBLEMS if report.damaged else EXIT_OK
         require_store(args.store)
-        report = info.repair(args.store)
-        _emit(args, report, fmt.repair_text(report))
+
+        def say_plan(plan) -> None:  # before anything is written
+            if not args.json:
+                sys.stdout.write(fmt.repair_plan_text(plan) + "\n")
+                sys.stdout.flush()
+
+        report = info.repair(args.store, dry_run=args.dry_run, on_plan=say_plan)
+        if args.dry_run:
+            if args.json:
+                _emit(args, report, "")
+        else:
+            _emit(args, report, fmt.repair_text(report))
         return EXIT_PROBLEMS if report.damaged else EXIT_OK
-    if cmd in _VIEW_COMMANDS:
+    if _is_view(args):
         with open_objects(args.store, cache_dir_of(args)) as objects:
             return _view(args, objects)
+    if cmd == "export":  # before opening the store: a bad target is said at once
+        from cnrstore.tools.transfer import export_target
+
+        export_target(args.path, overwrite=args.force, flag="--force")
     with open_store(args.store, create=cmd == "import", readonly=cmd == "export",
                cache_dir=cache_dir_of(args)) as store:
         return _change(args, store)
@@ -226,20 +328,30 @@ def _view(args: argparse.Namespace, objects: ObjectStore) -> int:
         with _progress(args, "ls") as bar:
             steps = info.list_steps(objects, progress=bar)
         _emit(args, steps, fmt.steps_text(steps))
+        damaged = [s.step for s in steps if s.problem is not None]
+        if damaged:
+            print(f"cnrstore ls: {fmt.plural(len(damaged), 'step')} cannot be read "
+                  f"({', '.join(map(str, damaged))}); `cnrstore verify {args.store}` lists "
+                  "what is damaged", file=sys.stderr)
+            return EXIT_PROBLEMS
     elif cmd == "show":
-        detail = info.show_step(objects, args.step)
+        detail = info.show_step(objects, _resolve(objects, args.step))
         _emit(args, detail, fmt.step_text(detail))
     elif cmd == "diff":
-        diff = info.diff_steps(objects, args.a, args.b, rows=not args.no_rows)
+        diff = info.diff_steps(objects, _resolve(objects, args.a), _resolve(objects, args.b),
+                               rows=not args.no_rows)
         _emit(args, diff, fmt.diff_text(diff, max_rows=args.max_rows))
+    elif cmd == "gc":  # --dry-run: the plan reads the index and manifests only
+        plan = info.gc_plan(objects, keep_last=args.keep_last, keep=args.keep)
+        _emit(args, plan, fmt.gc_plan_text(plan))
     elif cmd == "du":
         with _progress(args, "du") as bar:
             usage = info.disk_usage(objects, progress=bar)
         _emit(args, usage, fmt.usage_text(usage))
     elif cmd == "verify":
+        chosen = None if args.steps is None else [_resolve(objects, s) for s in args.steps]
         with _progress(args, "verify") as bar:
-            report = info.verify(objects, deep=not args.shallow, steps=args.steps,
-                                 progress=bar)
+            report = info.verify(objects, deep=not args.shallow, steps=chosen, progress=bar)
         _emit(args, report, fmt.verify_text(report))
         return EXIT_OK if report.ok else EXIT_PROBLEMS
     return EXIT_OK
@@ -253,12 +365,9 @@ def _change(args: argparse.Namespace, store: CheckpointStore) -> int:
     cmd = args.command
     if cmd == "gc":
         # Neither --keep-last nor --keep: drop no step, reclaim only unreachable bytes.
-        if args.dry_run:
-            plan = info.gc_plan(store, keep_last=args.keep_last, keep=args.keep)
-            _emit(args, plan, fmt.gc_plan_text(plan))
-        else:
-            result = info.collect(store, keep_last=args.keep_last, keep=args.keep)
-            _emit(args, result, fmt.gc_text(result))
+        done = info.collect(store, keep_last=args.keep_last, keep=args.keep,
+                            grace_s=gc_grace_of(args.store))
+        _emit(args, done, fmt.gc_text(done))
     elif cmd in ("rm", "rollback"):
         if cmd == "rm":
             deleted = store.delete_steps(args.steps)
@@ -269,7 +378,8 @@ def _change(args: argparse.Namespace, store: CheckpointStore) -> int:
               f"deleted steps: {steps}\n(`cnrstore gc {args.store}` reclaims their bytes)")
     elif cmd == "export":
         with _progress(args, "export") as bar:
-            result = transfer.export_step(store, args.step, args.path, names=args.names,
+            result = transfer.export_step(store, _resolve(store.objects, args.step),
+                                          args.path, names=args.names,
                                           overwrite=args.force, progress=bar)
         _emit(args, result, fmt.transfer_text(result))
     elif cmd == "import":

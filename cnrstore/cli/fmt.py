@@ -33,7 +33,16 @@ def size(n: int | float | None) -> str:
 
 
 def plural(n: int, word: str) -> str:
+    """'1 object', '2 objects': every count the CLI prints goes through here."""
     return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def duration(seconds: float) -> str:
+    """A grace period as people say it: '6 h', '90 min', '30 s'."""
+    for unit, span in (("h", 3600), ("min", 60)):
+        if seconds >= span and seconds % span == 0:
+            return f"{int(seconds // span)} {unit}"
+    return f"{seconds:g} s"
 
 
 def ratio(x: float | None) -> str:
@@ -88,10 +97,16 @@ def jsonable(value):
 def steps_text(steps) -> str:
     if not steps:
         return "no steps"
-    rows = [(s.step, when(s.time), s.tables, size(s.logical_bytes), size(s.stored_bytes),
-             size(s.new_bytes)) for s in steps]
-    return table(("STEP", "TIME (UTC)", "TABLES", "LOGICAL", "STORED", "NEW"), rows,
-                 right=(0, 2, 3, 4, 5))
+    rows: list[tuple[object, ...]] = [
+        (s.step, when(s.time), "-" if s.tables is None else s.tables,
+         size(s.logical_bytes), size(s.stored_bytes), size(s.new_bytes),
+         "" if s.problem is None else f"DAMAGED: {s.problem}") for s in steps]
+    headers: tuple[str, ...] = ("STEP", "TIME (UTC)", "TABLES", "LOGICAL", "STORED", "NEW")
+    if any(s.problem for s in steps):
+        headers += ("PROBLEM",)
+    else:
+        rows = [r[:-1] for r in rows]
+    return table(headers, rows, right=(0, 2, 3, 4, 5))
 
 
 def step_text(d) -> str:
@@ -150,7 +165,7 @@ def ranges_text(ranges: Sequence[Sequence[int]], *, limit: int) -> str:
     total = sum(b - a for a, b in ranges)
     for a, b in ranges:
         if shown >= limit:
-            parts.append(f"... ({total} rows in all)")
+            parts.append(f"... ({plural(total, 'row')} in all)")
             break
         parts.append(str(a) if b == a + 1 else f"{a}-{b - 1}")
         shown += b - a
@@ -159,7 +174,8 @@ def ranges_text(ranges: Sequence[Sequence[int]], *, limit: int) -> str:
 
 def usage_text(u) -> str:
     lines = [
-        f"steps {u.steps}, objects {u.objects}, unreachable objects {u.garbage_objects}",
+        f"{plural(u.steps, 'step')}, {plural(u.objects, 'object')}, "
+        f"{u.garbage_objects} unreachable (gc reclaims them)",
         f"logical    {size(u.logical_bytes):>11}   tables as dense tensors, all kept steps",
         f"referenced {size(u.referenced_bytes):>11}   encoded bytes each step reaches "
         f"(encoding {ratio(u.encoding_ratio)})",
@@ -182,8 +198,8 @@ def usage_text(u) -> str:
 
 def verify_text(r, *, limit: int = 20) -> str:
     head = (f"{'ok' if r.ok else 'PROBLEMS FOUND'}: {plural(r.steps_checked, 'step')}, "
-            f"{r.objects_checked} objects ({size(r.bytes_checked)}) checked, "
-            f"{r.blocks_decoded} blocks decoded")
+            f"{plural(r.objects_checked, 'object')} ({size(r.bytes_checked)}) checked, "
+            f"{plural(r.blocks_decoded, 'block')} decoded")
     lines = [head]
     for p in r.problems[:limit]:
         oid = bytes(p.oid).hex() if p.oid else ""
@@ -197,29 +213,75 @@ def verify_text(r, *, limit: int = 20) -> str:
     return "\n".join(lines)
 
 
-def repair_text(r) -> str:
-    lines = [f"index rebuilt: {r.packs_scanned} packs scanned, {r.objects_indexed} objects "
-             f"indexed, {r.roots_restored} roots restored"]
-    for p in r.damaged:
-        lines.append(f"  damaged: {p.what}: {p.message}")
+_ROOT_PROBLEMS = ("damaged-root", "root-rolled-back", "dangling-root")
+
+
+def repair_plan_text(r, *, limit: int = 20) -> str:
+    """What repair will do (or, ``r.dry_run``, would do): the damage its scan found in the
+    packs, then each step or root that is not intact and what becomes of it."""
+    head = "repair plan (dry run: nothing is changed)" if r.dry_run else "repair plan"
+    lines = [f"{head}: {plural(r.packs_scanned, 'pack')} scanned, "
+             f"{plural(r.objects_indexed, 'intact object')}"]
+    found = [p for p in r.damaged if p.what not in _ROOT_PROBLEMS]
+    for p in found[:limit]:
+        where = f" [object {p.oid.hex()}]" if p.oid and p.oid.hex() not in p.message else ""
+        lines.append(f"  damaged: {p.what}: {p.message}{where}")
+    if len(found) > limit:
+        lines.append(f"  ... and {len(found) - limit} more (--json lists them all)")
+    verb = {"damaged": "would keep", "rolled-back": "would roll back",
+            "dropped": "would drop"} if r.dry_run else {
+        "damaged": "keeps", "rolled-back": "rolls back", "dropped": "drops"}
+    for d in r.roots[:limit]:
+        who = f"step {d.step}" if d.step is not None else f"root {d.root!r}"
+        lost = plural(len(d.lost), "lost object")
+        if d.action == "damaged":
+            tables = ", ".join(repr(t) for t in d.tables)
+            what = (f"tables {tables} raise CorruptData ({lost}), every other table reads"
+                    if tables else f"{lost}; everything else it reaches reads")
+            lines.append(f"  {who}: {verb['damaged']} it: {what}")
+        else:
+            lines.append(f"  {who}: {verb[d.action]}: {d.reason} ({lost})")
+    if len(r.roots) > limit:
+        lines.append(f"  ... and {len(r.roots) - limit} more (--json lists them all)")
+    dropped = sum(d.action == "dropped" for d in r.roots)
+    damaged = sum(d.action == "damaged" for d in r.roots)
+    lines.append(f"  {'would keep' if r.dry_run else 'keeps'} "
+                 f"{plural(r.roots_restored, 'root')} ({damaged} damaged), "
+                 f"{'would drop' if r.dry_run else 'drops'} {dropped}")
     return "\n".join(lines)
+
+
+def repair_text(r) -> str:
+    damaged = sum(d.action == "damaged" for d in r.roots)
+    dropped = sum(d.action == "dropped" for d in r.roots)
+    skipped = sum(p.what == "corrupt" for p in r.damaged)
+    return (f"index rebuilt: {plural(r.packs_scanned, 'pack')} scanned, "
+            f"{plural(r.objects_indexed, 'object')} indexed, "
+            f"{plural(r.roots_restored, 'root')} restored ({damaged} damaged, {dropped} "
+            f"dropped); {plural(skipped, 'damaged record')} skipped")
 
 
 def gc_plan_text(p) -> str:
     drop = ", ".join(map(str, p.drop)) or "none"
     keep = ", ".join(map(str, p.keep)) or "none"
     return (f"dry run: would drop steps {drop}; keep {keep}\n"
-            f"would free {p.objects_freed} objects ({size(p.bytes_freed)} of records) plus "
-            f"{p.garbage_objects} objects already unreachable")
+            f"would free {plural(p.objects_freed, 'object')} ({size(p.bytes_freed)} of "
+            f"records) plus {plural(p.garbage_objects, 'object')} already unreachable")
 
 
 def gc_text(r) -> str:
     dropped = ", ".join(map(str, r.steps_deleted)) or "none"
     kept = ", ".join(map(str, r.steps_kept)) or "none"
-    return (f"dropped steps {dropped}; kept {kept}\n"
-            f"freed {r.objects_freed} objects, {size(r.bytes_freed)} on disk; "
-            f"{r.packs_rewritten} packs rewritten, {r.packs_deleted} deleted; "
-            f"{r.objects_live} objects live")
+    text = (f"dropped steps {dropped}; kept {kept}\n"
+            f"freed {plural(r.objects_freed, 'object')}, {size(r.bytes_freed)} on disk; "
+            f"{plural(r.packs_rewritten, 'pack')} rewritten, {r.packs_deleted} deleted; "
+            f"{plural(r.objects_live, 'object')} live")
+    if getattr(r, "packs_held", 0):
+        text += (f"\n{plural(r.packs_held, 'pack')} ({size(r.bytes_held)}) no longer "
+                 f"needed stay for the gc grace period (gc_grace_s, {duration(r.grace_s)} "
+                 "after this gc) so readers of the old index can finish: a gc run after "
+                 "that frees them")
+    return text
 
 
 def transfer_text(r) -> str:

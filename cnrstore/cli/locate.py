@@ -12,8 +12,8 @@ import os
 
 from cnrstore.errors import UsageError
 
-__all__ = ["CACHE_ENV", "cache_dir_of", "is_shared", "is_url", "open_objects", "open_store",
-           "require_store"]
+__all__ = ["CACHE_ENV", "cache_dir_of", "gc_grace_of", "is_shared", "is_url", "open_objects",
+           "open_store", "require_store"]
 
 # The index cache of a store on S3 or on a shared directory, when --cache-dir is not given.
 CACHE_ENV = "CNRSTORE_CACHE_DIR"
@@ -52,10 +52,24 @@ def require_store(path: str, cache_dir: str | None = None) -> None:
                          f"directory for its index) or ${CACHE_ENV}")
     if is_url(path):
         return
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise UsageError(f"no store at {path!r}: it is a file, not a store directory")
     if not os.path.isdir(path):
         raise UsageError(f"no store at {path!r} (directory not found)")
     if not any(os.path.exists(os.path.join(path, d)) for d in ("index", "packs")):
         raise UsageError(f"no store at {path!r} (no index/ or packs/ inside)")
+
+
+def gc_grace_of(path: str) -> float | None:
+    """The gc grace period of the store at ``path`` as the command opens it (with no
+    storage_options: the engine's default), None for a directory store (no grace)."""
+    if is_url(path):
+        from engine.storage.s3 import TUNING
+    elif is_shared(path):
+        from engine.storage.shared import TUNING
+    else:
+        return None
+    return float(TUNING["gc_grace_s"])
 
 
 def _stale(exc: BaseException) -> bool:

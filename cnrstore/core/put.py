@@ -24,7 +24,7 @@ from cnrstore.core.validate import (
 )
 from cnrstore.core.writer import BaseGone, StepInfo, write_step
 from cnrstore.errors import StepExists, StepOrderError, WriteFailed
-from cnrstore.format.manifest import list_steps, root_name
+from cnrstore.format.manifest import check_step_fits, list_steps, root_name
 
 __all__ = ["put"]
 
@@ -39,6 +39,7 @@ def put(core: StoreCore, step: int, tables: Mapping, *, quant: Any, metadata: Ma
     opt = core.options
     schemes = resolve_quant(quant, tables, expected_restores=opt.expected_restores)
     meta_doc = pack_metadata(metadata)
+    check_step_fits(step, list(tables), meta_doc, state)  # docs/MANIFEST.md "Memory caps"
     rows_touched = check_touched(touched, tables)
     with core.lock:
         core.check_open()

@@ -21,10 +21,16 @@ from cnrstore.codec.quantize import decode_rows
 from cnrstore.core.prefault import Prefault
 from cnrstore.core.readahead import Readahead, Started, table_blocks
 from cnrstore.core.tablestate import DeferredBase, parse_dtype
-from cnrstore.errors import CheckpointError, InvalidInput, InvalidType, ManifestError
+from cnrstore.errors import (
+    CheckpointError,
+    CorruptData,
+    InvalidInput,
+    InvalidType,
+    ManifestError,
+)
 from cnrstore.format.blocks import resolve
 from cnrstore.format.manifest import TableManifest
-from engine import Object, ObjectStore, StoreClosed, StoreError
+from engine import CorruptObject, Object, ObjectNotFound, ObjectStore, StoreClosed, StoreError
 
 __all__ = ["block_span", "check_slice", "new_output", "row_range", "read_table", "read_tables",
            "read_codes", "read_into", "run_all", "seed_later", "table_hints"]
@@ -73,10 +79,22 @@ def _block_codes(
 ) -> np.ndarray:
     node = tm.node
     oid = tm.block_ids[i]
-    reads = _chain_reads(objects, oid)
-    get, get_into = reads if reads is not None else (objects.get, objects.get_into)
-    codes = resolve(get, oid, out=out, get_into=get_into)
     start, stop = node.block_range(i)
+    reads = _chain_reads(objects, oid)
+    get, get_into, info = (reads if reads is not None
+                           else (objects.get, objects.get_into, objects.info))
+    try:
+        # The chain's sizes are checked in the index against the block's rows first: a
+        # crafted record that zstd expands to a gigabyte is refused before it is read.
+        codes = resolve(get, oid, out=out, get_into=get_into, info=info,
+                        shape=(stop - start, node.row_nbytes))
+    except (CorruptObject, ObjectNotFound, CorruptData) as exc:
+        # Name the table and block: after a repair that kept a damaged step, this is how
+        # a user learns which table lost what (the type stays, for the callers' checks).
+        if exc.args and isinstance(exc.args[0], str) and not exc.args[0].startswith("table "):
+            exc.args = (f"table {node.name!r} block {i} (rows {start}..{stop - 1}): "
+                        f"{exc.args[0]}", *exc.args[1:])
+        raise
     if codes.shape != (stop - start, node.row_nbytes):
         raise ManifestError(
             f"table {node.name!r} block {i} holds {codes.shape} codes, expected "
@@ -107,8 +125,8 @@ def _codes_buffer(node, i: int) -> np.ndarray | None:
     return buf[:want].reshape(stop - start, node.row_nbytes)
 
 
-def _chain_reads(objects: ObjectStore, oid: bytes) -> tuple[Callable, Callable] | None:
-    """(get, get_into) reading block ``oid`` and its patch chain at the locations one
+def _chain_reads(objects: ObjectStore, oid: bytes) -> tuple[Callable, Callable, Callable] | None:
+    """(get, get_into, info) reading block ``oid`` and its patch chain at the locations one
     ``locate_closure`` (one read transaction) found when the block's read starts: a
     block and its ~3 patches otherwise cost an index lookup each. None where the store
     cannot locate (then the reads look up as before). Located per block, not per table:
@@ -133,7 +151,11 @@ def _chain_reads(objects: ObjectStore, oid: bytes) -> tuple[Callable, Callable] 
         return objects.get_into_at(loc, kind, prefix, out, id_check=id_check,
                                    fallback=fallback)
 
-    return get, get_into
+    def info(oid: bytes) -> Any:
+        loc = found.get(oid)
+        return objects.info(oid) if loc is None else loc
+
+    return get, get_into, info
 
 
 def run_all(pool: Executor, fn: Callable[[Any], None], items: Iterable[Any]) -> None:

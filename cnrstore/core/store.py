@@ -10,10 +10,11 @@ lineage.py and verify.py, which receive that core, never this class's private fi
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+from cnrstore.core import changes as step_changes
 from cnrstore.core import lineage, maintenance, statestore
 from cnrstore.core.handle import StoreCore
 from cnrstore.core.lifetime import close_at_exit, forget
@@ -151,6 +152,22 @@ class CheckpointStore:
         filled (a fresh Adam's ``"state": {}``): it comes back filled, with fresh CPU
         tensors, so ``opt.load_state_dict(result["optim"])`` resumes the optimizer."""
         return statestore.load_state(self._core, step, state, strict=strict)
+
+    @translating
+    def changes(self, a: int, b: int, names: Iterable[str] | None = None, *,
+                rows: Mapping[str, slice] | None = None, strict: bool = False
+                ) -> Iterator[step_changes.Change]:
+        """The changes that turn step ``a``'s tables into step ``b``'s: ``cnrstore.Change``
+        objects, per table the rows whose stored codes differ with their values as
+        ``get_tables(b)`` returns them, and the tables added, dropped or reshaped (``a``
+        may be later than ``b``: a rollback). Reads only what differs between the two
+        DAGs, about a block at a time. ``names`` picks tables, ``rows`` maps a table to
+        a contiguous slice of its rows in ``b``. A row written between the steps whose
+        codes are unchanged (written back, or a lossy value that kept its codes) may be
+        yielded too, unless ``strict`` reads the older blocks it takes to rule it out.
+        Checked at once (StepNotFound, TableNotFound), read as iterated (docs/GUIDE.md,
+        "Publishing changes")."""
+        return step_changes.changes(self._core, a, b, names=names, rows=rows, strict=strict)
 
     @translating
     def metadata(self, step: int | None = None) -> dict:

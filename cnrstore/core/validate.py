@@ -13,6 +13,7 @@ import torch
 from cnrstore.codec.layout import DTYPES, dtype_name
 from cnrstore.core.quantspec import resolve_quant  # noqa: F401 - re-exported: patterns live there
 from cnrstore.errors import InvalidInput, InvalidType
+from cnrstore.format.manifest import KIND_STEP, MAX_NDIM, check_node_size
 
 __all__ = [
     "check_step", "check_name", "check_device", "check_table", "check_tables",
@@ -74,6 +75,9 @@ def check_table(name: str, value) -> None:
                            "tensors are unsupported; store a dense tensor (.to_dense())")
     if value.ndim < 1:
         raise InvalidInput(f"table {name!r} has ndim 0; a table needs rows (ndim >= 1)")
+    if value.ndim > MAX_NDIM:
+        raise InvalidInput(f"table {name!r} has {value.ndim} dims; a table node holds "
+                           f"at most {MAX_NDIM}")
     if dtype_name(value.dtype) not in DTYPES:
         raise InvalidInput(f"table {name!r}: dtype {value.dtype} cannot be stored")
     if value.is_meta:
@@ -127,11 +131,15 @@ def pack_metadata(metadata) -> dict:
         raise InvalidType(f"metadata must be a mapping, got {type(metadata).__name__}")
     doc = dict(metadata)
     try:
-        msgpack.packb(doc, use_bin_type=True)
+        packed = msgpack.packb(doc, use_bin_type=True)
     except (TypeError, ValueError, OverflowError, RecursionError) as exc:
         # msgpack's C packer stops at 512 levels (ValueError); RecursionError is the
         # pure-Python packer's (MSGPACK_PUREPYTHON) answer to the same nesting
         raise InvalidInput(f"metadata is not msgpack-serializable: {exc}") from exc
+    try:  # the step node's caps (docs/MANIFEST.md, "Memory caps"), refused before writing
+        check_node_size(KIND_STEP, packed, 0)
+    except ValueError as exc:
+        raise InvalidInput(f"metadata: {exc}") from None
     return doc
 
 

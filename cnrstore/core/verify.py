@@ -102,9 +102,11 @@ def _check_blocks(objects: ObjectStore, manifests: list[tuple[int, StepManifest]
                 if progress is not None and (done % 64 == 0 or done == total):
                     progress(done, total)
                 where = f"step {step} table {name!r} block {i} ({oid.hex()})"
+                start, stop = tm.node.block_range(i)
                 if oid not in shapes:
                     try:
-                        shapes[oid] = resolve(objects.get, oid).shape
+                        shapes[oid] = resolve(objects.get, oid, info=objects.info,
+                                              shape=(stop - start, tm.node.row_nbytes)).shape
                     except (CheckpointError, StoreError) as exc:
                         shapes[oid] = None
                         if not _still_there(objects, step):
@@ -113,7 +115,6 @@ def _check_blocks(objects: ObjectStore, manifests: list[tuple[int, StepManifest]
                                                     f"{type(exc).__name__}: {exc}", oid=oid,
                                                     step=step, table=name, block=i))
                         continue
-                start, stop = tm.node.block_range(i)
                 shape, want = shapes[oid], (stop - start, tm.node.row_nbytes)
                 if shape is not None and shape != want:
                     problems.append(StepProblem("bad-block", f"{where}: holds {shape} codes, "

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from cnrstore.demo import serving
 from cnrstore.demo.dlrm import (
     DLRMConfig,
     SyntheticCTR,
@@ -63,6 +64,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="torch.optim.Adagrad (default) or row-wise Adagrad")
     parser.add_argument("--device", default="cpu",
                         help="where the model trains: cpu (default) or cuda")
+    parser.add_argument("--publish-every", type=int, default=1, metavar="N",
+                        help="publish every N-th kept step to a serving copy by "
+                        "store.changes and check it against the store (default 1; 0: no "
+                        "serving copy)")
     parser.add_argument("--quiet", action="store_true", help="print only the final table")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
 
@@ -82,6 +87,8 @@ def _check(args: argparse.Namespace) -> None:
         raise _Failed("--every must be >= 1")
     if not args.scale > 0:
         raise _Failed("--scale must be > 0")
+    if getattr(args, "publish_every", 0) < 0:
+        raise _Failed("--publish-every must be >= 0")
     if args.device not in ("cpu", "cuda") and not args.device.startswith("cuda:"):
         raise _Failed(f"--device must be cpu or cuda[:N]; got {args.device!r}")
     if args.device != "cpu" and not torch.cuda.is_available():
@@ -320,6 +327,11 @@ def _drive(args: argparse.Namespace) -> int:
     ref = _reference(args, _bar("reference", args.steps, show))
     floor = teacher_floor(SyntheticCTR(_config(args)).eval_batches(EVAL_BATCHES))
     with cnrstore.open(args.store) as store:
+        # A serving job that follows the trainer by changes only (cnrstore/demo/serving.py),
+        # across the kill and the resume.
+        served = serving.follow(store, every=args.publish_every) if args.publish_every else None
+        if served is not None and not served.identical:
+            raise _Failed(served.line(), code=1)
         before = disk_bytes(args.store)
         n_steps = len(store.steps())
         store.gc(keep_last=2)
@@ -327,6 +339,8 @@ def _drive(args: argparse.Namespace) -> int:
         kept = store.steps()
     gc_line = (f"gc(keep_last=2): {n_steps} steps -> {kept}, "
                f"disk {_mb(before).strip()} -> {_mb(after).strip()}")
+    if served is not None:
+        gc_line = f"{served.line()}\n{gc_line}"
     print(_report(args, run1, run2, ref, gc_line, floor, after))
     return 0
 

@@ -6,11 +6,13 @@ each rank then decodes with core/restore.py. Every rank returns, or every rank r
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 
+from cnrstore.codec.layout import dtype_name
 from cnrstore.core.restore import check_slice, read_into, read_table, read_tables, row_range
 from cnrstore.core.validate import check_destination, check_device, check_step
 from cnrstore.distributed import transfer
@@ -191,7 +193,15 @@ def _out_spec(name: str, t: Any) -> Any:
 def fill_dest(ds: DistributedStore, objects: Any, tm: Any, ranges: Ranges, dest: Any) -> None:
     if isinstance(dest, Shard):
         if dest.local.shape[0]:
-            t, _, _ = read_table(objects, tm, ds.pool, rows=slice(dest.row_offset, dest.row_end))
-            dest.local.detach().copy_(t.view(dest.local.shape))
+            local = dest.local.detach()
+            rows = slice(dest.row_offset, dest.row_end)
+            if (local.is_contiguous() and local.device.type == "cpu"
+                    and dtype_name(local.dtype) == tm.node.dtype):
+                # decoded in place (read_table fills rows x width): no second copy
+                read_table(objects, tm, ds.pool, rows=rows,
+                           into=local.view(local.shape[0], math.prod(local.shape[1:])))
+            else:
+                t, _, _ = read_table(objects, tm, ds.pool, rows=rows)
+                local.copy_(t.view(local.shape))
         return
     read_into(objects, tm, ds.pool, dest.detach())

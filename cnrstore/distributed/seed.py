@@ -85,7 +85,8 @@ def build(objects: Any, got: Any, *, b0: int, b1: int, shape: tuple[int, ...],
     for i in range(b0, end):
         start, stop = node.block_range(i)
         try:
-            block = resolve(objects.get, ids[i])
+            block = resolve(objects.get, ids[i], info=objects.info,
+                            shape=(stop - start, node.row_nbytes))
             if block.shape != (stop - start, node.row_nbytes):
                 raise CheckpointError("block of the wrong shape")
             codes[start - lo:stop - lo] = block

@@ -244,6 +244,16 @@ class DistributedStore:
         return transfer.again(self, lambda: statestore.load_state(self, step, state, strict=strict))
 
     @translating
+    def changes(self, a: int, b: int, names: Iterable[str] | None = None, *,
+                rows: Mapping[str, slice] | None = None, strict: bool = False) -> Any:
+        """Collective ``changes`` (CheckpointStore.changes): every rank asks for its own
+        ``names`` and ``rows`` (e.g. the range it serves) of the same two steps, and reads
+        them itself; all of a rank's changes are read before the call returns."""
+        from cnrstore.distributed import changes as dchanges
+
+        return dchanges.changes(self, a, b, names, rows=rows, strict=strict)
+
+    @translating
     def metadata(self, step: int | None = None) -> dict:
         return self.coordinated("metadata", lambda s: s.metadata(step))
 

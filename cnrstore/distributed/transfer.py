@@ -172,6 +172,16 @@ class _Inline:
             raise CorruptData(f"object {oid.hex()} arrived damaged", oid=oid)
         return Object(kind, tuple(refs), payload)
 
+    def info(self, oid: bytes) -> engine.ObjectInfo:
+        """What the sizes of a block chain are checked by before it is decoded
+        (blocks.plan_chain), from the objects as sent."""
+        from cnrstore.errors import MissingObject
+
+        if oid not in self._objs:
+            raise MissingObject(f"object {oid.hex()} was not sent to this rank", oid=oid)
+        kind, refs, payload = self._objs[oid]
+        return engine.ObjectInfo(kind, tuple(refs), len(payload), len(payload), False)
+
 
 class Readers:
     """One ``LocatedReader`` over the store's pack storage, kept open across reads."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -36,6 +37,9 @@ __all__ = [
     "read_header",
     "resolve",
     "plane_width",
+    "plan_chain",
+    "full_nbytes",
+    "patch_max_nbytes",
 ]
 
 # Engine object kinds of blocks (docs/MANIFEST.md, "Object kinds"); manifest.py re-exports
@@ -48,6 +52,8 @@ _PLANE_WIDTHS = (1, 2, 4, 8)
 _FULL = struct.Struct("<4sBBHII")
 _PATCH = struct.Struct("<4sBBHIII")
 _FULL_MAGIC = b"CNRB"
+# Deepest patch chain a reader follows (writers keep chains to max_chain, 16 by default).
+MAX_CHAIN = 1 << 16
 _PATCH_MAGIC = b"CNRP"
 
 
@@ -145,6 +151,50 @@ def patch_nbytes(nrows: int, nchanged: int, row_nbytes: int) -> int:
     return _PATCH.size + nchanged * (_index_dtype(nrows).itemsize + row_nbytes)
 
 
+def full_nbytes(nrows: int, row_nbytes: int) -> int:
+    """Payload size of a full block of ``nrows`` rows: exactly this, never more."""
+    return _FULL.size + nrows * row_nbytes
+
+
+def patch_max_nbytes(nrows: int, row_nbytes: int) -> int:
+    """The largest patch of a block of ``nrows`` rows (one replacing every row); a chain's
+    patches together take no more (writers keep them within ``nrows * row_nbytes``)."""
+    return patch_nbytes(nrows, nrows, row_nbytes)
+
+
+def plan_chain(info: Callable[[bytes], Any], oid: bytes, nrows: int, row_nbytes: int, *,
+               max_depth: int = MAX_CHAIN) -> None:
+    """Check block ``oid``'s chain from the index alone before any of it is read:
+    ``info(oid)`` gives (at least) ``kind``, ``refs`` and ``raw_len`` (an ObjectInfo or a
+    RecordLocation). Each patch at most ``patch_max_nbytes``, all of them together too,
+    the full block at the bottom exactly ``full_nbytes`` of the rows the table gives this
+    block (docs/MANIFEST.md, "Memory caps"); ManifestError naming the object otherwise. The
+    engine refuses a record whose header claims another length than its index entry, so
+    nothing larger than planned is ever decompressed."""
+    patch_max, total, cur = patch_max_nbytes(nrows, row_nbytes), 0, oid
+    for _ in range(max_depth + 1):
+        got = info(cur)
+        if got.kind == KIND_BLOCK_FULL:
+            want = full_nbytes(nrows, row_nbytes)
+            if got.raw_len != want:
+                raise ManifestError(
+                    f"full block {cur.hex()} has a {got.raw_len}-byte payload; {nrows} rows "
+                    f"of {row_nbytes} bytes take {want}", oid=cur)
+            return
+        if got.kind != KIND_BLOCK_PATCH or len(got.refs) != 1:
+            raise ManifestError(f"object {cur.hex()} of kind {got.kind} is not a block",
+                                oid=cur)
+        total += got.raw_len
+        if total > patch_max:
+            raise ManifestError(
+                f"patch {cur.hex()} brings the patches of block {oid.hex()} to {total} "
+                f"bytes; patches of {nrows} rows of {row_nbytes} bytes take at most "
+                f"{patch_max}", oid=cur)
+        cur = got.refs[0]
+    raise ManifestError(f"patch chain of block {oid.hex()} is deeper than {max_depth} "
+                        "(cycle?)", oid=oid)
+
+
 def read_header(obj: Object, oid: bytes | None = None) -> BlockHeader:
     """Parse and check a block's header (cheap; used by verify and inspection tools)."""
     p = obj.payload
@@ -235,14 +285,20 @@ def resolve(
     get: Callable[[bytes], Object],
     oid: bytes,
     *,
-    max_depth: int = 1 << 16,
+    max_depth: int = MAX_CHAIN,
     out: np.ndarray | None = None,
     get_into: Callable | None = None,
+    info: Callable[[bytes], Any] | None = None,
+    shape: tuple[int, int] | None = None,
 ) -> np.ndarray:
     """Encoded rows of block ``oid``: follow patch refs down to the full block, then apply
     the patches oldest first. ``get`` reads an object (e.g. ``store.get``). With ``out``
     (uint8, the block's shape) the rows are decoded into it; with ``get_into`` too
-    (``store.get_into``) a full block stored raw is read straight into ``out``."""
+    (``store.get_into``) a full block stored raw is read straight into ``out``. With
+    ``info`` (``store.info``) and ``shape`` (rows, row_nbytes: what the table gives the
+    block) the chain's sizes are checked first (``plan_chain``), before any read."""
+    if info is not None and shape is not None:
+        plan_chain(info, oid, *shape, max_depth=max_depth)
     chain: list[tuple[bytes, Object]] = []
     cur = oid
     into = get_into if (out is not None and out.flags.c_contiguous and out.dtype == np.uint8

@@ -17,8 +17,20 @@ from dataclasses import dataclass, field
 import msgpack
 
 from cnrstore.codec.layout import DTYPE_SIZES, dtype_name, parse_dtype
-from cnrstore.errors import ManifestError, StepNotFound, TableNotFound
+from cnrstore.errors import InvalidInput, ManifestError, StepNotFound, TableNotFound
 from cnrstore.format.blocks import KIND_BLOCK_FULL, KIND_BLOCK_PATCH
+from cnrstore.format.nodecaps import (
+    KIND_SEGMENT,
+    KIND_STEP,
+    KIND_TABLE,
+    MAX_NDIM,
+    STEP_NODE_BYTES,
+    STEP_NODE_ITEMS,
+    check_node_size,
+    node_caps,
+    read_node,
+    unpack_node,
+)
 from engine import Object, ObjectStore
 
 __all__ = [
@@ -45,15 +57,23 @@ __all__ = [
     "parse_dtype",
     "dtype_name",
     "MAX_BLOCK_ROWS",
+    "MAX_NDIM",
+    "node_caps",
+    "check_node_size",
+    "read_node",
+    "load_segment",
+    "segment_blocks",
+    "unpack_node",
+    "check_step_fits",
+    "STEP_NODE_BYTES",
+    "STEP_NODE_ITEMS",
 ]
 
 FORMAT_VERSION = 1  # docs/MANIFEST.md, "Versioning"
 
-# Engine object kinds (docs/MANIFEST.md, "Object kinds").
-KIND_STEP = 1
-KIND_TABLE = 2
-KIND_SEGMENT = 3
-# KIND_BLOCK_FULL = 4 and KIND_BLOCK_PATCH = 5 come from blocks.py.
+# Engine object kinds (docs/MANIFEST.md, "Object kinds"): KIND_STEP = 1, KIND_TABLE = 2 and
+# KIND_SEGMENT = 3 come from nodecaps.py, KIND_BLOCK_FULL = 4 and KIND_BLOCK_PATCH = 5 from
+# blocks.py.
 
 ROOT_PREFIX = "step/"
 
@@ -63,7 +83,6 @@ ROOT_PREFIX = "step/"
 # in a node only come from damage or crafting.
 MAX_BLOCK_ROWS = 1 << 31
 _MAX_TABLE_BYTES = 1 << 62
-
 
 def root_name(step: int) -> str:
     """Engine root name of a step: zero-padded so roots sort by step."""
@@ -82,13 +101,20 @@ def _pack(doc: dict) -> bytes:
     return msgpack.packb(doc, use_bin_type=True)
 
 
+def _checked(kind: int, payload: bytes, refs: tuple[bytes, ...], what: str
+             ) -> tuple[bytes, tuple[bytes, ...]]:
+    try:
+        check_node_size(kind, payload, len(refs))
+    except ValueError as exc:
+        raise InvalidInput(f"{what}: {exc}; store less metadata or fewer Python values "
+                           "in the state") from None
+    return payload, refs
+
+
 def _unpack(obj: Object, kind: int, oid: bytes | None) -> dict:
     if obj.kind != kind:
         raise ManifestError(f"expected node kind {kind}, found {obj.kind}", oid=oid)
-    try:
-        doc = msgpack.unpackb(obj.payload, raw=False, strict_map_key=False)
-    except Exception as exc:  # msgpack raises several unrelated types
-        raise ManifestError(f"manifest node of kind {kind} is not msgpack: {exc}", oid=oid) from exc
+    doc = unpack_node(obj, kind, oid)
     if not isinstance(doc, dict) or doc.get("v") != FORMAT_VERSION:
         version = doc.get("v") if isinstance(doc, dict) else None
         raise ManifestError(f"manifest node has unknown format version {version!r}", oid=oid)
@@ -126,7 +152,7 @@ class StepNode:
         }
         if self.state is not None:
             doc["state"] = self.state
-        return _pack(doc), tuple(self.table_ids)
+        return _checked(KIND_STEP, _pack(doc), tuple(self.table_ids), f"step {self.step}")
 
     @classmethod
     def decode(cls, obj: Object, oid: bytes | None = None) -> StepNode:
@@ -149,6 +175,14 @@ class StepNode:
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ManifestError(f"malformed step node: {exc}", oid=oid) from exc
+
+
+def check_step_fits(step: int, names: Sequence[str], metadata: dict, state: dict | None) -> None:
+    """InvalidInput unless the step node of a put of tables ``names`` fits its caps, with
+    every statistic at its widest: a put checks this before anything is written."""
+    widest = (1 << 64) - 1
+    StepNode(step, 0.0, tuple(names), (bytes(16),) * len(names), metadata, widest, widest,
+             dict.fromkeys(names, widest), state).encode()
 
 
 @dataclass(frozen=True)
@@ -189,8 +223,9 @@ class TableNode:
         def bad(why: str) -> ManifestError:
             return ManifestError(f"table node {self.name!r}: {why}", oid=oid)
 
-        if not self.shape or any(d < 0 for d in self.shape):
-            raise bad(f"invalid shape {self.shape}")
+        if not self.shape or len(self.shape) > MAX_NDIM or any(d < 0 for d in self.shape):
+            raise bad(f"invalid shape {self.shape}" if len(self.shape) <= MAX_NDIM else
+                      f"shape has {len(self.shape)} dims, more than {MAX_NDIM}")
         if not 1 <= self.block_rows <= MAX_BLOCK_ROWS or not 1 <= self.fanout <= MAX_BLOCK_ROWS:
             raise bad(f"invalid block_rows {self.block_rows} or fanout {self.fanout}")
         if not isinstance(self.dtype, str) or self.dtype not in DTYPE_SIZES:
@@ -221,7 +256,8 @@ class TableNode:
             "fanout": self.fanout,
             "row_nbytes": self.row_nbytes,
         }
-        return _pack(doc), tuple(self.segment_ids)
+        return _checked(KIND_TABLE, _pack(doc), tuple(self.segment_ids),
+                        f"table {self.name!r}")
 
     @classmethod
     def decode(cls, obj: Object, oid: bytes | None = None) -> TableNode:
@@ -269,7 +305,14 @@ class SegmentNode:
         return _pack(doc), tuple(self.block_ids)
 
     @classmethod
-    def decode(cls, obj: Object, oid: bytes | None = None) -> SegmentNode:
+    def decode(cls, obj: Object, oid: bytes | None = None, *,
+               blocks: int | None = None) -> SegmentNode:
+        """``blocks``: the block count the table's geometry gives this segment (checked
+        before the payload is unpacked)."""
+        if blocks is not None and len(obj.refs) != blocks:
+            raise ManifestError(f"segment node {oid.hex() if oid else ''} has "
+                                f"{len(obj.refs)} block refs, its table needs {blocks}",
+                                oid=oid)
         doc = _unpack(obj, KIND_SEGMENT, oid)
         try:
             depth = tuple(int(d) for d in doc["depth"])
@@ -322,21 +365,29 @@ def load_step(store: ObjectStore, step: int) -> tuple[bytes, StepNode]:
     oid = store.root(root_name(step))
     if oid is None:
         raise StepNotFound(step)
-    return oid, StepNode.decode(store.get(oid), oid)
+    return oid, StepNode.decode(read_node(store, oid, KIND_STEP), oid)
 
 
 def load_table(store: ObjectStore, oid: bytes) -> TableNode:
-    return TableNode.decode(store.get(oid), oid)
+    return TableNode.decode(read_node(store, oid, KIND_TABLE), oid)
+
+
+def segment_blocks(node: TableNode, j: int) -> int:
+    """Blocks segment ``j`` of a (checked) table node holds: ``fanout``, fewer in the last."""
+    return min(node.fanout, node.nblocks - j * node.fanout)
+
+
+def load_segment(store: ObjectStore, node: TableNode, j: int) -> SegmentNode:
+    """Segment ``j`` of ``node``: its ref count and size checked against the table's
+    geometry in the index before its payload is read."""
+    oid = node.segment_ids[j]
+    n = segment_blocks(node, j)
+    return SegmentNode.decode(read_node(store, oid, KIND_SEGMENT, n), oid, blocks=n)
 
 
 def load_table_manifest(store: ObjectStore, oid: bytes) -> TableManifest:
     node = load_table(store, oid)
-    segments = tuple(SegmentNode.decode(store.get(s), s) for s in node.segment_ids)
-    nblocks = sum(len(s.block_ids) for s in segments)
-    if nblocks != node.nblocks:
-        raise ManifestError(
-            f"table {node.name!r} lists {nblocks} blocks, its shape needs {node.nblocks}", oid=oid
-        )
+    segments = tuple(load_segment(store, node, j) for j in range(len(node.segment_ids)))
     return TableManifest(oid, node, segments)
 
 

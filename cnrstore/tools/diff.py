@@ -4,9 +4,11 @@ Ids are compared top-down and an equal id ends the descent, so unchanged tables 
 segments are never read past their id. Rows are found only for blocks whose ids differ:
 when one block's patch chain leads to the other (the usual case between steps of one run)
 the answer is the patches' row indices, read without decoding any full block; otherwise
-both blocks are decoded and their codes compared row by row. Row ids are global rows of
-the table in step B. Rows found from patch indices are the rows *written* between the two
-steps; a row written back with identical codes still counts (decoding would not count it).
+both blocks are decoded and their codes compared row by row (cnrstore/core/blockdiff.py,
+which ``store.changes`` uses too). Row ids are global rows of the table in step B. Rows
+found from patch indices are the rows *written* between the two steps; a row written back
+with identical codes still counts unless the older block's own patches show it (decoding
+would not count it).
 """
 
 from __future__ import annotations
@@ -15,23 +17,18 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from cnrstore.core.blockdiff import diff_block
 from cnrstore.errors import InvalidInput
-from cnrstore.format.blocks import decode_patch, resolve
+from cnrstore.format.blocks import plan_chain
 from cnrstore.format.manifest import (
-    KIND_BLOCK_PATCH,
-    SegmentNode,
     TableNode,
+    load_segment,
     load_step,
     load_table,
 )
 from engine import ObjectStore
 
 __all__ = ["TableDiff", "StepDiff", "diff_steps", "diff_tables"]
-
-# Patch chains are bounded by the writer (max_chain, default 16); searching a little deeper
-# costs only index lookups and still finds chains written with a larger bound.
-_CHAIN_SEARCH = 64
-
 
 @dataclass(frozen=True)
 class TableDiff:
@@ -73,43 +70,26 @@ def _ranges(rows: np.ndarray) -> tuple[tuple[int, int], ...]:
 
 
 class _Rows:
-    """Finds the differing rows of two versions of one block, reading as little as it can."""
+    """Finds the differing rows of two versions of one block, reading as little as it can
+    (cnrstore/core/blockdiff.py, shared with ``store.changes``)."""
 
     def __init__(self, objects: ObjectStore):
         self.objects = objects
         self.decoded = 0
         self.patches = 0
 
-    def _chain_to(self, top: bytes, base: bytes) -> list[bytes] | None:
-        """The patches from ``top`` down to (not including) ``base``, or None if ``base``
-        is not below ``top``. Uses only the index (kind and refs), no payloads."""
-        chain, cur = [], top
-        for _ in range(_CHAIN_SEARCH):
-            info = self.objects.info(cur)
-            if info.kind != KIND_BLOCK_PATCH or len(info.refs) != 1:
-                return None
-            chain.append(cur)
-            cur = info.refs[0]
-            if cur == base:
-                return chain
-        return None
-
-    def differing(self, a: bytes, b: bytes, common: int) -> np.ndarray:
+    def differing(self, a: bytes, b: bytes, common: int, depths: tuple[int, int],
+                  shape_a: tuple[int, int], shape_b: tuple[int, int]) -> np.ndarray:
         """Sorted row offsets (< ``common``) of the block where versions ``a`` and ``b``
-        differ."""
-        chain = self._chain_to(b, a) or self._chain_to(a, b)
-        if chain is not None:
-            parts = []
-            for oid in chain:
-                _, idx, _ = decode_patch(self.objects.get(oid), oid)
-                parts.append(idx)
-                self.patches += 1
-            rows = np.unique(np.concatenate(parts)) if parts else np.empty(0, np.int64)
-            return rows[rows < common]
-        ca, cb = resolve(self.objects.get, a), resolve(self.objects.get, b)
-        self.decoded += 2
-        n = min(common, len(ca), len(cb))
-        return np.flatnonzero(np.any(ca[:n] != cb[:n], axis=1)).astype(np.int64)
+        (of the shapes their tables give them) differ."""
+        # Both chains' sizes checked in the index before any payload is read.
+        plan_chain(self.objects.info, a, *shape_a)
+        plan_chain(self.objects.info, b, *shape_b)
+        d = diff_block(self.objects.get, a, b, common, exact=True, b_newer=True,
+                       depths=depths, codes=False)
+        self.decoded += d.decoded
+        self.patches += d.patches
+        return d.rows[d.rows < common]
 
 
 def _same_encoding(ta: TableNode, tb: TableNode) -> bool:
@@ -156,9 +136,10 @@ def diff_tables(objects: ObjectStore, name: str, a_id: bytes | None, b_id: bytes
             continue
         if sb is None:
             continue  # only in A: rows removed, counted above
-        blocks_b = SegmentNode.decode(objects.get(sb), sb).block_ids
-        blocks_a = SegmentNode.decode(objects.get(sa), sa).block_ids if sa else ()
-        for k, bid in enumerate(blocks_b):
+        seg_b = load_segment(objects, tb, j)
+        seg_a = load_segment(objects, ta, j) if sa else None
+        blocks_a = seg_a.block_ids if seg_a is not None else ()
+        for k, bid in enumerate(seg_b.block_ids):
             i = j * tb.fanout + k
             aid = blocks_a[k] if k < len(blocks_a) else None
             if aid == bid:
@@ -172,7 +153,9 @@ def diff_tables(objects: ObjectStore, name: str, a_id: bytes | None, b_id: bytes
                 continue
             # Equal content may be stored under another id (a patch vs a full block of
             # the same rows, written by another handle): only differing rows count.
-            found = finder.differing(aid, bid, common)
+            assert seg_a is not None
+            found = finder.differing(aid, bid, common, (seg_a.depth[k], seg_b.depth[k]),
+                                     (rows_a, ta.row_nbytes), (stop_b - start, tb.row_nbytes))
             if found.size or rows_a != stop_b - start:
                 changed.append(i)
                 row_ids.append(found + start)

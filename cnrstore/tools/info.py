@@ -21,12 +21,13 @@ from dataclasses import dataclass, field
 
 import engine
 from cnrstore.core.retention import kept_steps
-from cnrstore.errors import translating
+from cnrstore.errors import CheckpointError, translating
 from cnrstore.format import manifest as mf
 from cnrstore.format.manifest import (
     DTYPE_SIZES,
     TableNode,
     load_step,
+    load_table,
     load_table_manifest,
 )
 from cnrstore.tools.access import objects_of, opened, tick
@@ -42,6 +43,7 @@ __all__ = [
     "TableUsage",
     "Usage",
     "GCPlan",
+    "GCResult",
     "opened",
     "objects_of",
     "list_steps",
@@ -60,12 +62,13 @@ __all__ = [
 @dataclass(frozen=True)
 class StepSummary:
     step: int
-    time: float
-    tables: int
-    logical_bytes: int
-    stored_bytes: int      # records reachable from the step (shared ones included)
-    new_bytes: int         # records no lower kept step reaches
+    time: float | None     # None (and sizes None) when the step cannot be read: ``problem``
+    tables: int | None
+    logical_bytes: int | None
+    stored_bytes: int | None  # records reachable from the step (shared ones included)
+    new_bytes: int | None     # records no lower kept step reaches
     root: str
+    problem: str | None = None  # why the step could not be read (damage: see verify)
 
 
 @dataclass(frozen=True)
@@ -114,7 +117,7 @@ class Usage:
     unique_bytes: int
     stored_bytes: int
     disk_bytes: int        # allocated by the pack files (dead records included)
-    garbage_objects: int   # indexed but unreachable: gc reclaims them
+    garbage_objects: int   # indexed, reached by no root: what gc reclaims (_unreachable)
     encoding_ratio: float | None     # logical / referenced: quantization (and patches)
     dedup_ratio: float | None        # referenced / unique: sharing between steps
     compression_ratio: float | None  # unique / stored: zstd
@@ -128,7 +131,25 @@ class GCPlan:
     drop: tuple[int, ...]
     objects_freed: int     # reachable only from dropped steps
     bytes_freed: int       # their stored bytes (before compaction rounds to packs)
-    garbage_objects: int   # already unreachable before the drop
+    garbage_objects: int   # already unreachable before the drop (_unreachable)
+
+
+@dataclass(frozen=True)
+class GCResult:
+    """cnrstore.GCReport plus what a gc on a bucket or shared directory could not free
+    yet: the packs it retired stay ``grace_s`` after its commit for readers of the old
+    index (engine/storage/remote.py), and a gc run after that deletes them."""
+
+    steps_deleted: tuple[int, ...]
+    steps_kept: tuple[int, ...]
+    objects_live: int
+    objects_freed: int
+    bytes_freed: int
+    packs_rewritten: int
+    packs_deleted: int
+    packs_held: int = 0        # packs no longer listed, kept for the grace period
+    bytes_held: int = 0
+    grace_s: float | None = None  # the grace period (None: a directory store, no grace)
 
 
 class _Sizes:
@@ -202,13 +223,25 @@ def list_steps(store, *, progress: ProgressFn | None = None) -> list[StepSummary
         steps = mf.list_steps(objects)
         for i, step in enumerate(steps):
             tick(progress, i, len(steps))
-            oid, node = load_step(objects, step)
-            mine = sizes.reach(oid)
+            try:
+                oid, node = load_step(objects, step)
+                mine = sizes.reach(oid)
+            except (CheckpointError, engine.StoreError) as exc:
+                # One damaged step does not hide the others: it is listed with its problem.
+                root = objects.root(mf.root_name(step))
+                out.append(StepSummary(step, None, None, None, None, None,
+                                       root.hex() if root else "", problem_text(exc)))
+                continue
             new = mine - earlier
             earlier |= mine
             out.append(StepSummary(step, node.time, len(node.tables), node.logical_bytes,
                                    sizes.stored(mine), sizes.stored(new), oid.hex()))
         return out
+
+
+def problem_text(exc: BaseException) -> str:
+    """One line saying what is wrong, for a listing that goes on past it."""
+    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 @translating
@@ -237,6 +270,17 @@ def show_step(store, step: int) -> StepDetail:
                           values)
 
 
+def _unreachable(objects: ObjectStore, sizes: _Sizes, reached: set[bytes]) -> int:
+    """How many indexed objects no root reaches: gc's mark (engine/gc.py) walks every root,
+    steps and the others (cnrstore/options) alike, and sweeps the rest. ``reached`` holds
+    what the caller walked already (it is not changed); the other roots are walked here.
+    The one count of "unreachable" that du, the gc dry run and gc itself agree on."""
+    seen = set(reached)
+    for oid in objects.roots().values():
+        sizes.reach(oid, seen)
+    return max(objects.stats().objects - len(seen), 0)
+
+
 def _ratio(a: int, b: int) -> float | None:
     return a / b if b else None
 
@@ -258,7 +302,7 @@ def disk_usage(store, *, progress: ProgressFn | None = None) -> Usage:
             logical += node.logical_bytes
             referenced += sizes.raw(mine)
             for name, toid in zip(node.tables, node.table_ids):
-                t = TableNode.decode(objects.get(toid), toid)
+                t = load_table(objects, toid)
                 ids = sizes.reach(toid)
                 acc = per_table.setdefault(name, [0, 0, 0, set()])
                 acc[0] += 1
@@ -267,6 +311,7 @@ def disk_usage(store, *, progress: ProgressFn | None = None) -> Usage:
                 acc[3] |= ids
         unique, stored = sizes.raw(everything), sizes.stored(everything)
         stats = objects.stats()
+        garbage = _unreachable(objects, sizes, everything)
         tables = tuple(
             TableUsage(name, n, lg, ref, sizes.raw(ids), sizes.stored(ids))
             for name, (n, lg, ref, ids) in sorted(per_table.items())
@@ -275,7 +320,7 @@ def disk_usage(store, *, progress: ProgressFn | None = None) -> Usage:
             steps=len(steps), objects=len(everything), logical_bytes=logical,
             referenced_bytes=referenced, unique_bytes=unique, stored_bytes=stored,
             disk_bytes=stats.stored_bytes,
-            garbage_objects=max(stats.objects - len(everything), 0),
+            garbage_objects=garbage,
             encoding_ratio=_ratio(logical, referenced), dedup_ratio=_ratio(referenced, unique),
             compression_ratio=_ratio(unique, stored), overall_ratio=_ratio(logical, stored),
             tables=tables,
@@ -300,15 +345,29 @@ def gc_plan(store, *, keep_last: int | None, keep: Iterable[int] = ()) -> GCPlan
         for s in drop:
             sizes.reach(load_step(objects, s)[0], dead)
         dead -= live
-        stats = objects.stats()
-        garbage = max(stats.objects - len(live) - len(dead), 0)
+        garbage = _unreachable(objects, sizes, live | dead)
         return GCPlan(tuple(kept), tuple(drop), len(dead), sizes.stored(dead), garbage)
 
 
-def collect(store, *, keep_last: int | None, keep: Iterable[int] = ()):
-    """Run the store's gc (which applies cnrstore.core.retention's rule, as the dry run does).
-    Returns cnrstore.GCReport. ``store`` must be a CheckpointStore: gc drops steps."""
-    return store.gc(keep_last=keep_last, keep=list(keep))
+@translating
+def collect(store, *, keep_last: int | None, keep: Iterable[int] = (),
+            grace_s: float | None = None) -> GCResult:
+    """Run the store's gc (which applies cnrstore.core.retention's rule, as the dry run does)
+    and say what it left for later. ``store`` must be a CheckpointStore: gc drops steps.
+    ``grace_s``: the gc grace period of a store on a bucket or a shared directory, whose
+    retired packs are then counted as held (packs the storage has that the index no longer
+    lists); None for a directory store, which deletes them at once."""
+    report = store.gc(keep_last=keep_last, keep=list(keep))
+    held = held_bytes = 0
+    storage = getattr(objects_of(store), "storage", None)  # a PackStore's; no twin has one
+    if grace_s is not None and storage is not None:
+        stats = objects_of(store).stats()
+        sizes = storage.sizes()
+        held = max(len(sizes) - stats.packs, 0)
+        held_bytes = max(sum(sizes.values()) - stats.stored_bytes, 0)
+    return GCResult(report.steps_deleted, report.steps_kept, report.objects_live,
+                    report.objects_freed, report.bytes_freed, report.packs_rewritten,
+                    report.packs_deleted, held, held_bytes, grace_s)
 
 
 @translating
@@ -333,8 +392,10 @@ def verify(store, *, deep: bool = True, steps: Iterable[int] | None = None,
 
 
 @translating
-def repair(path: str | os.PathLike):
-    """cnrstore.tools.check.repair: rebuild the index of the store at ``path`` from its packs."""
+def repair(path: str | os.PathLike, *, dry_run: bool = False, on_plan=None,
+           cache_dir: str | os.PathLike | None = None):
+    """cnrstore.tools.check.repair: rebuild the index of the store at ``path`` from its packs
+    (``dry_run``: only say what it would do); returns a RepairResult."""
     from cnrstore.tools.check import repair as _repair
 
-    return _repair(path)
+    return _repair(path, dry_run=dry_run, on_plan=on_plan, cache_dir=cache_dir)

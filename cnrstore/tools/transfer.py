@@ -12,15 +12,24 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from cnrstore.errors import BadPath, InvalidInput, InvalidType, MissingExtra, translating
+from cnrstore.errors import (
+    BadPath,
+    InvalidInput,
+    InvalidType,
+    MissingExtra,
+    StorageError,
+    translating,
+)
 from cnrstore.format.manifest import load_step, load_table
 from cnrstore.tools.access import tick
 from engine.fileio import atomic_write
 
-__all__ = ["MissingExtra", "TransferResult", "export_step", "import_step"]
+__all__ = ["MissingExtra", "TransferResult", "export_step", "export_target",
+           "import_step"]
 
 _KEY_STEP = "cnrstore.step"
 _KEY_METADATA = "cnrstore.metadata"
@@ -57,21 +66,71 @@ def _check_store(store) -> None:
                           f"{type(store).__name__}")
 
 
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a FIFO"),
+          (stat.S_ISSOCK, "a socket"))
+
+
+def export_target(path: str | os.PathLike, *, overwrite: bool,
+                  flag: str = "overwrite=True") -> str:
+    """The file an export to ``path`` writes, checked before anything is read or written:
+    its directory exists, and ``path`` is new or (with ``overwrite``) a regular file. A
+    symlink is followed: its target is replaced and the link stays. Anything else (a
+    device such as /dev/null, a FIFO, a directory) is BadPath even with ``overwrite``: the
+    export renames a new file over the target, which would replace the device itself.
+    ``flag`` is how the caller spells ``overwrite`` in the message (the CLI's --force)."""
+    given = os.fspath(path)
+    target = os.path.realpath(given)
+    try:
+        st = os.stat(target)
+    except FileNotFoundError:
+        if os.path.islink(given):
+            raise BadPath(f"{given!r} is a symlink to the missing {target!r}", path=given) \
+                from None
+        parent = os.path.dirname(target)
+        if not os.path.isdir(parent):
+            raise BadPath(f"cannot export to {given!r}: directory {parent!r} does not exist",
+                          path=given) from None
+        return target
+    except OSError as exc:
+        raise BadPath(f"cannot export to {given!r}: {exc.strerror or exc}", path=given) \
+            from exc
+    if not stat.S_ISREG(st.st_mode):
+        kind = next((k for test, k in _KINDS if test(st.st_mode)), "not a regular file")
+        raise BadPath(f"{given!r} is {kind}; export writes only regular files (give a "
+                      "file name)", path=given)
+    if not overwrite:
+        raise BadPath(f"{given!r} exists; remove it or pass {flag}", path=given)
+    return target
+
+
+def _write_file(target: str, given: str, data: bytes) -> None:
+    """``data`` as the file ``target``, complete or not at all: a temporary file in the
+    same directory, fsync'ed and renamed over it (engine.fileio.atomic_write, which removes
+    the temporary file when a write fails). A full disk or any other OSError is
+    StorageError naming the file; an existing file is then left as it was."""
+    existed = os.path.exists(target)
+    try:
+        atomic_write(target, data)
+    except OSError as exc:
+        kept = f"; {given!r} is unchanged" if existed else ""
+        raise StorageError(f"cannot write {given!r}: {exc.strerror or exc}; nothing was "
+                           f"written{kept}") from exc
+
+
 @translating
 def export_step(store, step: int, path: str | os.PathLike, *,
                 names: Iterable[str] | None = None, overwrite: bool = False,
                 progress=None) -> TransferResult:
     """Write the tables of ``step`` (all, or ``names``) to the safetensors file ``path``.
 
-    The file appears complete or not at all (engine.fileio.atomic_write: a temporary file,
-    fsync'ed, renamed). An existing ``path`` is BadPath unless ``overwrite``."""
+    The file appears complete or not at all (a temporary file, fsync'ed, renamed). An
+    existing ``path`` is BadPath unless ``overwrite``; only a regular file is ever
+    replaced (``export_target``)."""
     _check_store(store)
     st = _safetensors()
-    path = os.fspath(path)
-    if os.path.isdir(path):
-        raise BadPath(f"{path!r} is a directory; give a file name", path=path)
-    if os.path.exists(path) and not overwrite:
-        raise BadPath(f"{path!r} exists; remove it or pass overwrite", path=path)
+    given = os.fspath(path)
+    target = export_target(given, overwrite=overwrite)
     _, node = load_step(store.objects, step)
     wanted = list(node.tables) if names is None else list(dict.fromkeys(names))
     tables = store.get_tables(step, names=wanted)
@@ -85,11 +144,11 @@ def export_step(store, step: int, path: str | os.PathLike, *,
     # safetensors refuses views sharing storage and non-contiguous tensors.
     tensors = {n: t.detach().to("cpu").contiguous().clone() for n, t in tables.items()}
     tick(progress, 1, 2)
-    atomic_write(path, st.save(tensors, metadata=meta))
+    data = st.save(tensors, metadata=meta)
+    _write_file(target, given, data)
     tick(progress, 2, 2)
     logical = sum(t.numel() * t.element_size() for t in tensors.values())
-    return TransferResult("export", step, path, tuple(tensors), logical, schemes,
-                          os.path.getsize(path))
+    return TransferResult("export", step, given, tuple(tensors), logical, schemes, len(data))
 
 
 def _file_metadata(path: str) -> dict[str, str]:
@@ -97,6 +156,20 @@ def _file_metadata(path: str) -> dict[str, str]:
 
     with safe_open(path, framework="pt") as f:
         return dict(f.metadata() or {})
+
+
+def _json_object(path: str, meta: dict[str, str], key: str) -> dict:
+    """The JSON object under ``key`` of a file's metadata ({} when absent); anything else
+    (bad JSON, a list, a number) is InvalidInput, before the store is touched."""
+    try:
+        value = json.loads(meta.get(key, "{}"))
+    except json.JSONDecodeError as exc:
+        raise InvalidInput(f"{path!r} has malformed cnrstore metadata: {key} is not JSON "
+                           f"({exc})") from exc
+    if not isinstance(value, dict):
+        raise InvalidInput(f"{path!r} has malformed cnrstore metadata: {key} is a JSON "
+                           f"{type(value).__name__}, not an object")
+    return value
 
 
 def _schemes(quant, tensors: dict, stored: dict) -> dict[str, str]:
@@ -135,11 +208,13 @@ def import_step(store, step: int, path: str | os.PathLike, *, quant=None,
     if not tensors:
         raise InvalidInput(f"{path!r} holds no tensors")
     tick(progress, 1, 2)
-    try:
-        metadata = json.loads(meta.get(_KEY_METADATA, "{}"))
-        stored_schemes = json.loads(meta.get(_KEY_SCHEMES, "{}"))
-    except json.JSONDecodeError as exc:
-        raise InvalidInput(f"{path!r} has malformed cnrstore metadata: {exc}") from exc
+    metadata = _json_object(path, meta, _KEY_METADATA)
+    stored_schemes = _json_object(path, meta, _KEY_SCHEMES)
+    bad = next((k for k, v in stored_schemes.items() if not isinstance(v, str)), None)
+    if bad is not None:
+        raise InvalidInput(f"{path!r} has malformed cnrstore metadata: {_KEY_SCHEMES} maps "
+                           f"{bad!r} to {stored_schemes[bad]!r}, not a scheme name (pass "
+                           "--quant / quant= to choose the schemes)")
     quant = _schemes(quant, tensors, stored_schemes)
     info = store.put_tables(step, tensors, quant=quant, metadata=metadata)
     tick(progress, 2, 2)

@@ -1,26 +1,27 @@
 """Commits of a bucket store: create-only commit objects, and the local index as their
 cache (docs/FORMAT.md "Object stores").
 
-Every commit (a writer's or a gc's) is one msgpack document at ``commits/<seq:020d>``,
-created with If-None-Match after all its packs are uploaded: the object that makes it
-visible. Two writers that read the same newest commit both try ``seq + 1``: exactly one
-creates it, the other catches up and gets RootExists (it lost a create_root race) or
-ConcurrentCommit. The document carries the index entries of the packs it adds, so a cache
-catches up (or an empty one rebuilds) from commit documents alone, never reading a pack:
+Every commit (a writer's or a gc's) is one document at ``commits/<seq:020d>``
+(engine/storage/commitdoc.py: checksummed msgpack), created with If-None-Match after all
+its packs are uploaded: the object that makes it visible. Two writers that read the same
+newest commit both try ``seq + 1``: exactly one creates it, the other catches up and gets
+RootExists (it lost a create_root race) or ConcurrentCommit. The document carries the
+index entries of the packs it adds, so a cache catches up (or an empty one rebuilds) from
+commit documents alone, never reading a pack.
 
-    {"v": 1, "seq": S, "kind": "put"|"gc", "time": unix seconds,
-     "packs": [[n, size, meta, [[id, offset, length, kind, raw_len, [ref, ...]], ...]], ...],
-     "gone": [n, ...], "swept": [id, ...], "set": {name: id}, "del": [name, ...]}
-
-A gc deletes the packs it retires only ``gc_grace_s`` after its commit (a later gc does),
-so readers still holding old locations keep reading; one that finds a pack gone catches up
-and looks again. Only the process that holds a cache lists the bucket.
+A document that is missing, too big or damaged never stops a cache: it is rebuilt from
+the packs themselves (they are self-describing, engine/repair.py), the damage recorded in
+the cache and reported, and gc refuses to delete anything until the documents read
+whole again. A gc deletes the packs it retires only ``gc_grace_s`` after its commit (a
+later gc does), so readers still holding old locations keep reading; one that finds a
+pack gone catches up and looks again. Only the process that holds a cache lists the
+bucket.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
+import dataclasses
 import os
 import time
 from collections.abc import Iterator
@@ -29,49 +30,30 @@ from typing import TYPE_CHECKING
 import msgpack
 
 from .. import index as ix
-from ..api import RepairReport
+from ..api import Problem, RepairReport
 from ..errors import (
     ConcurrentCommit,
     CorruptObject,
     FormatError,
+    GCRefused,
     RootExists,
     StoreError,
     StoreLocked,
 )
+from . import chain
+from .chain import ChainDamaged
+from .commitdoc import commit_key, decode_commit, encode_commit
 
 if TYPE_CHECKING:
     from ..core import StoreCore
     from .s3 import S3Storage
 
-COMMITS = "commits/"
 META_REMOTE_SEQ = b"remote_seq"        # u64: newest commit document applied
 META_REMOTE_ID = b"remote_location"    # utf-8: the bucket location this index caches
 META_REMOTE_DIRTY = b"remote_dirty"    # present while a gc changed the cache unpublished
 META_RETIRED = b"remote_retired"       # msgpack {pack: unix time its gc commit retired it}
+META_REMOTE_DAMAGED = b"remote_damaged"  # msgpack [message]: rebuilt from packs around these
 _REFRESH_WAIT_S = 5.0
-
-
-def commit_key(seq: int) -> str:
-    return f"{COMMITS}{seq:020d}"
-
-
-def _seq_of(key: str) -> int | None:
-    name = key.rsplit("/", 1)[-1]
-    return int(name) if len(name) == 20 and name.isdigit() else None
-
-
-def encode_commit(doc: dict) -> bytes:
-    return msgpack.packb(doc, use_bin_type=True)
-
-
-def decode_commit(data: bytes, key: str) -> dict:
-    try:
-        doc = msgpack.unpackb(data, raw=False, strict_map_key=False)
-        if not isinstance(doc, dict) or doc.get("v") != 1 or not isinstance(doc.get("seq"), int):
-            raise ValueError("not a version-1 commit document")
-        return doc
-    except Exception as exc:  # msgpack raises a zoo of types on junk
-        raise CorruptObject(f"commit object {key} is damaged: {exc}") from exc
 
 
 def pack_doc(n: int, size: int, meta: bool,
@@ -159,6 +141,14 @@ class Remote:
     def __init__(self, storage: S3Storage, *, gc_grace_s: float) -> None:
         self.storage = storage
         self.gc_grace_s = float(gc_grace_s)
+        self.last_rebuild: RepairReport | None = None  # a catch-up that met damage
+
+    def damage(self, core: StoreCore) -> list[str]:
+        """Why the cache was rebuilt from the packs ([] when the commit documents said
+        everything it holds)."""
+        index = core.index
+        raw = index.read(lambda t: _get(t, index, META_REMOTE_DAMAGED))
+        return [] if raw is None else [str(m) for m in msgpack.unpackb(raw)]
 
     def seq(self, core: StoreCore) -> int:
         index = core.index
@@ -189,10 +179,16 @@ class Remote:
                                   f"{self.storage.url}")
             if owner is None:
                 index.write(lambda t: t.put(META_REMOTE_ID, location, db=index.meta))
-            if dirty:
-                report = self.rebuild(core)
+            damaged = bool(self.damage(core)) and not dirty
+            found = chain.survey(self.storage) if damaged else None
+            if dirty or (found is not None and not found.problems):
+                report = self.rebuild(core)  # a mended chain is read again
             else:
+                # Still damaged: the packs were indexed already; newer commits apply.
                 self.catch_up(core)
+                report, self.last_rebuild = self.last_rebuild, None
+                if report is None and found is not None:
+                    report = self._counts(core, tuple(found.problems))
             if not create and self.seq(core) == 0:
                 raise FormatError(f"no store at {self.storage.url} (pass create=True to "
                                   "make one)")
@@ -206,61 +202,48 @@ class Remote:
         finally:
             core.lock.release()
 
-    def _fetch(self, after: int) -> list[dict]:
-        """Every commit document after ``after``, in order (fetched 16 at a time: an
-        empty cache of a long-lived store reads thousands)."""
-        keys = []
-        expect = after + 1
-        for key, _, _ in self.storage.listing(COMMITS, after=commit_key(after)):
-            seq = _seq_of(key)
-            if seq is None or seq <= after:
-                continue
-            if seq != expect:
-                raise CorruptObject(f"{self.storage.url}: commit {expect} is missing "
-                                    f"(found {seq}): the commit chain is broken")
-            keys.append((seq, key))
-            expect += 1
-
-        def fetch(item: tuple[int, str]) -> dict:
-            seq, key = item
-            doc = decode_commit(self.storage.get(key), key)
-            if doc["seq"] != seq:
-                raise CorruptObject(f"commit object {key} says it is commit {doc['seq']}")
-            return doc
-
-        if len(keys) <= 1:
-            return [fetch(k) for k in keys]
-        with concurrent.futures.ThreadPoolExecutor(min(16, len(keys))) as pool:
-            return list(pool.map(fetch, keys))
-
     def catch_up(self, core: StoreCore) -> int:
-        """With the writer lock held: apply every commit newer than the cache's; return
-        how many."""
+        """With the writer lock held: apply every commit newer than the cache's, in one
+        transaction; return how many. A damaged one rebuilds the cache from the packs
+        (``last_rebuild`` reports it)."""
         index = core.index
-        docs = self._fetch(self.seq(core))
-        if docs:
-            def apply(txn: ix.Txn) -> None:
-                for doc in docs:
-                    apply_commit(txn, index, doc)
+        applied = 0
+
+        def apply(txn: ix.Txn) -> None:
+            nonlocal applied
+            for doc in chain.documents(self.storage, ix.get_u64(txn, index.meta,
+                                                                META_REMOTE_SEQ)):
+                apply_commit(txn, index, doc)
+                applied += 1
+
+        try:
             index.write(apply)
-        return len(docs)
+        except ChainDamaged as exc:
+            self.last_rebuild = self._rebuild_from_packs(core, exc)
+            return 0
+        return applied
 
     def refresh(self, core: StoreCore) -> None:
         """A reader found a pack gone: catch up if the writer lock can be had soon (a
-        writer of this handle holds it for its whole life: then the read just retries)."""
+        writer of this handle holds it for its whole life: then the read just retries).
+        A cache rebuilt from the packs is rebuilt again: its locations may name a pack
+        that a gc it could not read retired."""
         if core.readonly or core.lock.held:
             return
         try:
             with self._locked(core, _REFRESH_WAIT_S):
-                self.catch_up(core)
+                if self.damage(core):
+                    self.rebuild(core)
+                else:
+                    self.catch_up(core)
         except StoreLocked:
             pass
 
     def rebuild(self, core: StoreCore) -> RepairReport:
-        """With the writer lock held: a fresh cache from every commit document."""
+        """With the writer lock held: a fresh cache from every commit document, or from
+        the packs when one is damaged."""
         from ..repair import rebuild_beside
 
-        docs = self._fetch(0)
         location = self.storage.url.encode("utf-8")
 
         def fill(new: ix.Index, txn: ix.Txn) -> None:
@@ -270,15 +253,45 @@ class Remote:
             txn.put(ix.META_CHAIN, ix.chain_value([], 0, 0), db=new.meta)
             txn.put(ix.META_ROOTS_SUM, ix.roots_digest({}), db=new.meta)
             txn.put(META_REMOTE_ID, location, db=new.meta)
-            for doc in docs:
+            for doc in chain.documents(self.storage, 0):
                 apply_commit(txn, new, doc)
 
-        rebuild_beside(core, fill)
+        try:
+            rebuild_beside(core, fill)
+        except ChainDamaged as exc:
+            return self._rebuild_from_packs(core, exc)
+        return self._counts(core, ())
+
+    @staticmethod
+    def _counts(core: StoreCore, damaged: tuple[Problem, ...]) -> RepairReport:
         index = core.index
         counts = index.read(lambda t: (t.stat(index.packs)["entries"],
                                        t.stat(index.objects)["entries"],
                                        t.stat(index.roots)["entries"]))
-        return RepairReport(*counts)
+        return RepairReport(*counts, damaged)
+
+    def _rebuild_from_packs(self, core: StoreCore, exc: ChainDamaged) -> RepairReport:
+        """The commit documents cannot say what the store holds: index every pack
+        (engine/repair.py), less those a readable document retired, at the newest commit
+        number listed (a writer of this cache commits after it), and record the damage
+        (gc refuses while it lasts; an open rereads the documents)."""
+        from ..repair import rebuild
+
+        found = chain.survey(self.storage)
+        problems = found.problems or [Problem("damaged-commit", str(exc), pack=exc.key)]
+        messages = [p.message for p in problems]
+        extra = {META_REMOTE_ID: self.storage.url.encode("utf-8"),
+                 META_REMOTE_SEQ: ix.U64.pack(found.newest),
+                 META_REMOTE_DAMAGED: msgpack.packb(messages)}
+        report = rebuild(core, from_packs=True, exclude=found.gone, extra_meta=extra)
+        index = core.index
+
+        def at_least(t: ix.Txn) -> None:
+            if ix.get_u64(t, index.meta, ix.META_SEQ) < found.newest:
+                t.put(ix.META_SEQ, ix.U64.pack(found.newest), db=index.meta)
+
+        index.write(at_least)
+        return dataclasses.replace(report, damaged=(*problems, *report.damaged))
 
     # -- publishing -----------------------------------------------------------------------
     def publish(self, core: StoreCore, base: int, doc: dict) -> int:
@@ -289,7 +302,7 @@ class Remote:
         # The token tells our own document from another writer's: a create whose
         # response was lost is retried by the client and then answered 412 by itself.
         token = os.urandom(16)
-        doc = dict(doc, v=1, seq=seq, time=time.time(), token=token)
+        doc = dict(doc, seq=seq, time=time.time(), token=token)
         try:
             self.storage.put_create(commit_key(seq), encode_commit(doc))
         except FileExistsError:
@@ -323,12 +336,15 @@ class Remote:
         key = commit_key(seq)
         try:
             return decode_commit(self.storage.get(key), key).get("token") == token
-        except FileNotFoundError:
-            return False
+        except (FileNotFoundError, CorruptObject):
+            return False  # ours would be whole
 
     def begin_gc(self, core: StoreCore) -> None:
         """Before gc sweeps the cache: should it die before its commit is published, the
         next open rebuilds the cache instead of trusting a sweep the bucket never saw."""
+        from .gcproof import check_chain
+
+        check_chain(self, core)
         index = core.index
         index.write(lambda t: t.put(META_REMOTE_DIRTY, b"1", db=index.meta))
 
@@ -357,18 +373,29 @@ class Remote:
             return listed, msgpack.unpackb(_get(t, index, META_RETIRED) or b"\x80",
                                            strict_map_key=False)
 
+        from .gcproof import still_needed
+
         listed, retired = index.read(state)
         now = time.time()
         deleted = 0
-        for n, (_, mtime) in sorted(self.storage.pack_listing().items()):
+        present = self.storage.pack_listing()
+        kept = []
+        for n, (_, mtime) in sorted(present.items()):
             if n in listed or n in live_packs:
                 continue
             since = retired.get(n, mtime.timestamp())
             if now - since < self.gc_grace_s:
                 continue
+            why = still_needed(self.storage, core, n, present)
+            if why is not None:
+                kept.append(f"pack {n}: {why}")
+                continue
             self.storage.delete(n)
             retired.pop(n, None)
             deleted += 1
         index.write(lambda t: t.put(META_RETIRED, msgpack.packb(retired), db=index.meta))
+        if kept:
+            raise GCRefused(f"gc on {self.storage.url} kept {len(kept)} packs the index no "
+                            f"longer lists but still needs ({kept[0]}); its commit stands, "
+                            "nothing of them was deleted: verify, then repair")
         return deleted
-

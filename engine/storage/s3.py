@@ -20,6 +20,7 @@ import concurrent.futures
 import ipaddress
 import os
 import pathlib
+import re
 import threading
 import urllib.parse
 from collections.abc import Mapping
@@ -114,9 +115,24 @@ def make_store(bucket: str, prefix: str, config: dict, tuning: dict) -> Any:
     return S3Store(bucket, prefix=prefix or None, **kwargs)
 
 
-def _io(what: str, exc: Exception) -> OSError:
+def _io(what: str, exc: Exception, url: str | None = None) -> OSError:
     if isinstance(exc, OSError):
         return exc
+    text = str(exc)
+    if url is not None and ("404 Not Found" in text or "NoSuchBucket" in text):
+        # A LIST answered 404 asks of the bucket itself (a prefix with no keys lists empty).
+        bucket = parse_url(url)[0]
+        return RemoteError(f"bucket {bucket!r} does not exist (or these credentials cannot "
+                           f"see it): {what} answered 404 Not Found; create the bucket or "
+                           "check the URL and AWS_ENDPOINT_URL")
+    if url is not None and "kind: Connect" in text:
+        host = re.search(r"https?://[^/\s]+", text)
+        why = re.search(r'message: "([^"]+)"', text)
+        return RemoteError(f"cannot reach bucket {parse_url(url)[0]!r}"
+                           + (f" at {host.group(0)}" if host else "")
+                           + f": {what} could not connect"
+                           + (f" ({why.group(1)})" if why else "")
+                           + "; check AWS_ENDPOINT_URL and the network")
     return RemoteError(f"{what}: {exc}".splitlines()[0])
 
 
@@ -143,8 +159,9 @@ class S3Storage(PackStorage):
         return f"packs/{pack_name(n)}"
 
     # -- plain objects (claims, commits) --------------------------------------------------
-    def get(self, key: str) -> bytes:
-        """The object ``key``; FileNotFoundError when there is none."""
+    def get(self, key: str, *, limit: int | None = None) -> bytes:
+        """The object ``key``; FileNotFoundError when there is none. ``limit`` is checked
+        by the caller against the listed size (a bucket has no sparse objects)."""
         try:
             return bytes(obstore.get(self.store, key).bytes())
         except FileNotFoundError:
@@ -169,7 +186,7 @@ class S3Storage(PackStorage):
             for batch in obstore.list(self.store, prefix, chunk_size=1000, **kw):
                 out.extend((m["path"], m["size"], m["last_modified"]) for m in batch)
         except (BaseError, OSError) as exc:
-            raise _io(f"LIST {prefix}", exc) from exc
+            raise _io(f"LIST {prefix}", exc, self.url) from exc
         return sorted(out)
 
     def delete_key(self, key: str) -> None:

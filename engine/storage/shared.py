@@ -59,8 +59,14 @@ class SharedStorage(LocalStorage):
         return self.root / key
 
     # -- plain objects (claims, commits), as S3Storage has them ---------------------------
-    def get(self, key: str) -> bytes:
-        return self._file(key).read_bytes()  # FileNotFoundError when there is none
+    def get(self, key: str, *, limit: int | None = None) -> bytes:
+        """The file ``key`` (FileNotFoundError when there is none), at most ``limit + 1``
+        bytes of it: a sparse file may claim any size."""
+        with open(self._file(key), "rb") as f:
+            if limit is None:
+                return f.read()
+            # read(n) allocates n bytes up front: ask for no more than the file holds.
+            return f.read(min(os.fstat(f.fileno()).st_size, limit) + 1)
 
     def put_create(self, key: str, data: bytes) -> None:
         """Create ``key`` durably, only if absent; FileExistsError otherwise."""
@@ -91,7 +97,8 @@ class SharedStorage(LocalStorage):
         files of an unfinished ``put_create`` excluded)."""
         base = self._file(prefix.rstrip("/"))
         out = []
-        for dirpath, _, names in os.walk(base):
+        for dirpath, subdirs, names in os.walk(base):
+            subdirs.sort()
             rel = pathlib.Path(dirpath).relative_to(self.root).as_posix()
             for name in names:
                 if name.startswith("."):

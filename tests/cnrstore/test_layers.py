@@ -18,6 +18,7 @@ RANK = {
     "core": 3,
     "tools": 4,
     "distributed": 4,  # many ranks: the store over torch.distributed
+    "dcp": 5,        # torch.distributed.checkpoint storage over the (distributed) store
     "demo": 5,       # an application: the public facade and the tools (progress, sizes)
     "cli": 6,
     "__init__": 7,   # the public facade

@@ -1,6 +1,6 @@
-"""A short, bounded run of the fuzz targets in fuzz/: the decoders of pack records and
-trailers raise only CorruptObject on malformed bytes, never another exception, a hang or
-a big allocation.
+"""A short, bounded run of the fuzz targets in fuzz/: the decoders of pack records,
+trailers and commit documents raise only CorruptObject on malformed bytes, never another
+exception, a hang or a big allocation.
 
 Hypothesis feeds the targets' own ``check`` function arbitrary bytes and mutations of
 valid encodings (the atheris seed corpus), under tracemalloc to catch allocations out of
@@ -22,10 +22,11 @@ from hypothesis import strategies as st
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "fuzz"))
 
+import fuzz_commit  # noqa: E402
 import fuzz_record  # noqa: E402
 import fuzz_trailer  # noqa: E402
 
-TARGETS = {"record": fuzz_record, "trailer": fuzz_trailer}
+TARGETS = {"commit": fuzz_commit, "record": fuzz_record, "trailer": fuzz_trailer}
 # The decoders may hold input-sized buffers a few times over, and zstd may expand up to
 # the header's (bounded) raw_len; anything past this is a decompression bomb let through.
 ALLOC_LIMIT = 32 << 20
@@ -69,6 +70,14 @@ def test_seeds_decode(name):
     target = TARGETS[name]
     for seed in target.seeds():
         target.check(seed)
+
+
+def test_commit_seeds_really_decode():
+    from engine.storage.commitdoc import decode_commit
+
+    for seed in fuzz_commit.seeds():
+        buf = fuzz_commit.reseal(seed[1:]) if seed[:1] == b"\x01" else seed
+        assert decode_commit(buf, fuzz_commit.KEY)["seq"] == 3
 
 
 def test_record_seeds_really_decode():

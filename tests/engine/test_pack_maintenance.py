@@ -145,9 +145,12 @@ def test_repair_skips_damaged_records_and_trailers(tmp_path):
         assert {p.what for p in report.damaged} >= {"corrupt", "damaged-trailer"}
         assert report.objects_indexed == 4  # 3 data + the meta node
         assert not store.has(ids[1]) and store.get(ids[2]).payload
-        # the root's DAG is incomplete, so repair drops it rather than point at a hole
-        assert store.roots() == {}
-        assert any(p.what == "dangling-root" for p in report.damaged)
+        # the root's DAG is incomplete, but the rest of it reads: repair keeps it (issue 23)
+        assert set(store.roots()) == {"r"}
+        assert [(r.action, r.lost) for r in report.roots] == [("damaged", (ids[1],))]
+        assert any(p.what == "damaged-root" for p in report.damaged)
+        skipped = [p for p in report.damaged if p.what == "corrupt"]
+        assert [(p.oid, p.offset) for p in skipped] == [(ids[1], victim.offset)]
 
 def test_repair_rolls_a_damaged_root_back_and_keeps_the_others(tmp_path):
     path = tmp_path / "s"
@@ -167,7 +170,8 @@ def test_repair_rolls_a_damaged_root_back_and_keeps_the_others(tmp_path):
     with engine.open(path) as store:
         report = store.repair()
         assert store.roots() == {"a": old, "b": expect_b, "c": expect_c}
-        assert [p.what for p in report.damaged] == ["root-rolled-back"]
+        assert [p.what for p in report.damaged] == ["missing-pack", "root-rolled-back"]
+        assert report.damaged[0].pack == engine.pack.pack_name(lost)
         assert store.verify(deep=True).ok
 
 def test_open_finishes_a_repair_swap_a_crash_interrupted(tmp_path):
@@ -252,3 +256,146 @@ def test_maintenance_at_scale(tmp_path):
         rep = store.repair()
         assert (rep.objects_indexed, rep.roots_restored, rep.damaged) == (25_026, 1, ())
         assert store.get(ids[0]).payload == random.Random(0).randbytes(200)
+
+
+# -- issue 23: a repair never makes readable data unreadable -----------------------------
+
+def _records(pack: pathlib.Path):
+    from engine.pack import read_trailer, scan_records
+
+    return list(scan_records(pack.read_bytes(), name=pack.name,
+                             entries=read_trailer(pack, name=pack.name)))
+
+
+def test_repair_still_drops_a_root_whose_commit_never_completed(tmp_path):
+    # The index published commit 1; commit 2's roots record reached the packs but its data
+    # did not (a power cut between the packs' writes and the index transaction): showing
+    # "n" would show a commit that never was. The index says so by its commit_seq.
+    path = tmp_path / "s"
+    with engine.open(path) as store:
+        with store.writer() as w:
+            w.set_root("a", w.put(1, b"a target"))
+        shutil.copytree(path / "index", tmp_path / "index.before")
+        with store.writer() as w:
+            lost = w.put(1, os.urandom(3000))
+            w.set_root("n", w.put(2, b"node", [lost], meta=True))
+            w.set_root("a", w.put(1, b"a moved"))
+        victim = store._lookup(lost).pack
+    list_pack_files(path)[victim].unlink()
+    shutil.rmtree(path / "index")
+    shutil.copytree(tmp_path / "index.before", path / "index")
+    with engine.open(path, create=False) as store:  # stale: open rebuilds it
+        assert store.opened_with_repair is not None
+        # "a moved" lay in the lost pack too: "a" goes back to what the index had
+        assert set(store.roots()) == {"a"} and store.get(store.root("a")).payload == b"a target"
+        a, n = store.opened_with_repair.roots
+        assert (a.name, a.action, n.name, n.action, n.lost) == (
+            "a", "rolled-back", "n", "dropped", (lost,))
+        assert "never completed" in n.reason
+
+
+def test_repair_indexes_a_record_whose_only_damage_is_its_checksum(tmp_path):
+    path = tmp_path / "s"
+    with engine.open(path) as store:
+        with store.writer() as w:
+            oid = w.put(1, os.urandom(700))
+            w.set_root("r", w.put(2, b"n", [oid], meta=True))
+        e = store._lookup(oid)
+    pack = list_pack_files(path)[e.pack]
+    raw = bytearray(pack.read_bytes())
+    raw[e.offset + e.length - 2] ^= 4  # inside the record's checksum field
+    pack.write_bytes(bytes(raw))
+    with engine.open(path) as store:
+        report = store.repair()
+        assert [p.what for p in report.damaged] == ["bad-checksum"]
+        assert report.damaged[0].oid == oid and report.roots == ()
+        with store.writer() as w:  # the id proves the content: the object is there
+            assert w.has(oid)
+
+
+def test_repair_takes_the_roots_from_an_intact_index_when_roots_records_are_lost(tmp_path):
+    # The newest roots record (a delta naming "c") is damaged: replaying the others alone
+    # would forget "c", although the index, current and checksummed, still names it.
+    path = tmp_path / "s"
+    with engine.open(path) as store:
+        for name in "abc":
+            with store.writer() as w:
+                w.set_root(name, w.put(1, name.encode() * 50))
+        expect = store.roots()
+    meta = max(p for p in list_pack_files(path).values()
+               if any(r.record and r.record.header.rtype != 0 for r in _records(p)))
+    rec = next(r for r in _records(meta) if r.record and r.record.header.rtype != 0)
+    raw = bytearray(meta.read_bytes())
+    raw[rec.offset + rec.record.header.length - 12] ^= 1  # inside its payload
+    meta.write_bytes(bytes(raw))
+    with engine.open(path) as store:
+        plan = store.repair(dry_run=True)
+        assert plan.dry_run and plan.roots_restored == 3
+        report = store.repair()
+        assert store.roots() == expect
+        assert "roots-from-index" in [p.what for p in report.damaged]
+        with store.writer() as w:  # the chain restarts with a full snapshot
+            w.set_root("d", w.put(1, b"d"))
+    shutil.rmtree(path / "index")
+    with engine.open(path) as store:  # rebuilt from the packs alone: the new snapshot
+        assert set(store.roots()) == {"a", "b", "c", "d"}
+
+
+def test_repair_dry_run_writes_nothing(tmp_path):
+    path = tmp_path / "s"
+    with engine.open(path) as store:
+        with store.writer() as w:
+            ids = [w.put(1, os.urandom(400)) for _ in range(3)]
+            w.set_root("r", w.put(2, b"n", ids, meta=True))
+        e = store._lookup(ids[0])
+    pack = list_pack_files(path)[e.pack]
+    raw = bytearray(pack.read_bytes())
+    raw[e.offset + 80] ^= 1
+    pack.write_bytes(bytes(raw))
+    from engine.repair import plan_at
+
+    def files() -> dict[pathlib.Path, bytes]:
+        return {p: p.read_bytes() for p in path.rglob("*") if p.is_file()}
+
+    before = files()
+    at = plan_at(path)  # not even LMDB's reader table is touched
+    assert files() == before
+    with engine.open(path, create=False, readonly=True) as store:
+        plan = store.repair(dry_run=True)
+    after = files()
+    lock = path / "index" / "lock.mdb"  # a read-only handle registers there as a reader
+    assert {k: v for k, v in after.items() if k != lock} == {
+        k: v for k, v in before.items() if k != lock}
+    assert at.roots == plan.roots
+    [r] = plan.roots
+    assert (r.name, r.action, r.lost, r.branches) == ("r", "damaged", (ids[0],),
+                                                     ((ids[0], (ids[0],)),))
+    assert r.node is not None and r.node.payload == b"n"
+
+
+def test_repair_brings_back_roots_an_earlier_repair_dropped(tmp_path):
+    # The index an earlier repair wrote lacks roots it dropped (issue 23: every step of a
+    # store with one bad data byte), with a roots checksum to match and the newest
+    # commit_seq. The packs' roots records still name them: a repair keeps them.
+    from engine import index as ix
+
+    path = tmp_path / "s"
+    with engine.open(path) as store:
+        for name in "abc":
+            with store.writer() as w:
+                w.set_root(name, w.put(1, name.encode() * 50))
+        expect = store.roots()
+        index = store._core.index
+
+        def drop_b(txn):
+            txn.delete(b"b", db=index.roots)
+            txn.put(ix.META_ROOTS_SUM, ix.roots_digest({k.encode(): v for k, v in
+                                                        expect.items() if k != "b"}),
+                    db=index.meta)
+
+        index.write(drop_b)
+    with engine.open(path) as store:
+        assert set(store.roots()) == {"a", "c"}
+        report = store.repair()
+        assert store.roots() == expect
+        assert [p.what for p in report.damaged] == ["root-not-in-index"]

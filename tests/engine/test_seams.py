@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 import engine
 from engine import options as eo
 from engine.errors import OptionsMismatch, StoreError
-from engine.repair import _complete
+from engine.repairroots import lost_under
 from engine.walk import walk
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -144,10 +144,10 @@ def test_repair_completeness_uses_the_walk():
         leaf = w.put(1, b"leaf")
         top = w.put(2, b"top", [leaf])
     entries = {leaf: _Entry(()), top: _Entry((leaf,))}
-    assert _complete(entries, {"r": top})
+    assert lost_under(entries, [top]) == set()
     del entries[leaf]
-    assert not _complete(entries, {"r": top})
-    assert _complete(entries, {})
+    assert lost_under(entries, [top]) == {leaf}
+    assert lost_under(entries, []) == set()
 
 
 class _Entry:

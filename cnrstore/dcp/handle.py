@@ -1,0 +1,89 @@
+"""The store a DCP writer or reader works on: an open store used as it is, or a path
+opened (collectively, on every rank of the group) for one save or load and closed after.
+
+DCP runs its steps on every rank, and a rank whose own part failed still reaches the
+next of cnrstore's rounds with its error (``agree``), so every rank raises the same error
+and none waits for another. A plain store (one process, ``no_dist=True``) has no rounds.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch.distributed as dist
+
+from cnrstore.core.store import CheckpointStore
+from cnrstore.distributed.opener import open as open_store
+from cnrstore.distributed.store import DistributedStore
+from cnrstore.errors import InvalidInput, InvalidType
+
+__all__ = ["Target"]
+
+
+class Target:
+    """A store given as an open handle or as a path (with the keyword arguments of
+    ``cnrstore.open``); picklable when given as a path (DCP's process executor sends the
+    writer to its checkpoint process, which opens the path itself)."""
+
+    def __init__(self, store: Any, group: Any, open_kwargs: dict[str, Any]):
+        if isinstance(store, (CheckpointStore, DistributedStore)):
+            if group not in (None, False) or open_kwargs:
+                raise InvalidInput("group= and open options are for a path; an open store "
+                                   "is used as it was opened")
+            self.path: str | None = None
+            self.store: Any = store
+        elif isinstance(store, (str, os.PathLike)):
+            self.path = os.fspath(store)
+            self.store = None
+        else:
+            raise InvalidType("the first argument must be a store path or an open cnrstore "
+                              f"store, got {type(store).__name__}")
+        self.group = group
+        self.open_kwargs = dict(open_kwargs)
+
+    def __getstate__(self) -> dict:
+        if self.path is None:
+            raise InvalidInput("an open cnrstore store cannot be sent to another process "
+                               "(DCP's process executor): give the writer the store's path")
+        return {**self.__dict__, "store": None}
+
+    def reset(self, checkpoint_id: Any) -> None:
+        """DCP's checkpoint_id, when given, is the store's path."""
+        if checkpoint_id is None:
+            return
+        if self.path is None:
+            raise InvalidInput("checkpoint_id names a store path; this writer or reader was "
+                               "given an open store")
+        self.path = os.fspath(checkpoint_id)
+
+    def _group(self) -> Any:
+        if self.group is False:  # this process alone (no_dist=True inside a many-rank job)
+            return None
+        if self.group is not None:
+            return self.group
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            return dist.group.WORLD
+        return None
+
+    def open(self) -> Any:
+        """The store, opened now if given as a path (collective with a group)."""
+        if self.store is None:
+            assert self.path is not None
+            self.store = open_store(self.path, group=self._group(), **self.open_kwargs)
+        return self.store
+
+    def done(self) -> None:
+        """After a save or load: close a store this target opened."""
+        if self.path is not None and self.store is not None:
+            store, self.store = self.store, None
+            store.close()
+
+    def agree(self, err: BaseException | None, what: str, payload: Any = None) -> list[Any]:
+        """Every rank's payload, or the lowest failed rank's error raised on every rank."""
+        store = self.store
+        if isinstance(store, DistributedStore):
+            return store.comm.agree(err, what, payload)
+        if err is not None:
+            raise err
+        return [payload]

@@ -1,0 +1,183 @@
+"""``StorageReader``: DCP's load out of one cnrstore step (docs/GUIDE.md, "From DCP").
+
+``read_metadata`` gives DCP the step's document (docmeta.py) as its Metadata: each tensor
+one chunk, the whole table, so DCP's planner turns any target sharding into reads of row
+ranges (and, for a target cut along other dims, column ranges of those rows).
+``read_data`` reads, per table, the rows this rank's reads span, in ONE collective
+``get_tables`` (each rank reads only the blocks overlapping its rows), and copies each
+read's rectangle into the tensor DCP resolves for it.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.storage import StorageReader as _DCPReader
+from torch.futures import Future
+
+import cnrstore.dcp.docmeta as docmeta
+from cnrstore.codec.layout import dtype_name
+from cnrstore.core.validate import check_step
+from cnrstore.dcp.handle import Target
+from cnrstore.distributed.shard import Shard
+from cnrstore.distributed.store import DistributedStore
+from cnrstore.errors import InvalidInput, StepNotFound
+
+__all__ = ["StorageReader"]
+
+
+def _rows(item: ReadItem) -> tuple[int, int]:
+    if not len(item.lengths):  # a scalar: the table's one row
+        return 0, 1
+    lo = int(item.storage_offsets[0])
+    return lo, lo + int(item.lengths[0])
+
+
+class StorageReader(_DCPReader):
+    """DCP storage reader of ``step`` (None: the latest) of a cnrstore store: an open
+    store, or a path opened on every rank for the load and closed after (``group`` and
+    the keyword arguments of ``cnrstore.open``, as for StorageWriter)."""
+
+    def __init__(self, store: Any, step: int | None = None, *, group: Any = None,
+                 **open_kwargs: Any):
+        super().__init__()
+        if step is not None:
+            check_step(step)
+        self.target = Target(store, group, open_kwargs)
+        self.step = step
+        self.doc: dict | None = None
+        self.read_step: int | None = None
+
+    # -- DCP's interface -----------------------------------------------------------------
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        self.target.reset(checkpoint_id)
+        self.doc = None
+        self.read_step = None
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return False  # never picked by DCP for a bare checkpoint_id: pass a reader
+
+    def read_metadata(self) -> Metadata:
+        # No **kwargs: DCP would then retry with rank= for per-rank metadata there is none of.
+        # A path is opened here and again in read_data: DCP calls nothing after a failed
+        # plan (a shape that does not match), so a store kept open between the two would
+        # stay open, its index locked, in a job that goes on.
+        try:
+            store = self.target.open()
+            step = self.step
+            if step is None:
+                steps = store.steps()
+                if not steps:
+                    raise StepNotFound(-1, "DCP load: the store holds no step (step=None "
+                                           "asks for the latest)")
+                step = steps[-1]
+            doc = store.metadata(step).get(docmeta.KEY)
+            if doc is None:
+                raise InvalidInput(f"step {step} was not written through DCP (no DCP metadata); "
+                                   "read it with get_tables or get_state")
+            md = docmeta.to_metadata(doc, step)
+        finally:
+            self.target.done()
+        self.doc, self.read_step = doc, step
+        return md
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any,
+                              **kwargs: Any) -> None:
+        return None
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        try:
+            self.target.open()
+            self._read(plan, planner)
+        finally:
+            self.target.done()
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    # -- the load ------------------------------------------------------------------------
+    def _read(self, plan: LoadPlan, planner: LoadPlanner) -> None:
+        err: BaseException | None = None
+        spans: dict[str, tuple[int, int]] = {}
+        direct: dict[str, Any] = {}     # fqn -> the destination cnrstore decodes into
+        copied: list[tuple[ReadItem, torch.Tensor]] = []
+        try:
+            doc = self.doc
+            if doc is None or self.target.store is None:
+                raise InvalidInput("DCP load: read_data before read_metadata")
+            tensors = [i for i in plan.items if i.type != LoadItemType.BYTE_IO]
+            per_fqn: dict[str, int] = {}
+            for item in plan.items:
+                fqn = item.storage_index.fqn
+                if item.type == LoadItemType.BYTE_IO:
+                    if fqn not in doc["bytes"]:
+                        raise InvalidInput(f"DCP load: step {self.read_step} holds no value "
+                                           f"{fqn!r}")
+                    planner.load_bytes(item, io.BytesIO(doc["bytes"][fqn]))
+                elif fqn not in doc["tensors"]:
+                    raise InvalidInput(f"DCP load: step {self.read_step} holds no tensor {fqn!r}")
+                else:
+                    per_fqn[fqn] = per_fqn.get(fqn, 0) + 1
+            for item in tensors:
+                fqn = item.storage_index.fqn
+                dest = planner.resolve_tensor(item).detach()
+                target = self._direct(item, dest, doc) if per_fqn[fqn] == 1 else None
+                if target is not None:
+                    direct[fqn] = target
+                else:
+                    lo, hi = _rows(item)
+                    a, b = spans.get(fqn, (lo, hi))
+                    spans[fqn] = (min(a, lo), max(b, hi))
+                copied.append((item, dest))
+        except BaseException as exc:
+            err = exc
+        self.target.agree(err, "DCP load: plan")
+        store, doc = self.target.store, self.doc
+        assert doc is not None
+        # Two collective reads, the same on every rank: pieces of whole rows decode
+        # straight into their destination, the others are read and copied.
+        store.get_tables(self.read_step, out=direct)
+        got = store.get_tables(self.read_step, names=sorted(spans),
+                               rows={fqn: slice(lo, hi) for fqn, (lo, hi) in spans.items()})
+        for item, dest in copied:
+            fqn = item.storage_index.fqn
+            if fqn in spans:
+                size = doc["tensors"][fqn][1]
+                lo, hi = _rows(item)
+                first = spans[fqn][0]
+                src = got[fqn][lo - first:hi - first]
+                if not size:
+                    src = src.reshape(())
+                for dim in range(1, len(size)):
+                    src = src.narrow(dim, int(item.storage_offsets[dim]), int(item.lengths[dim]))
+                if dest.shape != src.shape:
+                    raise InvalidInput(f"DCP load: {fqn!r}: the target's piece is "
+                                       f"{tuple(dest.shape)}, the stored piece {tuple(src.shape)}")
+                dest.copy_(src)
+            planner.commit_tensor(item, dest)
+
+    def _direct(self, item: ReadItem, dest: torch.Tensor, doc: dict) -> Any:
+        """What ``get_tables(out=...)`` fills for ``item``, or None when it must be copied:
+        the piece holds whole rows, in a contiguous CPU tensor of the stored dtype."""
+        dtype, size, _, _ = doc["tensors"][item.storage_index.fqn]
+        if not size or list(item.lengths[1:]) != list(size[1:]) or any(item.storage_offsets[1:]):
+            return None
+        if (not dest.is_contiguous() or dest.device.type != "cpu"
+                or dtype_name(dest.dtype) != dtype or list(dest.shape) != list(item.lengths)):
+            return None
+        lo, hi = _rows(item)
+        if isinstance(self.target.store, DistributedStore):
+            return Shard(dest, row_offset=lo, rows=int(size[0]))
+        return dest if (lo, hi) == (0, int(size[0])) else None
