@@ -9,8 +9,9 @@
 
 The user guide is docs/GUIDE.md (API, quantization schemes and their error bounds,
 retention and gc, async puts, partial restores); docs/MANIFEST.md and docs/FORMAT.md say
-what is stored on disk. ``cnrstore.tools.info`` lists, shows, diffs and sizes steps from
-Python; the ``cnrstore`` command (``python -m cnrstore``) does the same from a shell.
+what is stored on disk. ``cnrstore.inspect`` (cnrstore/tools/info.py) lists, shows, diffs
+and sizes steps from Python, ``cnrstore.transfer`` exports and imports safetensors; the
+``cnrstore`` command (``python -m cnrstore``) does the same from a shell.
 
 Every error cnrstore raises derives from ``cnrstore.CheckpointError`` (the tree is drawn in
 cnrstore/errors.py). The store API is imported on first use (PEP 562), so ``import
@@ -26,6 +27,7 @@ from cnrstore.codec.layout import SCHEMES
 from cnrstore.errors import (
     BadPath,
     CheckpointError,
+    CollectiveMismatch,
     ConcurrentCommit,
     CorruptData,
     InvalidInput,
@@ -65,6 +67,7 @@ __all__ = [
     "Change",
     "CheckpointError",
     "CheckpointStore",
+    "CollectiveMismatch",
     "ConcurrentCommit",
     "CorruptData",
     "DistributedStore",
@@ -111,8 +114,20 @@ _LAZY = {
     "Shard": "cnrstore.distributed.shard",
 }
 
+# Modules of the Python tools, as docs/GUIDE.md imports them (``from cnrstore import
+# inspect, transfer``); left out of __all__ so that a star import never shadows the
+# standard library's inspect.
+_TOOLS = {
+    "inspect": "cnrstore.tools.info",
+    "transfer": "cnrstore.tools.transfer",
+}
+
 
 def __getattr__(name: str) -> Any:
+    if name in _TOOLS:
+        value: Any = importlib.import_module(_TOOLS[name])
+        globals()[name] = value
+        return value
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'cnrstore' has no attribute {name!r}")
@@ -122,4 +137,4 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+    return sorted(set(globals()) | set(__all__) | set(_TOOLS))

@@ -22,6 +22,7 @@
     ├── MissingExtra (ImportError)   an optional dependency is not installed (exit 2)
     ├── WriteFailed                  a background put failed (cause in __cause__)
     └── RankFailed                   a rank of a distributed store died or timed out
+        └── CollectiveMismatch       the ranks made different store calls (.calls)
 
 Catching ``CheckpointError`` catches all of them: corrupt data, a missing step and bad input
 alike. The storage engine keeps its own tree (``engine.StoreError``); its errors are
@@ -79,6 +80,7 @@ __all__ = [
     "MissingExtra",
     "WriteFailed",
     "RankFailed",
+    "CollectiveMismatch",
     "translate",
     "engine_errors",
     "translating",
@@ -281,6 +283,18 @@ class RankFailed(CheckpointError):
     def __init__(self, message: str, *, rank: int | None = None):
         super().__init__(message)
         self.rank = rank
+
+
+class CollectiveMismatch(RankFailed):
+    """The ranks of a distributed store are not in the same call: every method is
+    collective, and a rank called another one (or skipped one). Detected at the first
+    round where they differ, on every rank; ``calls`` lists, per rank, the round it was
+    in as (what, round number of the handle). The handle is then unusable, as after
+    RankFailed: close it and open the store again."""
+
+    def __init__(self, message: str, *, calls: list[tuple[str, int]] | None = None):
+        super().__init__(message)
+        self.calls = calls
 
 
 # -- the boundary with the storage engine ---------------------------------------------------

@@ -21,7 +21,7 @@ from cnrstore.core.snapshot import HostBuffers
 from cnrstore.core.tablestate import DeferredBase, TableState, cancel_deferred
 from cnrstore.core.validate import check_step
 from cnrstore.core.writer import BackgroundWriter
-from cnrstore.errors import CheckpointError, InvalidInput, StepNotFound
+from cnrstore.errors import CheckpointError, ReadOnlyStore, StepNotFound
 from cnrstore.format.manifest import TableManifest, list_steps
 from engine import ObjectStore
 
@@ -57,7 +57,7 @@ class StoreCore:
 
     def check_writable(self, what: str) -> None:
         if getattr(self.objects, "readonly", False):
-            raise InvalidInput(f"{what}: the store was opened with readonly=True")
+            raise ReadOnlyStore(f"{what}: the store was opened with readonly=True")
 
     def close(self) -> None:
         with self.lock:

@@ -20,15 +20,18 @@ Structure document (msgpack, one map per node):
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import msgpack
 import torch
 
+from cnrstore.core.validate import is_shard, not_a_tensor
 from cnrstore.errors import InvalidInput, InvalidType, ManifestError
 
-__all__ = ["FlatState", "flatten", "unflatten", "fill", "check_structure"]
+__all__ = ["FlatState", "flatten", "unflatten", "fill", "lazy_tables", "stored_leaf",
+           "check_structure"]
 
 _SCALARS = (type(None), bool, int, float, str, bytes)
 SEP = "/"
@@ -102,6 +105,8 @@ def flatten(state) -> FlatState:
             ):
                 raise InvalidInput(f"state value at {path!r} is an int beyond 64 bits")
             return {"p": value}
+        if is_shard(value):
+            raise not_a_tensor(f"state value at {path!r}", value)
         raise InvalidType(
             f"state value at {path!r} is a {type(value).__name__}; leaves must be tensors "
             "or None/bool/int/float/str/bytes"
@@ -167,16 +172,78 @@ def unflatten(doc: dict, tensor: Callable[[str, tuple[int, ...]], torch.Tensor])
     return build(doc)
 
 
+def _sequence(doc: dict) -> list | None:
+    return doc.get("l", doc.get("t")) if ("l" in doc or "t" in doc) else None
+
+
+def _lazy(given, doc: dict) -> bool:
+    """True where ``given`` is an empty dict or list and the stored node a non-empty one:
+    a container its owner fills lazily (torch.optim's Adam and SGD create their "state"
+    at the first ``step()``), so the stored entries are adopted, not left out."""
+    if isinstance(given, Mapping):
+        return not given and bool(doc.get("d"))
+    if isinstance(given, (list, tuple)):
+        return not given and bool(_sequence(doc))
+    return False
+
+
+def lazy_tables(given, doc: dict, *, is_tensor: Callable[[Any], bool] | None = None
+                ) -> dict[str, tuple[int, ...]]:
+    """Table name -> shape of the stored tensor leaves that ``fill`` adopts into the empty
+    containers of ``given`` (``_lazy``): they are read fresh, as get_state reads them."""
+    out: dict[str, tuple[int, ...]] = {}
+
+    def walk(g, d) -> None:
+        if not isinstance(d, dict) or isinstance(g, torch.Tensor) or (
+                is_tensor is not None and is_tensor(g)):
+            return
+        if _lazy(g, d):
+            out.update(check_structure(d))
+        elif isinstance(g, Mapping) and "d" in d:
+            stored = {key: child for key, child in d["d"]}
+            for key, child in g.items():
+                if key in stored:
+                    walk(child, stored[key])
+        elif isinstance(g, (list, tuple)) and _sequence(d) is not None:
+            for c, sub in zip(g, _sequence(d) or []):
+                walk(c, sub)
+
+    walk(given, doc)
+    return out
+
+
+def stored_leaf(step: int, tables: Mapping[str, torch.Tensor]
+                ) -> Callable[[str, tuple[int, ...]], torch.Tensor]:
+    """``unflatten``'s tensor leaf from the tables read for a step: each in the shape its
+    leaf was put with (a 0-dim tensor was stored as one row)."""
+
+    def leaf(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        t = tables[name]
+        if t.numel() != math.prod(shape):
+            raise ManifestError(f"step {step}: table {name!r} holds {tuple(t.shape)}, its "
+                                f"state leaf says {shape}")
+        return t.reshape(shape)
+
+    return leaf
+
+
 def fill(given, doc: dict, *, strict: bool, path: str = "",
-         is_tensor: Callable[[Any], bool] | None = None):
+         is_tensor: Callable[[Any], bool] | None = None,
+         adopt: Callable[[dict], Any] | None = None):
     """``given`` with its Python leaves replaced by the stored ones of ``doc`` (tensors are
     kept: the caller restored them in place). Containers are rebuilt with the given types;
     entries ``doc`` lacks are kept as they are (strict checking happens before).
     ``is_tensor``: what else the caller restored in place as a tensor leaf (the
-    distributed store's Shards)."""
+    distributed store's Shards). ``adopt(node)``: the stored subtree for an empty
+    container of ``given`` that the store holds filled (``lazy_tables``), or None to keep
+    it empty; without ``adopt`` such containers stay empty."""
     if isinstance(given, torch.Tensor) or (is_tensor is not None and "T" in doc
                                            and is_tensor(given)):
         return given
+    if adopt is not None and _lazy(given, doc):
+        adopted = adopt(doc)
+        if adopted is not None:
+            return adopted
     if isinstance(given, Mapping) and "d" in doc:
         stored = {key: child for key, child in doc["d"]}
         out: Any = copy.copy(given)  # keeps the mapping's type and attributes (state_dict metadata)
@@ -185,7 +252,7 @@ def fill(given, doc: dict, *, strict: bool, path: str = "",
             sub = f"{path}{SEP}{text}" if path else text
             if key in stored:
                 out[key] = fill(child, stored[key], strict=strict, path=sub,
-                                is_tensor=is_tensor)
+                                is_tensor=is_tensor, adopt=adopt)
             elif strict:
                 raise InvalidInput(f"state entry {sub!r} is not in the stored state")
         return out
@@ -195,7 +262,7 @@ def fill(given, doc: dict, *, strict: bool, path: str = "",
             raise InvalidInput(f"state entry {path!r} has {len(given)} items, the stored "
                                f"state {len(seq)}")
         items = [fill(c, seq[i], strict=strict, path=f"{path}{SEP}{i}" if path else str(i),
-                      is_tensor=is_tensor)
+                      is_tensor=is_tensor, adopt=adopt)
                  if i < len(seq) else c for i, c in enumerate(given)]
         return tuple(items) if isinstance(given, tuple) else items
     if "p" in doc:

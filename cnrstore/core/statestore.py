@@ -10,17 +10,22 @@ byte is written.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
-
-import torch
 
 from cnrstore.core import maintenance
 from cnrstore.core.handle import StoreCore
 from cnrstore.core.put import put
 from cnrstore.core.restore import read_into, seed_later, table_hints
-from cnrstore.core.state import check_structure, fill, flatten, unflatten
+from cnrstore.core.state import (
+    check_structure,
+    fill,
+    flatten,
+    lazy_tables,
+    stored_leaf,
+    unflatten,
+)
 from cnrstore.core.tablestate import parse_dtype
+from cnrstore.core.validate import check_destination
 from cnrstore.errors import InvalidInput, InvalidType, ManifestError, TableNotFound
 from cnrstore.format.manifest import StepNode, load_manifest, load_step, root_name
 
@@ -59,15 +64,7 @@ def get_state(core: StoreCore, step, *, device):
     tables = maintenance.get_tables(core, step, names=None, rows=None, device=device)
     if node.state is None:  # a put_tables step: its tables are its state
         return tables
-
-    def leaf(name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        t = tables[name]
-        if t.numel() != math.prod(shape):
-            raise ManifestError(f"step {step}: table {name!r} holds {tuple(t.shape)}, its "
-                                f"state leaf says {shape}")
-        return t.reshape(shape)
-
-    return unflatten(node.state, leaf)
+    return unflatten(node.state, stored_leaf(step, tables))
 
 
 def load_state(core: StoreCore, step, state, *, strict: bool):
@@ -75,6 +72,8 @@ def load_state(core: StoreCore, step, state, *, strict: bool):
     if step is None:
         return core.latest(None, lambda s: load_state(core, s, state, strict=strict))
     flat = flatten(state)
+    for name, t in flat.tables.items():
+        check_destination(f"state entry {name!r}", t)
     step, node, shapes = _stored(core, step)
     present = set(node.tables)
     missing = [n for n in flat.tables if n not in present]
@@ -85,7 +84,14 @@ def load_state(core: StoreCore, step, state, *, strict: bool):
             raise InvalidInput(f"state entry {name!r} has shape {flat.shapes[name]}, step "
                                f"{step} holds {shapes[name]}; nothing was written")
     if node.state is not None:
-        result = fill(state, node.state, strict=strict)
+        # An empty container the store holds filled (a fresh Adam's "state": {}) gets the
+        # stored entries as fresh tensors: left empty, opt.load_state_dict(...) resumed
+        # with no optimizer state at all, silently.
+        lazy = lazy_tables(state, node.state)
+        fresh = maintenance.get_tables(core, step, names=sorted(lazy), rows=None,
+                                       device="cpu") if lazy else {}
+        result = fill(state, node.state, strict=strict,
+                      adopt=lambda doc: unflatten(doc, stored_leaf(step, fresh)))
     elif strict and _has_python_leaves(flat.doc):
         raise InvalidInput(f"step {step} was put with put_tables and holds no Python values; "
                            "pass only tensors or strict=False")
@@ -112,10 +118,7 @@ def get_into(core: StoreCore, step, out: Mapping, *, names=None, rows=None) -> d
     if not isinstance(out, Mapping):
         raise InvalidType("out must be a mapping table name -> tensor")
     for name, t in out.items():
-        if not isinstance(t, torch.Tensor):
-            raise InvalidType(f"out[{name!r}] must be a torch.Tensor, got {type(t).__name__}")
-        if t.is_sparse or t.is_quantized or t.layout != torch.strided:
-            raise InvalidInput(f"out[{name!r}] must be a dense strided tensor")
+        check_destination(f"out[{name!r}]", t)
     step = core.resolve_step(step)
     manifest = load_manifest(core.objects, step, names=list(out))
     for name, tm in manifest.tables.items():

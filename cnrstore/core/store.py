@@ -22,7 +22,7 @@ from cnrstore.core.options import Options, make_options, resolve_stored
 from cnrstore.core.put import put
 from cnrstore.core.snapshot import HostBuffers
 from cnrstore.core.writer import BackgroundWriter, StepInfo
-from cnrstore.errors import InvalidType, translating
+from cnrstore.errors import BadPath, InvalidType, translating
 from cnrstore.format.manifest import list_steps
 from engine import ObjectStore
 
@@ -145,9 +145,12 @@ class CheckpointStore:
     def load_state(self, step: int | None, state, *, strict: bool = True):
         """Restore ``step`` (None: the highest) into the tensors of ``state`` in place (no
         second copy of a table) and return ``state`` with its Python leaves as stored.
-        Every name, shape and dtype is checked before any tensor is written; entries the
-        step lacks are an error, skipped with ``strict=False``; stored entries ``state``
-        does not name are left alone."""
+        Every name, shape and dtype is checked before any tensor is written (a meta or
+        self-overlapping destination is InvalidInput); entries the step lacks are an
+        error, skipped with ``strict=False``; stored entries ``state`` does not name are
+        left alone, except in an empty dict or list of ``state`` that the step holds
+        filled (a fresh Adam's ``"state": {}``): it comes back filled, with fresh CPU
+        tensors, so ``opt.load_state_dict(result["optim"])`` resumes the optimizer."""
         return statestore.load_state(self._core, step, state, strict=strict)
 
     @translating
@@ -196,6 +199,7 @@ class CheckpointStore:
         """Delete every step after ``step`` in one atomic commit, so ``step`` is the latest
         again and the next put (which must be above it) is incremental against it. Returns
         the deleted steps; StepNotFound if ``step`` does not exist. gc reclaims the bytes."""
+        self._core.check_writable("rollback")
         return lineage.rollback(self._core, step)
 
     @translating
@@ -242,14 +246,18 @@ def open(  # noqa: A001 - the public name is cnrstore.open, like engine.open
     ``compression_level`` is the engine's zstd level for new records: on element planes of
     fp32 rows level 1 compresses as well as level 3 (1.19x vs 1.17x measured) at twice the
     speed. ``readonly=True`` opens without the writer lock and writes nothing (a store
-    whose files are not writable can still be read); put, delete and gc then raise
-    InvalidInput. ``options`` and the keyword arguments are the store options
-    (cnrstore.Options; e.g. ``block_rows=1024``), as for CheckpointStore.
+    whose files are not writable can still be read); put, delete, rollback and gc then
+    raise ReadOnlyStore (an InvalidInput). ``options`` and the keyword arguments are the
+    store options (cnrstore.Options; e.g. ``block_rows=1024``), as for CheckpointStore.
     ``path`` may be ``s3://bucket/prefix``: the index is then cached in ``cache_dir`` and
     the AWS_* environment, overridden by ``storage_options``, configures the client
-    (cnrstore/core/location.py)."""
-    from cnrstore.core.location import open_objects
+    (cnrstore/core/location.py). A directory path with no store there (missing, or an
+    empty directory) and ``create=False`` or ``readonly=True`` is BadPath, as is a path
+    that is a file."""
+    from cnrstore.core.location import is_url, open_objects
 
+    if not is_url(path):
+        _check_dir(path, create=create, readonly=readonly)
     objects = open_objects(path, cache_dir=cache_dir, storage_options=storage_options,
                            create=create and not readonly,
                            compression_level=compression_level, readonly=readonly)
@@ -258,3 +266,15 @@ def open(  # noqa: A001 - the public name is cnrstore.open, like engine.open
     except BaseException:
         objects.close()
         raise
+
+
+def _check_dir(path: str | os.PathLike, *, create: bool, readonly: bool) -> None:
+    """BadPath for a directory store path that cannot be opened as asked, before the
+    engine touches it (its FormatError became StorageError, a problem of the store)."""
+    p = os.fspath(path)
+    if os.path.exists(p) and not os.path.isdir(p):
+        raise BadPath(f"{p} is a file; a store is a directory", path=p)
+    if (create and not readonly) or (os.path.isdir(p) and os.listdir(p)):
+        return
+    hint = "" if readonly else " (pass create=True to make one)"
+    raise BadPath(f"no store at {p}{hint}", path=p)

@@ -16,7 +16,8 @@ from cnrstore.errors import InvalidInput, InvalidType
 from cnrstore.format.manifest import KIND_STEP, MAX_NDIM, check_node_size
 
 __all__ = [
-    "check_step", "check_name", "check_device", "check_tables", "resolve_quant",
+    "check_step", "check_name", "check_device", "check_table", "check_tables",
+    "check_destination", "is_shard", "not_a_tensor", "overlaps", "resolve_quant",
     "pack_metadata", "check_touched",
 ]
 
@@ -48,24 +49,78 @@ def check_name(what: str, name) -> str:
     return name
 
 
+def is_shard(value) -> bool:
+    """A ``cnrstore.Shard`` (cnrstore/distributed/shard.py, a layer above: known by name)."""
+    cls = type(value)
+    return cls.__name__ == "Shard" and cls.__module__ == "cnrstore.distributed.shard"
+
+
+def not_a_tensor(what: str, value) -> InvalidType:
+    """The error for a value that should be a tensor; a Shard is named for what it needs."""
+    if is_shard(value):
+        return InvalidType(
+            f"{what} is a cnrstore.Shard: Shards are for a store opened collectively with "
+            "group= (cnrstore.open(path, group=pg)); a plain store takes the whole table "
+            "as a tensor")
+    return InvalidType(f"{what} must be a torch.Tensor, got {type(value).__name__}")
+
+
+def check_table(name: str, value) -> None:
+    """One tensor of a put: rows, a storable dtype, data, a dense strided layout."""
+    if not isinstance(value, torch.Tensor):
+        raise not_a_tensor(f"table {name!r}", value)
+    if value.layout != torch.strided or value.is_quantized or value.is_complex():
+        # is_sparse is true for COO only: a CSR/CSC/BSR tensor failed late, in torch
+        raise InvalidInput(f"table {name!r}: {value.layout} (sparse), quantized or complex "
+                           "tensors are unsupported; store a dense tensor (.to_dense())")
+    if value.ndim < 1:
+        raise InvalidInput(f"table {name!r} has ndim 0; a table needs rows (ndim >= 1)")
+    if value.ndim > MAX_NDIM:
+        raise InvalidInput(f"table {name!r} has {value.ndim} dims; a table node holds "
+                           f"at most {MAX_NDIM}")
+    if dtype_name(value.dtype) not in DTYPES:
+        raise InvalidInput(f"table {name!r}: dtype {value.dtype} cannot be stored")
+    if value.is_meta:
+        raise InvalidInput(f"table {name!r} is a meta tensor: it holds no data to store")
+
+
 def check_tables(tables) -> None:
     if not isinstance(tables, Mapping):
         raise InvalidType(f"tables must be a mapping name -> tensor, got {type(tables).__name__}")
     for name, value in tables.items():
         check_name("table name", name)
-        if not isinstance(value, torch.Tensor):
-            raise InvalidType(f"table {name!r} must be a torch.Tensor, got {type(value).__name__}")
-        if value.ndim < 1:
-            raise InvalidInput(f"table {name!r} has ndim 0; a table needs rows (ndim >= 1)")
-        if value.ndim > MAX_NDIM:
-            raise InvalidInput(f"table {name!r} has {value.ndim} dims; a table node holds "
-                               f"at most {MAX_NDIM}")
-        if dtype_name(value.dtype) not in DTYPES:
-            raise InvalidInput(f"table {name!r}: dtype {value.dtype} cannot be stored")
-        if value.is_meta:
-            raise InvalidInput(f"table {name!r} is a meta tensor: it holds no data to store")
-        if value.is_sparse or value.is_quantized or value.is_complex():
-            raise InvalidInput(f"table {name!r}: sparse, quantized or complex tensors unsupported")
+        check_table(name, value)
+
+
+def overlaps(t: torch.Tensor) -> bool:
+    """True when elements of ``t`` may share memory (an ``expand``ed view, a stride 0, an
+    overlapping ``as_strided``): each dimension's stride must pass every offset that the
+    smaller-strided dimensions reach, else two indices can land on one element."""
+    reach = 0
+    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz > 1):
+        if stride <= reach:
+            return True
+        reach += stride * (size - 1)
+    return False
+
+
+def check_destination(what: str, t) -> None:
+    """A tensor a restore writes into in place: checked before anything is written (a
+    meta tensor would "restore" nothing; overlapping elements failed in torch midway,
+    after earlier tables were written)."""
+    if not isinstance(t, torch.Tensor):
+        raise not_a_tensor(what, t)
+    if t.layout != torch.strided or t.is_quantized:
+        raise InvalidInput(f"{what} must be a dense strided tensor, got {t.layout}"
+                           f"{' (quantized)' if t.is_quantized else ''}; nothing was written")
+    if t.is_meta:
+        raise InvalidInput(f"{what} is a meta tensor: it has no memory to restore into; "
+                           "nothing was written (materialize it first, e.g. "
+                           "module.to_empty(device='cpu'))")
+    if overlaps(t):
+        raise InvalidInput(f"{what} has elements that share memory (an expand()ed or "
+                           "as_strided view), so a restore cannot write each of them; "
+                           "nothing was written (pass a tensor of its own, e.g. .clone())")
 
 
 def pack_metadata(metadata) -> dict:
@@ -77,7 +132,9 @@ def pack_metadata(metadata) -> dict:
     doc = dict(metadata)
     try:
         packed = msgpack.packb(doc, use_bin_type=True)
-    except (TypeError, ValueError, OverflowError) as exc:
+    except (TypeError, ValueError, OverflowError, RecursionError) as exc:
+        # msgpack's C packer stops at 512 levels (ValueError); RecursionError is the
+        # pure-Python packer's (MSGPACK_PUREPYTHON) answer to the same nesting
         raise InvalidInput(f"metadata is not msgpack-serializable: {exc}") from exc
     try:  # the step node's caps (docs/MANIFEST.md, "Memory caps"), refused before writing
         check_node_size(KIND_STEP, packed, 0)

@@ -5,6 +5,12 @@ Every collective operation is a sequence of rounds; each round is an ``all_gathe
 broadcast from the coordinator) that every rank enters, also a rank whose local work
 failed: it enters with its error, and every rank then raises the same error
 (``agree``). A rank that skipped a round would leave the others waiting for the timeout.
+
+Every round carries its name and the handle's round number, and every public call
+begins with an all-gather: ranks that are in different calls (one called ``steps()``,
+another ``put_tables``, or one skipped a call) meet at the next all-gather, and every
+rank raises the same CollectiveMismatch naming what each was in, instead of exchanging
+one call's bytes for another's (or hanging until the timeout and blaming a dead rank).
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from cnrstore.errors import CheckpointError, RankFailed
+from cnrstore.errors import CheckpointError, CollectiveMismatch, RankFailed
 
 __all__ = ["Comm", "wire_error", "rebuild_error"]
 
@@ -54,11 +60,19 @@ class Comm:
         # for both groups of a handle and for a reopened handle, and their rendezvous
         # keys then collide (a hang, seen in tests). So, as for dist.new_group, every
         # process of the default group takes part in opening the store.
-        self.pg = dist.new_group(ranks, backend="gloo",
-                                 timeout=datetime.timedelta(seconds=timeout))
+        try:
+            self.pg = dist.new_group(ranks, backend="gloo",
+                                     timeout=datetime.timedelta(seconds=timeout))
+        except (RuntimeError, ConnectionError) as exc:  # DistStoreError: a rank never came
+            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise RankFailed(
+                f"open: not every rank of the default group joined within {timeout:g} s "
+                f"({first}); every process of the default group must call cnrstore.open "
+                "with group=, at the same point") from exc
         self.rank = dist.get_rank(self.pg)
         self.world = dist.get_world_size(self.pg)
         self.broken: str | None = None
+        self.rounds = 0  # rounds this handle's rank entered: the same on every rank
 
     @property
     def coordinator(self) -> bool:
@@ -68,33 +82,65 @@ class Comm:
         if self.broken is not None:
             raise RankFailed(f"{what}: the store's process group failed earlier "
                              f"({self.broken}); close the store and open it again")
+        self.rounds += 1
         try:
             return fn()
         except (RuntimeError, dist.DistBackendError, ConnectionError) as exc:
             # gloo reports a dead peer (connection reset) at once, a hung one at the timeout
             self.broken = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            raise RankFailed(f"{what}: a rank died or did not answer within "
-                             f"{self.timeout:g} s: {self.broken}") from exc
+            raise RankFailed(f"{what}: a rank died, did not answer within "
+                             f"{self.timeout:g} s, or did not make this call (every rank "
+                             f"must make the same store calls in the same order): "
+                             f"{self.broken}") from exc
+
+    def _tag(self, what: str) -> tuple[str, int]:
+        return (what, self.rounds + 1)  # the number _run gives the round
+
+    def _mismatch(self, tags: list[Any]) -> CollectiveMismatch:
+        calls = [tuple(t) if isinstance(t, (tuple, list)) else ("?", -1) for t in tags]
+        said = ", ".join(f"rank {r} in {w!r} (round {n})" if n >= 0 else
+                         f"rank {r} in another round" for r, (w, n) in enumerate(calls))
+        self.broken = "the ranks made different store calls"
+        return CollectiveMismatch(
+            f"the ranks are not in the same store call: {said}. Every method of a "
+            "distributed store is collective: every rank must make the same calls in the "
+            "same order. The handle is unusable now: close it and open the store again",
+            calls=calls)
 
     def all_gather(self, obj: Any, what: str) -> list[Any]:
+        tag = self._tag(what)
         out: list[Any] = [None] * self.world
-        self._run(what, lambda: dist.all_gather_object(out, obj, group=self.pg))
-        return out
+        self._run(what, lambda: dist.all_gather_object(out, (tag, obj), group=self.pg))
+        tags = [got[0] if isinstance(got, tuple) and len(got) == 2 else None for got in out]
+        if any(t != tag for t in tags):  # every rank sees the same list: all raise
+            raise self._mismatch(tags)
+        return [got[1] for got in out]
 
     def bcast(self, obj: Any, what: str) -> Any:
         """``obj`` of the coordinator, on every rank."""
-        box = [obj if self.coordinator else None]
+        tag = self._tag(what)
+        box = [(tag, obj) if self.coordinator else None]
         self._run(what, lambda: dist.broadcast_object_list(
             box, src=dist.get_global_rank(self.pg, 0), group=self.pg))
-        return box[0]
+        return self._untag(box[0], tag)
 
     def scatter(self, objs: list[Any] | None, what: str) -> Any:
         """``objs[rank]`` of the coordinator's list, on each rank."""
+        tag = self._tag(what)
         box: list[Any] = [None]
         self._run(what, lambda: dist.scatter_object_list(
-            box, objs if self.coordinator else None,
+            box, [(tag, o) for o in objs] if self.coordinator and objs is not None else None,
             src=dist.get_global_rank(self.pg, 0), group=self.pg))
-        return box[0]
+        return self._untag(box[0], tag)
+
+    def _untag(self, got: Any, tag: tuple[str, int]) -> Any:
+        # A round only the coordinator sends in: a receiver that is elsewhere finds out
+        # here (the coordinator at the next all-gather, which every call begins with).
+        sent = got[0] if isinstance(got, tuple) and len(got) == 2 else None
+        if sent != tag:
+            raise self._mismatch([sent if r == 0 else tag if r == self.rank else ("?", -1)
+                                  for r in range(self.world)])
+        return got[1]
 
     def exchange(self, buf: torch.Tensor, sizes: list[int], expect: list[int], what: str
                  ) -> list[torch.Tensor]:

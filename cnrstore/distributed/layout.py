@@ -11,14 +11,16 @@ the rows of it that other ranks hold move to the owner (``sends``).
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
+from cnrstore.codec.fingerprint import row_fingerprints
 from cnrstore.codec.layout import DTYPE_SIZES, dtype_name, parse_dtype
-from cnrstore.core.validate import check_name
+from cnrstore.core.validate import check_name, check_table
 from cnrstore.distributed.shard import Shard
 from cnrstore.errors import InvalidInput, InvalidType
 
@@ -35,10 +37,11 @@ class LocalTable:
     row_shape: tuple[int, ...]
     dtype: torch.dtype
     pieces: list[tuple[int, torch.Tensor]]
+    digest: str | None = None  # a plain table's content (``digest``), checked across ranks
 
     def spec(self) -> tuple:
         return (self.plain, self.rows, self.row_shape, dtype_name(self.dtype),
-                [(lo, lo + int(t.shape[0])) for lo, t in self.pieces])
+                [(lo, lo + int(t.shape[0])) for lo, t in self.pieces], self.digest)
 
 
 @dataclass(frozen=True)
@@ -63,14 +66,15 @@ class GlobalTable:
 
 
 def _check_tensor(name: str, value: torch.Tensor) -> None:
-    if value.ndim < 1:
-        raise InvalidInput(f"table {name!r} has ndim 0; a table needs rows (ndim >= 1)")
-    if dtype_name(value.dtype) not in DTYPE_SIZES:
-        raise InvalidInput(f"table {name!r}: dtype {value.dtype} cannot be stored")
-    if value.is_meta:
-        raise InvalidInput(f"table {name!r} is a meta tensor: it holds no data to store")
-    if value.is_sparse or value.is_quantized or value.is_complex():
-        raise InvalidInput(f"table {name!r}: sparse, quantized or complex tensors unsupported")
+    check_table(name, value)  # the single-process rules, one implementation
+
+
+def digest(t: torch.Tensor) -> str:
+    """The content of a replicated table, compared across the ranks that give it: a hash
+    of its row fingerprints (computed on the tensor's device, bit-exact on CPU and CUDA),
+    so only 8 bytes a row leave the device."""
+    fps = row_fingerprints(t.detach()).cpu().numpy()
+    return hashlib.blake2b(fps.tobytes(), digest_size=16).hexdigest()
 
 
 def local_tables(tables: Mapping, shard_leaf=None) -> dict[str, LocalTable]:
@@ -92,7 +96,7 @@ def local_tables(tables: Mapping, shard_leaf=None) -> dict[str, LocalTable]:
                                   f"got {type(value).__name__}")
             _check_tensor(name, value)
             out[name] = LocalTable(name, True, int(value.shape[0]), tuple(value.shape[1:]),
-                                   value.dtype, [(0, value.detach())])
+                                   value.dtype, [(0, value.detach())], digest(value))
             continue
         pieces = []
         first = shards[0] if shards else None
@@ -122,7 +126,7 @@ def global_tables(specs: list[dict[str, tuple]]) -> dict[str, GlobalTable]:
     plain_names = sorted(n for n, given in names.items() if given[0][1][0])
     out = {}
     for name, given in names.items():
-        r0, (plain, rows, row_shape, dtype, _) = given[0]
+        r0, (plain, rows, row_shape, dtype, _, content) = given[0]
         for r, s in given[1:]:
             if s[0] != plain:
                 raise InvalidInput(f"table {name!r}: rank {r0} gives "
@@ -134,6 +138,13 @@ def global_tables(specs: list[dict[str, tuple]]) -> dict[str, GlobalTable]:
             if s[1] != rows:
                 raise InvalidInput(f"table {name!r}: rank {r} says it has {s[1]} rows, rank "
                                    f"{r0} says {rows}")
+            if plain and s[5] != content:
+                # Stored once, from one rank: a replica that differs would be lost silently.
+                raise InvalidInput(
+                    f"table {name!r}: rank {r} gives a plain tensor whose values differ "
+                    f"from rank {r0}'s; a plain tensor is the whole table, replicated, and "
+                    "every rank that gives it must give the same values (give each rank's "
+                    "rows as cnrstore.Shard, or the table on one rank only)")
         if plain:  # replicated: stored once, by one of the ranks that give it
             ranks = [r for r, _ in given]
             owner = ranks[plain_names.index(name) % len(ranks)]

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from cnrstore.core.state import MAX_DEPTH, SEP
 from cnrstore.distributed.shard import Shard
 from cnrstore.errors import InvalidInput, InvalidType
 
@@ -215,6 +216,9 @@ def _describe(value) -> tuple:
 
 def _skeleton(value, path: tuple = ()) -> list:
     """[(path, kind), ...] of every dict ("D") and leaf in order."""
+    if len(path) > MAX_DEPTH:  # before Python's own recursion limit (a RecursionError)
+        raise InvalidInput(f"state nests deeper than {MAX_DEPTH} at "
+                           f"{SEP.join(map(str, path[:8]))!r}... (a cycle?)")
     if isinstance(value, Mapping):
         out: list = [(path, ("D",))]
         for k, v in value.items():

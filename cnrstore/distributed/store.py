@@ -30,7 +30,7 @@ from cnrstore.core.store import CheckpointStore
 from cnrstore.core.store import open as open_plain
 from cnrstore.core.writer import BackgroundWriter, StepInfo
 from cnrstore.distributed import put as dput
-from cnrstore.distributed import read, transfer
+from cnrstore.distributed import read, statestore, transfer
 from cnrstore.distributed.comm import Comm, rebuild_error, wire_error
 from cnrstore.errors import CheckpointError, InvalidInput, translate, translating
 from engine import StoreError
@@ -56,7 +56,11 @@ class DistributedStore:
         self.path = os.fspath(path)
         ranks = dist.get_process_group_ranks(group)
         self.comm = Comm(ranks, float(timeout))      # the calling thread's collectives
-        self.wcomm = Comm(ranks, float(timeout))     # the background writer's
+        try:
+            self.wcomm = Comm(ranks, float(timeout))  # the background writer's
+        except BaseException:
+            self.comm.close()
+            raise
         self.local: CheckpointStore | None = None
         err: BaseException | None = None
         resolved = None
@@ -151,6 +155,9 @@ class DistributedStore:
         error on every rank."""
         self.check_open()
         self.drain()
+        # Every call begins with an all-gather, where ranks in different calls meet
+        # (comm.py): a broadcast alone would pair this call with another's round.
+        self.comm.all_gather(None, what)
         return self.from_coordinator(self.comm, what, lambda: fn(self.coordinator_store),
                                      scatter=False)
 
@@ -212,7 +219,7 @@ class DistributedStore:
                   touched: Mapping | None = None) -> StepInfo | Future:
         """Collective put_state: tensor leaves may be plain (replicated), Shards, DTensor
         or ShardedTensor; the structure and Python leaves stored are the coordinator's."""
-        return read.put_state(self, step, state, quant=quant, metadata=metadata,
+        return statestore.put_state(self, step, state, quant=quant, metadata=metadata,
                               blocking=blocking, touched=touched)
 
     # -- get -----------------------------------------------------------------------------
@@ -228,13 +235,13 @@ class DistributedStore:
 
     @translating
     def get_state(self, step: int | None = None, *, device: Any = "cpu") -> Any:
-        return transfer.again(self, lambda: read.get_state(self, step, device=device))
+        return transfer.again(self, lambda: statestore.get_state(self, step, device=device))
 
     @translating
     def load_state(self, step: int | None, state: Any, *, strict: bool = True) -> Any:
         """Restore into ``state`` in place: plain tensors get the whole table, Shards,
         DTensor and ShardedTensor leaves their own rows."""
-        return transfer.again(self, lambda: read.load_state(self, step, state, strict=strict))
+        return transfer.again(self, lambda: statestore.load_state(self, step, state, strict=strict))
 
     @translating
     def changes(self, a: int, b: int, names: Iterable[str] | None = None, *,

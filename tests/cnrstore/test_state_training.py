@@ -56,8 +56,10 @@ def _state(model, opt, epoch):
 
 
 @pytest.mark.parametrize("kind", sorted(OPTIMIZERS))
-@pytest.mark.parametrize("how", ["get_state", "load_state"])
+@pytest.mark.parametrize("how", ["get_state", "load_state", "guide"])
 def test_exact_resume_continues_bit_identically(tmp_path, kind, how):
+    """``guide``: docs/GUIDE.md's resume pattern with a fresh optimizer, whose state Adam
+    and SGD create only at the first step (issue 23: it resumed with none, silently)."""
     store = make_store("pack", tmp_path / "s", block_rows=64)
     model, opt = _job(kind)
     _train(model, opt, range(CKPT))
@@ -71,6 +73,10 @@ def test_exact_resume_continues_bit_identically(tmp_path, kind, how):
         st = store.get_state()
         fresh.load_state_dict(st["model"])
         fopt.load_state_dict(st["optim"])
+    elif how == "guide":
+        st = store.load_state(None, _state(fresh, fopt, 0))
+        fopt.load_state_dict(st["optim"])
+        assert len(fopt.state_dict()["state"]) == len(opt.state_dict()["state"])
     else:
         _train(fresh, fopt, range(50, 52))  # the optimizer has state to restore into
         ptrs = [p.data_ptr() for p in fresh.parameters()]

@@ -96,3 +96,18 @@ def test_a_replicated_table_is_stored_by_one_rank():
     t = torch.zeros(10, 2)
     tables = layout.global_tables(_specs({"a": t, "b": t}, {"a": t, "b": t}))
     assert tables["a"].pieces == ((0, 0, 10),) and tables["b"].pieces == ((1, 0, 10),)
+
+
+def test_a_replicated_table_must_be_the_same_on_every_rank_that_gives_it():
+    # Regression (issue 23): it was stored from one rank, the others' values lost silently.
+    t = torch.randn(10, 3)
+    other = t.clone()
+    other[7, 1] = -0.0 if t[7, 1] == 0 else -t[7, 1]
+    with pytest.raises(InvalidInput, match="'d': rank 1 gives a plain tensor whose values "
+                                           "differ from rank 0's"):
+        layout.global_tables(_specs({"d": t}, {"d": other}))
+    nan = torch.full((4,), float("nan"))
+    same = layout.global_tables(_specs({"d": t, "n": nan}, {"d": t.clone(), "n": nan.clone()}))
+    assert same["d"].pieces == ((0, 0, 10),)
+    with pytest.raises(InvalidInput, match="'e'"):  # bits, not float equality: -0.0 != 0.0
+        layout.global_tables(_specs({"e": torch.zeros(2)}, {"e": -torch.zeros(2)}))

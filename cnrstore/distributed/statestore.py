@@ -1,0 +1,261 @@
+"""Whole training states on a DistributedStore: put_state, get_state and load_state over
+the collective reads of read.py (core/state.py splits a state into tables and a
+structure; Shard, DTensor and ShardedTensor leaves are each rank's own rows). Every rank
+returns, or every rank raises."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from cnrstore.core.restore import read_into, read_table, read_tables
+from cnrstore.core.state import (
+    MAX_DEPTH,
+    SEP,
+    check_structure,
+    fill,
+    flatten,
+    lazy_tables,
+    stored_leaf,
+    unflatten,
+)
+from cnrstore.core.validate import check_destination, check_device
+from cnrstore.distributed import put as dput
+from cnrstore.distributed.read import collective_read, fill_dest, finish_read
+from cnrstore.distributed.shard import Shard
+from cnrstore.errors import InvalidInput, InvalidType, StepNotFound
+from cnrstore.format.manifest import list_steps, load_step
+
+# The DistributedStore (cnrstore/distributed/store.py, which imports this module): typed
+# loosely so the layers test sees no import cycle.
+DistributedStore = Any
+
+__all__ = ["get_state", "load_state", "put_state"]
+
+
+def _sharded(state: Any, shard_leaf: Any) -> tuple[Any, dict[str, Any]]:
+    """``state`` with Shard / DTensor / ShardedTensor leaves replaced by data-less tensors
+    of their global shape (so core/state.py flattens it), and those leaves by table name."""
+    found: dict[str, Any] = {}
+
+    def walk(value: Any, path: str, depth: int = 0) -> Any:
+        if depth > MAX_DEPTH:  # before Python's own recursion limit (a RecursionError)
+            raise InvalidInput(f"state nests deeper than {MAX_DEPTH} at {path[:200]!r}... "
+                               "(a cycle?)")
+        shards = None
+        if isinstance(value, Shard):
+            shards = [value]
+        elif shard_leaf is not None and not isinstance(value, (Mapping, list, tuple, str,
+                                                               bytes)):
+            shards = shard_leaf(value)
+        if shards is not None:
+            found[path] = value
+            if isinstance(value, Shard):
+                shape = (value.rows, *value.local.shape[1:])
+                dtype = value.local.dtype
+            else:
+                shape, dtype = tuple(value.shape), value.dtype
+            return torch.empty(shape, dtype=dtype, device="meta")
+        if isinstance(value, Mapping):
+            return {k: walk(v, f"{path}{SEP}{k}" if path else str(k), depth + 1)
+                    for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            items = [walk(v, f"{path}{SEP}{i}" if path else str(i), depth + 1)
+                     for i, v in enumerate(value)]
+            return tuple(items) if isinstance(value, tuple) else items
+        return value
+
+    return walk(state, ""), found
+
+
+def _uniform(ds: DistributedStore, state: Any, what: str) -> Any:
+    """One nesting on every rank: TorchRec's state names a table's optimizer state only
+    where a rank holds its rows (cnrstore.distributed.leaves.uniform)."""
+    from cnrstore.distributed.leaves import uniform
+
+    # Every rank enters the same rounds: whether states are mappings is agreed first.
+    kinds = ds.comm.agree(None, what, isinstance(state, Mapping))
+    if not any(kinds):
+        return state
+    if not all(kinds):
+        raise InvalidType(f"{what}: the state is a mapping on ranks "
+                          f"{[r for r, k in enumerate(kinds) if k]} only")
+    entered: list[bool] = []
+
+    def gather(mine: Any) -> list:
+        entered.append(True)
+        return ds.comm.agree(None, what, mine)
+
+    try:
+        return uniform(state, gather=gather)
+    except BaseException as exc:
+        if not entered:  # failed before the round: enter it with the error, so every
+            ds.comm.agree(exc, what, None)  # rank raises it (this one included)
+        raise
+
+
+def put_state(ds: DistributedStore, step: Any, state: Any, *, quant: Any, metadata: Any,
+              blocking: bool, touched: Any) -> Any:
+    state = _uniform(ds, state, "put_state: structure")
+    err = None
+    try:  # local checks: a rank that fails here must still enter the put's rounds
+        plain, sharded = _sharded(state, ds.shard_leaf)
+        flat = flatten(plain)
+        tables = dict(flat.tables)
+        tables.update(sharded)
+        if quant is None:
+            quant = "exact"
+        elif isinstance(quant, str) and quant != "exact":
+            quant = {"*": quant}
+        # touched= may be TorchRec's ModelDeltaTracker (cnrstore/distributed/torchrec.py)
+        from cnrstore.distributed.torchrec import resolve_touched
+
+        touched, done = resolve_touched(touched, state)
+    except BaseException as exc:
+        err = exc
+    ds.comm.agree(err, "put_state: flatten", None)
+    info = dput.put(ds, step, tables, quant=quant, metadata=metadata, blocking=blocking,
+                    touched=touched, state=flat.doc)
+    done()
+    return info
+
+
+def get_state(ds: DistributedStore, step: Any, *, device: Any) -> Any:
+    s, doc, tables, objects = collective_read(ds, step, None, "get_state",
+                                               lambda: check_device(device) and None)
+    result: dict = {}
+    err = None
+    try:
+        result = dict(zip(tables, read_tables(objects, ds.pool,
+                                              [(tm, None) for tm, _ in tables.values()],
+                                              check_device(device))))
+        if doc is not None:
+            check_structure(doc)
+            result = unflatten(doc, stored_leaf(s, result))
+    except BaseException as exc:
+        err = exc
+    finish_read(ds, err, "get_state: read")
+    return result
+
+
+def load_state(ds: DistributedStore, step: Any, state: Any, *, strict: bool) -> Any:
+    state = _uniform(ds, state, "load_state: structure")
+    box: dict[str, Any] = {}
+
+    def make() -> dict:
+        plain, sharded = _sharded(state, ds.shard_leaf)
+        flat = flatten(plain)
+        box["flat"], box["sharded"] = flat, sharded
+        req: dict[str, Any] = {}
+        for n, t in flat.tables.items():
+            leaf = sharded.get(n)
+            for dest in [t] if leaf is None else [p for p, _ in _fill_pieces(leaf)]:
+                check_destination(f"state entry {n!r}", dest)
+            if leaf is None:
+                req[n] = ("whole", tuple(t.shape), str(t.dtype).removeprefix("torch."))
+            else:
+                req[n] = ("shards", [(off, off + int(t.shape[0]), tuple(t.shape[1:]),
+                                      str(t.dtype).removeprefix("torch."))
+                                     for t, off in _fill_pieces(leaf)])
+        box["req"] = req
+        return req
+
+    # Entries the step lacks are skipped with strict=False: ask first which it holds.
+    held = None if strict else set(_table_names(ds, step))
+    if held is not None:
+        inner = make
+
+        def make() -> dict:  # noqa: F811 - the strict=False filter over the request
+            return {n: v for n, v in inner().items() if n in held}
+
+    s, doc, tables, objects = collective_read(ds, step, None, "load_state", make)
+    err = None
+    result = state
+
+    def is_tensor(v: Any) -> bool:
+        return isinstance(v, Shard) or (ds.shard_leaf is not None
+                                        and ds.shard_leaf(v) is not None)
+
+    lazy: dict[str, tuple[int, ...]] = {}
+    try:
+        flat, sharded = box["flat"], box["sharded"]
+        if doc is not None:
+            result = fill(state, doc, strict=strict, is_tensor=is_tensor)
+            lazy = lazy_tables(state, doc, is_tensor=is_tensor)
+        for n, (tm, ranges) in tables.items():
+            leaf = sharded.get(n)
+            if leaf is None:
+                read_into(objects, tm, ds.pool, flat.tables[n].detach())
+            elif isinstance(leaf, Shard):
+                fill_dest(ds, objects, tm, ranges, leaf)
+            else:
+                from cnrstore.distributed.leaves import fill_leaf
+
+                def rows(lo: int, hi: int, tm: Any = tm) -> torch.Tensor:
+                    return read_table(objects, tm, ds.pool, rows=slice(lo, hi))[0]
+
+                fill_leaf(leaf, rows)
+    except BaseException as exc:
+        err = exc
+    finish_read(ds, err, "load_state: read")
+    # Empty containers the step holds filled (a fresh Adam's "state": {}, core/state.py)
+    # get the stored entries as fresh tensors, read in one more collective round. Only
+    # what is empty on every rank: a rank whose dict lacks a table another rank holds
+    # (table-wise, given as a plain tensor there) must not read the whole table.
+    if doc is not None:
+        every = ds.comm.all_gather(sorted(lazy), "load_state: adopt")
+        agreed = set(every[0]).intersection(*every[1:])
+        if agreed:
+            fresh = _read_whole(ds, s, sorted(agreed), "load_state: adopt")
+
+            def adopt(d: dict) -> Any:
+                if not set(check_structure(d)) <= agreed:
+                    return None
+                return unflatten(d, stored_leaf(s, fresh))
+
+            result = fill(state, doc, strict=strict, is_tensor=is_tensor, adopt=adopt)
+    return result
+
+
+def _read_whole(ds: DistributedStore, step: int, names: list[str], what: str) -> dict:
+    """Tables ``names`` of ``step``, whole, as fresh CPU tensors (collective: every rank
+    enters, ``names`` may be empty on some)."""
+    _, _, tables, objects = collective_read(ds, step, None, what,
+                                             lambda: {n: None for n in names})
+    got: dict = {}
+    err = None
+    try:
+        got = dict(zip(tables, read_tables(objects, ds.pool,
+                                           [(tm, None) for tm, _ in tables.values()],
+                                           torch.device("cpu"))))
+    except BaseException as exc:
+        err = exc
+    finish_read(ds, err, f"{what}: read")
+    return got
+
+
+def _fill_pieces(leaf: Any) -> list[tuple[torch.Tensor, int]]:
+    """(local tensor, first global row) of every piece ``fill_leaf`` will fill: each
+    replica too, where a put stores one."""
+    if isinstance(leaf, Shard):
+        return [(leaf.local, leaf.row_offset)]
+    from cnrstore.distributed.leaves import _pieces
+
+    return _pieces(leaf, for_fill=True) or []
+
+
+def _table_names(ds: DistributedStore, step: Any) -> list[str]:
+    s = ds.coordinated("load_state", lambda st: _names(st, step))
+    return s
+
+
+def _names(store: Any, step: Any) -> list[str]:
+    objects = store.objects
+    if step is None:
+        steps = list_steps(objects)
+        if not steps:
+            raise StepNotFound(-1, "the store holds no steps")
+        step = steps[-1]
+    return list(load_step(objects, step)[1].tables)

@@ -1,0 +1,123 @@
+"""Rank programs of test_dist_agreement.py (module-level: spawned ranks import them)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+import cnrstore
+
+
+def _err(fn) -> tuple[str, str] | None:
+    try:
+        fn()
+    except cnrstore.CheckpointError as exc:
+        return type(exc).__name__, str(exc)
+    return None
+
+
+def _open(path: str, timeout: float = 20.0):
+    return cnrstore.open(path, group=dist.group.WORLD, block_rows=8, timeout=timeout)
+
+
+def mismatched_calls(rank: int, world: int, path: str):
+    """Rank 0 makes one steps() call more; later, the ranks call different methods, one
+    that starts with a broadcast: every rank must raise CollectiveMismatch at once."""
+    out = []
+    s = _open(path)
+    s.put_tables(1, {"t": torch.ones(16, 2)})
+    t0 = time.monotonic()
+    if rank == 0:
+        out.append(_err(s.steps))
+    out.append(_err(lambda: s.put_tables(2, {"t": torch.zeros(16, 2)})))
+    out.append(_err(s.steps))  # the handle is unusable now
+    out.append(time.monotonic() - t0)
+    s.close()
+    s = _open(path)
+    t0 = time.monotonic()
+    out.append(_err(lambda: s.get_tables(1) if rank == 0 else s.steps()))
+    out.append(time.monotonic() - t0)
+    s.close()
+    with _open(path) as s:  # a new handle works; the mismatched put wrote nothing
+        out.append(s.steps())
+    return out
+
+
+def missing_rank_at_open(rank: int, world: int, path: str):
+    if rank == 1:
+        time.sleep(5)  # alive, but never opens the store
+        return None
+    t0 = time.monotonic()
+    err = _err(lambda: _open(path, timeout=2))
+    return err, time.monotonic() - t0
+
+
+class _Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(40, 4)
+        self.out = torch.nn.Linear(4, 1)
+
+    def forward(self, ids):
+        return self.out(self.emb(ids).sum(1)).squeeze(1)
+
+
+def _train(model, opt, steps) -> None:
+    for step in steps:
+        g = torch.Generator().manual_seed(step)
+        ids, y = torch.randint(0, 40, (8, 3), generator=g), torch.randn(8, generator=g)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(ids), y).backward()
+        opt.step()
+
+
+def checked_input(rank: int, world: int, path: str):
+    """Replicas that differ, too-deep states, destinations a restore cannot write, and
+    the guide's resume pattern with a fresh Adam, on a distributed store."""
+    out: dict = {}
+    with _open(path) as s:
+        s.put_tables(1, {"a": torch.ones(16, 2), "t": torch.arange(32.0).reshape(16, 2)})
+        out["replica"] = _err(lambda: s.put_tables(2, {"dense": torch.full((4, 2), rank)}))
+        out["same replica"] = _err(lambda: s.put_tables(2, {"dense": torch.ones(4, 2)}))
+        deep: dict = {}
+        for _ in range(100_000):
+            deep = {"a": deep}
+        out["deep put"] = _err(lambda: s.put_state(3, {"d": deep}))
+        out["deep load"] = _err(lambda: s.load_state(2, {"d": deep}))
+        first = torch.full((16, 2), -1.0)  # restored first if anything were
+        bad = {"expand": torch.zeros(1, 2).expand(16, 2),
+               "meta": torch.empty(16, 2, device="meta")}
+        for kind, dest in bad.items():
+            if rank == 0:  # one rank's bad destination fails the read on every rank
+                dest = torch.zeros(16, 2)
+            shard = cnrstore.Shard(dest[:8], row_offset=8 * rank, rows=16)
+            for how, call in [("out", lambda d=dest: s.get_tables(1, out={"a": first, "t": d})),
+                              ("shard", lambda d=shard: s.get_tables(1, out={"a": first,
+                                                                             "t": d})),
+                              ("load", lambda d=dest: s.load_state(1, {"a": first, "t": d}))]:
+                out[f"{how} {kind}"] = _err(call)
+        out["untouched"] = torch.equal(first, torch.full((16, 2), -1.0))
+
+        model = _Net()
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        _train(model, opt, range(3))
+        s.put_state(4, {"model": model.state_dict(), "optim": opt.state_dict(), "epoch": 3})
+        _train(model, opt, range(3, 5))
+        fresh = _Net()
+        fopt = torch.optim.Adam(fresh.parameters(), lr=0.01)
+        restored = s.load_state(None, {"model": fresh.state_dict(),
+                                       "optim": fopt.state_dict(), "epoch": 0})
+        fopt.load_state_dict(restored["optim"])
+        _train(fresh, fopt, range(3, 5))
+        out["resumed"] = all(torch.equal(a, b) for a, b in
+                             zip(model.state_dict().values(), fresh.state_dict().values()))
+        out["epoch"] = restored["epoch"]
+        # A dict empty on one rank only (a table-wise table the other rank gives) is not
+        # adopted: that rank would read a whole table it does not hold.
+        s.put_state(5, {"model": {"tw": torch.ones(4, 2)} if rank == 0 else {}})
+        got = s.load_state(5, {"model": {"tw": torch.zeros(4, 2)} if rank == 0 else {}})
+        out["table-wise"] = sorted(got["model"])
+    return out
