@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 from . import format as fmt
 from . import index as ix
+from . import trailer
 from .errors import CorruptObject, ObjectNotFound, StoreError
 from .fileio import store_error
 from .ids import ID_SIZE, hexid
@@ -46,7 +47,7 @@ class _Pack:
     size: int
     total: int                      # bytes of object records its trailer lists
     meta: bool
-    trailer: dict[int, fmt.TrailerEntry]  # by offset
+    trailer: dict[int, trailer.TrailerEntry]  # by offset
     modified: float                 # unix time it was last written (its upload)
     live: int = 0
     count: int = 0

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from . import crashpoints
+from . import crashpoints, trailer
 from . import format as fmt
 from . import index as ix
 from .api import GCReport, Problem, ProgressFn
@@ -174,7 +174,7 @@ def _copy_live(store: StoreCore, plan: Plan, out: PackSet, unreadable: list[Prob
     return copied
 
 
-def _live_entries(txn: Any, index: ix.Index, n: int, entries: list[fmt.TrailerEntry]
+def _live_entries(txn: Any, index: ix.Index, n: int, entries: list[trailer.TrailerEntry]
                   ) -> list[tuple[bytes, ix.ObjectEntry]]:
     live = []
     for t in entries:

@@ -15,6 +15,7 @@ import threading
 from collections.abc import Sequence
 
 from . import format as fmt
+from . import trailer
 from .errors import CorruptObject
 from .fileio import fsync_dir, pread_exact
 from .storage import LocalStorage, PackStorage
@@ -92,7 +93,7 @@ class PackFile:
         self.meta = meta
         self._sink = as_storage(root).create(n, meta=meta)  # FileExistsError: number taken
         self.path = self._sink.path
-        self.entries: list[fmt.TrailerEntry] = []
+        self.entries: list[trailer.TrailerEntry] = []
         self.size = 0
         self.live = 0  # bytes of object records (roots snapshots are never live)
         self.sealed = False
@@ -112,7 +113,7 @@ class PackFile:
         else:
             length = self._sink.writev(record)
             self.size += length
-        self.entries.append(fmt.TrailerEntry(offset, length, rtype, oid))
+        self.entries.append(trailer.TrailerEntry(offset, length, rtype, oid))
         if rtype == fmt.RECORD_OBJECT:
             self.live += length
         self._writeback.advance(self.size)  # the disk works while the writer computes
@@ -125,7 +126,7 @@ class PackFile:
     def seal(self) -> None:
         """Write the trailer (records stay unsynced until ``sync``)."""
         if not self.sealed:
-            self._write(fmt.encode_trailer(self.entries, self.size))
+            self._write(trailer.encode_trailer(self.entries, self.size))
             self.sealed = True
 
     def sync(self) -> None:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import zstandard
 
 from . import format as fmt
+from . import trailer
 from .errors import CorruptObject
 
 
@@ -19,16 +20,16 @@ def read_pack_header(path: pathlib.Path, *, name: str) -> fmt.PackHeader:
         return fmt.PackHeader.unpack(f.read(fmt.PACK_HEADER.size), pack=name)
 
 
-def read_trailer(path: pathlib.Path, *, name: str) -> list[fmt.TrailerEntry]:
+def read_trailer(path: pathlib.Path, *, name: str) -> list[trailer.TrailerEntry]:
     """Entries of a sealed pack; CorruptObject if it has no valid trailer."""
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
-        if size < fmt.PACK_HEADER.size + fmt.FOOTER.size:
+        if size < fmt.PACK_HEADER.size + trailer.FOOTER.size:
             raise CorruptObject(f"pack {name}: too short for a trailer", pack=name, offset=0)
-        f.seek(size - fmt.FOOTER.size)
-        count, entries_offset = fmt.parse_footer(f.read(fmt.FOOTER.size), size, pack=name)
+        f.seek(size - trailer.FOOTER.size)
+        count, entries_offset = trailer.parse_footer(f.read(trailer.FOOTER.size), size, pack=name)
         f.seek(entries_offset)
-        return fmt.decode_trailer(f.read(size - entries_offset), count, entries_offset,
+        return trailer.decode_trailer(f.read(size - entries_offset), count, entries_offset,
                                   pack=name)
 
 
@@ -39,7 +40,7 @@ class ScannedRecord:
     error: CorruptObject | None
 
 
-def scan_records(data: bytes, *, name: str, entries: list[fmt.TrailerEntry] | None
+def scan_records(data: bytes, *, name: str, entries: list[trailer.TrailerEntry] | None
                  ) -> Iterator[ScannedRecord]:
     """Decode every record of a pack image, by trailer entries or, without a usable
     trailer, sequentially from the header, resyncing on the next record magic after damage."""

@@ -22,6 +22,7 @@ import xxhash
 
 from . import format as fmt
 from . import index as ix
+from . import trailer
 from .api import Object, Problem, RepairReport
 from .errors import CorruptObject, FormatError, NotSupported
 from .fileio import fsync_dir, store_error
@@ -126,7 +127,7 @@ class _Source:
             return self._files[n].read_bytes()
         return self._storage.read_all(n)
 
-    def trailer(self, n: int) -> list[fmt.TrailerEntry]:
+    def trailer(self, n: int) -> list[trailer.TrailerEntry]:
         if self._storage is None:
             return read_trailer(self._files[n], name=pack_name(n))
         return self._storage.read_trailer(n)

@@ -25,13 +25,15 @@ with _instrumented:
     from engine.errors import CorruptObject
     from engine.format import (
         CHECKSUM,
-        FOOTER,
         FORMAT_VERSION,
         PACK_HEADER,
         RECORD_OBJECT,
         RECORD_ROOTS,
-        TRAILER_ENTRY,
         PackHeader,
+    )
+    from engine.trailer import (
+        FOOTER,
+        TRAILER_ENTRY,
         TrailerEntry,
         decode_trailer,
         encode_trailer,

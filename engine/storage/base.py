@@ -13,7 +13,7 @@ import abc
 import pathlib
 from collections.abc import Sequence
 
-from .. import format as fmt
+from .. import trailer
 
 
 class PackSink(abc.ABC):
@@ -72,7 +72,7 @@ class PackStorage(abc.ABC):
         """Bytes of pack ``n``; FileNotFoundError when it is not there."""
 
     @abc.abstractmethod
-    def read_trailer(self, n: int) -> list[fmt.TrailerEntry]:
+    def read_trailer(self, n: int) -> list[trailer.TrailerEntry]:
         """Entries of sealed pack ``n`` (CorruptObject without a valid trailer)."""
 
     @abc.abstractmethod

@@ -7,7 +7,7 @@ import os
 import pathlib
 from collections.abc import Sequence
 
-from .. import format as fmt
+from .. import trailer
 from ..fileio import allocated_bytes, fsync_dir, makedirs_durable, write_all, writev_all
 from ..writeback import start_writeback
 from .base import PackSink, PackStorage
@@ -76,7 +76,7 @@ class LocalStorage(PackStorage):
     def size(self, n: int) -> int:
         return os.stat(self.path(n)).st_size
 
-    def read_trailer(self, n: int) -> list[fmt.TrailerEntry]:
+    def read_trailer(self, n: int) -> list[trailer.TrailerEntry]:
         from ..pack import pack_name, read_trailer
 
         return read_trailer(self.path(n), name=pack_name(n))

@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from datetime import datetime, timedelta
 from typing import Any
 
-from .. import crashpoints
+from .. import crashpoints, trailer
 from .. import format as fmt
 from ..errors import CorruptObject, FormatError
 from .base import PackSink, PackStorage
@@ -146,7 +146,7 @@ class S3Storage(PackStorage):
         self.staging = staging
         self.chunk_size = int(chunk_size)
         self.max_concurrency = int(max_concurrency)
-        self._trailers: collections.OrderedDict[int, list[fmt.TrailerEntry]] = (
+        self._trailers: collections.OrderedDict[int, list[trailer.TrailerEntry]] = (
             collections.OrderedDict())
         self._lock = threading.Lock()
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
@@ -258,7 +258,7 @@ class S3Storage(PackStorage):
         except (BaseError, OSError) as exc:
             raise _io(f"HEAD {self.key(n)}", exc) from exc
 
-    def read_trailer(self, n: int) -> list[fmt.TrailerEntry]:
+    def read_trailer(self, n: int) -> list[trailer.TrailerEntry]:
         from ..pack import pack_name
 
         with self._lock:
@@ -268,12 +268,12 @@ class S3Storage(PackStorage):
                 return cached
         name = pack_name(n)
         size = self.size(n)
-        if size < fmt.PACK_HEADER.size + fmt.FOOTER.size:
+        if size < fmt.PACK_HEADER.size + trailer.FOOTER.size:
             raise CorruptObject(f"pack {name}: too short for a trailer", pack=name, offset=0)
-        footer = self.read(n, size - fmt.FOOTER.size, fmt.FOOTER.size)
-        count, entries_offset = fmt.parse_footer(footer, size, pack=name)
+        footer = self.read(n, size - trailer.FOOTER.size, trailer.FOOTER.size)
+        count, entries_offset = trailer.parse_footer(footer, size, pack=name)
         data = self.read(n, entries_offset, size - entries_offset)
-        entries = fmt.decode_trailer(data, count, entries_offset, pack=name)
+        entries = trailer.decode_trailer(data, count, entries_offset, pack=name)
         with self._lock:
             self._trailers[n] = entries
             while len(self._trailers) > _TRAILERS:

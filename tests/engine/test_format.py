@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 import engine
 from engine import format as fmt
+from engine import trailer
 from engine.errors import CorruptObject
 from engine.ids import object_id
 
@@ -129,8 +130,8 @@ def test_decoders_raise_only_corrupt_object_on_junk(junk, offset):
         lambda: fmt.check_record(junk, offset),
         lambda: fmt.PackHeader.unpack(junk),
         lambda: fmt.decode_snapshot(junk),
-        lambda: fmt.parse_footer(junk[-fmt.FOOTER.size:], len(junk) + offset),
-        lambda: fmt.decode_trailer(junk, max(offset, 0) % 8, 16),
+        lambda: trailer.parse_footer(junk[-trailer.FOOTER.size:], len(junk) + offset),
+        lambda: trailer.decode_trailer(junk, max(offset, 0) % 8, 16),
     ]
     for decode in decoders:
         try:
@@ -154,25 +155,25 @@ def test_mutated_records_raise_only_corrupt_object(pos, value, cut):
 
 
 def test_trailer_round_trip_and_damage():
-    entries = [fmt.TrailerEntry(16 + 100 * i, 100, i % 2, bytes([i]) * 16) for i in range(5)]
+    entries = [trailer.TrailerEntry(16 + 100 * i, 100, i % 2, bytes([i]) * 16) for i in range(5)]
     at = 16 + 500
-    blob = fmt.encode_trailer(entries, at)
+    blob = trailer.encode_trailer(entries, at)
     size = at + len(blob)
-    count, entries_offset = fmt.parse_footer(blob[-fmt.FOOTER.size:], size)
+    count, entries_offset = trailer.parse_footer(blob[-trailer.FOOTER.size:], size)
     assert (count, entries_offset) == (5, at)
-    assert fmt.decode_trailer(blob, count, entries_offset) == entries
+    assert trailer.decode_trailer(blob, count, entries_offset) == entries
     for i in range(len(blob)):
         bad = bytearray(blob)
         bad[i] ^= 1
         with pytest.raises(CorruptObject):
-            c, o = fmt.parse_footer(bytes(bad[-fmt.FOOTER.size:]), size)
-            fmt.decode_trailer(bytes(bad), c, o)
+            c, o = trailer.parse_footer(bytes(bad[-trailer.FOOTER.size:]), size)
+            trailer.decode_trailer(bytes(bad), c, o)
 
 
 def test_trailer_entry_pointing_past_the_records_is_corrupt():
-    blob = fmt.encode_trailer([fmt.TrailerEntry(16, 10_000, 0, b"a" * 16)], 116)
+    blob = trailer.encode_trailer([trailer.TrailerEntry(16, 10_000, 0, b"a" * 16)], 116)
     with pytest.raises(CorruptObject, match="out of range"):
-        fmt.decode_trailer(blob, 1, 116)
+        trailer.decode_trailer(blob, 1, 116)
 
 
 def test_pack_header_round_trip_and_refusals():
