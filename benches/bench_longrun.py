@@ -49,6 +49,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-chain", type=int, nargs="+", default=[None],
                    help="max_chain settings (default: the store's default)")
     p.add_argument("--block-rows", type=int, default=None)
+    p.add_argument("--reopen-every", type=int, default=0,
+                   help="close and reopen the store every N steps (a restarted job)")
     p.add_argument("--label", default="", help="name of this code version in the plot")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="tiny tables, few steps")
@@ -88,7 +90,8 @@ def run_one(args: argparse.Namespace, fraction: float, quant: str, max_chain: in
         opts["max_chain"] = max_chain
     if args.block_rows:
         opts["block_rows"] = args.block_rows
-    with cnrstore.open(path, **opts) as store:
+    store = cnrstore.open(path, **opts)
+    try:
         store.put_tables(0, tables, quant=quant)
         _, table_bytes = restore_bytes(store, 0)
         rnb = table_bytes // (per * args.tables)
@@ -96,6 +99,9 @@ def run_one(args: argparse.Namespace, fraction: float, quant: str, max_chain: in
         wrote, raw = [], []
         for step in range(1, args.steps + 1):
             apply_update(tables, work, seed=args.seed, step=step)
+            if args.reopen_every and step % args.reopen_every == 0:
+                store.close()  # the next put seeds its diff base from the store
+                store = cnrstore.open(path, **opts)
             info = store.put_tables(step, tables, quant=quant)
             now = disk_bytes(path)
             wrote.append(now - before)
@@ -103,11 +109,14 @@ def run_one(args: argparse.Namespace, fraction: float, quant: str, max_chain: in
             before = now
         reads = [restore_bytes(store, s)[0] / table_bytes for s in range(args.steps + 1)]
         used = store.options.max_chain
+    finally:
+        store.close()
     shutil.rmtree(path, ignore_errors=True)
     med = statistics.median(wrote)
     first = min(45, len(wrote))
     return {
-        "label": args.label, "workload": work.name, "quant": quant, "max_chain": used,
+        "label": args.label, "reopen_every": args.reopen_every, "workload": work.name,
+        "quant": quant, "max_chain": used,
         "rows": per * args.tables, "steps": args.steps, "row_nbytes": rnb,
         "amortized": sum(wrote) / sum(raw),
         "amortized_45": sum(wrote[:first]) / sum(raw[:first]),
