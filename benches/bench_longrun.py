@@ -141,30 +141,37 @@ def plot(out: str, inputs: list[str]) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker  # noqa: F401 - ScalarFormatter below
 
     results = [r for f in inputs for r in json.loads(Path(f).read_text())["results"]]
-    fig, ax = plt.subplots(figsize=(7.5, 5))
-    marks = {"exact": "o", "int8": "s"}
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    marks = {("zipf-1pct", "exact"): "o", ("zipf-1pct", "int8"): "s",
+             ("zipf-5pct", "exact"): "^", ("zipf-5pct", "int8"): "D"}
+    palette = ["tab:red", "tab:orange", "tab:blue", "tab:green", "tab:purple", "tab:brown"]
     colors: dict[str, str] = {}
-    palette = ["tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown"]
     for r in results:
-        key = f"{r['label'] or 'this tree'} {r['workload']}"
-        color = colors.setdefault(key, palette[len(colors) % len(palette)])
-        ax.scatter(r["amortized"], r["max_restore_read"], marker=marks.get(r["quant"], "^"),
-                   color=color, label=f"{key} {r['quant']}")
-        ax.annotate(f"{r['max_chain']}", (r["amortized"], r["max_restore_read"]),
-                    textcoords="offset points", xytext=(4, 4), fontsize=7)
-    handles, labels = ax.get_legend_handles_labels()
-    uniq = dict(zip(labels, handles))
-    ax.legend(uniq.values(), uniq.keys(), fontsize=7)
+        label = r["label"] or "this tree"
+        color = colors.setdefault(label, palette[len(colors) % len(palette)])
+        ax.scatter(r["amortized"], r["max_restore_read"], color=color,
+                   marker=marks.get((r["workload"], r["quant"]), "x"))
+        ax.annotate(f"{r['max_chain']} ({r['max_over_median']:.0f}x)",
+                    (r["amortized"], r["max_restore_read"]), textcoords="offset points",
+                    xytext=(4, 3), fontsize=7, color=color)
+    for label, color in colors.items():
+        ax.scatter([], [], color=color, marker="o", label=label)
+    for (work, quant), m in marks.items():
+        ax.scatter([], [], color="black", marker=m, label=f"{work} {quant}")
+    ax.legend(fontsize=7, loc="upper right")
     ax.axvline(1.5, color="grey", lw=0.5, ls="--")
     ax.axhline(1.5, color="grey", lw=0.5, ls="--")
     ax.set_xscale("log")
+    ax.set_xticks([1, 1.5, 2, 3, 4, 6])
+    ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
     ax.set_xlabel("bytes written on disk per step / changed rows' bytes (amortized)")
     ax.set_ylabel("largest restore read / table bytes (any kept step)")
     steps = sorted({r["steps"] for r in results})
-    ax.set_title(f"Long run: write vs restore read ({'/'.join(map(str, steps))} steps; "
-                 "labels: max_chain)", fontsize=9)
+    ax.set_title(f"Long run: write vs restore read, {'/'.join(map(str, steps))} steps "
+                 "(labels: max_chain (largest step / median step))", fontsize=9)
     fig.tight_layout()
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
