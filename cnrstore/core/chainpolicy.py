@@ -17,13 +17,17 @@ size.
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable
 
 import numpy as np
+import torch
 
+from cnrstore.codec.fingerprint import row_fingerprints
 from cnrstore.core.tablestate import BlockSlot
-from cnrstore.format.blocks import patch_nbytes
+from cnrstore.format.blocks import KIND_BLOCK_PATCH, decode_full, decode_patch, patch_nbytes
 
-__all__ = ["block_key", "stagger", "chain_budget", "depth_cap", "next_slot", "MERGE_SHARE"]
+__all__ = ["block_key", "stagger", "chain_budget", "depth_cap", "next_slot", "rebuild",
+           "MERGE_SHARE"]
 
 _PHI = (5 ** 0.5 - 1) / 2
 # A merged patch is written when it is at most this share of the block's chain budget.
@@ -101,3 +105,33 @@ def next_slot(old: BlockSlot, key: int, rows: np.ndarray, old_fp: np.ndarray | N
         if mbytes <= MERGE_SHARE * budget:
             return BlockSlot(nr, 1, mbytes, full=full, union=union, fsig=fsig), union, full
     return BlockSlot(nr), None, None
+
+
+def rebuild(get: Callable, slot: BlockSlot, current: np.ndarray, dtype: torch.dtype) -> None:
+    """Give ``slot`` (an exact block stored as a patch chain, seeded from the store) the
+    merge state a handle that wrote the chain would hold: its full block, and the rows
+    whose codes differ from it (candidates: the chain's patch indices) with their
+    fingerprints in it. ``current``: the block's codes as stored. May raise StoreError or
+    ManifestError (the slot is then left as it was: never merged)."""
+    assert slot.oid is not None
+    cand: list[np.ndarray] = []
+    cur = slot.oid
+    for _ in range(slot.depth + 1):
+        obj = get(cur)
+        if obj.kind != KIND_BLOCK_PATCH:
+            break
+        cand.append(decode_patch(obj, cur)[1])
+        cur = obj.refs[0]
+    else:
+        return  # deeper than the manifest says: not a chain to merge
+    full = decode_full(obj, cur)
+    if full.shape != current.shape or not full.shape[1]:
+        return
+    rows = np.unique(np.concatenate(cand)) if cand else np.zeros(0, dtype=np.int64)
+    rows = rows[np.any(full[rows] != current[rows], axis=1)]
+    fsig = np.zeros(0, dtype=np.int64)
+    if len(rows):
+        old = torch.from_numpy(np.ascontiguousarray(full[rows])).view(dtype)
+        fsig = row_fingerprints(old.reshape(len(rows), -1)).numpy()
+    slot.full = BlockSlot(slot.nrows, oid=cur)
+    slot.union, slot.fsig = rows.astype(np.int64), fsig

@@ -276,6 +276,10 @@ def _plan_table(
         new_fp = fp[sel.to(fp.device)].cpu().numpy()
         if cbase is not None and cbase.fingerprints is not None:
             old_fp = cbase.fingerprints[sel.to(cbase.fingerprints.device)].cpu().numpy()
+        elif cbase is not None and cbase.seed_codes is not None and scheme == "exact":
+            # Seeded from stored codes: exact codes are the rows' bytes.
+            prev = cbase.seed_codes[sel].view(table.dtype).reshape(len(sel), width)
+            old_fp = row_fingerprints(prev).numpy()
     slots: list[BlockSlot | None] = []
     writes: list[BlockWrite] = []
     parts: list = []   # rows to encode, ascending: (start, stop) of a full block, or ids
