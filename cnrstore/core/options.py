@@ -43,7 +43,8 @@ class Options:
     - ``block_rows`` (stored; new store 32768): rows per block, the unit of patching and of
       partial restores. None: the store's.
     - ``fanout`` (stored; new store 256): blocks per segment node. None: the store's.
-    - ``max_chain`` (16): patches allowed above a full block before it is rewritten full.
+    - ``max_chain`` (64): most patches above a full block; each block's own cap lies in
+      [max_chain/2, max_chain] (core/chainpolicy.py), so blocks are not rewritten at once.
     - ``max_inflight`` (2): non-blocking puts that may wait or run before a put blocks.
     - ``decode_threads``: threads decoding blocks on restore (None: CPU count, <= 8).
     - ``expected_restores`` (1): what ``quant="auto"`` bases its choice on.
@@ -55,7 +56,7 @@ class Options:
 
     block_rows: int | None = None
     fanout: int | None = None
-    max_chain: int = 16
+    max_chain: int = 64
     max_inflight: int = 2
     decode_threads: int | None = None
     expected_restores: int = 1

@@ -13,6 +13,7 @@ from concurrent.futures import Executor
 
 import torch
 
+from cnrstore.core.chainpolicy import rebuild
 from cnrstore.core.restore import read_codes
 from cnrstore.core.tablestate import TableState
 from cnrstore.errors import CheckpointError
@@ -60,4 +61,14 @@ def seed_state(
         state.slots[i] = None
     state.damaged_blocks = frozenset(damaged)
     state.seed_codes = torch.from_numpy(codes)
+    if scheme == "exact":
+        # Which rows differ from each chain's full block, so the chains can be merged as
+        # the handle that wrote them would (same ids); unknown: rewritten full instead.
+        for i, slot in enumerate(state.slots):
+            if slot is not None and slot.depth:
+                start, stop = tm.node.block_range(i)
+                try:
+                    rebuild(objects.get, slot, codes[start:stop], table.dtype)
+                except (StoreError, CheckpointError):
+                    pass
     return state

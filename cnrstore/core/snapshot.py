@@ -28,9 +28,9 @@ from cnrstore.codec.quantize import (
     is_wide,
     row_nbytes,
 )
+from cnrstore.core.chainpolicy import block_key, next_slot
 from cnrstore.core.tablestate import BlockSlot, TableState
 from cnrstore.errors import NonFiniteValues, ValueOutOfRange
-from cnrstore.format.blocks import patch_nbytes
 
 __all__ = ["BlockWrite", "TablePlan", "HostBuffers", "plan_table", "FULL", "PATCH"]
 
@@ -48,6 +48,8 @@ class BlockWrite:
     start: int
     stop: int
     rows: np.ndarray | None     # block-local row indices of a patch
+    base: BlockSlot | None = None   # a patch's base: the previous version, or (merged) the
+                                    # chain's full block
 
 
 @dataclass
@@ -196,7 +198,9 @@ def plan_table(name: str, table: torch.Tensor, *, scheme: str, base: TableState 
     intN tables are encoded with fp16 scale/offset until a row needs fp32 ones (values
     beyond +-65504, docs/QUANTIZATION.md "Wide rows"); then the whole table is re-encoded
     wide, and stays wide while its diff base is. ``wide=True`` encodes wide from the
-    start (a distributed put whose other part of the table needed it)."""
+    start (a distributed put whose other part of the table needed it). ``block_offset``:
+    the index in the whole table of the first block (a rank's part of a distributed
+    put), which the chain policy spreads bounds by (chainpolicy.py)."""
     width = math.prod(table.shape[1:])
     if wide is None:
         wide = (
@@ -219,6 +223,7 @@ def _plan_table(
     block_rows: int,
     fanout: int,
     max_chain: int,
+    block_offset: int = 0,
     touched: torch.Tensor | None = None,
     buffers: HostBuffers | None = None,
     keep_full: bool = False,
@@ -265,8 +270,20 @@ def _plan_table(
 
     nblocks = -(-rows // block_rows)
     counts = np.bincount(changed // block_rows, minlength=nblocks) if len(changed) else None
+    new_fp = old_fp = None
+    if len(changed) and fp is not None:
+        sel = torch.from_numpy(changed)
+        new_fp = fp[sel.to(fp.device)].cpu().numpy()
+        if cbase is not None and cbase.fingerprints is not None:
+            old_fp = cbase.fingerprints[sel.to(cbase.fingerprints.device)].cpu().numpy()
+        elif cbase is not None and cbase.seed_codes is not None and scheme == "exact":
+            # Seeded from stored codes: exact codes are the rows' bytes.
+            prev = cbase.seed_codes[sel].view(table.dtype).reshape(len(sel), width)
+            old_fp = row_fingerprints(prev).numpy()
     slots: list[BlockSlot | None] = []
-    kinds: list[tuple[int, int]] = []      # (block index, FULL/PATCH) of blocks to write
+    writes: list[BlockWrite] = []
+    parts: list = []   # rows to encode, ascending: (start, stop) of a full block, or ids
+    pos = 0
     for i in range(nblocks):
         start = i * block_rows
         nr = min(start + block_rows, rows) - start
@@ -276,29 +293,20 @@ def _plan_table(
             if k == 0:
                 slots.append(old)
                 continue
-            pbytes = patch_nbytes(nr, k, rnb)
-            if old.depth < max_chain and old.chain_bytes + pbytes <= nr * rnb:
-                slots.append(BlockSlot(nr, old.depth + 1, old.chain_bytes + pbytes))
-                kinds.append((i, PATCH))
-                continue
-        slots.append(BlockSlot(nr))
-        kinds.append((i, FULL))
-
-    # Rows to encode, ascending: every row of full blocks, the changed rows of patches.
-    writes: list[BlockWrite] = []
-    parts = []
-    pos = 0
-    for i, kind in kinds:
-        start = i * block_rows
-        if kind == FULL:
-            n = min(start + block_rows, rows) - start
-            parts.append((start, start + n))
-            writes.append(BlockWrite(i, kind, pos, pos + n, None))
-        else:
             lo, hi = np.searchsorted(changed, [start, start + block_rows])
-            part = changed[lo:hi]
-            parts.append(part)
-            writes.append(BlockWrite(i, kind, pos, pos + len(part), part - start))
+            assert new_fp is not None  # rows changed, so the put has fingerprints
+            slot, local, pbase = next_slot(
+                old, block_key(name, block_offset + i), changed[lo:hi] - start,
+                None if old_fp is None else old_fp[lo:hi], new_fp[lo:hi], rnb, max_chain)
+        else:
+            slot, local, pbase = BlockSlot(nr), None, None
+        slots.append(slot)
+        if local is None:
+            parts.append((start, start + nr))
+            writes.append(BlockWrite(i, FULL, pos, pos + nr, None))
+        else:
+            parts.append(local + start)
+            writes.append(BlockWrite(i, PATCH, pos, pos + len(local), local, pbase))
         pos += writes[-1].stop - writes[-1].start
     # A table written whole (first put, new encoding) is encoded without an index array:
     # an arange over 10^9 rows would cost 8 GB.

@@ -20,6 +20,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from cnrstore.format.manifest import TableManifest, dtype_name, parse_dtype
@@ -30,21 +31,46 @@ __all__ = ["BlockSlot", "DeferredBase", "TableState", "cancel_deferred", "dtype_
 
 class BlockSlot:
     """One block of one table version: its object id (None until written) and the state
-    of its patch chain."""
+    of its patch chain.
 
-    __slots__ = ("oid", "nrows", "depth", "chain_bytes")
+    For merged patches (snapshot.py, "Long-run write policy") a slot also knows its
+    chain's full block (``full``: that block's slot, whose id the writer may still be
+    filling in; None for a full block itself) and the rows that differ from it:
+    ``union`` (block-local, ascending int64) with ``fsig``, the fingerprints those rows
+    had in the full block. ``union`` None: not known (a base seeded from the store, or
+    a chain on a filler block): the block is then never merged, only rewritten full."""
 
-    def __init__(self, nrows: int, depth: int = 0, chain_bytes: int = 0, oid: bytes | None = None):
+    __slots__ = ("oid", "nrows", "depth", "chain_bytes", "full", "union", "fsig")
+
+    def __init__(self, nrows: int, depth: int = 0, chain_bytes: int = 0, oid: bytes | None = None,
+                 *, full: BlockSlot | None = None, union: np.ndarray | None = None,
+                 fsig: np.ndarray | None = None):
         self.oid = oid
         self.nrows = nrows
         self.depth = depth
         self.chain_bytes = chain_bytes
+        self.full = full
+        if union is None and depth == 0:
+            union, fsig = _EMPTY, _EMPTY  # a full block: nothing differs from itself
+        self.union = union
+        self.fsig = fsig
+
+    def set_full(self) -> None:
+        """The slot now holds a full block (the writer rewrote it)."""
+        self.depth = self.chain_bytes = 0
+        self.full, self.union, self.fsig = None, _EMPTY, _EMPTY
+
+    def set_unknown(self) -> None:
+        """The slot's chain is not one this handle can merge (patches on a filler block)."""
+        self.full, self.union, self.fsig = None, None, None
 
     def __repr__(self) -> str:
         oid = self.oid.hex()[:12] if self.oid else None
         return f"BlockSlot({oid}, nrows={self.nrows}, depth={self.depth})"
 
 
+_EMPTY = np.zeros(0, dtype=np.int64)
+_EMPTY.flags.writeable = False
 
 
 # One thread for all deferred diff bases: it works while the restored job starts up and

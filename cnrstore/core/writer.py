@@ -107,6 +107,7 @@ def _write_full(w, get, plan: TablePlan, slot, codes, elem: int, index: int) -> 
     patch = encode_patch(slot.nrows, np.arange(slot.nrows), codes, elem=elem)
     slot.oid = w.put(KIND_BLOCK_PATCH, patch, (base,))
     slot.depth, slot.chain_bytes = 1, len(patch)
+    slot.set_unknown()  # a chain on a filler: never merged onto it
 
 
 def _write_table(w, plan: TablePlan, get) -> bytes:
@@ -127,14 +128,15 @@ def write_blocks(w, plan: TablePlan, get) -> None:
             _write_full(w, get, plan, slot, codes, elem, bw.index)
         else:
             assert plan.base_slots is not None and bw.rows is not None  # a patch has both
-            base = plan.base_slots[bw.index]
+            # A merged patch's base is its chain's full block (snapshot.BlockWrite.base).
+            base = bw.base if bw.base is not None else plan.base_slots[bw.index]
             if (base.oid is None or not w.has(base.oid)) and plan.full_codes is not None:
                 # Checked under the writer lock: gc in another process dropped the base
                 # after the put was planned. Write the block in full instead.
                 start = bw.index * state.block_rows
                 full = plan.full_codes[start:start + slot.nrows]
                 slot.oid = w.put(KIND_BLOCK_FULL, encode_full(full, elem=elem))
-                slot.depth = slot.chain_bytes = 0
+                slot.set_full()
                 plan.rewritten_blocks += 1
                 continue
             if base.oid is None or not w.has(base.oid):
@@ -160,7 +162,7 @@ def write_blocks(w, plan: TablePlan, get) -> None:
             start = i * state.block_rows
             slot.oid = w.put(KIND_BLOCK_FULL, encode_full(
                 plan.full_codes[start:start + slot.nrows], elem=elem))
-            slot.depth = slot.chain_bytes = 0
+            slot.set_full()
             plan.rewritten_blocks += 1
         if slot.oid is None:
             raise _MissingBase(f"table {plan.name!r} block {i} refers to a missing block")

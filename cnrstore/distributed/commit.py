@@ -111,6 +111,8 @@ def _write_round(ds: DistributedStore, job: Step) -> StepInfo:
     ask: Any = None
     try:
         known = {s.oid for _, _, p in job.plans for s in (p.base_slots or []) if s and s.oid}
+        known |= {bw.base.oid for _, _, p in job.plans for bw in p.writes
+                  if bw.base is not None and bw.base.oid}  # merged patches' full blocks
         coll = _Collector(known)
         for _, _, plan in job.plans:
             write_blocks(coll, plan, None)

@@ -272,7 +272,8 @@ def _plan(ds: DistributedStore, run: layout.Run, sub: torch.Tensor, scheme: str,
     try:
         return plan_table(run.name, sub, scheme=scheme, base=base, wide=wide,
                           block_rows=opt.rows, fanout=opt.segment_fanout,
-                          max_chain=opt.max_chain, touched=touched, buffers=ds.buffers)
+                          max_chain=opt.max_chain, block_offset=run.b0, touched=touched,
+                          buffers=ds.buffers)
     except (NonFiniteValues, ValueOutOfRange) as exc:  # name the global row
         raise type(exc)(exc.table, exc.row + run.lo, exc.scheme) from None
 

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from cnrstore.core.chainpolicy import rebuild
 from cnrstore.core.tablestate import BlockSlot, TableState
 from cnrstore.distributed import transfer
 from cnrstore.errors import CheckpointError
@@ -90,7 +91,10 @@ def build(objects: Any, got: Any, *, b0: int, b1: int, shape: tuple[int, ...],
             if block.shape != (stop - start, node.row_nbytes):
                 raise CheckpointError("block of the wrong shape")
             codes[start - lo:stop - lo] = block
-            slots.append(BlockSlot(stop - start, depth[i], chain[i], ids[i]))
+            slot = BlockSlot(stop - start, depth[i], chain[i], ids[i])
+            if scheme == "exact" and slot.depth:
+                rebuild(objects.get, slot, block, dtype)  # as core/seed.py
+            slots.append(slot)
         except (StoreError, CheckpointError):
             slots.append(None)  # unreadable: written full by the put
     return TableState(shape=(hi - lo, *node.shape[1:]), dtype=dtype, scheme=scheme,

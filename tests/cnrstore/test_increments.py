@@ -8,6 +8,7 @@ from ckpt_util import assert_identical, make_store, random_table
 
 import cnrstore
 from cnrstore.codec.quantize import row_nbytes
+from cnrstore.core.chainpolicy import block_key, chain_budget, depth_cap
 from cnrstore.format.manifest import changed_blocks, load_manifest
 
 
@@ -45,11 +46,17 @@ def test_unchanged_put_writes_only_the_step_node():
     assert m1.node.table_ids == m2.node.table_ids  # tables shared by id
 
 
-def test_patch_chains_are_bounded_and_diff_is_top_down():
+def test_patch_chains_are_bounded_and_merged_onto_the_full_block():
+    """Table t's block 0 has a depth cap of 2 with max_chain=3 (chainpolicy.depth_cap): at
+    the cap the
+    chain is replaced by one merged patch on the full block (the one row that differs
+    from it), never by a rewrite of the whole block."""
+    assert depth_cap(block_key("t", 0), 3) == 2
     g = torch.Generator().manual_seed(2)
     s = make_store("memory", None, block_rows=32, fanout=2, max_chain=3)
     t = random_table(g, 200, 8)
     s.put_tables(0, {"t": t})
+    full = load_manifest(s.objects, 0).tables["t"].block_ids[0]
     depths = []
     for step in range(1, 9):
         t[5] += 1.0  # one row of block 0, again and again
@@ -57,28 +64,37 @@ def test_patch_chains_are_bounded_and_diff_is_top_down():
         tm = load_manifest(s.objects, step).tables["t"]
         depths.append(tm.depth[0])
         assert all(d == 0 for d in tm.depth[1:])
-        assert tm.chain_bytes[0] <= 32 * 8 * 4
+        assert tm.chain_bytes[0] <= 32 * 8 * 4 // 2
         prev = load_manifest(s.objects, step - 1).tables["t"]
         assert changed_blocks(prev, tm) == [0]
-    assert depths == [1, 2, 3, 0, 1, 2, 3, 0]
+        if tm.depth[0] == 1:  # the first patch, or a merged one: its base is the full block
+            assert s.objects.get(tm.block_ids[0]).refs == (full,)
+    assert depths == [1, 2, 1, 2, 1, 2, 1, 2]
     for step in range(9):
         got = s.get_tables(step)["t"]
         assert float(got[5, 0] - got[6, 0]) != 0.0
     assert_identical(s.get_tables(8)["t"], t)
 
 
-def test_patch_bytes_bounded_by_block_size():
+def test_patch_bytes_bounded_by_the_blocks_budget():
+    """Table t's block 0 may hold 682 patch bytes of its 1024, block 1 998 of them
+    (chainpolicy.chain_budget): a 20-row patch (700 bytes) fits block 1's, not block 0's;
+    a second one outgrows block 1's, and the merged patch (the same 20 rows, 700 bytes)
+    is over half its budget, so block 1 is written full too."""
+    assert [chain_budget(block_key("t", i), 32, 32) for i in (0, 1)] == [682, 998]
     g = torch.Generator().manual_seed(3)
     s = make_store("memory", None, block_rows=32, fanout=4)
     t = random_table(g, 64, 8)
     s.put_tables(0, {"t": t})
-    t[0:20] += 1.0  # 20 of 32 rows: a second such patch would outgrow the block
-    s.put_tables(1, {"t": t})
-    assert load_manifest(s.objects, 1).tables["t"].depth[:2] == [1, 0]
     t[0:20] += 1.0
+    t[32:52] += 1.0
+    info = s.put_tables(1, {"t": t})
+    assert load_manifest(s.objects, 1).tables["t"].depth[:2] == [0, 1]
+    assert info.rows_changed == {"t": 40} and info.rows_written == {"t": 52}  # block 0 full
+    t[32:52] += 1.0
     info = s.put_tables(2, {"t": t})
     assert load_manifest(s.objects, 2).tables["t"].depth[:2] == [0, 0]
-    assert info.rows_changed == {"t": 20} and info.rows_written == {"t": 32}  # block 0 full
+    assert info.rows_changed == {"t": 20} and info.rows_written == {"t": 32}  # block 1 full
     assert_identical(s.get_tables(2)["t"], t)
 
 

@@ -1,0 +1,200 @@
+"""What a long run costs (issue 27): bytes on disk per step and bytes a restore reads, over
+many incremental puts.
+
+Tables and updates of benches/workload.py (fp32, 64-dim rows; every interval changes
+exactly ``fraction`` of each table's rows, Zipf-drawn). Per setting (fraction, scheme,
+``max_chain``): a full put, then ``--steps`` incremental puts, all kept. Measured per
+step: bytes the store's files gained on disk (``st_blocks``, so what the file system
+allocated), against the changed rows' bytes (rows changed x the scheme's row bytes: raw
+fp32 rows under exact, int8 codes under int8). Then per kept step the stored bytes of
+every object its restore reads (the step's closure), against the table's bytes in that
+scheme (rows x row bytes).
+
+    .venv/bin/python benches/bench_longrun.py --out /tmp/longrun             # 1 M rows, 60 steps
+    .venv/bin/python benches/bench_longrun.py --quick --out /tmp/quick        # smoke
+    .venv/bin/python benches/bench_longrun.py --plot docs/longrun.png A.json B.json
+
+Writes ``bench_longrun.json`` and ``bench_longrun.md`` under ``--out``; ``--plot`` draws
+write cost against restore read for every result of the given JSON files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+import cnrstore  # noqa: E402
+from benches.measure import disk_bytes  # noqa: E402
+from benches.workload import Workload, apply_update, make_tables  # noqa: E402
+from cnrstore.format.manifest import load_step, load_table_manifest  # noqa: E402
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--rows", type=int, default=1_000_000, help="rows of all tables together")
+    p.add_argument("--tables", type=int, default=2)
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--fractions", type=float, nargs="+", default=[0.01, 0.05])
+    p.add_argument("--quant", nargs="+", default=["exact", "int8"])
+    p.add_argument("--max-chain", type=int, nargs="+", default=[None],
+                   help="max_chain settings (default: the store's default)")
+    p.add_argument("--block-rows", type=int, default=None)
+    p.add_argument("--reopen-every", type=int, default=0,
+                   help="close and reopen the store every N steps (a restarted job)")
+    p.add_argument("--label", default="", help="name of this code version in the plot")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="tiny tables, few steps")
+    p.add_argument("--plot", default=None, help="write a PNG from the JSON files given")
+    p.add_argument("inputs", nargs="*", help="bench_longrun.json files to plot")
+    a = p.parse_args(argv)
+    if a.quick:
+        a.rows, a.steps, a.block_rows = 4096, 12, a.block_rows or 256
+    if a.steps < 1 or a.rows < a.tables or a.tables < 1:
+        p.error("need --steps >= 1 and --rows >= --tables >= 1")
+    if a.plot and not a.inputs:
+        p.error("--plot needs bench_longrun.json files")
+    return a
+
+
+def restore_bytes(store, step: int) -> tuple[int, int]:
+    """(stored bytes of every object a restore of ``step`` reads, its tables' bytes)."""
+    objects = store.objects
+    _, node = load_step(objects, step)
+    read = sum(loc.length for loc in objects.locate_closure(list(node.table_ids)).values())
+    table = 0
+    for tid in node.table_ids:
+        tn = load_table_manifest(objects, tid).node
+        table += tn.rows * tn.row_nbytes
+    return read, table
+
+
+def run_one(args: argparse.Namespace, fraction: float, quant: str, max_chain: int | None
+            ) -> dict:
+    work = Workload(fraction, "zipf")
+    path = Path(args.out) / f"store-{work.name}-{quant}-{max_chain}"
+    shutil.rmtree(path, ignore_errors=True)
+    per = args.rows // args.tables
+    tables = make_tables({f"t{i}": (per, args.dim) for i in range(args.tables)}, seed=args.seed)
+    opts: dict = {}
+    if max_chain is not None:
+        opts["max_chain"] = max_chain
+    if args.block_rows:
+        opts["block_rows"] = args.block_rows
+    store = cnrstore.open(path, **opts)
+    try:
+        store.put_tables(0, tables, quant=quant)
+        _, table_bytes = restore_bytes(store, 0)
+        rnb = table_bytes // (per * args.tables)
+        before = disk_bytes(path)
+        wrote, raw = [], []
+        for step in range(1, args.steps + 1):
+            apply_update(tables, work, seed=args.seed, step=step)
+            if args.reopen_every and step % args.reopen_every == 0:
+                store.close()  # the next put seeds its diff base from the store
+                store = cnrstore.open(path, **opts)
+            info = store.put_tables(step, tables, quant=quant)
+            now = disk_bytes(path)
+            wrote.append(now - before)
+            raw.append(sum(info.rows_changed.values()) * rnb)
+            before = now
+        reads = [restore_bytes(store, s)[0] / table_bytes for s in range(args.steps + 1)]
+        used = store.options.max_chain
+    finally:
+        store.close()
+    shutil.rmtree(path, ignore_errors=True)
+    med = statistics.median(wrote)
+    first = min(45, len(wrote))
+    return {
+        "label": args.label, "reopen_every": args.reopen_every, "workload": work.name,
+        "quant": quant, "max_chain": used,
+        "rows": per * args.tables, "steps": args.steps, "row_nbytes": rnb,
+        "amortized": sum(wrote) / sum(raw),
+        "amortized_45": sum(wrote[:first]) / sum(raw[:first]),
+        "max_over_median": max(wrote) / med if med else float("inf"),
+        "max_restore_read": max(reads), "last_restore_read": reads[-1],
+        "step_bytes": wrote, "raw_bytes": raw, "restore_read": reads,
+    }
+
+
+def markdown(results: list[dict]) -> str:
+    lines = ["| code | workload | scheme | max_chain | write/raw | write/raw (45 steps) "
+             "| max/median step | max restore read |", "|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        lines.append(
+            f"| {r['label']} | {r['workload']} | {r['quant']} | {r['max_chain']} "
+            f"| {r['amortized']:.2f}x | {r['amortized_45']:.2f}x "
+            f"| {r['max_over_median']:.1f}x | {r['max_restore_read']:.2f}x |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(out: str, inputs: list[str]) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker  # noqa: F401 - ScalarFormatter below
+
+    results = [r for f in inputs for r in json.loads(Path(f).read_text())["results"]]
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    marks = {("zipf-1pct", "exact"): "o", ("zipf-1pct", "int8"): "s",
+             ("zipf-5pct", "exact"): "^", ("zipf-5pct", "int8"): "D"}
+    palette = ["tab:red", "tab:orange", "tab:blue", "tab:green", "tab:purple", "tab:brown"]
+    colors: dict[str, str] = {}
+    for r in results:
+        label = r["label"] or "this tree"
+        color = colors.setdefault(label, palette[len(colors) % len(palette)])
+        ax.scatter(r["amortized"], r["max_restore_read"], color=color,
+                   marker=marks.get((r["workload"], r["quant"]), "x"))
+        ax.annotate(f"{r['max_chain']} ({r['max_over_median']:.0f}x)",
+                    (r["amortized"], r["max_restore_read"]), textcoords="offset points",
+                    xytext=(4, 3), fontsize=7, color=color)
+    for label, color in colors.items():
+        ax.scatter([], [], color=color, marker="o", label=label)
+    for (work, quant), m in marks.items():
+        ax.scatter([], [], color="black", marker=m, label=f"{work} {quant}")
+    ax.legend(fontsize=7, loc="upper right")
+    ax.axvline(1.5, color="grey", lw=0.5, ls="--")
+    ax.axhline(1.5, color="grey", lw=0.5, ls="--")
+    ax.set_xscale("log")
+    ax.set_xticks([1, 1.5, 2, 3, 4, 6])
+    ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    ax.set_xlabel("bytes written on disk per step / changed rows' bytes (amortized)")
+    ax.set_ylabel("largest restore read / table bytes (any kept step)")
+    steps = sorted({r["steps"] for r in results})
+    ax.set_title(f"Long run: write vs restore read, {'/'.join(map(str, steps))} steps "
+                 "(labels: max_chain (largest step / median step))", fontsize=9)
+    fig.tight_layout()
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.plot:
+        plot(args.plot, args.inputs)
+        return 0
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = []
+    for fraction in args.fractions:
+        for quant in args.quant:
+            for mc in args.max_chain:
+                r = run_one(args, fraction, quant, mc)
+                results.append(r)
+                print(markdown([r]).splitlines()[-1], flush=True)
+    (out / "bench_longrun.json").write_text(json.dumps({"results": results}, indent=1))
+    (out / "bench_longrun.md").write_text(markdown(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

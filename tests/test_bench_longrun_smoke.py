@@ -1,0 +1,52 @@
+"""The long-run benchmark (benches/bench_longrun.py) at a tiny scale: its JSON holds every
+figure per setting, the figures are sane, and the plot is drawn from it."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from benches import bench_longrun  # noqa: E402
+
+
+def test_quick_run_reports_write_and_restore_read_and_plots(tmp_path):
+    out = tmp_path / "out"
+    argv = ["--quick", "--fractions", "0.05", "--out", str(out), "--label", "t"]
+    assert bench_longrun.main(argv) == 0
+    doc = json.loads((out / "bench_longrun.json").read_text())
+    assert [(r["workload"], r["quant"]) for r in doc["results"]] == [
+        ("zipf-5pct", "exact"), ("zipf-5pct", "int8")]
+    for r in doc["results"]:
+        assert len(r["step_bytes"]) == len(r["raw_bytes"]) == r["steps"] == 12
+        assert len(r["restore_read"]) == 13
+        assert all(b > 0 for b in r["raw_bytes"])
+        assert r["amortized"] == pytest.approx(sum(r["step_bytes"]) / sum(r["raw_bytes"]))
+        med = statistics.median(r["step_bytes"])
+        assert r["max_over_median"] == pytest.approx(max(r["step_bytes"]) / med)
+        assert r["max_restore_read"] == max(r["restore_read"]) < 2.5
+        assert r["max_chain"] == 64
+        if r["quant"] == "exact":  # rows stored raw: step 0 (the full put) reads the table
+            assert r["row_nbytes"] == 256 and r["restore_read"][0] == pytest.approx(1, 0.02)
+            assert min(r["restore_read"][1:]) >= r["restore_read"][0]
+        else:  # 64 codes and the row's scale and offset
+            assert 64 < r["row_nbytes"] < 256
+    assert "| t | zipf-5pct | exact | 64 |" in (out / "bench_longrun.md").read_text()
+    assert not list(out.glob("store-*"))  # the stores are removed
+    png = tmp_path / "p.png"
+    assert bench_longrun.main(["--out", str(out), "--plot", str(png),
+                               str(out / "bench_longrun.json")]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("argv", [["--steps", "0"], ["--rows", "1", "--tables", "2"],
+                                  ["--plot", "x.png"]])
+def test_bad_arguments_are_refused(argv, tmp_path):
+    with pytest.raises(SystemExit):
+        bench_longrun.parse_args(["--out", str(tmp_path), *argv])
