@@ -36,6 +36,7 @@ public API untranslated:
     StoreLocked                      StoreBusy
     ConcurrentCommit                 ConcurrentCommit (a StorageError)
     ReadOnly                         ReadOnlyStore
+    NoStore (create=False, no store) BadPath
     any other StoreError             StorageError
 
 A put that fails in the background writer surfaces on its Future as ``WriteFailed`` chained
@@ -315,6 +316,8 @@ def translate(exc: StoreError) -> CheckpointError:
         return ReadOnlyStore(message)
     if isinstance(exc, e.ConcurrentCommit):
         return ConcurrentCommit(message)
+    if isinstance(exc, e.NoStore):
+        return BadPath(message)
     return StorageError(message)
 
 

@@ -7,7 +7,8 @@
     │   └── GCRefused          gc met a reachable ref it cannot trust and deleted nothing
     ├── StoreLocked            another writer holds the store
     ├── FormatError            an unknown format version or a malformed store layout
-    │   └── StaleIndex         an index behind its packs that could not be brought up to date
+    │   ├── StaleIndex         an index behind its packs that could not be brought up to date
+    │   └── NoStore            create=False where no store is (directory, shared or bucket)
     ├── RootExists             create_root of a name that exists at commit (nothing published)
     ├── ReadOnly               a write on a store opened with readonly=True
     ├── StoreClosed            use of a closed store, or of a store across fork()
@@ -29,6 +30,7 @@ __all__ = [
     "StoreClosed",
     "GCRefused",
     "StaleIndex",
+    "NoStore",
     "RootExists",
     "ReadOnly",
     "OptionsMismatch",
@@ -101,6 +103,10 @@ class StaleIndex(FormatError):
     """The index is behind (or emptier than) its packs and could not be brought up to date
     here (read-only handle, or the writer lock was unavailable): trusting it would let gc
     delete live packs. Open the store writable, or run repair."""
+
+
+class NoStore(FormatError):
+    """An open with ``create=False`` found no store at the location: nothing was created."""
 
 
 class RootExists(StoreError):

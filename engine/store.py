@@ -36,7 +36,7 @@ from .api import (
     Writer,
 )
 from .core import DirectReads, StoreCore
-from .errors import CorruptObject, FormatError, ReadOnly, StoreError, StoreLocked
+from .errors import CorruptObject, FormatError, NoStore, ReadOnly, StoreError, StoreLocked
 from .fileio import makedirs_durable, store_error
 from .freshness import open_index, stale_problem
 from .ids import check_id
@@ -155,7 +155,7 @@ class PackStore(DirectReads, ObjectStore):
         p = self.path
         if not p.exists():
             if not create:
-                raise FormatError(f"no store at {p} (pass create=True to make one)")
+                raise NoStore(f"no store at {p} (pass create=True to make one)")
             makedirs_durable(p)
         elif not p.is_dir():
             raise FormatError(f"{p} is not a directory")
@@ -165,7 +165,7 @@ class PackStore(DirectReads, ObjectStore):
         if "commits" in entries and not self._cache_only:  # never an index beside them
             raise FormatError(f"{p} is a shared-directory store: open it with cache_dir=")
         if not entries and not create:
-            raise FormatError(f"no store at {p} (pass create=True to make one)")
+            raise NoStore(f"no store at {p} (pass create=True to make one)")
         if not self.readonly or self._cache_only:
             makedirs_durable(p / "packs")
 

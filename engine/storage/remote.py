@@ -36,6 +36,7 @@ from ..errors import (
     CorruptObject,
     FormatError,
     GCRefused,
+    NoStore,
     RootExists,
     StoreError,
     StoreLocked,
@@ -190,7 +191,7 @@ class Remote:
                 if report is None and found is not None:
                     report = self._counts(core, tuple(found.problems))
             if not create and self.seq(core) == 0:
-                raise FormatError(f"no store at {self.storage.url} (pass create=True to "
+                raise NoStore(f"no store at {self.storage.url} (pass create=True to "
                                   "make one)")
         return report
 

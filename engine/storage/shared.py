@@ -29,7 +29,7 @@ from collections.abc import Mapping
 from datetime import datetime, timezone
 from typing import Any
 
-from ..errors import FormatError
+from ..errors import FormatError, NoStore
 from ..fileio import fsync_dir, makedirs_durable, write_all
 from .base import PackSink
 from .local import LocalSink, LocalStorage
@@ -169,7 +169,7 @@ def check_location(root: pathlib.Path, cache: pathlib.Path, *, create: bool) -> 
                           "index cache must be on a local disk, outside it")
     if not root.exists():
         if not create:
-            raise FormatError(f"no store at {root} (pass create=True to make one)")
+            raise NoStore(f"no store at {root} (pass create=True to make one)")
         return
     if not root.is_dir():
         raise FormatError(f"{root} is not a directory")
@@ -181,7 +181,7 @@ def check_location(root: pathlib.Path, cache: pathlib.Path, *, create: bool) -> 
     if entries and MARK not in entries:
         raise FormatError(f"{root} is a non-empty directory that is not a cnrstore store")
     if not entries and not create:
-        raise FormatError(f"no store at {root} (pass create=True to make one)")
+        raise NoStore(f"no store at {root} (pass create=True to make one)")
 
 
 def open_shared(path: str | os.PathLike, *, cache_dir: str | os.PathLike,

@@ -94,6 +94,18 @@ def test_open_arguments_of_a_location(moto, tmp_path):
     with pytest.raises(cnrstore.StorageError, match="plain http"):
         cnrstore.open(moto.url(), cache_dir=tmp_path / "c",
                       storage_options=dict(moto.options, endpoint="http://10.9.8.7:1"))
-    with pytest.raises(cnrstore.StorageError, match="no store"):
-        cnrstore.open(moto.url(), cache_dir=tmp_path / "d", storage_options=moto.options,
-                      create=False)
+
+
+def test_open_without_create_where_no_store_is_bad_path(moto, tmp_path):
+    # Issue 23 (13): a bucket prefix or a shared directory with no store raised
+    # StorageError; like a directory, it is BadPath, and nothing is created.
+    url = moto.url()
+    with pytest.raises(cnrstore.BadPath, match="no store at"):
+        cnrstore.open(url, cache_dir=tmp_path / "cache", create=False,
+                      storage_options=moto.options)
+    shared = tmp_path / "shared"
+    with pytest.raises(cnrstore.BadPath, match="no store at"):
+        cnrstore.open(shared, cache_dir=tmp_path / "cache2", create=False)
+    assert not shared.exists()
+    with _open(moto, url, tmp_path / "cache3") as s:   # the prefix is still free to create
+        s.put_tables(0, {"t": torch.ones(4, 2)})
