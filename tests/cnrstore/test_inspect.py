@@ -30,7 +30,7 @@ def _open(path, **opts):
 
 @pytest.fixture
 def three_steps(tmp_path):
-    """Steps 0, 1, 2: rows 5 and 100-109 of "user" change at 1; at 2 "user" grows by 20
+    """Steps 0, 1, 2: rows 5 and 100-104 of "user" change at 1; at 2 "user" grows by 20
     rows and row 3 changes, "item" is dropped and "ids" (int64) appears."""
     gen = torch.Generator().manual_seed(1)
     user = torch.randn(300, 8, generator=gen)
@@ -39,7 +39,7 @@ def three_steps(tmp_path):
     with _open(path) as s:
         s.put_tables(0, {"user": user, "item": item}, metadata={"lr": 0.1})
         user[5] += 1
-        user[100:110] -= 1
+        user[100:105] -= 1   # a third of block 6: a patch under any block's budget
         s.put_tables(1, {"user": user, "item": item}, quant={"item": "int8"})
         user2 = torch.cat([user, torch.randn(20, 8, generator=gen)])
         user2[3] = 0
@@ -54,7 +54,7 @@ def test_list_steps_sizes_add_up(three_steps):
     assert steps[0].logical_bytes == 300 * 8 * 4 + 70 * 4 * 2
     assert steps[2].logical_bytes == 320 * 8 * 4 + 10 * 8
     assert steps[0].new_bytes == steps[0].stored_bytes
-    # Step 1 patched 11 rows of "user": it reaches about as much as step 0 but adds little.
+    # Step 1 patched 6 rows of "user": it reaches about as much as step 0 but adds little.
     assert steps[1].new_bytes < steps[1].stored_bytes / 3
     usage = ci.disk_usage(three_steps)
     assert usage.stored_bytes == sum(s.new_bytes for s in steps)
@@ -69,8 +69,8 @@ def test_show_step_reports_geometry_chains_and_metadata(three_steps):
                                                                       "exact", BR)
     assert user.blocks == -(-300 // BR)
     assert user.full_blocks + user.patched_blocks == user.blocks
-    assert user.patched_blocks == 2 and user.max_depth == 1  # rows 5 and 100-109: 2 blocks
-    assert user.rows_changed == 11
+    assert user.patched_blocks == 2 and user.max_depth == 1  # rows 5 and 100-104: 2 blocks
+    assert user.rows_changed == 6
     item = {t.name: t for t in d1.tables}["item"]
     assert item.scheme == "int8" and item.patched_blocks == 0  # re-encoded: all full
     with pytest.raises(cnrstore.StepNotFound):
@@ -82,7 +82,7 @@ def test_diff_finds_tables_blocks_and_rows(three_steps):
     t = {x.name: x for x in d.tables}
     assert not d.identical and d.metadata_changed
     assert t["user"].status == "changed" and t["user"].blocks_changed == (0, 6)
-    assert t["user"].row_ranges == ((5, 6), (100, 110)) and t["user"].rows_changed == 11
+    assert t["user"].row_ranges == ((5, 6), (100, 105)) and t["user"].rows_changed == 6
     assert t["user"].patches_read == 2 and t["user"].blocks_decoded == 0
     assert t["item"].encoding_changed and t["item"].rows_changed is None
 
