@@ -26,7 +26,7 @@ import torch
 
 from cnrstore.core.retention import check_retention, kept_steps
 from cnrstore.core.store import CheckpointStore
-from cnrstore.errors import InvalidInput, InvalidType, StepNotFound
+from cnrstore.errors import InvalidInput, InvalidType, StepNotFound, TableNotFound
 
 __all__ = ["CheckpointManager", "plan_retention"]
 
@@ -78,12 +78,12 @@ def _state_dicts(state: Mapping) -> dict:
     return out
 
 
-def _prime(opt: torch.optim.Optimizer) -> None:
+def _prime(opt: torch.optim.Optimizer) -> bool:
     """Create the lazily made state of a fresh optimizer (Adam's moments, its step) with
     one step of zero gradients at learning rate 0, so a restore has tensors to fill in
     place. The parameters do not move (and are restored afterwards in any case)."""
     if opt.state:
-        return
+        return False
     params = [p for g in opt.param_groups for p in g["params"] if p.requires_grad]
     grads = [p.grad for p in params]
     lrs = [g.get("lr") for g in opt.param_groups]
@@ -95,12 +95,18 @@ def _prime(opt: torch.optim.Optimizer) -> None:
                 g["lr"] = torch.tensor(0.0) if isinstance(g["lr"], torch.Tensor) else 0.0
         with torch.no_grad():
             opt.step()
+    except Exception as exc:
+        raise InvalidInput(
+            f"restore: cannot create the state of a fresh {type(opt).__name__} to fill "
+            f"({type(exc).__name__}: {exc}); restore with store.get_state(step) and "
+            "opt.load_state_dict(...) instead") from exc
     finally:
         for g, lr in zip(opt.param_groups, lrs):
             if lr is not None:
                 g["lr"] = lr
         for p, grad in zip(params, grads):
             p.grad = grad
+    return True
 
 
 class CheckpointManager:
@@ -300,10 +306,19 @@ class CheckpointManager:
                     raise StepNotFound(-1, "restore: the store holds no step yet")
             self._restoring[step] = self._restoring.get(step, 0) + 1
         try:
-            for v in into.values():
-                if isinstance(v, torch.optim.Optimizer):
-                    _prime(v)
-            got = self.store.load_state(step, _state_dicts(into))
+            primed = {k for k, v in into.items()
+                      if isinstance(v, torch.optim.Optimizer) and _prime(v)}
+            try:
+                got = self.store.load_state(step, _state_dicts(into))
+            except TableNotFound as exc:
+                # A step saved before the optimizer's first step() holds no state for it:
+                # the primed state goes again (nothing was written: names are checked
+                # first), and the optimizer is restored as it was then, stateless.
+                owner = str(getattr(exc, "table", "")).split("/")[0]
+                if owner not in primed:
+                    raise
+                into[owner].state.clear()
+                got = self.store.load_state(step, _state_dicts(into))
             out: dict = {}
             for k, v in into.items():
                 if isinstance(v, torch.optim.Optimizer):

@@ -377,3 +377,36 @@ def test_two_ranks_decide_alike_on_the_coordinators_clock(tmp_path):
     assert got[0]["saved"] == [4, 8, 12]
     assert got[0]["steps"] == got[0]["store_steps"]
     assert got[0]["same"] is True
+
+
+def test_a_step_saved_before_the_first_optimizer_step_restores_a_stateless_optimizer(
+        tmp_path):
+    model = Net(0)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    with _open(tmp_path) as s:
+        mgr = cnrstore.CheckpointManager(s)
+        mgr.save(0, {"model": model, "optim": opt})
+        fresh = Net(1)
+        fresh_opt = torch.optim.Adam(fresh.parameters(), lr=0.5)
+        mgr.restore(into={"model": fresh, "optim": fresh_opt})
+        assert not fresh_opt.state and fresh_opt.param_groups[0]["lr"] == 0.01
+        for a, b in zip(model.parameters(), fresh.parameters()):
+            assert torch.equal(a, b)
+        # and it trains on as the original does
+        _train(model, opt, [1, 2])
+        _train(fresh, fresh_opt, [1, 2])
+        _equal_runs(model, opt, fresh, fresh_opt)
+
+
+def test_an_optimizer_that_cannot_be_primed_is_a_clear_error(tmp_path):
+    emb = torch.nn.Embedding(10, 4, sparse=True)
+    opt = torch.optim.SparseAdam(emb.parameters())
+    emb(torch.arange(3)).sum().backward()
+    opt.step()
+    with _open(tmp_path) as s:
+        mgr = cnrstore.CheckpointManager(s)
+        mgr.save(1, {"model": emb, "optim": opt})
+        fresh = torch.nn.Embedding(10, 4, sparse=True)
+        with pytest.raises(cnrstore.InvalidInput, match="SparseAdam"):
+            mgr.restore(into={"model": fresh, "optim": torch.optim.SparseAdam(
+                fresh.parameters())})
