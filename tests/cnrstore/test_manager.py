@@ -410,3 +410,22 @@ def test_an_optimizer_that_cannot_be_primed_is_a_clear_error(tmp_path):
         with pytest.raises(cnrstore.InvalidInput, match="SparseAdam"):
             mgr.restore(into={"model": fresh, "optim": torch.optim.SparseAdam(
                 fresh.parameters())})
+
+
+def test_a_background_write_failure_is_raised_by_the_next_call_and_not_recorded(tmp_path):
+    with _open(tmp_path, lock_timeout=0.1) as s:
+        mgr = cnrstore.CheckpointManager(s, max_to_keep=1)
+        mgr.save(1, _state(1))
+        mgr.wait()
+        held = s.objects.writer()      # another writer holds the engine: step 2 times out
+        try:
+            assert mgr.save(2, _state(2))
+            with pytest.raises(cnrstore.WriteFailed):
+                mgr.save(3, _state(3))
+        finally:
+            held.abort()
+        assert mgr.all_steps() == [1] == s.steps()   # and retention kept step 1
+        assert mgr.save(3, _state(3))
+        mgr.wait()
+        assert s.steps() == [3]
+        assert torch.equal(s.get_state(3)["w"], _state(3)["w"])

@@ -108,3 +108,18 @@ def test_the_clis_bar_draws_an_api_call(store):
     with Progress("put", enabled=True, stream=out) as bar:
         store.put_tables(1, _tables(), progress=bar)
     assert f"100.0% {NBYTES}/{NBYTES}" in out.getvalue()
+
+
+def test_a_put_that_fails_never_reports_its_end(tmp_path):
+    with cnrstore.open(tmp_path / "c", block_rows=16, progress_min_bytes=1024,
+                       lock_timeout=0.1) as s:
+        held = s.objects.writer()
+        calls = Calls()
+        try:
+            fut = s.put_tables(1, _tables(), blocking=False, progress=calls)
+            with pytest.raises(cnrstore.WriteFailed):
+                fut.result(timeout=60)
+        finally:
+            held.abort()
+        assert calls and all(d < NBYTES for d, _ in calls)
+        assert s.steps() == []
