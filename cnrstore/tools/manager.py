@@ -221,15 +221,17 @@ class CheckpointManager:
         step, fut, metrics = self._pending
         self._pending = None
         fut.result()    # WriteFailed: the step was not committed and is not recorded
-        self._steps = sorted(set(self._steps) | {step})
         self._metrics[step] = metrics
+        # The store's own list: another handle may have deleted or rolled back steps, and
+        # retention must name only steps that exist (delete_steps is all or none).
+        self._steps = list(self.store.steps())
         self._retain()
 
     def _retain(self) -> None:
         if self.keep_best is not None:
             for s in self._steps:
                 if s not in self._metrics:  # saved before this manager: read once
-                    self._metrics[s] = self.store.metadata(s).get(_METRICS)
+                    self._metrics[s] = self._stored_metrics(s)
         drop = plan_retention(
             self._steps, max_to_keep=self.max_to_keep, keep_period=self.keep_period,
             keep_best=self.keep_best, best_metric=self.best_metric, best_mode=self.best_mode,
@@ -274,8 +276,12 @@ class CheckpointManager:
         """The metrics saved with ``step`` (None if it was saved without)."""
         with self._lock:
             if step not in self._metrics:
-                self._metrics[step] = self.store.metadata(step).get(_METRICS)
+                self._metrics[step] = self._stored_metrics(step)
             return self._metrics[step]
+
+    def _stored_metrics(self, step: int) -> Mapping | None:
+        got = self.store.metadata(step).get(_METRICS)
+        return got if isinstance(got, Mapping) else None  # not put by a manager
 
     def best_step(self) -> int | None:
         """The committed step with the best ``best_metric`` (None if no step has it)."""

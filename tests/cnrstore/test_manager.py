@@ -429,3 +429,19 @@ def test_a_background_write_failure_is_raised_by_the_next_call_and_not_recorded(
         mgr.wait()
         assert s.steps() == [3]
         assert torch.equal(s.get_state(3)["w"], _state(3)["w"])
+
+
+def test_retention_follows_steps_another_handle_deleted_and_foreign_metadata(tmp_path):
+    with _open(tmp_path) as s:
+        s.put_state(1, _state(), metadata={"metrics": "not a mapping"})
+        mgr = cnrstore.CheckpointManager(s, max_to_keep=2, keep_best=1, best_metric="loss")
+        for step in (2, 3, 4):
+            mgr.save(step, _state(step), metrics={"loss": float(step)})
+        mgr.wait()
+        assert s.steps() == [2, 3, 4]
+        with _open(tmp_path) as other:   # e.g. an operator's rollback
+            other.rollback(2)
+        mgr.save(5, _state(5), metrics={"loss": 9.0})
+        mgr.save(6, _state(6), metrics={"loss": 8.0})
+        mgr.wait()
+        assert s.steps() == [2, 5, 6] == mgr.all_steps()
