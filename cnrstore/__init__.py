@@ -59,6 +59,7 @@ if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and
     from cnrstore.distributed.opener import open
     from cnrstore.distributed.shard import Shard
     from cnrstore.distributed.store import DistributedStore
+    from cnrstore.tools.manager import CheckpointManager
 
 __all__ = [
     "SCHEMES",
@@ -66,6 +67,7 @@ __all__ = [
     "BadPath",
     "Change",
     "CheckpointError",
+    "CheckpointManager",
     "CheckpointStore",
     "CollectiveMismatch",
     "ConcurrentCommit",
@@ -106,6 +108,7 @@ _LAZY = {
     "StoreStats": "cnrstore.core.maintenance",
     "VerifyReport": "cnrstore.core.maintenance",
     "CheckpointStore": "cnrstore.core.store",
+    "CheckpointManager": "cnrstore.tools.manager",
     "Options": "cnrstore.core.options",
     "OptionsMismatch": "cnrstore.core.options",
     "open": "cnrstore.distributed.opener",  # dispatches: plain, group= (and later s3://)

@@ -236,6 +236,50 @@ def resume_older(block: Block, tmp: pathlib.Path, request) -> None:
         assert s.steps() == [100, 150]
 
 
+def training_loop(block: Block, tmp: pathlib.Path, request) -> None:
+    # The loop is killed at step 555 and started again as a new process would (a fresh
+    # model and a fresh Adam with no state): it must end with the weights and optimizer
+    # state, bit for bit, of the same loop run without a stop in another directory.
+    def train_step(crash_at: int | None) -> Callable:
+        def step_fn(model, opt, step):
+            if step == crash_at:
+                raise _Crash
+            g = torch.Generator().manual_seed(step)
+            ids = torch.randint(0, 300, (16, 5), generator=g)
+            y = torch.rand(16, generator=g)
+            loss = nn.functional.binary_cross_entropy_with_logits(model(ids), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            return float(loss)
+        return step_fn
+
+    with pytest.raises(_Crash):
+        _run(block, {"DLRM": DLRM, "train_step": train_step(555)})
+    again = _run(block, {"DLRM": DLRM, "train_step": train_step(None)})
+    assert again["start"] == 501
+    (tmp / "whole").mkdir()
+    os.chdir(tmp / "whole")
+    whole = _run(block, {"DLRM": DLRM, "train_step": train_step(None)})
+    assert whole["start"] == 0
+    for (name, a), b in zip(again["model"].state_dict().items(),
+                            whole["model"].state_dict().values()):
+        assert torch.equal(a, b), name
+    sa, sb = again["opt"].state_dict(), whole["opt"].state_dict()
+    assert sa["param_groups"] == sb["param_groups"] and sorted(sa["state"]) == sorted(sb["state"])
+    for k, st in sb["state"].items():
+        for name, value in st.items():
+            assert torch.equal(sa["state"][k][name], value), (k, name)
+    with cnrstore.open(tmp / "whole" / "ckpt") as s:
+        steps = s.steps()
+        losses = {t: s.metadata(t)["metrics"]["loss"] for t in steps}
+    kept = {0, 500, 700, 800, 900}
+    saved = dict(losses)
+    assert kept <= set(steps) and len(steps) <= len(kept) + 2, steps
+    best = set(sorted(saved, key=saved.get)[:2])
+    assert best <= set(steps)
+
+
 def many_ranks(block: Block, tmp: pathlib.Path, request) -> None:
     from guide_worker import run_ranks
 
@@ -373,6 +417,7 @@ RUNNERS: dict[str, Callable] = {
     "Putting a step#0": putting,
     "Checkpoint a training job#0": training_job,
     "Resume from an older step#0": resume_older,
+    "A training loop#0": training_loop,
     "Many ranks (torch.distributed)#0": many_ranks,
     "Many ranks (torch.distributed)#1": many_ranks_storage,
     "From DCP#0": from_dcp,

@@ -4,13 +4,16 @@ run on its writer thread, after every put queued before them."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from cnrstore.core.handle import StoreCore
+from cnrstore.core.progress import Reporter, check_progress
 from cnrstore.core.restore import check_slice, read_tables, seed_later
 from cnrstore.core.retention import check_retention, kept_steps
+from cnrstore.core.tablestate import parse_dtype
 from cnrstore.core.validate import check_device, check_step
 from cnrstore.core.verify import StepProblem, verify_objects
 from cnrstore.errors import InvalidInput, InvalidType, StepNotFound, TableNotFound
@@ -67,11 +70,12 @@ def metadata(core: StoreCore, step: int | None) -> dict:
 
 
 def get_tables(core: StoreCore, step: int | None, *, names: Any, rows: Any,
-               device: Any) -> dict:
+               device: Any, progress: Any = None) -> dict:
     core.check_open()
+    check_progress(progress)
     if step is None:
         return core.latest(None, lambda s: get_tables(core, s, names=names, rows=rows,
-                                                      device=device))
+                                                      device=device, progress=progress))
     if names is not None:
         if isinstance(names, str) or not isinstance(names, Iterable):
             raise InvalidType("names must be an iterable of table names (not a str)")
@@ -82,7 +86,7 @@ def get_tables(core: StoreCore, step: int | None, *, names: Any, rows: Any,
     device = check_device(device)
     step = core.resolve_step(step)
     try:
-        return _read_step(core, step, names, rows, device)
+        return _read_step(core, step, names, rows, device, progress)
     except StoreError as exc:
         # Another handle or process deleted the step and a gc swept its objects while they
         # were read: the step is gone, not damaged (the engine's ObjectNotFound escaped).
@@ -91,7 +95,8 @@ def get_tables(core: StoreCore, step: int | None, *, names: Any, rows: Any,
         raise
 
 
-def _read_step(core: StoreCore, step: int, names: Any, rows: dict, device: Any) -> dict:
+def _read_step(core: StoreCore, step: int, names: Any, rows: dict, device: Any,
+               progress: Any = None) -> dict:
     manifest = load_manifest(core.objects, step, names=names)
     for name, sel in rows.items():
         if name not in manifest.tables:
@@ -100,8 +105,11 @@ def _read_step(core: StoreCore, step: int, names: Any, rows: dict, device: Any) 
     out = {}
     seeds = []
     wanted = list(manifest.tables.items())
+    report = Reporter(progress, sum(out_bytes(tm, rows.get(n)) for n, tm in wanted),
+                      min_total=core.options.progress_min_bytes)
     tensors = read_tables(core.objects, core.pool, [(tm, rows.get(n)) for n, tm in wanted],
-                          device)
+                          device, done=report.add if report.fn is not None else None)
+    report.finish()
     for (name, tm), tensor in zip(wanted, tensors):
         if rows.get(name) is None and core.wants_seed(name):
             seeds.append((name, tm))
@@ -129,10 +137,28 @@ def delete_step(core: StoreCore, step: int) -> None:
         core.writer.run(job)
 
 
+def out_bytes(tm: Any, sel: slice | None) -> int:
+    """Bytes of the tensor a read of ``tm`` (rows ``sel``) returns."""
+    node = tm.node
+    rows = node.rows if sel is None else len(range(*sel.indices(node.rows)))
+    return rows * math.prod(node.shape[1:]) * parse_dtype(node.dtype).itemsize
+
+
+def _store_reporter(core: StoreCore, progress: Any) -> Reporter:
+    """A reporter of gc or verify, in thousandths, over the threshold by the store's
+    stored bytes (what either pass reads)."""
+    if check_progress(progress) is None:
+        return Reporter(None, 0, min_total=0)
+    size = core.objects.stats().stored_bytes
+    return Reporter(progress, 1000 if size >= core.options.progress_min_bytes else 0,
+                    min_total=1)
+
+
 def gc(core: StoreCore, keep_last: int | None, keep: Iterable[int], *,
-       threshold: float) -> GCReport:
+       threshold: float, progress: Any = None) -> GCReport:
     core.check_open()
     keep_last, keep = check_retention(keep_last, keep)
+    report = _store_reporter(core, progress)
     if not isinstance(threshold, (int, float)) or not 0.0 <= threshold <= 1.0:
         raise InvalidInput(f"threshold must be in [0, 1], got {threshold!r}")
 
@@ -147,7 +173,8 @@ def gc(core: StoreCore, keep_last: int | None, keep: Iterable[int], *,
             for s in dropped:
                 w.delete_root(root_name(s))
         rep: EngineGCReport = core.objects.gc(
-            threshold=threshold, timeout=core.options.lock_timeout
+            threshold=threshold, timeout=core.options.lock_timeout,
+            progress=report.phase(0, 1) if report.fn is not None else None,
         )
         return GCReport(
             steps_deleted=tuple(dropped),
@@ -160,22 +187,42 @@ def gc(core: StoreCore, keep_last: int | None, keep: Iterable[int], *,
         )
 
     with core.lock:
-        report = core.writer.run(job)
+        result = core.writer.run(job)
         # Blocks of dropped steps may be gone: the diff base must not refer to them.
         for state in core.states.values():
             state.drop_missing(core.objects.has)
-    return report
+    report.finish()
+    return result
 
 
-def verify(core: StoreCore, *, deep: bool) -> VerifyReport:
+def verify(core: StoreCore, *, deep: bool, progress: Any = None) -> VerifyReport:
     core.check_open()
+    report = _store_reporter(core, progress)
     core.writer.drain()
-    r = verify_objects(core.objects, deep=deep)
+    r = verify_objects(core.objects, deep=deep, progress=_phases(report, deep))
+    report.finish()
     eng = EngineVerifyReport(not any(not isinstance(p, StepProblem) for p in r.problems),
                              tuple(p for p in r.problems if not isinstance(p, StepProblem)),
                              r.objects_checked, r.bytes_checked)
     return VerifyReport(r.ok, tuple(f"{p.what}: {p.message}" for p in r.problems),
                         r.steps_checked, r.blocks_checked, eng, r.problems)
+
+
+def _phases(report: Reporter, deep: bool) -> Any:
+    """verify_objects' progress: the engine's pass, then (deep) the blocks', as halves."""
+    if report.fn is None:
+        return None
+    engine_pass, blocks = report.phase(0, 1 + deep), report.phase(1, 2)
+    in_blocks = [False]
+
+    def tick(done: int, total: int) -> None:
+        # the engine's pass ends with done == total; the block pass follows
+        if in_blocks[0]:
+            blocks(done, total)
+        else:
+            engine_pass(done, total)
+            in_blocks[0] = done >= total
+    return tick
 
 
 def stats(core: StoreCore) -> StoreStats:

@@ -52,6 +52,8 @@ class Options:
       newest stored step holding it (same geometry), so it is incremental, not full.
     - ``lock_timeout`` (60 s): how long a write waits for another process's writer.
     - ``host_buffer_bytes`` (2 GiB): host staging buffers kept for reuse across puts.
+    - ``progress_min_bytes`` (64 MiB): calls given ``progress=`` report only when their
+      work is at least this large (cnrstore/core/progress.py).
     """
 
     block_rows: int | None = None
@@ -63,6 +65,7 @@ class Options:
     seed_from_store: bool = True
     lock_timeout: float | None = 60.0
     host_buffer_bytes: int = 2 << 30
+    progress_min_bytes: int = 64 << 20
 
     def __post_init__(self) -> None:
         for name in DATA_OPTIONS:
@@ -76,6 +79,7 @@ class Options:
             positive("decode_threads", self.decode_threads)
         positive("expected_restores", self.expected_restores, lo=0)
         positive("host_buffer_bytes", self.host_buffer_bytes, lo=0)
+        positive("progress_min_bytes", self.progress_min_bytes, lo=0)
         if not isinstance(self.seed_from_store, bool):
             raise InvalidType(f"seed_from_store must be a bool, got {self.seed_from_store!r}")
         if self.lock_timeout is not None and (

@@ -12,6 +12,7 @@ from typing import Any
 from cnrstore.core import lineage
 from cnrstore.core.handle import StoreCore
 from cnrstore.core.options import ensure_stored
+from cnrstore.core.progress import Reporter, check_progress
 from cnrstore.core.seed import seed_state
 from cnrstore.core.snapshot import TablePlan, plan_table
 from cnrstore.core.tablestate import TableState
@@ -31,11 +32,13 @@ __all__ = ["put"]
 
 def put(core: StoreCore, step: int, tables: Mapping, *, quant: Any, metadata: Mapping | None,
         blocking: bool, touched: Mapping | None, state: dict | None = None,
-        keep_full: bool = False) -> StepInfo | Future:
+        keep_full: bool = False, progress: Any = None,
+        report: Reporter | None = None) -> StepInfo | Future:
     core.check_open()
     core.check_writable("put_tables")
     check_step(step)
     check_tables(tables)
+    check_progress(progress)
     opt = core.options
     schemes = resolve_quant(quant, tables, expected_restores=opt.expected_restores)
     meta_doc = pack_metadata(metadata)
@@ -49,6 +52,11 @@ def put(core: StoreCore, step: int, tables: Mapping, *, quant: Any, metadata: Ma
         if step in core.pending or core.objects.root(root_name(step)) is not None:
             raise StepExists(step)
         lineage.check_order(core, step)
+        # bytes of the tables planned; done == total once the step committed
+        if report is None:  # a put planned again (below) goes on from where it was
+            report = Reporter(progress, sum(t.numel() * t.element_size()
+                                            for t in tables.values()),
+                              min_total=opt.progress_min_bytes)
         t0 = time.perf_counter()
         plans: list[TablePlan] = []
         try:
@@ -103,6 +111,7 @@ def put(core: StoreCore, step: int, tables: Mapping, *, quant: Any, metadata: Ma
                         borrow=blocking,
                     )
                 )
+                report.add(table.numel() * table.element_size())
         except BaseException:
             _release(plans)
             raise
@@ -127,12 +136,15 @@ def put(core: StoreCore, step: int, tables: Mapping, *, quant: Any, metadata: Ma
             raise
         _queued(core, step, plans, fut)
     if not blocking:
+        fut.add_done_callback(lambda f: None if f.exception() else report.finish())
         return fut
     try:
         for p in plans:  # on this thread, while the writer thread writes
             if p.fingerprint_later is not None:
                 p.fingerprint_later()
-        return fut.result()
+        info = fut.result()
+        report.finish()
+        return info
     except BaseGone:
         if keep_full:
             raise
@@ -147,7 +159,7 @@ def put(core: StoreCore, step: int, tables: Mapping, *, quant: Any, metadata: Ma
     # blocks whose base is gone are then written in full. ``touched`` is dropped: the
     # failure cleared the bases it was relative to.
     return put(core, step, tables, quant=quant, metadata=metadata, blocking=True,
-               touched=None, state=state, keep_full=True)
+               touched=None, state=state, keep_full=True, report=report)
 
 
 def _release(plans: list[TablePlan]) -> None:

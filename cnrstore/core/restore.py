@@ -303,8 +303,8 @@ def table_hints(objects: ObjectStore, wanted: list[tuple[TableManifest, slice | 
 
 
 def read_tables(objects: ObjectStore, pool: Executor,
-                wanted: list[tuple[TableManifest, slice | None]], device: torch.device
-                ) -> list[torch.Tensor]:
+                wanted: list[tuple[TableManifest, slice | None]], device: torch.device,
+                done: Callable[[int], None] | None = None) -> list[torch.Tensor]:
     """``read_table`` of several tables (each with its ``rows``) as one restore, moved to
     ``device``: one read-ahead; for a CPU restore every output allocated first, one
     prefault thread over them in read order and one pass of the pool over all blocks (per
@@ -313,15 +313,33 @@ def read_tables(objects: ObjectStore, pool: Executor,
     the next: the host never holds more than one table."""
     started = table_hints(objects, wanted)
     if device.type != "cpu":
-        return [read_table(objects, tm, pool, rows=rows, started=hint)[0].to(device)
-                for (tm, rows), hint in zip(wanted, started)]
+        out = []
+        for (tm, rows), hint in zip(wanted, started):
+            out.append(read_table(objects, tm, pool, rows=rows, started=hint)[0].to(device))
+            if done is not None:
+                done(out[-1].nbytes)
+        return out
     fresh = [new_output(tm, rows) for tm, rows in wanted]
     reads = [_table_read(objects, tm, rows, False, False, hint, dest)
              for (tm, rows), hint, dest in zip(wanted, started, fresh)]
     tasks = [(one, i) for blocks, one, _ in reads for i in blocks]
     faults = Prefault(fresh)
+    if done is not None:  # each table's output bytes spread over its blocks
+        share = {}
+        for (blocks, one, _), dest in zip(reads, fresh):
+            n = len(blocks)
+            for j, i in enumerate(blocks):
+                share[(id(one), i)] = dest.nbytes // n + (dest.nbytes % n if j == n - 1 else 0)
+        tick = done
+
+        def task_done(task: tuple) -> None:
+            task[0](task[1])
+            tick(share[(id(task[0]), task[1])])
+    else:
+        def task_done(task: tuple) -> None:
+            task[0](task[1])
     try:
-        run_all(pool, lambda task: task[0](task[1]), tasks)
+        run_all(pool, task_done, tasks)
     finally:
         faults.stop()
     return [finish()[0] for _, _, finish in reads]
@@ -336,6 +354,7 @@ def read_into(
     fingerprints: bool = False,
     keep_codes: bool = False,
     started: Started | None = None,
+    done: Callable[[int], None] | None = None,
 ) -> tuple[np.ndarray | None, torch.Tensor | None]:
     """Decode a whole stored table into ``dest`` (its shape and dtype, any device), block by
     block: no table-sized buffer is allocated. A contiguous CPU ``dest`` of an exact table
@@ -379,7 +398,16 @@ def read_into(
             codes_out[start:stop] = codes
 
     hint = started or Readahead(objects, tm.block_ids, node.block_rows * node.row_nbytes).started
-    run_all(pool, one, range(node.nblocks))
+    if done is not None:  # ``done(bytes of dest decoded)`` after each block
+        row_bytes, tick = (dest.nbytes // node.rows if node.rows else 0), done
+
+        def one_done(i: int) -> None:
+            one(i)
+            start, stop = node.block_range(i)
+            tick((stop - start) * row_bytes)
+        run_all(pool, one_done, range(node.nblocks))
+    else:
+        run_all(pool, one, range(node.nblocks))
     return codes_out, fps
 
 

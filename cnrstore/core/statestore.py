@@ -14,6 +14,7 @@ from collections.abc import Mapping
 
 from cnrstore.core import maintenance
 from cnrstore.core.handle import StoreCore
+from cnrstore.core.progress import Reporter, check_progress
 from cnrstore.core.put import put
 from cnrstore.core.restore import read_into, seed_later, table_hints
 from cnrstore.core.state import (
@@ -32,7 +33,8 @@ from cnrstore.format.manifest import StepNode, load_manifest, load_step, root_na
 __all__ = ["put_state", "get_state", "load_state", "get_into"]
 
 
-def put_state(core: StoreCore, step, state, *, quant, metadata, blocking, touched):
+def put_state(core: StoreCore, step, state, *, quant, metadata, blocking, touched,
+              progress=None):
     flat = flatten(state)
     if quant is None:
         quant = "exact"
@@ -41,7 +43,8 @@ def put_state(core: StoreCore, step, state, *, quant, metadata, blocking, touche
         # one scheme for "everything" means every float tensor of ndim >= 2.
         quant = {"*": quant}
     return put(core, step, flat.tables, quant=quant,
-               metadata=metadata, blocking=blocking, touched=touched, state=flat.doc)
+               metadata=metadata, blocking=blocking, touched=touched, state=flat.doc,
+               progress=progress)
 
 
 def _stored(core: StoreCore, step) -> tuple[int, StepNode, dict[str, tuple[int, ...]]]:
@@ -56,21 +59,25 @@ def _stored(core: StoreCore, step) -> tuple[int, StepNode, dict[str, tuple[int, 
     return step, node, shapes
 
 
-def get_state(core: StoreCore, step, *, device):
+def get_state(core: StoreCore, step, *, device, progress=None):
     core.check_open()
     if step is None:
-        return core.latest(None, lambda s: get_state(core, s, device=device))
+        return core.latest(None, lambda s: get_state(core, s, device=device,
+                                                     progress=progress))
     step, node, shapes = _stored(core, step)
-    tables = maintenance.get_tables(core, step, names=None, rows=None, device=device)
+    tables = maintenance.get_tables(core, step, names=None, rows=None, device=device,
+                                    progress=progress)
     if node.state is None:  # a put_tables step: its tables are its state
         return tables
     return unflatten(node.state, stored_leaf(step, tables))
 
 
-def load_state(core: StoreCore, step, state, *, strict: bool):
+def load_state(core: StoreCore, step, state, *, strict: bool, progress=None):
     core.check_open()
+    check_progress(progress)
     if step is None:
-        return core.latest(None, lambda s: load_state(core, s, state, strict=strict))
+        return core.latest(None, lambda s: load_state(core, s, state, strict=strict,
+                                                      progress=progress))
     flat = flatten(state)
     for name, t in flat.tables.items():
         check_destination(f"state entry {name!r}", t)
@@ -97,7 +104,8 @@ def load_state(core: StoreCore, step, state, *, strict: bool):
                            "pass only tensors or strict=False")
     else:
         result = state
-    get_into(core, step, {n: t for n, t in flat.tables.items() if n in present})
+    get_into(core, step, {n: t for n, t in flat.tables.items() if n in present},
+             progress=progress)
     return result
 
 
@@ -108,13 +116,15 @@ def _has_python_leaves(doc) -> bool:
     return any(_has_python_leaves(c) for c in children)
 
 
-def get_into(core: StoreCore, step, out: Mapping, *, names=None, rows=None) -> dict:
+def get_into(core: StoreCore, step, out: Mapping, *, names=None, rows=None,
+             progress=None) -> dict:
     """Decode the tables of ``step`` named by ``out`` into ``out``'s tensors; return them."""
     core.check_open()
+    check_progress(progress)
     if names is not None or rows is not None:
         raise InvalidInput("get_tables: out= names the tables; not with names= or rows=")
     if step is None:
-        return core.latest(None, lambda s: get_into(core, s, out))
+        return core.latest(None, lambda s: get_into(core, s, out, progress=progress))
     if not isinstance(out, Mapping):
         raise InvalidType("out must be a mapping table name -> tensor")
     for name, t in out.items():
@@ -131,9 +141,13 @@ def get_into(core: StoreCore, step, out: Mapping, *, names=None, rows=None) -> d
     anchor = (root_name(step), manifest.oid)
     seeds = [name for name in manifest.tables if core.wants_seed(name)]
     started = table_hints(core.objects, [(tm, None) for tm in manifest.tables.values()])
+    report = Reporter(progress, sum(out[n].nbytes for n in manifest.tables),
+                      min_total=core.options.progress_min_bytes)
     for (name, tm), hint in zip(manifest.tables.items(), started):
         # detach: restoring into a parameter is not an autograd operation
-        read_into(core.objects, tm, core.pool, out[name].detach(), started=hint)
+        read_into(core.objects, tm, core.pool, out[name].detach(), started=hint,
+                  done=report.add if report.fn is not None else None)
+    report.finish()
     # As get_tables: diff bases are computed from the stored step after the restore.
     for name in seeds:
         tm = manifest.tables[name]

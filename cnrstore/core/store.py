@@ -25,6 +25,7 @@ from cnrstore.core.writer import BackgroundWriter, StepInfo
 from cnrstore.errors import BadPath, InvalidType, translating
 from cnrstore.format.manifest import list_steps
 from engine import ObjectStore
+from engine.api import ProgressFn
 
 __all__ = ["CheckpointStore", "open"]
 
@@ -88,6 +89,7 @@ class CheckpointStore:
         metadata: Mapping | None = None,
         blocking: bool = True,
         touched: Mapping | None = None,
+        progress: ProgressFn | None = None,
     ) -> StepInfo | Future:
         """Store ``tables`` (name -> tensor, rows = dim 0) as ``step``.
 
@@ -98,13 +100,16 @@ class CheckpointStore:
         last put of it (rows outside it are assumed unchanged). A failed write raises
         WriteFailed (on the Future when non-blocking). ``quant`` keys may be fnmatch
         patterns (cnrstore/core/quantspec.py); a step below the highest is StepOrderError.
+        ``progress(done, total)`` hears of the bytes planned, the last call once the step
+        committed, for steps of at least ``progress_min_bytes`` (cnrstore/core/progress.py).
         """
         return put(self._core, step, tables, quant=quant, metadata=metadata,
-                   blocking=blocking, touched=touched)
+                   blocking=blocking, touched=touched, progress=progress)
 
     @translating
     def put_state(self, step: int, state, *, quant=None, metadata: Mapping | None = None,
-                  blocking: bool = True, touched: Mapping | None = None):
+                  blocking: bool = True, touched: Mapping | None = None,
+                  progress: ProgressFn | None = None):
         """Store a training state as ``step``: any nesting of dicts (str or int keys),
         lists and tuples, e.g. ``{"model": m.state_dict(), "optim": opt.state_dict(),
         "epoch": 3}``. Tensor leaves (any ndim) become tables named by their path joined
@@ -113,7 +118,7 @@ class CheckpointStore:
         those names to schemes (a scheme string means ``{"*": scheme}``); tensors of ndim
         < 2 stay exact. Otherwise like ``put_tables`` (StepInfo, or a Future of it)."""
         return statestore.put_state(self._core, step, state, quant=quant, metadata=metadata,
-                                    blocking=blocking, touched=touched)
+                                    blocking=blocking, touched=touched, progress=progress)
 
     # -- get -----------------------------------------------------------------------------
     @translating
@@ -125,24 +130,30 @@ class CheckpointStore:
         rows: Mapping[str, slice] | None = None,
         device="cpu",
         out: Mapping | None = None,
+        progress: ProgressFn | None = None,
     ) -> dict:
         """Tables of ``step`` (None: the highest step) as name -> tensor on ``device``, with
         the dtype and shape they were put with. ``names`` picks tables; ``rows`` maps a
         table name to a slice of its rows. ``out`` (name -> tensor) decodes into existing
-        tensors in place, all shapes and dtypes checked before anything is written."""
+        tensors in place, all shapes and dtypes checked before anything is written.
+        ``progress(done, total)``: bytes decoded, as for ``put_tables``."""
         if out is not None:
-            return statestore.get_into(self._core, step, out, names=names, rows=rows)
-        return maintenance.get_tables(self._core, step, names=names, rows=rows, device=device)
+            return statestore.get_into(self._core, step, out, names=names, rows=rows,
+                                       progress=progress)
+        return maintenance.get_tables(self._core, step, names=names, rows=rows, device=device,
+                                      progress=progress)
 
     @translating
-    def get_state(self, step: int | None = None, *, device="cpu"):
+    def get_state(self, step: int | None = None, *, device="cpu",
+                  progress: ProgressFn | None = None):
         """The nesting put with ``step`` (None: the highest), with fresh tensors on
         ``device``; key types, lists, tuples and dict order as put. A put_tables step
         gives its tables."""
-        return statestore.get_state(self._core, step, device=device)
+        return statestore.get_state(self._core, step, device=device, progress=progress)
 
     @translating
-    def load_state(self, step: int | None, state, *, strict: bool = True):
+    def load_state(self, step: int | None, state, *, strict: bool = True,
+                   progress: ProgressFn | None = None):
         """Restore ``step`` (None: the highest) into the tensors of ``state`` in place (no
         second copy of a table) and return ``state`` with its Python leaves as stored.
         Every name, shape and dtype is checked before any tensor is written (a meta or
@@ -151,7 +162,8 @@ class CheckpointStore:
         left alone, except in an empty dict or list of ``state`` that the step holds
         filled (a fresh Adam's ``"state": {}``): it comes back filled, with fresh CPU
         tensors, so ``opt.load_state_dict(result["optim"])`` resumes the optimizer."""
-        return statestore.load_state(self._core, step, state, strict=strict)
+        return statestore.load_state(self._core, step, state, strict=strict,
+                                     progress=progress)
 
     @translating
     def changes(self, a: int, b: int, names: Iterable[str] | None = None, *,
@@ -209,17 +221,22 @@ class CheckpointStore:
         keep: Iterable[int] = (),
         *,
         threshold: float = 0.25,
+        progress: ProgressFn | None = None,
     ) -> maintenance.GCReport:
         """Drop every step but the newest ``keep_last`` and those in ``keep`` (with neither
-        given, none), then reclaim unreachable bytes. Returns a GCReport."""
+        given, none), then reclaim unreachable bytes. Returns a GCReport. ``progress(done,
+        total)``: thousandths, for a store of at least ``progress_min_bytes`` stored."""
         self._core.check_writable("gc")
-        return maintenance.gc(self._core, keep_last, keep, threshold=threshold)
+        return maintenance.gc(self._core, keep_last, keep, threshold=threshold,
+                              progress=progress)
 
     @translating
-    def verify(self, *, deep: bool = True) -> maintenance.VerifyReport:
+    def verify(self, *, deep: bool = True,
+               progress: ProgressFn | None = None) -> maintenance.VerifyReport:
         """Check every step's manifest and blocks (deep: decode every block). VerifyReport;
-        the same check as ``cnrstore verify`` (cnrstore/core/verify.py)."""
-        return maintenance.verify(self._core, deep=deep)
+        the same check as ``cnrstore verify`` (cnrstore/core/verify.py). ``progress``:
+        as for ``gc``."""
+        return maintenance.verify(self._core, deep=deep, progress=progress)
 
     @translating
     def stats(self) -> maintenance.StoreStats:
