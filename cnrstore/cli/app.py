@@ -22,8 +22,15 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from cnrstore.cli.arguments import (
+    common_flags,
+    parse_count,
+    parse_quant,
+    parse_step,
+    parse_step_or_latest,
+    resolve_step,
+)
 from cnrstore.cli.locate import (
-    CACHE_ENV,
     cache_dir_of,
     gc_grace_of,
     is_shared,
@@ -41,65 +48,13 @@ if TYPE_CHECKING:
 
 __all__ = ["build_parser", "main"]
 
-LATEST = "latest"  # a STEP argument naming the store's highest step
-
-
-def _common(*, suppress: bool) -> argparse.ArgumentParser:
-    # The same flags work before and after the subcommand. In subparsers the defaults are
-    # SUPPRESS, so a subparser does not overwrite a flag given before the subcommand.
-    default = argparse.SUPPRESS if suppress else False
-    p = argparse.ArgumentParser(add_help=False)
-    p.add_argument("--json", action="store_true", default=default,
-                   help="print one JSON document instead of tables")
-    p.add_argument("--debug", action="store_true", default=default,
-                   help="show tracebacks instead of one-line errors")
-    p.add_argument("--no-progress", action="store_true", default=default,
-                   help="no progress bars (they only appear on a terminal anyway)")
-    p.add_argument("--cache-dir", metavar="DIR",
-                   default=argparse.SUPPRESS if suppress else None,
-                   help="local directory of the index cache of a store on S3 "
-                        f"(s3://bucket/prefix) or on a shared directory; default ${CACHE_ENV}")
-    return p
-
-
-def _step(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"a step is a non-negative integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"a step is a non-negative integer, got {text!r}")
-    return value
-
-
-def _step_or_latest(text: str) -> int | str:
-    if text == LATEST:
-        return LATEST
-    try:
-        return _step(text)
-    except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(
-            f"a step is a non-negative integer or {LATEST}, got {text!r}") from None
-
-
-def _count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
 def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     """The argument parser. The demo's options are added only when ``argv`` names the
     demo (or is None), because loading the demo module costs time every other command
     would pay."""
-    common = _common(suppress=True)
+    common = common_flags(suppress=True)
     parser = argparse.ArgumentParser(
-        prog="cnrstore", parents=[_common(suppress=False)],
+        prog="cnrstore", parents=[common_flags(suppress=False)],
         description="Inspect and maintain a cnrstore checkpoint store.",
         epilog="Exit codes: 0 ok, 1 problems found, 2 usage error.",
     )
@@ -114,10 +69,10 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
 
     add("ls", "list the kept steps with their sizes")
     p = add("show", "show the tables of one step")
-    p.add_argument("step", type=_step_or_latest, metavar="STEP", help="a step, or latest")
+    p.add_argument("step", type=parse_step_or_latest, metavar="STEP", help="a step, or latest")
     p = add("diff", "which tables, blocks and rows differ between two steps")
-    p.add_argument("a", type=_step_or_latest, metavar="A", help="a step, or latest")
-    p.add_argument("b", type=_step_or_latest, metavar="B", help="a step, or latest")
+    p.add_argument("a", type=parse_step_or_latest, metavar="A", help="a step, or latest")
+    p.add_argument("b", type=parse_step_or_latest, metavar="B", help="a step, or latest")
     p.add_argument("--no-rows", action="store_true",
                    help="stop at blocks: do not decode changed blocks to find rows")
     p.add_argument("--max-rows", type=int, default=20, metavar="N",
@@ -129,7 +84,7 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
                             "(the default, as in Python's verify())")
     depth.add_argument("--shallow", action="store_true",
                        help="check only the structure: no payload re-hash or block decoding")
-    p.add_argument("--step", type=_step_or_latest, action="append", dest="steps",
+    p.add_argument("--step", type=parse_step_or_latest, action="append", dest="steps",
                    metavar="S", help="check only this step, or latest (repeatable)")
     p = add("repair", "rebuild the index from the pack files, keeping every step that "
                       "still partly reads (prints its plan first)")
@@ -137,26 +92,26 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
                    help="only scan the packs and say what repair would keep, roll back or "
                         "drop; change nothing")
     p = add("gc", "drop old steps and reclaim their bytes")
-    p.add_argument("--keep-last", type=_count, metavar="N",
+    p.add_argument("--keep-last", type=parse_count, metavar="N",
                    help="keep the newest N steps")
-    p.add_argument("--keep", type=_step, action="append", default=[], metavar="S",
+    p.add_argument("--keep", type=parse_step, action="append", default=[], metavar="S",
                    help="also keep step S (repeatable)")
     p.add_argument("--dry-run", action="store_true",
                    help="only say what would be dropped and freed")
     p = add("rm", "delete steps (all or none, in one commit); gc reclaims their bytes")
-    p.add_argument("steps", type=_step, nargs="+", metavar="STEP")
+    p.add_argument("steps", type=parse_step, nargs="+", metavar="STEP")
     p = add("rollback", "delete every step after STEP (one commit), to resume from STEP")
-    p.add_argument("step", type=_step, metavar="STEP")
+    p.add_argument("step", type=parse_step, metavar="STEP")
     add("du", "logical vs stored bytes, dedup and compression, per table")
     p = add("export", "write one step's tables to a .safetensors file")
-    p.add_argument("step", type=_step_or_latest, metavar="STEP", help="a step, or latest")
+    p.add_argument("step", type=parse_step_or_latest, metavar="STEP", help="a step, or latest")
     p.add_argument("path", metavar="OUT.safetensors")
     p.add_argument("--table", action="append", dest="names", metavar="NAME",
                    help="export only this table (repeatable)")
     p.add_argument("--force", action="store_true",
                    help="replace an existing regular file (never a device, FIFO or folder)")
     p = add("import", "store the tensors of a .safetensors file as a new step")
-    p.add_argument("step", type=_step, metavar="STEP")
+    p.add_argument("step", type=parse_step, metavar="STEP")
     p.add_argument("path", metavar="IN.safetensors")
     p.add_argument("--quant", action="append", metavar="[NAME=]SCHEME",
                    help="scheme of table NAME, or without NAME of every floating-point "
@@ -179,8 +134,8 @@ def _add_changes(sub, common: argparse.ArgumentParser) -> None:
                              "--to REPLICA.safetensors")
     p.add_argument("store", nargs="?", metavar="STORE",
                    help="path of the store directory, or s3://bucket/prefix")
-    p.add_argument("a", nargs="?", type=_step, metavar="A")
-    p.add_argument("b", nargs="?", type=_step, metavar="B")
+    p.add_argument("a", nargs="?", type=parse_step, metavar="A")
+    p.add_argument("b", nargs="?", type=parse_step, metavar="B")
     p.add_argument("--out", metavar="FILE.safetensors", help="the changes file to write")
     p.add_argument("--table", action="append", dest="names", metavar="NAME",
                    help="only this table (repeatable)")
@@ -232,19 +187,6 @@ _VIEW_COMMANDS = frozenset({"ls", "show", "diff", "du", "verify"})
 
 def _is_view(args: argparse.Namespace) -> bool:
     return args.command in _VIEW_COMMANDS or (args.command == "gc" and args.dry_run)
-
-
-def _resolve(objects: ObjectStore, step: int | str) -> int:
-    """A STEP argument as a step: ``latest`` is the store's highest step."""
-    if step != LATEST:
-        return int(step)
-    from cnrstore.errors import NotFound
-    from cnrstore.format.manifest import list_steps
-
-    steps = list_steps(objects)
-    if not steps:
-        raise NotFound("the store holds no steps, so there is no latest step")
-    return steps[-1]
 
 
 def _progress(args: argparse.Namespace, label: str) -> Progress:
@@ -335,11 +277,11 @@ def _view(args: argparse.Namespace, objects: ObjectStore) -> int:
                   "what is damaged", file=sys.stderr)
             return EXIT_PROBLEMS
     elif cmd == "show":
-        detail = info.show_step(objects, _resolve(objects, args.step))
+        detail = info.show_step(objects, resolve_step(objects, args.step))
         _emit(args, detail, fmt.step_text(detail))
     elif cmd == "diff":
-        diff = info.diff_steps(objects, _resolve(objects, args.a), _resolve(objects, args.b),
-                               rows=not args.no_rows)
+        diff = info.diff_steps(objects, resolve_step(objects, args.a),
+                               resolve_step(objects, args.b), rows=not args.no_rows)
         _emit(args, diff, fmt.diff_text(diff, max_rows=args.max_rows))
     elif cmd == "gc":  # --dry-run: the plan reads the index and manifests only
         plan = info.gc_plan(objects, keep_last=args.keep_last, keep=args.keep)
@@ -349,7 +291,7 @@ def _view(args: argparse.Namespace, objects: ObjectStore) -> int:
             usage = info.disk_usage(objects, progress=bar)
         _emit(args, usage, fmt.usage_text(usage))
     elif cmd == "verify":
-        chosen = None if args.steps is None else [_resolve(objects, s) for s in args.steps]
+        chosen = None if args.steps is None else [resolve_step(objects, s) for s in args.steps]
         with _progress(args, "verify") as bar:
             report = info.verify(objects, deep=not args.shallow, steps=chosen, progress=bar)
         _emit(args, report, fmt.verify_text(report))
@@ -378,30 +320,16 @@ def _change(args: argparse.Namespace, store: CheckpointStore) -> int:
               f"deleted steps: {steps}\n(`cnrstore gc {args.store}` reclaims their bytes)")
     elif cmd == "export":
         with _progress(args, "export") as bar:
-            result = transfer.export_step(store, _resolve(store.objects, args.step),
+            result = transfer.export_step(store, resolve_step(store.objects, args.step),
                                           args.path, names=args.names,
                                           overwrite=args.force, progress=bar)
         _emit(args, result, fmt.transfer_text(result))
     elif cmd == "import":
         with _progress(args, "import") as bar:
             result = transfer.import_step(store, args.step, args.path,
-                                          quant=_quant(args.quant), progress=bar)
+                                          quant=parse_quant(args.quant), progress=bar)
         _emit(args, result, fmt.transfer_text(result))
     return EXIT_OK
-
-
-def _quant(items: list[str] | None) -> str | dict | None:
-    """``--quant`` values as import_step takes them: None, one scheme, or a mapping."""
-    if not items:
-        return None
-    out: dict[str, str] = {}
-    for item in items:
-        name, sep, scheme = item.rpartition("=")
-        key = name if sep else "*float"
-        if not scheme or (sep and not name) or key in out:
-            raise UsageError(f"--quant {item!r}: expected SCHEME or NAME=SCHEME, once each")
-        out[key] = scheme
-    return out["*float"] if list(out) == ["*float"] else out
 
 
 def _exit_code(exc: BaseException) -> int:
