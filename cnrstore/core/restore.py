@@ -8,7 +8,6 @@ GIL). With ``rows=`` only the blocks overlapping the asked row range are read.
 from __future__ import annotations
 
 import operator
-import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_EXCEPTION, Executor, wait
 from typing import Any
@@ -18,19 +17,13 @@ import torch
 
 from cnrstore.codec.fingerprint import row_fingerprints
 from cnrstore.codec.quantize import decode_rows
+from cnrstore.core.blockread import block_codes, codes_buffer
 from cnrstore.core.prefault import Prefault
 from cnrstore.core.readahead import Readahead, Started, table_blocks
 from cnrstore.core.tablestate import DeferredBase, parse_dtype
-from cnrstore.errors import (
-    CheckpointError,
-    CorruptData,
-    InvalidInput,
-    InvalidType,
-    ManifestError,
-)
-from cnrstore.format.blocks import resolve
+from cnrstore.errors import CheckpointError, InvalidInput, InvalidType
 from cnrstore.format.manifest import TableManifest
-from engine import CorruptObject, Object, ObjectNotFound, ObjectStore, StoreClosed, StoreError
+from engine import ObjectStore, StoreClosed, StoreError
 
 __all__ = ["block_span", "check_slice", "new_output", "row_range", "read_table", "read_tables",
            "read_codes", "read_into", "run_all", "seed_later", "table_hints"]
@@ -74,90 +67,6 @@ def check_slice(sel, rows: int, *, name: str = "") -> tuple[int, int, int]:
     return slice(*parts).indices(rows)
 
 
-def _block_codes(
-    objects: ObjectStore, tm: TableManifest, i: int, out: np.ndarray | None = None
-) -> np.ndarray:
-    node = tm.node
-    oid = tm.block_ids[i]
-    start, stop = node.block_range(i)
-    reads = _chain_reads(objects, oid)
-    get, get_into, info = (reads if reads is not None
-                           else (objects.get, objects.get_into, objects.info))
-    try:
-        # The chain's sizes are checked in the index against the block's rows first: a
-        # crafted record that zstd expands to a gigabyte is refused before it is read.
-        codes = resolve(get, oid, out=out, get_into=get_into, info=info,
-                        shape=(stop - start, node.row_nbytes))
-    except (CorruptObject, ObjectNotFound, CorruptData) as exc:
-        # Name the table and block: after a repair that kept a damaged step, this is how
-        # a user learns which table lost what (the type stays, for the callers' checks).
-        if exc.args and isinstance(exc.args[0], str) and not exc.args[0].startswith("table "):
-            exc.args = (f"table {node.name!r} block {i} (rows {start}..{stop - 1}): "
-                        f"{exc.args[0]}", *exc.args[1:])
-        raise
-    if codes.shape != (stop - start, node.row_nbytes):
-        raise ManifestError(
-            f"table {node.name!r} block {i} holds {codes.shape} codes, expected "
-            f"{(stop - start, node.row_nbytes)}",
-            oid=oid,
-        )
-    return codes
-
-
-_scratch = threading.local()
-_SCRATCH_KEEP = 64 << 20  # larger block buffers are not kept between blocks
-
-
-def _codes_buffer(node, i: int) -> np.ndarray | None:
-    """A C-contiguous uint8 [rows of block i, row_nbytes] buffer of this thread, reused
-    from block to block: a lossy block's codes are read into it (no fresh buffer, no
-    copy of the record) and decoded from it before the thread's next block. None for a
-    block claiming more than _SCRATCH_KEEP bytes: then the record's own size is read
-    first (a crafted node must not make a restore allocate what it claims)."""
-    start, stop = node.block_range(i)
-    want = (stop - start) * node.row_nbytes
-    if want > _SCRATCH_KEEP:
-        return None
-    buf = getattr(_scratch, "buf", None)
-    if buf is None or len(buf) < want:
-        buf = np.empty(want, dtype=np.uint8)
-        _scratch.buf = buf
-    return buf[:want].reshape(stop - start, node.row_nbytes)
-
-
-def _chain_reads(objects: ObjectStore, oid: bytes) -> tuple[Callable, Callable, Callable] | None:
-    """(get, get_into, info) reading block ``oid`` and its patch chain at the locations one
-    ``locate_closure`` (one read transaction) found when the block's read starts: a
-    block and its ~3 patches otherwise cost an index lookup each. None where the store
-    cannot locate (then the reads look up as before). Located per block, not per table:
-    a step deleted and swept before a block's read begins still reads as gone."""
-    try:
-        found = objects.locate_closure([oid])
-    except StoreClosed:
-        raise
-    except StoreError:  # no locations here (or a damaged entry: the reads report it)
-        return None
-
-    def get(oid: bytes) -> Object:
-        loc = found.get(oid)
-        return objects.get(oid) if loc is None else objects.get_at(loc)
-
-    def get_into(oid: bytes, kind: int, prefix: int, out: memoryview, *,
-                 id_check: bool = True, fallback: bool = False) -> bytes | Object | None:
-        loc = found.get(oid)
-        if loc is None:
-            return objects.get_into(oid, kind, prefix, out, id_check=id_check,
-                                    fallback=fallback)
-        return objects.get_into_at(loc, kind, prefix, out, id_check=id_check,
-                                   fallback=fallback)
-
-    def info(oid: bytes) -> Any:
-        loc = found.get(oid)
-        return objects.info(oid) if loc is None else loc
-
-    return get, get_into, info
-
-
 def run_all(pool: Executor, fn: Callable[[Any], None], items: Iterable[Any]) -> None:
     """``fn`` over ``items`` on ``pool``; raises the error of the lowest item that failed,
     as ``list(pool.map(...))`` would, once every started call has ended. The caller sleeps
@@ -186,7 +95,7 @@ def read_codes(
     def one(i: int) -> None:
         start, stop = node.block_range(i)
         try:
-            out[start:stop] = _block_codes(objects, tm, i)
+            out[start:stop] = block_codes(objects, tm, i)
         except (StoreError, CheckpointError):
             if damaged is None:
                 raise
@@ -272,10 +181,10 @@ def _table_read(objects: ObjectStore, tm: TableManifest, rows: slice | None, kee
         a, b = max(start, lo), min(stop, hi)
         if direct and (a, b) == (start, stop):
             dest = out[a - lo:b - lo].view(torch.uint8).numpy()
-            codes = _block_codes(objects, tm, i, out=dest)
+            codes = block_codes(objects, tm, i, out=dest)
             part = codes
         else:
-            codes = _block_codes(objects, tm, i, out=_codes_buffer(node, i))
+            codes = block_codes(objects, tm, i, out=codes_buffer(node, i))
             part = codes[a - start:b - start]
             if width and b > a:  # zero-width rows decode to nothing (and some codecs refuse)
                 decode_rows(torch.from_numpy(part), node.scheme, dtype, width,
@@ -376,9 +285,9 @@ def read_into(
         start, stop = node.block_range(i)
         if direct and rows2d is not None:
             part = rows2d[start:stop]
-            codes = _block_codes(objects, tm, i, out=part.view(torch.uint8).numpy())
+            codes = block_codes(objects, tm, i, out=part.view(torch.uint8).numpy())
         else:
-            codes = _block_codes(objects, tm, i, out=_codes_buffer(node, i))
+            codes = block_codes(objects, tm, i, out=codes_buffer(node, i))
             if rows2d is not None and rows2d.device.type == "cpu":
                 part = rows2d[start:stop]  # decoded in place: no block-sized temporary
                 if width and stop > start:
@@ -432,7 +341,7 @@ def seed_later(objects: ObjectStore, tm: TableManifest) -> DeferredBase:
                 raise StoreClosed("the store was closed while a diff base was seeded")
             start, stop = node.block_range(i)
             try:
-                block = _block_codes(objects, tm, i)
+                block = block_codes(objects, tm, i)
             except StoreClosed:
                 raise
             except (StoreError, CheckpointError):

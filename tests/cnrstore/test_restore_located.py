@@ -1,5 +1,5 @@
 """A restore reads each block and its patch chain at the locations one
-``locate_closure`` found (cnrstore/core/restore.py ``_chain_reads``): the latest step of a
+``locate_closure`` found (cnrstore/core/blockread.py ``_chain_reads``): the latest step of a
 chain of incremental puts restores bit-identical, returned and in place, exact and int8,
 also for row slices and after a gc rewrote packs under a store kept open."""
 
