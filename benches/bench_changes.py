@@ -39,7 +39,7 @@ if str(REPO) not in sys.path:
 import cnrstore  # noqa: E402
 from benches.workload import Workload, apply_update, make_tables, table_specs  # noqa: E402
 from cnrstore.core.changes import check_request, iter_changes  # noqa: E402
-from cnrstore.format.manifest import load_step  # noqa: E402
+from cnrstore.format.load import load_step  # noqa: E402
 
 TARGET_ONE_STEP = 0.1  # changes of one step at 1%: at most this fraction of get_tables(b)
 

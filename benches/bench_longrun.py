@@ -34,7 +34,7 @@ if str(REPO) not in sys.path:
 import cnrstore  # noqa: E402
 from benches.measure import disk_bytes  # noqa: E402
 from benches.workload import Workload, apply_update, make_tables  # noqa: E402
-from cnrstore.format.manifest import load_step, load_table_manifest  # noqa: E402
+from cnrstore.format.load import load_step, load_table_manifest  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

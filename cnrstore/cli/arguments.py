@@ -80,7 +80,7 @@ def resolve_step(objects: ObjectStore, step: int | str) -> int:
     if step != LATEST:
         return int(step)
     from cnrstore.errors import NotFound
-    from cnrstore.format.manifest import list_steps
+    from cnrstore.format.load import list_steps
 
     steps = list_steps(objects)
     if not steps:

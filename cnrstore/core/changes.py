@@ -28,14 +28,8 @@ from cnrstore.errors import (
     engine_errors,
 )
 from cnrstore.format.blocks import resolve
-from cnrstore.format.manifest import (
-    SegmentNode,
-    StepNode,
-    TableNode,
-    load_step,
-    parse_dtype,
-    root_name,
-)
+from cnrstore.format.load import load_step
+from cnrstore.format.manifest import SegmentNode, StepNode, TableNode, parse_dtype, root_name
 from engine import Object, StoreError
 
 __all__ = ["Change", "KINDS", "changes", "check_request", "iter_changes"]

@@ -22,7 +22,8 @@ from cnrstore.core.tablestate import DeferredBase, TableState, cancel_deferred
 from cnrstore.core.validate import check_step
 from cnrstore.core.writer import BackgroundWriter
 from cnrstore.errors import CheckpointError, ReadOnlyStore, StepNotFound
-from cnrstore.format.manifest import TableManifest, list_steps
+from cnrstore.format.load import list_steps
+from cnrstore.format.manifest import TableManifest
 from engine import ObjectStore
 
 __all__ = ["StoreCore"]

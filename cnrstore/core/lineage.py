@@ -15,7 +15,8 @@ from collections.abc import Callable, Iterable
 from cnrstore.core.handle import StoreCore
 from cnrstore.core.validate import check_step
 from cnrstore.errors import InvalidType, StepNotFound, StepOrderError
-from cnrstore.format.manifest import list_steps, root_name
+from cnrstore.format.load import list_steps
+from cnrstore.format.manifest import root_name
 from engine import ObjectStore
 
 __all__ = ["check_order", "commit_check", "rollback", "delete_steps"]

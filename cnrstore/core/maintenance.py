@@ -17,7 +17,8 @@ from cnrstore.core.tablestate import parse_dtype
 from cnrstore.core.validate import check_device, check_step
 from cnrstore.core.verify import StepProblem, verify_objects
 from cnrstore.errors import InvalidInput, InvalidType, StepNotFound, TableNotFound
-from cnrstore.format.manifest import list_steps, load_manifest, load_step, root_name
+from cnrstore.format.load import list_steps, load_manifest, load_step
+from cnrstore.format.manifest import root_name
 from engine import GCReport as EngineGCReport
 from engine import Problem, StoreError
 from engine import VerifyReport as EngineVerifyReport

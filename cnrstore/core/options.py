@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import msgpack
 
 from cnrstore.errors import CheckpointError, InvalidInput, InvalidType, ManifestError
-from cnrstore.format.manifest import list_steps, load_step, load_table
+from cnrstore.format.load import list_steps, load_step, load_table
 from engine import ObjectStore, StoreError, Writer
 
 __all__ = ["Options", "OptionsMismatch", "DATA_OPTIONS", "OPTIONS_ROOT", "KIND_OPTIONS",

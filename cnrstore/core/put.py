@@ -25,7 +25,8 @@ from cnrstore.core.validate import (
 )
 from cnrstore.core.writer import BaseGone, StepInfo, write_step
 from cnrstore.errors import StepExists, StepOrderError, WriteFailed
-from cnrstore.format.manifest import check_step_fits, list_steps, root_name
+from cnrstore.format.load import list_steps
+from cnrstore.format.manifest import check_step_fits, root_name
 
 __all__ = ["put"]
 

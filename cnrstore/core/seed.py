@@ -17,7 +17,8 @@ from cnrstore.core.chainpolicy import rebuild
 from cnrstore.core.restore import read_codes
 from cnrstore.core.tablestate import TableState
 from cnrstore.errors import CheckpointError
-from cnrstore.format.manifest import list_steps, load_step, load_table_manifest, root_name
+from cnrstore.format.load import list_steps, load_step, load_table_manifest
+from cnrstore.format.manifest import root_name
 from engine import ObjectStore, StoreError
 
 __all__ = ["seed_state"]

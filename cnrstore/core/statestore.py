@@ -28,7 +28,8 @@ from cnrstore.core.state import (
 from cnrstore.core.tablestate import parse_dtype
 from cnrstore.core.validate import check_destination
 from cnrstore.errors import InvalidInput, InvalidType, ManifestError, TableNotFound
-from cnrstore.format.manifest import StepNode, load_manifest, load_step, root_name
+from cnrstore.format.load import load_manifest, load_step
+from cnrstore.format.manifest import StepNode, root_name
 
 __all__ = ["put_state", "get_state", "load_state", "get_into"]
 

@@ -23,7 +23,7 @@ from cnrstore.core.put import put
 from cnrstore.core.snapshot import HostBuffers
 from cnrstore.core.writer import BackgroundWriter, StepInfo
 from cnrstore.errors import BadPath, InvalidType, translating
-from cnrstore.format.manifest import list_steps
+from cnrstore.format.load import list_steps
 from engine import ObjectStore
 from engine.api import ProgressFn
 

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from cnrstore.core.options import OPTIONS_ROOT, read_stored
 from cnrstore.errors import CheckpointError, StepNotFound
 from cnrstore.format.blocks import resolve
-from cnrstore.format.manifest import StepManifest, list_steps, load_manifest, root_name
+from cnrstore.format.load import list_steps, load_manifest
+from cnrstore.format.manifest import StepManifest, root_name
 from engine import ObjectStore, Problem, StoreError
 from engine.api import ProgressFn
 

@@ -15,7 +15,7 @@ from cnrstore.core.validate import check_step
 from cnrstore.distributed import transfer
 from cnrstore.distributed.comm import rebuild_error, wire_error
 from cnrstore.errors import InvalidInput, InvalidType
-from cnrstore.format.manifest import load_step
+from cnrstore.format.load import load_step
 
 DistributedStore = Any  # typed loosely, as in read.py: no import cycle with store.py
 

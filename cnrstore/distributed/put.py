@@ -35,7 +35,8 @@ from cnrstore.errors import (
     StepOrderError,
     ValueOutOfRange,
 )
-from cnrstore.format.manifest import list_steps, root_name
+from cnrstore.format.load import list_steps
+from cnrstore.format.manifest import root_name
 
 # The DistributedStore (cnrstore/distributed/store.py, which imports this module): typed loosely
 # so the layers test sees no import cycle.

@@ -25,7 +25,7 @@ from cnrstore.errors import (
     StepNotFound,
     TableNotFound,
 )
-from cnrstore.format.manifest import list_steps, load_manifest, load_step
+from cnrstore.format.load import list_steps, load_manifest, load_step
 
 # The DistributedStore (cnrstore/distributed/store.py, which imports this module): typed loosely
 # so the layers test sees no import cycle.

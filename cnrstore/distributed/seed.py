@@ -21,7 +21,8 @@ from cnrstore.core.tablestate import BlockSlot, TableState
 from cnrstore.distributed import transfer
 from cnrstore.errors import CheckpointError
 from cnrstore.format.blocks import resolve
-from cnrstore.format.manifest import list_steps, load_step, load_table_manifest, root_name
+from cnrstore.format.load import list_steps, load_step, load_table_manifest
+from cnrstore.format.manifest import root_name
 from engine import StoreError
 
 __all__ = ["answer", "build"]

@@ -26,7 +26,7 @@ from cnrstore.distributed import put as dput
 from cnrstore.distributed.read import collective_read, fill_dest, finish_read
 from cnrstore.distributed.shard import Shard
 from cnrstore.errors import InvalidInput, InvalidType, StepNotFound
-from cnrstore.format.manifest import list_steps, load_step
+from cnrstore.format.load import list_steps, load_step
 
 # The DistributedStore (cnrstore/distributed/store.py, which imports this module): typed
 # loosely so the layers test sees no import cycle.

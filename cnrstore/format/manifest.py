@@ -11,13 +11,13 @@ Row ranges are global to the logical table: block ``i`` of a table holds rows
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import msgpack
 
 from cnrstore.codec.layout import DTYPE_SIZES, dtype_name, parse_dtype
-from cnrstore.errors import InvalidInput, ManifestError, StepNotFound, TableNotFound
+from cnrstore.errors import InvalidInput, ManifestError
 from cnrstore.format.blocks import KIND_BLOCK_FULL, KIND_BLOCK_PATCH
 from cnrstore.format.nodecaps import (
     KIND_SEGMENT,
@@ -31,7 +31,7 @@ from cnrstore.format.nodecaps import (
     read_node,
     unpack_node,
 )
-from engine import Object, ObjectStore
+from engine import Object
 
 __all__ = [
     "FORMAT_VERSION",
@@ -47,11 +47,6 @@ __all__ = [
     "StepManifest",
     "root_name",
     "step_of_root",
-    "list_steps",
-    "load_step",
-    "load_table",
-    "load_table_manifest",
-    "load_manifest",
     "changed_blocks",
     "DTYPE_SIZES",
     "parse_dtype",
@@ -61,8 +56,6 @@ __all__ = [
     "node_caps",
     "check_node_size",
     "read_node",
-    "load_segment",
-    "segment_blocks",
     "unpack_node",
     "check_step_fits",
     "STEP_NODE_BYTES",
@@ -352,59 +345,6 @@ class StepManifest:
     oid: bytes
     node: StepNode
     tables: dict[str, TableManifest]
-
-
-def list_steps(store: ObjectStore) -> list[int]:
-    """Ascending steps whose roots the store holds."""
-    steps = (step_of_root(name) for name in store.roots())
-    return sorted(s for s in steps if s is not None)
-
-
-def load_step(store: ObjectStore, step: int) -> tuple[bytes, StepNode]:
-    """(root id, step node) of a step; StepNotFound if the store has no such step."""
-    oid = store.root(root_name(step))
-    if oid is None:
-        raise StepNotFound(step)
-    return oid, StepNode.decode(read_node(store, oid, KIND_STEP), oid)
-
-
-def load_table(store: ObjectStore, oid: bytes) -> TableNode:
-    return TableNode.decode(read_node(store, oid, KIND_TABLE), oid)
-
-
-def segment_blocks(node: TableNode, j: int) -> int:
-    """Blocks segment ``j`` of a (checked) table node holds: ``fanout``, fewer in the last."""
-    return min(node.fanout, node.nblocks - j * node.fanout)
-
-
-def load_segment(store: ObjectStore, node: TableNode, j: int) -> SegmentNode:
-    """Segment ``j`` of ``node``: its ref count and size checked against the table's
-    geometry in the index before its payload is read."""
-    oid = node.segment_ids[j]
-    n = segment_blocks(node, j)
-    return SegmentNode.decode(read_node(store, oid, KIND_SEGMENT, n), oid, blocks=n)
-
-
-def load_table_manifest(store: ObjectStore, oid: bytes) -> TableManifest:
-    node = load_table(store, oid)
-    segments = tuple(load_segment(store, node, j) for j in range(len(node.segment_ids)))
-    return TableManifest(oid, node, segments)
-
-
-def load_manifest(
-    store: ObjectStore, step: int, *, names: Iterable[str] | None = None
-) -> StepManifest:
-    """Load a step's nodes down to segments (blocks are not read). ``names`` picks tables;
-    unknown names raise TableNotFound."""
-    oid, node = load_step(store, step)
-    by_name = dict(zip(node.tables, node.table_ids))
-    wanted: Sequence[str] = node.tables if names is None else list(names)
-    tables = {}
-    for name in wanted:
-        if name not in by_name:
-            raise TableNotFound(name, step)
-        tables[name] = load_table_manifest(store, by_name[name])
-    return StepManifest(oid, node, tables)
 
 
 def changed_blocks(old: TableManifest, new: TableManifest) -> list[int]:

@@ -9,7 +9,7 @@ from collections.abc import Iterable, Iterator
 
 import engine
 from cnrstore.errors import BadPath, InvalidType, StepNotFound
-from cnrstore.format import manifest as mf
+from cnrstore.format.load import list_steps
 from engine import ObjectStore
 
 __all__ = ["objects_of", "opened", "selected_steps", "tick"]
@@ -42,7 +42,7 @@ def opened(store) -> Iterator[ObjectStore]:
 
 
 def selected_steps(objects: ObjectStore, steps: Iterable[int] | None) -> list[int]:
-    have = mf.list_steps(objects)
+    have = list_steps(objects)
     if steps is None:
         return have
     wanted = sorted(set(steps))

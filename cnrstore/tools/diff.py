@@ -20,12 +20,8 @@ import numpy as np
 from cnrstore.core.blockdiff import diff_block
 from cnrstore.errors import InvalidInput
 from cnrstore.format.blocks import plan_chain
-from cnrstore.format.manifest import (
-    TableNode,
-    load_segment,
-    load_step,
-    load_table,
-)
+from cnrstore.format.load import load_segment, load_step, load_table
+from cnrstore.format.manifest import TableNode
 from engine import ObjectStore
 
 __all__ = ["TableDiff", "StepDiff", "diff_steps", "diff_tables"]

@@ -22,19 +22,14 @@ from dataclasses import dataclass, field
 import engine
 from cnrstore.core.retention import kept_steps
 from cnrstore.errors import CheckpointError, translating
+from cnrstore.format import load
 from cnrstore.format import manifest as mf
-from cnrstore.format.manifest import (
-    DTYPE_SIZES,
-    TableNode,
-    load_step,
-    load_table,
-    load_table_manifest,
-)
+from cnrstore.format.load import load_step, load_table, load_table_manifest
+from cnrstore.format.manifest import DTYPE_SIZES, TableNode
 from cnrstore.tools.access import objects_of, opened, tick
-from engine import ObjectStore
+from cnrstore.tools.sizes import Sizes, unreachable
 from engine.api import ProgressFn
 from engine.fileio import allocated_bytes
-from engine.walk import walk
 
 __all__ = [
     "StepSummary",
@@ -117,7 +112,7 @@ class Usage:
     unique_bytes: int
     stored_bytes: int
     disk_bytes: int        # allocated by the pack files (dead records included)
-    garbage_objects: int   # indexed, reached by no root: what gc reclaims (_unreachable)
+    garbage_objects: int   # indexed, reached by no root: what gc reclaims (sizes.unreachable)
     encoding_ratio: float | None     # logical / referenced: quantization (and patches)
     dedup_ratio: float | None        # referenced / unique: sharing between steps
     compression_ratio: float | None  # unique / stored: zstd
@@ -131,7 +126,7 @@ class GCPlan:
     drop: tuple[int, ...]
     objects_freed: int     # reachable only from dropped steps
     bytes_freed: int       # their stored bytes (before compaction rounds to packs)
-    garbage_objects: int   # already unreachable before the drop (_unreachable)
+    garbage_objects: int   # already unreachable before the drop (sizes.unreachable)
 
 
 @dataclass(frozen=True)
@@ -150,33 +145,6 @@ class GCResult:
     packs_held: int = 0        # packs no longer listed, kept for the grace period
     bytes_held: int = 0
     grace_s: float | None = None  # the grace period (None: a directory store, no grace)
-
-
-class _Sizes:
-    """Index lookups cached per object: every walk below reads each entry once."""
-
-    def __init__(self, objects: ObjectStore):
-        self.objects = objects
-        self._info: dict[bytes, engine.ObjectInfo] = {}
-
-    def info(self, oid: bytes) -> engine.ObjectInfo:
-        got = self._info.get(oid)
-        if got is None:
-            got = self._info[oid] = self.objects.info(oid)
-        return got
-
-    def reach(self, oid: bytes, into: set[bytes] | None = None) -> set[bytes]:
-        """Ids reachable from ``oid`` (itself included), added to ``into``; objects already
-        in ``into`` are not walked again. The engine's one DAG walk (engine/walk.py)."""
-        seen: set[bytes] = set() if into is None else into
-        seen |= walk([(oid, "")], lambda o, _via: () if o in seen else self.info(o).refs)
-        return seen
-
-    def raw(self, oids: Iterable[bytes]) -> int:
-        return sum(self.info(o).raw_len for o in oids)
-
-    def stored(self, oids: Iterable[bytes]) -> int:
-        return sum(self.info(o).stored_len for o in oids)
 
 
 def table_logical_bytes(node: TableNode) -> int:
@@ -217,10 +185,10 @@ def list_steps(store, *, progress: ProgressFn | None = None) -> list[StepSummary
     """Every kept step, ascending, with its sizes. ``new_bytes`` counts the records that
     no lower step reaches: what keeping this step costs on top of the earlier ones."""
     with opened(store) as objects:
-        sizes = _Sizes(objects)
+        sizes = Sizes(objects)
         earlier: set[bytes] = set()
         out = []
-        steps = mf.list_steps(objects)
+        steps = load.list_steps(objects)
         for i, step in enumerate(steps):
             tick(progress, i, len(steps))
             try:
@@ -248,7 +216,7 @@ def problem_text(exc: BaseException) -> str:
 def show_step(store, step: int) -> StepDetail:
     """The tables of one step: geometry, scheme, block chains and sizes (no block reads)."""
     with opened(store) as objects:
-        sizes = _Sizes(objects)
+        sizes = Sizes(objects)
         oid, node = load_step(objects, step)
         tables = []
         for name, toid in zip(node.tables, node.table_ids):
@@ -270,17 +238,6 @@ def show_step(store, step: int) -> StepDetail:
                           values)
 
 
-def _unreachable(objects: ObjectStore, sizes: _Sizes, reached: set[bytes]) -> int:
-    """How many indexed objects no root reaches: gc's mark (engine/gc.py) walks every root,
-    steps and the others (cnrstore/options) alike, and sweeps the rest. ``reached`` holds
-    what the caller walked already (it is not changed); the other roots are walked here.
-    The one count of "unreachable" that du, the gc dry run and gc itself agree on."""
-    seen = set(reached)
-    for oid in objects.roots().values():
-        sizes.reach(oid, seen)
-    return max(objects.stats().objects - len(seen), 0)
-
-
 def _ratio(a: int, b: int) -> float | None:
     return a / b if b else None
 
@@ -289,11 +246,11 @@ def _ratio(a: int, b: int) -> float | None:
 def disk_usage(store, *, progress: ProgressFn | None = None) -> Usage:
     """Logical vs stored bytes of the kept steps, overall and per table name."""
     with opened(store) as objects:
-        sizes = _Sizes(objects)
+        sizes = Sizes(objects)
         everything: set[bytes] = set()
         per_table: dict[str, list] = {}  # name -> [steps, logical, referenced, ids]
         logical = referenced = 0
-        steps = mf.list_steps(objects)
+        steps = load.list_steps(objects)
         for i, step in enumerate(steps):
             tick(progress, i, len(steps))
             oid, node = load_step(objects, step)
@@ -311,7 +268,7 @@ def disk_usage(store, *, progress: ProgressFn | None = None) -> Usage:
                 acc[3] |= ids
         unique, stored = sizes.raw(everything), sizes.stored(everything)
         stats = objects.stats()
-        garbage = _unreachable(objects, sizes, everything)
+        garbage = unreachable(objects, sizes, everything)
         tables = tuple(
             TableUsage(name, n, lg, ref, sizes.raw(ids), sizes.stored(ids))
             for name, (n, lg, ref, ids) in sorted(per_table.items())
@@ -331,8 +288,8 @@ def disk_usage(store, *, progress: ProgressFn | None = None) -> Usage:
 def gc_plan(store, *, keep_last: int | None, keep: Iterable[int] = ()) -> GCPlan:
     """What ``gc(keep_last=..., keep=...)`` would drop and free, changing nothing."""
     with opened(store) as objects:
-        sizes = _Sizes(objects)
-        have = mf.list_steps(objects)
+        sizes = Sizes(objects)
+        have = load.list_steps(objects)
         kept = kept_steps(have, keep_last=keep_last, keep=keep)
         drop = [s for s in have if s not in set(kept)]
         live: set[bytes] = set()
@@ -345,7 +302,7 @@ def gc_plan(store, *, keep_last: int | None, keep: Iterable[int] = ()) -> GCPlan
         for s in drop:
             sizes.reach(load_step(objects, s)[0], dead)
         dead -= live
-        garbage = _unreachable(objects, sizes, live | dead)
+        garbage = unreachable(objects, sizes, live | dead)
         return GCPlan(tuple(kept), tuple(drop), len(dead), sizes.stored(dead), garbage)
 
 

@@ -24,7 +24,7 @@ from cnrstore.errors import (
     StorageError,
     translating,
 )
-from cnrstore.format.manifest import load_step, load_table
+from cnrstore.format.load import load_step, load_table
 from cnrstore.tools.access import tick
 from engine.fileio import atomic_write
 

@@ -21,14 +21,8 @@ import torch
 import cnrstore
 import engine
 from cnrstore.format.blocks import KIND_BLOCK_FULL, KIND_BLOCK_PATCH
-from cnrstore.format.manifest import (
-    FORMAT_VERSION,
-    KIND_SEGMENT,
-    KIND_STEP,
-    KIND_TABLE,
-    load_manifest,
-    root_name,
-)
+from cnrstore.format.load import load_manifest
+from cnrstore.format.manifest import FORMAT_VERSION, KIND_SEGMENT, KIND_STEP, KIND_TABLE, root_name
 
 # Elements of the msgpack array a node bomb carries: 32 M small ints are a 32 MiB payload
 # (one byte each) that zstd keeps in ~1 KB, and a 256 MiB list once unpacked.

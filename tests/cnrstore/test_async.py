@@ -15,7 +15,7 @@ from ckpt_util import assert_identical, make_store, random_table
 
 import cnrstore
 import engine
-from cnrstore.format.manifest import load_manifest
+from cnrstore.format.load import load_manifest
 
 
 def _store(**opts):

@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 
 from cnrstore.core.chainpolicy import chain_budget, depth_cap, stagger
 from cnrstore.format.blocks import decode_patch, resolve
-from cnrstore.format.manifest import KIND_BLOCK_PATCH, load_manifest
+from cnrstore.format.load import load_manifest
+from cnrstore.format.manifest import KIND_BLOCK_PATCH
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benches.workload import Workload, changed_rows  # noqa: E402

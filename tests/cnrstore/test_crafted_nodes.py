@@ -14,14 +14,8 @@ import torch
 from ckpt_util import random_table
 
 import cnrstore
-from cnrstore.format.manifest import (
-    KIND_SEGMENT,
-    KIND_STEP,
-    KIND_TABLE,
-    SegmentNode,
-    load_manifest,
-    root_name,
-)
+from cnrstore.format.load import load_manifest
+from cnrstore.format.manifest import KIND_SEGMENT, KIND_STEP, KIND_TABLE, SegmentNode, root_name
 
 
 def craft(store: cnrstore.CheckpointStore, step: int, new_step: int, **changes) -> None:

@@ -12,7 +12,7 @@ import torch
 from ckpt_util import assert_identical, random_table
 
 import cnrstore
-from cnrstore.format.manifest import load_manifest
+from cnrstore.format.load import load_manifest
 
 OPTS = {"block_rows": 16, "fanout": 4}
 

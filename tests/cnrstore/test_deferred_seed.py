@@ -12,7 +12,7 @@ import torch
 
 import cnrstore
 from cnrstore.core import tablestate
-from cnrstore.format.manifest import load_manifest
+from cnrstore.format.load import load_manifest
 from tests.cnrstore.ckpt_util import assert_identical, random_table
 
 

@@ -9,7 +9,8 @@ from ckpt_util import assert_identical, make_store, random_table
 import cnrstore
 from cnrstore.codec.quantize import row_nbytes
 from cnrstore.core.chainpolicy import block_key, chain_budget, depth_cap
-from cnrstore.format.manifest import changed_blocks, load_manifest
+from cnrstore.format.load import load_manifest
+from cnrstore.format.manifest import changed_blocks
 
 
 def _scattered(g, t, frac):

@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 
 import cnrstore
 import engine
-from cnrstore.format.manifest import KIND_BLOCK_FULL, load_step, load_table_manifest
+from cnrstore.format.load import load_step, load_table_manifest
+from cnrstore.format.manifest import KIND_BLOCK_FULL
 from cnrstore.tools import diff as cdiff
 from cnrstore.tools import info as ci
 from cnrstore.tools import transfer

@@ -44,7 +44,8 @@ def test_put_below_the_highest_step_is_refused_up_front(tmp_path):
 
 HOLDER = r"""
 import sys, time, engine
-from cnrstore.format.manifest import KIND_STEP, StepNode, load_step, root_name
+from cnrstore.format.manifest import KIND_STEP, StepNode, root_name
+from cnrstore.format.load import load_step
 with engine.open(sys.argv[1]) as objects:
     w = objects.writer()             # holds the store's writer lock
     print("locked", flush=True)

@@ -19,6 +19,7 @@ from _bombs import BOMBS, craft, probe, store_bytes
 import cnrstore
 import engine
 from cnrstore.format import manifest as mf
+from cnrstore.format.load import load_manifest
 from cnrstore.tools import info
 from engine import format as fmt
 
@@ -262,7 +263,7 @@ def test_read_node_refuses_a_kind_or_ref_count_the_table_does_not_give(tmp_path)
         import torch
 
         s.put_tables(1, {"t": torch.zeros(8, 4)})
-        m = mf.load_manifest(s.objects, 1)
+        m = load_manifest(s.objects, 1)
         tid = m.tables["t"].oid
         with pytest.raises(cnrstore.CorruptData, match="expected a step node"):
             mf.read_node(s.objects, tid, mf.KIND_STEP)

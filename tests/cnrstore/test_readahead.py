@@ -11,7 +11,7 @@ import torch
 import cnrstore
 from cnrstore.core import readahead
 from cnrstore.core.readahead import Readahead
-from cnrstore.format.manifest import load_manifest
+from cnrstore.format.load import load_manifest
 
 
 def _store_with_chains(path):

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 import cnrstore
 import engine
-from cnrstore.format.manifest import list_steps, load_manifest
+from cnrstore.format.load import list_steps, load_manifest
 from cnrstore.tools import info as ci
 from engine.pack import list_pack_files
 

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import cnrstore
-from cnrstore.format.manifest import load_manifest
+from cnrstore.format.load import load_manifest
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
           torch.int32, torch.uint8, torch.bool]
@@ -277,7 +277,8 @@ def test_get_tables_out_and_load_state_on_cuda():
 def test_a_crafted_state_structure_is_a_manifest_error():
     import time
 
-    from cnrstore.format.manifest import KIND_STEP, StepNode, load_step, root_name
+    from cnrstore.format.load import load_step
+    from cnrstore.format.manifest import KIND_STEP, StepNode, root_name
 
     s = make_store("memory", None)
     s.put_state(1, {"w": torch.zeros(4, 2)})

@@ -10,7 +10,7 @@ from ckpt_util import make_store
 
 import cnrstore
 from cnrstore.codec.quantize import GREEDY_MAX_BITS, row_nbytes, scheme_bits
-from cnrstore.format.manifest import load_manifest
+from cnrstore.format.load import load_manifest
 
 
 @pytest.fixture(params=["memory", "pack"])

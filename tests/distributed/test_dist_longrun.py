@@ -8,7 +8,7 @@ from dist_util import Failed, run
 from longrun_workers import OPTS, STEPS, longrun_put, longrun_tables
 
 import cnrstore
-from cnrstore.format.manifest import load_manifest
+from cnrstore.format.load import load_manifest
 
 
 @pytest.mark.parametrize("world", [2, 3])
