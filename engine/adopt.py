@@ -213,7 +213,7 @@ class Adoption:
     def pack_docs(self) -> list:
         """The adopted packs and entries as a commit document lists them
         (engine/storage/remote.py): other caches learn them from it alone."""
-        from .storage.remote import pack_doc
+        from .storage.cache import pack_doc
 
         by_pack: dict[int, list[tuple[bytes, ix.ObjectEntry]]] = {}
         for oid, loc in self.locs.items():

@@ -286,7 +286,7 @@ def _publish_remote(store: StoreCore, base: int, moves: dict[bytes, ix.ObjectEnt
     """Publish this gc as a bucket commit; on a lost race the swept cache is rebuilt
     from the bucket (another writer may have reused what this gc swept) and
     ConcurrentCommit raised: nothing of this gc is visible, no pack was deleted."""
-    from .storage.remote import pack_doc
+    from .storage.cache import pack_doc
 
     assert store.remote is not None
     doc = {"kind": "gc", "gone": sorted(gone), "swept": swept,
@@ -304,7 +304,7 @@ def _publish(txn: ix.Txn, index: ix.Index, moves: dict[bytes, ix.ObjectEntry],
              gone: set[int], out: PackSet, seq: int, snap: int,
              chain: bytes | None, remote_seq: int | None = None) -> None:
     if remote_seq is not None:
-        from .storage.remote import record_seq
+        from .storage.cache import record_seq
 
         record_seq(txn, index, remote_seq)
     for oid, entry in moves.items():

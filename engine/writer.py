@@ -316,7 +316,7 @@ class PackWriter(Writer):
 
     def _commit_doc(self) -> dict:
         """What a bucket store's commit object records (engine/storage/remote.py)."""
-        from .storage.remote import pack_doc
+        from .storage.cache import pack_doc
 
         by_pack: dict[int, list[tuple[bytes, ix.ObjectEntry]]] = {}
         for oid, entry in self._new.items():
@@ -333,7 +333,7 @@ class PackWriter(Writer):
                  snapshot_pack: int | None) -> None:
         index = self._index
         if self._remote_seq is not None:
-            from .storage.remote import record_seq
+            from .storage.cache import record_seq
 
             record_seq(txn, index, self._remote_seq)
         for name in sorted(self._creates):

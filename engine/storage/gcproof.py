@@ -11,7 +11,7 @@ from .. import index as ix
 from ..errors import CorruptObject, GCRefused
 from ..ids import hexid
 from . import chain
-from .remote import META_REMOTE_SEQ
+from .cache import META_REMOTE_SEQ
 
 if TYPE_CHECKING:
     from ..core import StoreCore
