@@ -191,6 +191,10 @@ def _live_entries(txn: Any, index: ix.Index, n: int, entries: list[trailer.Trail
 
 def collect(store: StoreCore, *, threshold: float, progress: ProgressFn | None) -> GCReport:
     index = store.index
+    damaged = index.trees_problem()
+    if damaged is not None:
+        raise GCRefused(f"index {index.path} cannot be trusted: {damaged}; nothing was "
+                        "collected (repair rebuilds the index from the packs)")
     started = time.time()  # before any pack of this gc was uploaded
     before = store.storage.sizes()
     remote = store.remote

@@ -126,6 +126,12 @@ class Index:
             self.env.close()  # the caller may rebuild this very directory next
             raise
 
+    def trees_problem(self) -> str | None:
+        """Why the index file's trees cannot be trusted, walking ``objects`` too: what a
+        verify, gc or repair (each reads all of ``objects``) checks first, since a
+        flipped page pointer there makes LMDB read past the file (SIGBUS)."""
+        return data_file_problem(self.path / "data.mdb", all_trees=True)
+
     def _open_env(self, map_size: int, create: bool) -> None:
         data = self.path / "data.mdb"
         problem = data_file_problem(data)

@@ -48,8 +48,10 @@ CORRUPTION = (lmdb.CorruptedError, lmdb.InvalidError, lmdb.PageNotFoundError,
               lmdb.BadValsizeError, lmdb.IncompatibleError, lmdb.BadDbiError)
 
 
-def data_file_problem(data: pathlib.Path) -> str | None:
-    """Why ``data.mdb`` must not be handed to LMDB, or None (also for a missing file)."""
+def data_file_problem(data: pathlib.Path, *, all_trees: bool = False) -> str | None:
+    """Why ``data.mdb`` must not be handed to LMDB, or None (also for a missing file).
+    ``all_trees`` walks ``objects`` too (verify, gc and repair read all of it; an open
+    walks it only for an index of at most ``OPEN_WALK_ALL_BYTES``)."""
     try:
         with open(data, "rb") as f:
             size = os.fstat(f.fileno()).st_size
@@ -80,7 +82,7 @@ def data_file_problem(data: pathlib.Path) -> str | None:
         if (last + 1) * psize > size:
             return (f"{data.name} is {size} bytes but its meta page {number} needs "
                     f"{(last + 1) * psize} (truncated or damaged)")
-    return _trees_problem(data, psize)
+    return _trees_problem(data, psize, all_trees or size <= OPEN_WALK_ALL_BYTES)
 
 
 # Page and node layout (mdb.c): page header, node header, the sub-database record.
@@ -98,7 +100,7 @@ _NO_PAGE = 0xFFFFFFFFFFFFFFFF          # P_INVALID: an empty database
 _WALK_TRIES = 3
 
 
-def _trees_problem(data: pathlib.Path, psize: int) -> str | None:
+def _trees_problem(data: pathlib.Path, psize: int, all_trees: bool) -> str | None:
     """Walk the newest meta's main database and the small databases it names. A writer
     in another process may commit meanwhile; LMDB reuses a page only two commits after
     the last meta that reached it, so a walk that ends with the meta it began with saw one
@@ -108,7 +110,7 @@ def _trees_problem(data: pathlib.Path, psize: int) -> str | None:
             fd = f.fileno()
             for _ in range(_WALK_TRIES):
                 before = _newest_meta(fd, psize)
-                problem = _walk_all(fd, psize, *before[1:])
+                problem = _walk_all(fd, psize, *before[1:], all_trees=all_trees)
                 if problem is None or _newest_meta(fd, psize) == before:
                     return problem
     except FileNotFoundError:
@@ -130,7 +132,8 @@ def _newest_meta(fd: int, psize: int) -> tuple[int, int, int, int]:
     return max(metas)
 
 
-def _walk_all(fd: int, psize: int, last: int, main: int, free: int) -> str | None:
+def _walk_all(fd: int, psize: int, last: int, main: int, free: int, *,
+              all_trees: bool) -> str | None:
     seen: set[int] = set()
     named: list[tuple[bytes, int]] = []
     # The free list too: a write transaction takes pages from it, and a flipped page
@@ -138,13 +141,17 @@ def _walk_all(fd: int, psize: int, last: int, main: int, free: int) -> str | Non
     problem = (_walk(fd, psize, last, free, _FREE, seen, [])
                or _walk(fd, psize, last, main, b"(main)", seen, named))
     for name, root in named:
-        if problem is None and name in SMALL_DATABASES:
+        if problem is None and (all_trees or name in SMALL_DATABASES):
             problem = _walk(fd, psize, last, root, name, seen, [])
     return problem
 
 
-# Read at every open (FORMAT.md "Index"); objects is checked by LMDB alone.
+# Read at every open (FORMAT.md "Index"). ``objects`` grows with the store: an open walks
+# it only while the file is small (a flipped branch pointer there killed a verify right
+# after the open with SIGBUS, 1 in 4,000 random flips); verify, gc and repair, which read
+# all of it anyway, walk it first whatever its size.
 SMALL_DATABASES = frozenset({b"meta", b"roots", b"packs"})
+OPEN_WALK_ALL_BYTES = 32 << 20
 _FREE = b"(free list)"
 
 

@@ -207,7 +207,7 @@ def _old_meta_at(path: pathlib.Path) -> _OldMeta:
     """``_old_meta`` of the index of a store not open, read without writing a byte (no
     lock file: a dry run changes nothing) and only when plain reads find it sound."""
     data = path / "index" / "data.mdb"
-    if not data.exists() or ix.data_file_problem(data) is not None:
+    if not data.exists() or ix.data_file_problem(data, all_trees=True) is not None:
         return _OldMeta()
     try:
         env = lmdb.open(os.fspath(path / "index"), readonly=True, lock=False, subdir=True,

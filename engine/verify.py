@@ -106,6 +106,11 @@ def verify(store: StoreCore, *, deep: bool, roots: Iterable[str] | None,
         names = list(roots)
         for n in names:
             check_root_name(n)
+    damaged = store.index.trees_problem()
+    if damaged is not None:  # reading objects would run LMDB off the file's end
+        return VerifyReport(False, (Problem("damaged-index", f"index {store.index.path}: "
+                                            f"{damaged} (repair rebuilds it from the packs)"),),
+                            0, 0)
     found, problems, packs = _walk(store, names)
     sizes: dict[int, int] = {}
     total = len(found)
