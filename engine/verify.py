@@ -137,10 +137,10 @@ def _recheck(store: StoreCore, oid: bytes, problem: Problem) -> Problem | None:
         # Indexed during the walk, gone now: a concurrent gc swept it (its root was
         # dropped after the walk). Nothing reachable is damaged.
         return None
-    if pack_name(entry.pack) == problem.pack:
-        return problem
-    fresh = _pack_problem(store, oid, entry, _listed(store), {})
-    return fresh
+    # Checked again against a fresh listing of the packs, also when the entry still names
+    # the pack of the problem: a gc that merged packs meanwhile indexes the object in a
+    # pack made after the walk listed the packs ("not indexed" there, yet whole).
+    return _pack_problem(store, oid, entry, _listed(store), {})
 
 
 def _listed(store: StoreCore) -> set[int]:
