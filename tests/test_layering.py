@@ -5,6 +5,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 ENGINE = pathlib.Path(__file__).resolve().parents[1] / "engine"
 FORBIDDEN = {"torch", "numpy", "cnrstore"}
 
@@ -37,3 +39,23 @@ def test_importing_engine_loads_no_tensor_library():
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def _over_400_lines(root: pathlib.Path) -> dict[str, int]:
+    """Modules under ``root`` (every folder) longer than the house rule's 400 lines."""
+    return {str(p.relative_to(root)): n for p in sorted(root.rglob("*.py"))
+            if (n := len(p.read_text().splitlines())) > 400}
+
+
+@pytest.mark.parametrize("package", ["engine", "cnrstore"])
+def test_no_module_is_over_400_lines(package):
+    long = _over_400_lines(ENGINE.parent / package)
+    assert long == {}, f"{package} modules over 400 lines (split them): " + ", ".join(
+        f"{name} ({n})" for name, n in long.items())
+
+
+def test_the_length_check_looks_into_subpackages(tmp_path):
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "long.py").write_text("x = 1\n" * 401)
+    (tmp_path / "short.py").write_text("x = 1\n" * 400)
+    assert _over_400_lines(tmp_path) == {str(pathlib.Path("sub", "long.py")): 401}

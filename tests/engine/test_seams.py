@@ -66,25 +66,6 @@ def test_the_type_checker_passes_on_the_engine(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
 
 
-def _over_400_lines(root: pathlib.Path) -> dict[str, int]:
-    """Modules under ``root`` (every folder) longer than the house rule's 400 lines."""
-    return {str(p.relative_to(root)): n for p in sorted(root.rglob("*.py"))
-            if (n := len(p.read_text().splitlines())) > 400}
-
-
-def test_no_engine_module_is_over_400_lines():
-    long = _over_400_lines(ENGINE)
-    assert long == {}, "engine modules over 400 lines (split them): " + ", ".join(
-        f"{name} ({n})" for name, n in long.items())
-
-
-def test_the_length_check_looks_into_subpackages(tmp_path):
-    (tmp_path / "sub").mkdir()
-    (tmp_path / "sub" / "long.py").write_text("x = 1\n" * 401)
-    (tmp_path / "short.py").write_text("x = 1\n" * 400)
-    assert _over_400_lines(tmp_path) == {str(pathlib.Path("sub", "long.py")): 401}
-
-
 # -- the one walk ---------------------------------------------------------------------
 def _graphs():
     """A DAG over ids 0..n-1 (refs only to lower ids, so it is acyclic), some ids removed
