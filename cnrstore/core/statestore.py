@@ -16,7 +16,7 @@ from cnrstore.core import maintenance
 from cnrstore.core.handle import StoreCore
 from cnrstore.core.progress import Reporter, check_progress
 from cnrstore.core.put import put
-from cnrstore.core.restore import read_into, seed_later, table_hints
+from cnrstore.core.restore import read_many_into, seed_later
 from cnrstore.core.state import (
     check_structure,
     fill,
@@ -164,13 +164,12 @@ def get_into(core: StoreCore, step, out: Mapping, *, names=None, rows=None,
             )
     anchor = (root_name(step), manifest.oid)
     seeds = [name for name in manifest.tables if core.wants_seed(name)]
-    started = table_hints(core.objects, [(tm, None) for tm in manifest.tables.values()])
     report = Reporter(progress, sum(out[n].nbytes for n in manifest.tables),
                       min_total=core.options.progress_min_bytes)
-    for (name, tm), hint in zip(manifest.tables.items(), started):
-        # detach: restoring into a parameter is not an autograd operation
-        read_into(core.objects, tm, core.pool, out[name].detach(), started=hint,
-                  done=report.add if report.fn is not None else None)
+    # detach: restoring into a parameter is not an autograd operation
+    read_many_into(core.objects, core.pool,
+                   [(tm, out[name].detach()) for name, tm in manifest.tables.items()],
+                   done=report.add if report.fn is not None else None)
     report.finish()
     # As get_tables: diff bases are computed from the stored step after the restore.
     for name in seeds:
