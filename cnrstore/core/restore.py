@@ -286,7 +286,7 @@ def read_many_into(objects: ObjectStore, pool: Executor,
     of each: a training state is dozens of tables, moments and step counters beside each
     weight, and every drain left threads idle behind one table's last block)."""
     started = table_hints(objects, [(tm, None) for tm, _ in wanted])
-    tasks = []
+    tasks: list[tuple[Callable[[int], None], int]] = []
     for (tm, dest), hint in zip(wanted, started):
         one = _into_read(objects, tm, dest, False, False, hint, done)[0]
         tasks.extend((one, i) for i in range(tm.node.nblocks))
