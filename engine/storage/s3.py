@@ -27,9 +27,10 @@ from collections.abc import Mapping
 from datetime import datetime, timedelta
 from typing import Any
 
-from .. import crashpoints, trailer
-from .. import format as fmt
 from ..errors import CorruptObject, FormatError
+from ..format import records as fmt
+from ..format import trailer
+from ..fs import crashpoints
 from .base import PackSink, PackStorage
 from .local import LocalSink
 
@@ -154,7 +155,7 @@ class S3Storage(PackStorage):
 
     @staticmethod
     def key(n: int) -> str:
-        from ..pack import pack_name
+        from ..packs.pack import pack_name
 
         return f"packs/{pack_name(n)}"
 
@@ -259,7 +260,7 @@ class S3Storage(PackStorage):
             raise _io(f"HEAD {self.key(n)}", exc) from exc
 
     def read_trailer(self, n: int) -> list[trailer.TrailerEntry]:
-        from ..pack import pack_name
+        from ..packs.pack import pack_name
 
         with self._lock:
             cached = self._trailers.get(n)
@@ -373,8 +374,8 @@ def open_bucket(url: str, *, cache_dir: str | os.PathLike,
     filesystem). Configuration: the AWS_* environment, overridden by ``storage_options``
     (obstore S3 keys, plus ``chunk_size``, ``max_concurrency``, ``gc_grace_s``,
     ``max_retries``, ``retry_timeout_s``, ``timeout_s``)."""
-    from ..store import PackStore
-    from .remote import Remote
+    from ..store.commit.bucket import Remote
+    from ..store.packstore import PackStore
 
     if cache_dir is None:
         raise FormatError(f"{url}: a bucket store needs a local cache_dir for its index")

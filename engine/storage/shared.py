@@ -30,7 +30,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from ..errors import FormatError, NoStore
-from ..fileio import fsync_dir, makedirs_durable, write_all
+from ..fs.fileio import fsync_dir, makedirs_durable, write_all
 from .base import PackSink
 from .local import LocalSink, LocalStorage
 
@@ -128,7 +128,7 @@ class SharedStorage(LocalStorage):
 
     def pack_listing(self) -> dict[int, tuple[int, datetime]]:
         """Every pack file: number -> (size, last modified)."""
-        from ..pack import list_pack_files
+        from ..packs.pack import list_pack_files
 
         out = {}
         for n, path in list_pack_files(self.root).items():
@@ -190,8 +190,8 @@ def open_shared(path: str | os.PathLike, *, cache_dir: str | os.PathLike,
                 pack_target_size: int | None = None, readonly: bool = False) -> Any:
     """Open (or create) the shared-directory store at ``path`` with its index cached in
     ``cache_dir`` (a local disk). ``storage_options`` may set ``gc_grace_s`` only."""
-    from ..store import PackStore
-    from .remote import Remote
+    from ..store.commit.bucket import Remote
+    from ..store.packstore import PackStore
 
     if cache_dir is None:
         raise FormatError(f"{path}: a shared-directory store needs a local cache_dir")
