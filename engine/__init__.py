@@ -62,16 +62,13 @@ def storage_open(url: str | os.PathLike, *, cache_dir: str | os.PathLike,
     ``s3://bucket/prefix`` (obstore needed; engine/storage/s3.py) or a directory every
     host reaches (engine/storage/shared.py); other keywords as for ``open``."""
     if str(url).startswith("s3://"):
-        from .storage.s3 import open_bucket
+        from .store.opening import open_bucket
 
-        store: PackStore = open_bucket(str(url), cache_dir=cache_dir,
-                                       storage_options=storage_options, **kwargs)
-        return store
-    from .storage.shared import open_shared
+        return open_bucket(str(url), cache_dir=cache_dir, storage_options=storage_options,
+                           **kwargs)
+    from .store.opening import open_shared
 
-    shared: PackStore = open_shared(url, cache_dir=cache_dir,
-                                    storage_options=storage_options, **kwargs)
-    return shared
+    return open_shared(url, cache_dir=cache_dir, storage_options=storage_options, **kwargs)
 
 
 __all__ = [

@@ -22,10 +22,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-import msgpack
-
 from ..errors import OptionsMismatch
-from ..index import db as ix
 
 DEFAULTS: dict[str, int] = {
     "compression_level": 3,
@@ -102,18 +99,3 @@ def resolve(asked: Mapping[str, int | None], stored: Mapping[Any, Any] | None, *
             value = old if valid else default
         values[name] = int(value) if value is not None else default
     return EngineOptions(**values)
-
-
-def read_stored(index: ix.Index) -> dict[Any, Any] | None:
-    """``meta.options`` of ``index``, or None when it is absent, fails the meta checksum or
-    is not a msgpack map (it is derived data: a damaged copy only loses the stored tuning
-    defaults)."""
-    raw, damaged = index.read(lambda t: (t.get(ix.META_OPTIONS, db=index.meta),
-                                         ix.meta_problem(t, index.meta)))
-    if raw is None or damaged:
-        return None
-    try:
-        value = msgpack.unpackb(bytes(raw), raw=False, strict_map_key=False)
-    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError):
-        return None
-    return value if isinstance(value, dict) else None

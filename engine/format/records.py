@@ -9,6 +9,7 @@ it allocates or decompresses anything.
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,7 +17,7 @@ import xxhash
 import zstandard
 
 from ..errors import CorruptObject
-from .ids import ID_SIZE, id_hasher, object_id
+from .ids import ID_SIZE, check_kind, id_hasher, object_id
 from .rootsrec import (  # noqa: F401 - roots records are part of the format
     RECORD_ROOTS,
     RECORD_ROOTS_DELTA,
@@ -359,3 +360,20 @@ def _decompress(stored: bytes | memoryview, raw_len: int,
         raise CorruptObject(f"{where}: decompressed to {len(out)} bytes, expected {raw_len}",
                             oid=oid, pack=pack, offset=offset)
     return out
+
+
+def checked_object(kind: int, payload: bytes | bytearray | memoryview,
+                   refs: Sequence[bytes]) -> tuple[bytes, tuple[bytes, ...]]:
+    """The argument checks every put shares (the store's writer, a rank's PackSink and the
+    in-memory twin): the payload and refs as bytes, or TypeError/ValueError before anything
+    is written."""
+    check_kind(kind)
+    if not isinstance(payload, (bytes, bytearray, memoryview)):
+        raise TypeError(f"payload must be bytes-like, got {type(payload).__name__}")
+    if isinstance(refs, (bytes, bytearray, str)):
+        raise TypeError("refs must be a sequence of object ids, not a single bytes/str")
+    payload = bytes(payload)
+    if len(payload) > MAX_RAW_LEN:
+        raise ValueError(f"payload of {len(payload)} bytes exceeds the "
+                         f"{MAX_RAW_LEN}-byte limit (FORMAT.md \"Records\")")
+    return payload, tuple(bytes(r) for r in refs)

@@ -4,6 +4,8 @@ indexed without scanning it (docs/FORMAT.md "Trailer"). Decoders raise only
 
 from __future__ import annotations
 
+import os
+import pathlib
 import struct
 from dataclasses import dataclass
 
@@ -66,3 +68,16 @@ def decode_trailer(
                                 offset=entries_offset)
         entries.append(TrailerEntry(off, length, rtype, oid))
     return entries
+
+
+def read_trailer(path: pathlib.Path, *, name: str) -> list[TrailerEntry]:
+    """Entries of a sealed pack; CorruptObject if it has no valid trailer."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size < PACK_HEADER.size + FOOTER.size:
+            raise CorruptObject(f"pack {name}: too short for a trailer", pack=name, offset=0)
+        f.seek(size - FOOTER.size)
+        count, entries_offset = parse_footer(f.read(FOOTER.size), size, pack=name)
+        f.seek(entries_offset)
+        return decode_trailer(f.read(size - entries_offset), count, entries_offset,
+                              pack=name)

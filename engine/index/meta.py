@@ -5,14 +5,18 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import lmdb
 import msgpack
 import xxhash
 
-if TYPE_CHECKING:
-    from .db import Index
+
+class _Tables(Protocol):
+    """The databases of an ``Index`` (engine/index/db.py) these helpers read."""
+
+    meta: Any
+    roots: Any
 
 U64 = struct.Struct("<Q")
 I64 = struct.Struct("<q")
@@ -85,7 +89,7 @@ def updated_digest(digest: bytes, old: dict, new: dict) -> bytes:
     return U64.pack(value & _MASK)
 
 
-def roots_problem(txn: lmdb.Transaction, index: Index) -> str | None:
+def roots_problem(txn: lmdb.Transaction, index: _Tables) -> str | None:
     """Why the roots db cannot be trusted (it fails its checksum), or None."""
     stored = txn.get(META_ROOTS_SUM, db=index.meta)
     if stored is None:

@@ -3,7 +3,6 @@ gc's leftovers). Moved out of engine/pack.py (module size); ``pack`` re-exports 
 
 from __future__ import annotations
 
-import os
 import pathlib
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -13,24 +12,12 @@ import zstandard
 from ..errors import CorruptObject
 from ..format import records as fmt
 from ..format import trailer
+from ..format.trailer import read_trailer  # noqa: F401 - re-exported with the scans
 
 
 def read_pack_header(path: pathlib.Path, *, name: str) -> fmt.PackHeader:
     with open(path, "rb") as f:
         return fmt.PackHeader.unpack(f.read(fmt.PACK_HEADER.size), pack=name)
-
-
-def read_trailer(path: pathlib.Path, *, name: str) -> list[trailer.TrailerEntry]:
-    """Entries of a sealed pack; CorruptObject if it has no valid trailer."""
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size < fmt.PACK_HEADER.size + trailer.FOOTER.size:
-            raise CorruptObject(f"pack {name}: too short for a trailer", pack=name, offset=0)
-        f.seek(size - trailer.FOOTER.size)
-        count, entries_offset = trailer.parse_footer(f.read(trailer.FOOTER.size), size, pack=name)
-        f.seek(entries_offset)
-        return trailer.decode_trailer(f.read(size - entries_offset), count, entries_offset,
-                                  pack=name)
 
 
 @dataclass(frozen=True)

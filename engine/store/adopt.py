@@ -31,6 +31,7 @@ from ..format.ids import ID_SIZE, hexid
 from ..format.location import RecordLocation
 from ..fs.fileio import store_error
 from ..index import db as ix
+from ..index.commits import pack_doc
 from ..packs.pack import pack_name
 from ..storage import LocalStorage
 
@@ -213,8 +214,6 @@ class Adoption:
     def pack_docs(self) -> list:
         """The adopted packs and entries as a commit document lists them
         (engine/storage/remote.py): other caches learn them from it alone."""
-        from ..index.commits import pack_doc
-
         by_pack: dict[int, list[tuple[bytes, ix.ObjectEntry]]] = {}
         for oid, loc in self.locs.items():
             by_pack.setdefault(loc.pack, []).append((oid, ix.ObjectEntry(

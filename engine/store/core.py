@@ -12,15 +12,15 @@ import os
 import pathlib
 import threading
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, cast
+from typing import Protocol, cast
 
 import xxhash
 import zstandard
 
-from ..api import Object
+from ..api import Object, RepairReport
 from ..errors import CorruptObject, ObjectNotFound, StoreClosed
 from ..format import records as fmt
-from ..format.ids import ID_SIZE, check_id, hexid, id_hasher
+from ..format.ids import ID_SIZE, hexid, id_hasher
 from ..format.location import RecordLocation
 from ..format.options import EngineOptions
 from ..fs.fileio import store_error
@@ -29,8 +29,24 @@ from ..index import db as ix
 from ..packs.pack import PackReaders, pack_name
 from ..storage import LocalStorage, PackStorage
 
-if TYPE_CHECKING:
-    from .commit.bucket import Remote
+
+class BucketLog(Protocol):
+    """The commit protocol of a store whose packs live in a bucket or shared directory
+    (engine/store/commit/bucket.py ``Remote``), as the store's phases call it: they see
+    this seam, never the protocol's module."""
+
+    url: str
+
+    def attach(self, core: StoreCore, *, create: bool) -> RepairReport | None: ...
+    def seq(self, core: StoreCore) -> int: ...
+    def catch_up(self, core: StoreCore) -> int: ...
+    def refresh(self, core: StoreCore) -> None: ...
+    def rebuild(self, core: StoreCore) -> RepairReport: ...
+    def publish(self, core: StoreCore, base: int, doc: dict) -> int: ...
+    def check_age(self, started: float) -> None: ...
+    def begin_gc(self, core: StoreCore) -> None: ...
+    def settle_gc(self, core: StoreCore, seq: int | None) -> None: ...
+    def delete_unlisted(self, core: StoreCore, live_packs: set[int]) -> int: ...
 
 _READ_RETRIES = 4
 
@@ -41,7 +57,7 @@ class StoreCore:
 
     def __init__(self, path: pathlib.Path, options: EngineOptions, *, readonly: bool,
                  lock: WriterLock, storage: PackStorage | None = None,
-                 remote: Remote | None = None) -> None:
+                 remote: BucketLog | None = None) -> None:
         self.path = path
         # Where the packs live; ``path`` always holds the index and the lock (local disk).
         self.storage = storage if storage is not None else LocalStorage(path)
@@ -171,13 +187,6 @@ class StoreCore:
             return bytes(head[head_len:])
         raise CorruptObject(f"object {hexid(oid)}: its pack keeps vanishing", oid=oid)
 
-    def prefetch(self, oids: Iterable[bytes]) -> None:
-        """Ask the kernel to read ahead the records of ``oids`` and all they reach (one
-        read txn for the locations; adjacent records merge into one range)."""
-        from .coordinator import locate_closure
-
-        self.advise(locate_closure(self, oids).values())
-
     def advise(self, locs: Iterable[RecordLocation]) -> None:
         """Read-ahead hint for located records (adjacent ones merge into one range)."""
         spans: dict[int, list[list[int]]] = {}
@@ -218,39 +227,6 @@ class StoreCore:
         name = pack_name(entry.pack)
         raise CorruptObject(f"object {hexid(oid)}: pack {name} is missing", oid=oid,
                             pack=name, offset=entry.offset)
-
-
-class DirectReads:
-    """``ObjectStore.get_into`` and ``prefetch`` of a PackStore, over its StoreCore (here
-    because engine/store.py is at its module size limit)."""
-
-    _core: StoreCore
-
-    def get_into(self, oid: bytes, kind: int, prefix: int, out: memoryview, *,
-                 id_check: bool = True, fallback: bool = False) -> bytes | Object | None:
-        self._core.check_open()
-        check_id(oid)
-        return self._core.read_into(bytes(oid), kind, prefix, out, id_check=id_check,
-                                    fallback=fallback)
-
-    def prefetch(self, oids: Iterable[bytes]) -> None:
-        self._core.check_open()
-        self._core.prefetch(oids)
-
-    def get_at(self, loc: RecordLocation) -> Object:
-        self._core.check_open()
-        return self._core.read(loc.oid, at=loc)
-
-    def get_into_at(self, loc: RecordLocation, kind: int, prefix: int, out: memoryview, *,
-                    id_check: bool = True, fallback: bool = False
-                    ) -> bytes | Object | None:
-        self._core.check_open()
-        return self._core.read_into(loc.oid, kind, prefix, out, id_check=id_check,
-                                    fallback=fallback, at=loc)
-
-    def prefetch_at(self, locs: Iterable[RecordLocation]) -> None:
-        self._core.check_open()
-        self._core.advise(locs)
 
 
 def _check_raw(oid: bytes, kind: int, entry: ix.ObjectEntry | RecordLocation,

@@ -23,14 +23,15 @@ import shutil
 import time
 from typing import TYPE_CHECKING, Any
 
+from ..api import Problem, RepairReport
 from ..errors import CorruptObject, FormatError, StaleIndex, StoreLocked
 from ..format import records as fmt
 from ..fs.fileio import fsync_dir
 from ..index import db as ix
 from ..packs.pack import list_pack_files, pack_name, pack_numbers, read_trailer
+from .repair import rebuild
 
 if TYPE_CHECKING:
-    from ..api import RepairReport
     from .core import StoreCore
 
 
@@ -104,8 +105,6 @@ def _refuse_newer(store: StoreCore, exc: FormatError) -> None:
 def _reported(report: RepairReport | None, why: str) -> RepairReport:
     """``report`` of an open's rebuild, saying why the old index was dropped (a bucket
     cache rebuilds from its commits later, in attach: then no pack was scanned here)."""
-    from ..api import Problem, RepairReport
-
     problem = Problem("damaged-index", why)
     if report is None:
         return RepairReport(0, 0, 0, (problem,))
@@ -153,8 +152,6 @@ def _open_writable(store: StoreCore, *, damaged: bool) -> RepairReport | None:
 
 
 def _rebuild(store: StoreCore) -> RepairReport:
-    from .repair import rebuild
-
     return rebuild(store)
 
 

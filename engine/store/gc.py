@@ -29,6 +29,7 @@ from ..format.ids import ID_SIZE, hexid
 from ..fs import crashpoints
 from ..fs.fileio import store_error
 from ..index import db as ix
+from ..index.commits import pack_doc, record_seq
 from ..packs.pack import PackSet, pack_name
 from .gcplan import Plan, plan_packs
 from .lease import leased
@@ -291,8 +292,6 @@ def _publish_remote(store: StoreCore, base: int, moves: dict[bytes, ix.ObjectEnt
     """Publish this gc as a bucket commit; on a lost race the swept cache is rebuilt
     from the bucket (another writer may have reused what this gc swept) and
     ConcurrentCommit raised: nothing of this gc is visible, no pack was deleted."""
-    from ..index.commits import pack_doc
-
     assert store.remote is not None
     doc = {"kind": "gc", "gone": sorted(gone), "swept": swept,
            "packs": [pack_doc(pf.number, pf.size, pf.meta,
@@ -309,8 +308,6 @@ def _publish(txn: ix.Txn, index: ix.Index, moves: dict[bytes, ix.ObjectEntry],
              gone: set[int], out: PackSet, seq: int, snap: int,
              chain: bytes | None, remote_seq: int | None = None) -> None:
     if remote_seq is not None:
-        from ..index.commits import record_seq
-
         record_seq(txn, index, remote_seq)
     for oid, entry in moves.items():
         txn.put(oid, entry.encode(oid), db=index.objects)

@@ -17,7 +17,7 @@ import os
 import pathlib
 import weakref
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import lmdb
 
@@ -34,21 +34,23 @@ from ..api import (
     Writer,
 )
 from ..errors import CorruptObject, FormatError, NoStore, ReadOnly, StoreError, StoreLocked
-from ..format.ids import check_id
+from ..format.ids import check_id, check_root_name
 from ..format.location import RecordLocation
-from ..format.options import EngineOptions, read_stored, resolve
+from ..format.options import EngineOptions, resolve
 from ..fs.fileio import makedirs_durable, store_error
 from ..fs.lock import WriterLock
 from ..index import db as ix
+from ..index.options import read_stored
 from ..storage import PackStorage
 from . import coordinator
-from .core import DirectReads, StoreCore
+from .core import BucketLog, StoreCore
 from .freshness import open_index, stale_problem
+from .gc import collect
 from .lease import Leases
-from .writer import PackWriter, check_root_name
-
-if TYPE_CHECKING:
-    from .commit.bucket import Remote
+from .reads import DirectReads
+from .repair import rebuild
+from .verify import verify
+from .writer import PackWriter
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -94,7 +96,7 @@ class PackStore(DirectReads, ObjectStore):
     def __init__(self, path: str | os.PathLike, *, create: bool = True,
                  compression_level: int | None = None, map_size: int | None = None,
                  pack_target_size: int | None = None, readonly: bool = False,
-                 storage: PackStorage | None = None, remote: Remote | None = None) -> None:
+                 storage: PackStorage | None = None, remote: BucketLog | None = None) -> None:
         """``storage``/``remote`` (engine/storage/s3.py ``open_bucket``): packs elsewhere,
         ``path`` then being the local cache of the index (docs/FORMAT.md "Object stores")."""
         asked = {"compression_level": compression_level, "map_size": map_size,
@@ -121,7 +123,7 @@ class PackStore(DirectReads, ObjectStore):
                 report = remote.attach(self._core, create=create)
             except OSError as exc:
                 self.close()
-                raise store_error(f"cannot open store {remote.storage.url}", exc) from exc
+                raise store_error(f"cannot open store {remote.url}", exc) from exc
             except BaseException:
                 self.close()
                 raise
@@ -173,7 +175,7 @@ class PackStore(DirectReads, ObjectStore):
     def _check_open(self) -> None:
         self._core.check_open()
 
-    # -- read side (get_into and prefetch: engine/core.py DirectReads) -------------------
+    # -- read side (get_into and prefetch: engine/store/reads.py) -------------------
     def _lookup(self, oid: bytes) -> ix.ObjectEntry:
         return self._core.lookup(oid)
 
@@ -240,8 +242,6 @@ class PackStore(DirectReads, ObjectStore):
         """With the writer lock held: rebuild an index that fell behind its packs (a
         commit on it would get a sequence below theirs and lose to them on repair; a gc
         would delete their packs as unlisted)."""
-        from .repair import rebuild
-
         try:
             stale = stale_problem(self._core, full=full) is not None
         except ix.DamagedIndex:
@@ -315,8 +315,6 @@ class PackStore(DirectReads, ObjectStore):
     @_translated
     def gc(self, *, threshold: float = 0.25, timeout: float | None = 0.0,
            progress: ProgressFn | None = None) -> GCReport:
-        from .gc import collect
-
         self._check_open()
         self._check_writable("gc()")
         if not isinstance(threshold, (int, float)) or not 0.0 <= threshold <= 1.0:
@@ -328,8 +326,6 @@ class PackStore(DirectReads, ObjectStore):
     @_translated
     def verify(self, *, deep: bool = False, roots: Iterable[str] | None = None,
                progress: ProgressFn | None = None) -> VerifyReport:
-        from .verify import verify
-
         self._check_open()
         try:
             return verify(self._core, deep=deep, roots=roots, progress=progress)
@@ -340,8 +336,6 @@ class PackStore(DirectReads, ObjectStore):
 
     @_translated
     def repair(self, *, dry_run: bool = False) -> RepairReport:
-        from .repair import rebuild
-
         self._check_open()
         if dry_run and self.readonly:  # only reads: a read-only handle may plan
             return rebuild(self._core, dry_run=True)

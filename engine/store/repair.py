@@ -25,9 +25,9 @@ from ..errors import CorruptObject, FormatError, NotSupported
 from ..format import records as fmt
 from ..format import trailer
 from ..format.ids import ID_SIZE
-from ..format.options import read_stored
 from ..fs.fileio import fsync_dir, store_error
 from ..index import db as ix
+from ..index.options import read_stored
 from ..packs.pack import list_pack_files, pack_name, read_trailer, scan_records
 from ..storage import PackStorage
 from .lease import live_ranges

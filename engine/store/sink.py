@@ -28,11 +28,11 @@ from ..format import records as fmt
 from ..format.ids import object_id
 from ..format.location import RecordLocation
 from ..format.options import EngineOptions
+from ..format.records import checked_object
 from ..fs import crashpoints
 from ..fs.fileio import fsync_dir, store_error
 from ..packs import pack as pk
 from ..storage import PackStorage
-from .writer import checked_object
 
 
 class PacksExhausted(StoreError):

@@ -12,11 +12,10 @@ from typing import TYPE_CHECKING, Any
 
 from ..api import Problem, ProgressFn, VerifyReport
 from ..errors import CorruptObject, ObjectNotFound, StoreError
-from ..format.ids import ID_SIZE, hexid
+from ..format.ids import ID_SIZE, check_root_name, hexid
 from ..index import db as ix
 from ..packs.pack import pack_name
 from .walk import Via, describe, walk
-from .writer import check_root_name
 
 if TYPE_CHECKING:
     from .core import StoreCore

@@ -26,11 +26,13 @@ from ..errors import (
     StoreError,
 )
 from ..format import records as fmt
-from ..format.ids import MAX_ROOT_NAME, check_id, check_kind, check_root_name, hexid, object_id  # noqa: F401
+from ..format.ids import check_id, check_root_name, hexid, object_id
 from ..format.location import RecordLocation
+from ..format.records import checked_object
 from ..fs import crashpoints
 from ..fs.fileio import store_error
 from ..index import db as ix
+from ..index.commits import pack_doc, record_seq
 from ..packs import pack as pk
 from ..packs.pack import PackSet
 from .adopt import Adoption
@@ -40,20 +42,6 @@ if TYPE_CHECKING:
 
 
 
-def checked_object(kind: int, payload: bytes | bytearray | memoryview,
-                   refs: Sequence[bytes]) -> tuple[bytes, tuple[bytes, ...]]:
-    """The argument checks every put shares (the store's writer and a rank's PackSink):
-    the payload and refs as bytes, or TypeError/ValueError before anything is written."""
-    check_kind(kind)
-    if not isinstance(payload, (bytes, bytearray, memoryview)):
-        raise TypeError(f"payload must be bytes-like, got {type(payload).__name__}")
-    if isinstance(refs, (bytes, bytearray, str)):
-        raise TypeError("refs must be a sequence of object ids, not a single bytes/str")
-    payload = bytes(payload)
-    if len(payload) > fmt.MAX_RAW_LEN:
-        raise ValueError(f"payload of {len(payload)} bytes exceeds the "
-                         f"{fmt.MAX_RAW_LEN}-byte limit (FORMAT.md \"Records\")")
-    return payload, tuple(bytes(r) for r in refs)
 
 class PackWriter(Writer):
     """Created by ``PackStore.writer`` with the writer lock held; ``done(self)`` releases
@@ -316,8 +304,6 @@ class PackWriter(Writer):
 
     def _commit_doc(self) -> dict:
         """What a bucket store's commit object records (engine/storage/remote.py)."""
-        from ..index.commits import pack_doc
-
         by_pack: dict[int, list[tuple[bytes, ix.ObjectEntry]]] = {}
         for oid, entry in self._new.items():
             by_pack.setdefault(entry.pack, []).append((oid, entry))
@@ -333,9 +319,7 @@ class PackWriter(Writer):
                  snapshot_pack: int | None) -> None:
         index = self._index
         if self._remote_seq is not None:
-            from ..index.commits import record_seq
-
-            record_seq(txn, index, self._remote_seq)
+                record_seq(txn, index, self._remote_seq)
         for name in sorted(self._creates):
             # Re-checked inside the publishing transaction: raising aborts it whole.
             if txn.get(name.encode("utf-8"), db=index.roots) is not None:

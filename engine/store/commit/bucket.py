@@ -52,8 +52,10 @@ from ...index.commits import (
     meta_get,
     record_seq,
 )
+from ..repair import rebuild, rebuild_beside
 from . import chain
 from .chain import ChainDamaged
+from .gcproof import check_chain, still_needed
 
 if TYPE_CHECKING:
     from ...storage.s3 import S3Storage
@@ -67,6 +69,7 @@ class Remote:
 
     def __init__(self, storage: S3Storage, *, gc_grace_s: float) -> None:
         self.storage = storage
+        self.url = storage.url
         self.gc_grace_s = float(gc_grace_s)
         self.last_rebuild: RepairReport | None = None  # a catch-up that met damage
 
@@ -169,8 +172,6 @@ class Remote:
     def rebuild(self, core: StoreCore) -> RepairReport:
         """With the writer lock held: a fresh cache from every commit document, or from
         the packs when one is damaged."""
-        from ..repair import rebuild_beside
-
         location = self.storage.url.encode("utf-8")
 
         def fill(new: ix.Index, txn: ix.Txn) -> None:
@@ -202,8 +203,6 @@ class Remote:
         (engine/repair.py), less those a readable document retired, at the newest commit
         number listed (a writer of this cache commits after it), and record the damage
         (gc refuses while it lasts; an open rereads the documents)."""
-        from ..repair import rebuild
-
         found = chain.survey(self.storage)
         problems = found.problems or [Problem("damaged-commit", str(exc), pack=exc.key)]
         messages = [p.message for p in problems]
@@ -269,9 +268,7 @@ class Remote:
     def begin_gc(self, core: StoreCore) -> None:
         """Before gc sweeps the cache: should it die before its commit is published, the
         next open rebuilds the cache instead of trusting a sweep the bucket never saw."""
-        from .gcproof import check_chain
-
-        check_chain(self, core)
+        check_chain(self.storage, self.damage(core), core)
         index = core.index
         index.write(lambda t: t.put(META_REMOTE_DIRTY, b"1", db=index.meta))
 
@@ -299,8 +296,6 @@ class Remote:
             listed = {ix.unpack_pack_key(k) for k in keys}
             return listed, msgpack.unpackb(meta_get(t, index, META_RETIRED) or b"\x80",
                                            strict_map_key=False)
-
-        from .gcproof import still_needed
 
         listed, retired = index.read(state)
         now = time.time()

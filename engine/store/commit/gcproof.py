@@ -16,15 +16,14 @@ from . import chain
 if TYPE_CHECKING:
     from ...storage.s3 import S3Storage
     from ..core import StoreCore
-    from .bucket import Remote
 
 
-def check_chain(remote: Remote, core: StoreCore) -> None:
+def check_chain(storage: S3Storage, damage: list[str], core: StoreCore) -> None:
     """gc deletes only what it can prove dead: refuse (GCRefused, nothing changed)
-    when a commit document is damaged, or the cache and the documents disagree on the
-    newest commit or on the packs that hold the store."""
-    where = remote.storage.url
-    damage = remote.damage(core)
+    when a commit document is damaged (``damage``: why the cache was rebuilt from the
+    packs), or the cache and the documents disagree on the newest commit or on the packs
+    that hold the store."""
+    where = storage.url
     if damage:
         raise GCRefused(f"gc refused on {where}: this cache was rebuilt from the packs "
                         f"because {damage[0]}; put the document back (or repair once "
@@ -39,7 +38,7 @@ def check_chain(remote: Remote, core: StoreCore) -> None:
     seq, packs = index.read(view)
     # Up to the cache's commit: one another writer made since is this gc's lost race
     # (ConcurrentCommit at its publish), not a disagreement.
-    found = chain.survey(remote.storage, upto=seq)
+    found = chain.survey(storage, upto=seq)
     if found.problems:
         raise GCRefused(f"gc refused on {where}: {found.problems[0].message} "
                         f"({len(found.problems)} problems); nothing was deleted")
