@@ -3,7 +3,7 @@ with its LMDB index as a local cache exactly as for S3 (docs/FORMAT.md "Shared
 directories").
 
 LMDB must never live on a network filesystem (lmdb.h), so the shared directory holds only
-what a bucket holds, and the commit protocol is the bucket's (engine/storage/remote.py):
+what a bucket holds, and the commit protocol is the bucket's (engine/store/commit/bucket.py):
 
     <shared>/packs/XX/NNNNNNNN.pack   immutable packs, the same bytes as a directory store's
     <shared>/claims/NNNNNNNN          empty, created O_EXCL before pack N is written: two

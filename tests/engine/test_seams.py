@@ -203,7 +203,7 @@ def test_invalid_options_are_refused_before_the_store_is_touched(tmp_path):
 
 
 def test_a_conflicting_data_option_raises_options_mismatch():
-    # The engine has no data option today (engine/options.py); the rule is the same for
+    # The engine has no data option today (engine/format/options.py); the rule is the same for
     # any that a later format version adds.
     assert eo.DATA_OPTIONS == frozenset()
     stored = {"compression_level": 5}
