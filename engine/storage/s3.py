@@ -31,7 +31,7 @@ from ..errors import FormatError
 from ..format import trailer
 from ..format.names import pack_name
 from ..fs import crashpoints
-from .base import PackSink, PackStorage
+from .base import PackStorage, WritablePack
 from .local import LocalSink
 
 try:
@@ -197,7 +197,7 @@ class S3Storage(PackStorage):
             raise _io(f"DELETE {key}", exc) from exc
 
     # -- packs ----------------------------------------------------------------------------
-    def create(self, n: int, *, meta: bool) -> PackSink:
+    def create(self, n: int, *, meta: bool) -> WritablePack:
         return S3Sink(self, n)
 
     def upload(self, n: int, path: pathlib.Path) -> None:
