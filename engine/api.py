@@ -166,7 +166,7 @@ class Writer(abc.ABC):
 
     def adopt(self, locs: Sequence[RecordLocation]) -> None:
         """Publish in this commit records another process wrote into packs reserved with
-        ``reserve_packs`` (pack stores only; engine/adopt.py lists the checks)."""
+        ``reserve_packs`` (pack stores only; engine/store/adopt.py lists the checks)."""
         raise NotSupported(f"{type(self).__name__} cannot adopt records written elsewhere")
 
     @abc.abstractmethod

@@ -132,7 +132,7 @@ class GCPlan:
 class GCResult:
     """cnrstore.GCReport plus what a gc on a bucket or shared directory could not free
     yet: the packs it retired stay ``grace_s`` after its commit for readers of the old
-    index (engine/storage/remote.py), and a gc run after that deletes them."""
+    index (engine/store/commit/bucket.py), and a gc run after that deletes them."""
 
     steps_deleted: tuple[int, ...]
     steps_kept: tuple[int, ...]

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import math
 import struct
-from typing import Any
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import msgpack
 import xxhash
@@ -57,22 +59,89 @@ def seq_of_key(key: str) -> int | None:
     return seq if seq >= 1 else None
 
 
+class EntryDoc(NamedTuple):
+    """One object record a document lists: ``[id, offset, length, kind, raw_len, refs]``."""
+
+    oid: bytes
+    offset: int
+    length: int
+    kind: int
+    raw_len: int
+    refs: tuple[bytes, ...]
+
+
+class PackDoc(NamedTuple):
+    """One pack a commit adds: ``[number, size, meta, entries]``."""
+
+    number: int
+    size: int
+    meta: bool
+    entries: tuple[EntryDoc, ...]
+
+
+@dataclass(frozen=True)
+class CommitDoc:
+    """One commit as its document records it: a writer's put (packs, roots set and
+    deleted, names created) or a gc (packs written, packs gone, objects swept). The only
+    form a commit document takes in the engine; ``fields`` is its msgpack body."""
+
+    kind: str                                   # "put" or "gc"
+    packs: tuple[PackDoc, ...] = ()
+    gone: tuple[int, ...] = ()                  # packs a gc retired
+    swept: tuple[bytes, ...] = ()               # ids a gc dropped
+    sets: Mapping[str, bytes] = field(default_factory=dict)  # roots set: name -> id
+    deletes: tuple[str, ...] = ()               # roots deleted
+    creates: tuple[str, ...] = ()               # roots created (create_root)
+    seq: int = 0                                # set when it is published
+    time: float = 0.0
+    token: bytes | None = None                  # tells a writer its own document
+
+    def fields(self) -> dict[str, Any]:
+        """The body's map, fields in the order writers always wrote them (a field of the
+        other kind only when it holds something)."""
+        gc = {"gone": list(self.gone), "swept": list(self.swept)}
+        put = {"set": dict(self.sets), "del": list(self.deletes),
+               "creates": list(self.creates)}
+        out: dict[str, Any] = {"kind": self.kind}
+        if self.kind == "gc":
+            out.update(gc, packs=list(self.packs), **{k: v for k, v in put.items() if v})
+        else:
+            out.update(packs=list(self.packs), **put, **{k: v for k, v in gc.items() if v})
+        out.update(seq=self.seq, time=self.time)
+        if self.token is not None:
+            out["token"] = self.token
+        return out
+
+    @classmethod
+    def from_fields(cls, doc: Mapping[str, Any]) -> CommitDoc:
+        """The document a decoded (and checked) body describes; absent fields are empty."""
+        return cls(
+            kind=doc["kind"],
+            packs=tuple(PackDoc(n, size, meta, tuple(EntryDoc(o, off, ln, k, raw, tuple(refs))
+                                                     for o, off, ln, k, raw, refs in entries))
+                        for n, size, meta, entries in doc.get("packs", ())),
+            gone=tuple(doc.get("gone", ())), swept=tuple(doc.get("swept", ())),
+            sets=dict(doc.get("set", {})), deletes=tuple(doc.get("del", ())),
+            creates=tuple(doc.get("creates", ())), seq=doc["seq"], time=doc["time"],
+            token=doc.get("token"))
+
+
 class CommitTooLarge(StoreError):
     """A commit's document would exceed MAX_COMMIT_BYTES: nothing was published."""
 
 
-def encode_commit(doc: dict) -> bytes:
-    body = msgpack.packb(dict(doc, v=VERSION), use_bin_type=True)
+def encode_commit(doc: CommitDoc) -> bytes:
+    body = msgpack.packb(dict(doc.fields(), v=VERSION), use_bin_type=True)
     data = HEADER.pack(MAGIC, VERSION, xxhash.xxh3_64_intdigest(body)) + body
     if len(data) > MAX_COMMIT_BYTES:
         raise CommitTooLarge(
-            f"commit {doc.get('seq')} would need a {len(data)}-byte commit document, more "
+            f"commit {doc.seq} would need a {len(data)}-byte commit document, more "
             f"than the {MAX_COMMIT_BYTES} a store may hold (about 350,000 objects): "
             "nothing was published; put the tables in several commits")
     return data
 
 
-def decode_commit(data: bytes, key: str) -> dict:
+def decode_commit(data: bytes, key: str) -> CommitDoc:
     """The validated document at ``key`` (its sequence must be the key's)."""
     def bad(why: str) -> CorruptObject:
         return CorruptObject(f"commit document {key} is damaged: {why}", pack=key)
@@ -100,7 +169,7 @@ def decode_commit(data: bytes, key: str) -> dict:
         _check(doc, version, seq_of_key(key))
     except _Bad as exc:
         raise bad(str(exc)) from None
-    return doc
+    return CommitDoc.from_fields(doc)
 
 
 class _Bad(Exception):
@@ -197,6 +266,6 @@ def _check(doc: Any, version: int, key_seq: int | None) -> None:
     for name, target in roots.items():
         _name(name, "root name")
         _id(target, f"target of root {_show(name)}")
-    for field in ("del", "creates"):
-        for name in _list(doc.get(field, []), field):
-            _name(name, f"root name in {field}")
+    for listed in ("del", "creates"):
+        for name in _list(doc.get(listed, []), listed):
+            _name(name, f"root name in {listed}")

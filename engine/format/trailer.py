@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import pathlib
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import xxhash
@@ -70,14 +71,24 @@ def decode_trailer(
     return entries
 
 
+def read_trailer_of(size: int, read: Callable[[int, int], bytes], *,
+                    name: str) -> list[TrailerEntry]:
+    """Entries of the sealed pack ``name`` of ``size`` bytes, whose bytes ``read(offset,
+    length)`` returns (a file, a ranged GET): its footer, then its entries. CorruptObject
+    when it has no valid trailer. The one trailer reader."""
+    if size < PACK_HEADER.size + FOOTER.size:
+        raise CorruptObject(f"pack {name}: too short for a trailer", pack=name, offset=0)
+    footer = read(size - FOOTER.size, FOOTER.size)
+    count, entries_offset = parse_footer(footer, size, pack=name)
+    return decode_trailer(read(entries_offset, size - entries_offset), count, entries_offset,
+                          pack=name)
+
+
 def read_trailer(path: pathlib.Path, *, name: str) -> list[TrailerEntry]:
-    """Entries of a sealed pack; CorruptObject if it has no valid trailer."""
+    """Entries of a sealed pack file; CorruptObject if it has no valid trailer."""
     with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size < PACK_HEADER.size + FOOTER.size:
-            raise CorruptObject(f"pack {name}: too short for a trailer", pack=name, offset=0)
-        f.seek(size - FOOTER.size)
-        count, entries_offset = parse_footer(f.read(FOOTER.size), size, pack=name)
-        f.seek(entries_offset)
-        return decode_trailer(f.read(size - entries_offset), count, entries_offset,
-                              pack=name)
+        def read(offset: int, length: int) -> bytes:
+            f.seek(offset)
+            return f.read(length)
+
+        return read_trailer_of(os.fstat(f.fileno()).st_size, read, name=name)

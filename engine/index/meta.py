@@ -77,7 +77,7 @@ def roots_digest(roots: dict) -> bytes:
     return U64.pack(sum(root_hash(k, v) for k, v in roots.items()) & _MASK)
 
 
-def updated_digest(digest: bytes, old: dict, new: dict) -> bytes:
+def updated_digest(digest: bytes, old: Mapping, new: Mapping) -> bytes:
     """``digest`` after the roots in ``old`` (name -> id, or None: absent) became ``new``."""
     (value,) = U64.unpack(digest)
     for name, oid in old.items():

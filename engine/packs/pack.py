@@ -307,7 +307,7 @@ class PackReaders:
                 self._evict(entry)
 
 
-# Scanning (repair, gc leftovers) lives in engine/packscan.py; re-exported here.
+# Scanning (repair, gc leftovers) lives in engine/packs/scan.py; re-exported here.
 from .scan import (  # noqa: E402,F401
     ScannedRecord,
     read_pack_header,

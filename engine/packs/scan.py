@@ -1,5 +1,5 @@
 """Scanning pack files without the index: headers, trailers, every record (repair and
-gc's leftovers). Moved out of engine/pack.py (module size); ``pack`` re-exports it."""
+gc's leftovers). Moved out of engine/packs/pack.py (module size); ``pack`` re-exports it."""
 
 from __future__ import annotations
 

@@ -12,10 +12,10 @@ from ..format.names import list_pack_files, pack_name, pack_path
 from ..format.trailer import read_trailer
 from ..fs.fileio import allocated_bytes, fsync_dir, makedirs_durable, write_all, writev_all
 from ..fs.writeback import start_writeback
-from .base import PackSink, PackStorage
+from .base import PackStorage, WritablePack
 
 
-class LocalSink(PackSink):
+class LocalSink(WritablePack):
     def __init__(self, path: pathlib.Path) -> None:
         self.path = path
         makedirs_durable(path.parent)
@@ -62,7 +62,7 @@ class LocalStorage(PackStorage):
     def path(self, n: int) -> pathlib.Path:
         return pack_path(self.root, n)
 
-    def create(self, n: int, *, meta: bool) -> PackSink:
+    def create(self, n: int, *, meta: bool) -> WritablePack:
         return LocalSink(self.path(n))
 
     def read(self, n: int, offset: int, length: int) -> bytes:

@@ -6,7 +6,7 @@ Layout under ``s3://bucket/prefix/``::
     claims/NNNNNNNN          empty, created create-only (If-None-Match) before pack N is
                              written: two writers on two caches can never pick one number
     commits/SSSSSSSSSSSSSSSSSSSS  one msgpack document per commit, created create-only
-                             (engine/storage/remote.py)
+                             (engine/store/commit/bucket.py)
 
 A pack is staged in a local file while its writer appends to it and uploaded when it is
 sealed: multipart in ``chunk_size`` parts, at most ``max_concurrency`` in flight. Reads are
@@ -27,12 +27,11 @@ from collections.abc import Mapping
 from datetime import datetime, timedelta
 from typing import Any
 
-from ..errors import CorruptObject, FormatError
-from ..format import records as fmt
+from ..errors import FormatError
 from ..format import trailer
 from ..format.names import pack_name
 from ..fs import crashpoints
-from .base import PackSink, PackStorage
+from .base import PackStorage, WritablePack
 from .local import LocalSink
 
 try:
@@ -198,7 +197,7 @@ class S3Storage(PackStorage):
             raise _io(f"DELETE {key}", exc) from exc
 
     # -- packs ----------------------------------------------------------------------------
-    def create(self, n: int, *, meta: bool) -> PackSink:
+    def create(self, n: int, *, meta: bool) -> WritablePack:
         return S3Sink(self, n)
 
     def upload(self, n: int, path: pathlib.Path) -> None:
@@ -264,14 +263,8 @@ class S3Storage(PackStorage):
             if cached is not None:
                 self._trailers.move_to_end(n)
                 return cached
-        name = pack_name(n)
-        size = self.size(n)
-        if size < fmt.PACK_HEADER.size + trailer.FOOTER.size:
-            raise CorruptObject(f"pack {name}: too short for a trailer", pack=name, offset=0)
-        footer = self.read(n, size - trailer.FOOTER.size, trailer.FOOTER.size)
-        count, entries_offset = trailer.parse_footer(footer, size, pack=name)
-        data = self.read(n, entries_offset, size - entries_offset)
-        entries = trailer.decode_trailer(data, count, entries_offset, pack=name)
+        entries = trailer.read_trailer_of(self.size(n), lambda off, ln: self.read(n, off, ln),
+                                          name=pack_name(n))
         with self._lock:
             self._trailers[n] = entries
             while len(self._trailers) > _TRAILERS:

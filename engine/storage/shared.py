@@ -3,7 +3,7 @@ with its LMDB index as a local cache exactly as for S3 (docs/FORMAT.md "Shared
 directories").
 
 LMDB must never live on a network filesystem (lmdb.h), so the shared directory holds only
-what a bucket holds, and the commit protocol is the bucket's (engine/storage/remote.py):
+what a bucket holds, and the commit protocol is the bucket's (engine/store/commit/bucket.py):
 
     <shared>/packs/XX/NNNNNNNN.pack   immutable packs, the same bytes as a directory store's
     <shared>/claims/NNNNNNNN          empty, created O_EXCL before pack N is written: two
@@ -32,7 +32,7 @@ from typing import Any
 from ..errors import FormatError, NoStore
 from ..format.names import list_pack_files
 from ..fs.fileio import fsync_dir, makedirs_durable, write_all
-from .base import PackSink
+from .base import WritablePack
 from .local import LocalSink, LocalStorage
 
 MARK = "commits"  # a shared-directory store has this directory; a directory store never
@@ -124,7 +124,7 @@ class SharedStorage(LocalStorage):
         fsync_dir(path.parent)
 
     # -- packs ----------------------------------------------------------------------------
-    def create(self, n: int, *, meta: bool) -> PackSink:
+    def create(self, n: int, *, meta: bool) -> WritablePack:
         return SharedSink(self, n)
 
     def pack_listing(self) -> dict[int, tuple[int, datetime]]:

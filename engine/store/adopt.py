@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 from ..errors import CorruptObject, ObjectNotFound, StoreError
 from ..format import records as fmt
 from ..format import trailer
+from ..format.commitdoc import PackDoc
 from ..format.ids import ID_SIZE, hexid
 from ..format.location import RecordLocation
 from ..fs.fileio import store_error
@@ -211,26 +212,23 @@ class Adoption:
         commit's roots record."""
         self._core.storage.sync_packs(sorted(self.packs))
 
-    def pack_docs(self) -> list:
+    def pack_docs(self) -> tuple[PackDoc, ...]:
         """The adopted packs and entries as a commit document lists them
-        (engine/storage/remote.py): other caches learn them from it alone."""
+        (engine/store/commit/bucket.py): other caches learn them from it alone."""
         by_pack: dict[int, list[tuple[bytes, ix.ObjectEntry]]] = {}
-        for oid, loc in self.locs.items():
-            by_pack.setdefault(loc.pack, []).append((oid, ix.ObjectEntry(
-                loc.pack, loc.offset, loc.length, loc.kind, loc.raw_len, loc.meta, loc.refs)))
-        return [pack_doc(n, p.size, p.meta, by_pack.get(n, []))
-                for n, p in sorted(self.packs.items())]
+        for oid, entry in self.entries().items():
+            by_pack.setdefault(entry.pack, []).append((oid, entry))
+        return tuple(pack_doc(n, p.size, p.meta, by_pack.get(n, []))
+                     for n, p in sorted(self.packs.items()))
 
-    def publish(self, txn: ix.Txn) -> None:
-        """Inside the writer's publishing transaction."""
-        index = self._core.index
-        for oid, loc in self.locs.items():
-            entry = ix.ObjectEntry(loc.pack, loc.offset, loc.length, loc.kind, loc.raw_len,
-                                   loc.meta, loc.refs)
-            txn.put(oid, entry.encode(oid), db=index.objects)
-        for n, p in self.packs.items():
-            packed = ix.PackEntry(p.size, p.total, p.live, p.meta, p.count)
-            txn.put(ix.pack_key(n), packed.encode(), db=index.packs)
+    def entries(self) -> dict[bytes, ix.ObjectEntry]:
+        """The index entries of the adopted records, for the writer's commit."""
+        return {oid: ix.ObjectEntry(loc.pack, loc.offset, loc.length, loc.kind, loc.raw_len,
+                                    loc.meta, loc.refs) for oid, loc in self.locs.items()}
+
+    def pack_entries(self) -> dict[int, ix.PackEntry]:
+        return {n: ix.PackEntry(p.size, p.total, p.live, p.meta, p.count)
+                for n, p in self.packs.items()}
 
 
 def _batches(group: list[RecordLocation]) -> list[list[RecordLocation]]:

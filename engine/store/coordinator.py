@@ -28,7 +28,7 @@ def reserve(core: StoreCore, leases: Leases, n: int) -> range:
     The range starts above ``next_pack`` and above every pack file on disk (a dead
     writer's leftovers sit at ``next_pack`` and after), and ``next_pack`` moves past it in
     one index transaction, so no later writer, gc or repair ever creates those numbers;
-    the lease (engine/lease.py) keeps gc from deleting the ranks' packs until the put
+    the lease (engine/store/lease.py) keeps gc from deleting the ranks' packs until the put
     commits, fails, or its process dies."""
     if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= MAX_RESERVE:
         raise ValueError(f"n must be an int in 0..{MAX_RESERVE}, got {n!r}")

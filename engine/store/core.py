@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import pathlib
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Protocol, cast
 
 import xxhash
@@ -20,6 +20,7 @@ import zstandard
 from ..api import Object, RepairReport
 from ..errors import CorruptObject, ObjectNotFound, StoreClosed
 from ..format import records as fmt
+from ..format.commitdoc import CommitDoc
 from ..format.ids import ID_SIZE, hexid, id_hasher
 from ..format.location import RecordLocation
 from ..format.options import EngineOptions
@@ -30,11 +31,15 @@ from ..packs.pack import PackReaders, pack_name
 from ..storage import LocalStorage, PackStorage
 
 
-class BucketLog(Protocol):
-    """The commit protocol of a store whose packs live in a bucket or shared directory
-    (engine/store/commit/bucket.py ``Remote``), as the store's phases call it: they see
-    this seam, never the protocol's module."""
+class CommitLog(Protocol):
+    """Where a store's commits are published, as the store's phases call it: a local
+    store's index is its own log (engine/store/commit/local.py ``LocalLog``: nothing to
+    publish first); a bucket or shared-directory store publishes every commit as a
+    document whose cache the index is (engine/store/commit/bucket.py ``Remote``). The
+    phases see this seam only, never which log it is."""
 
+    #: True when commits are published outside the index, which then caches them.
+    publishes: bool
     url: str
 
     def attach(self, core: StoreCore, *, create: bool) -> RepairReport | None: ...
@@ -42,27 +47,29 @@ class BucketLog(Protocol):
     def catch_up(self, core: StoreCore) -> int: ...
     def refresh(self, core: StoreCore) -> None: ...
     def rebuild(self, core: StoreCore) -> RepairReport: ...
-    def publish(self, core: StoreCore, base: int, doc: dict) -> int: ...
+    def publish(self, core: StoreCore, base: int, doc: Callable[[], CommitDoc]) -> int | None:
+        ...
     def check_age(self, started: float) -> None: ...
     def begin_gc(self, core: StoreCore) -> None: ...
     def settle_gc(self, core: StoreCore, seq: int | None) -> None: ...
     def delete_unlisted(self, core: StoreCore, live_packs: set[int]) -> int: ...
+
 
 _READ_RETRIES = 4
 
 
 class StoreCore:
     """One open store's state. ``index`` and ``readers`` exist once ``attach`` ran (the
-    index is opened, checked and maybe rebuilt by engine/freshness.py)."""
+    index is opened, checked and maybe rebuilt by engine/store/freshness.py)."""
 
     def __init__(self, path: pathlib.Path, options: EngineOptions, *, readonly: bool,
                  lock: WriterLock, storage: PackStorage | None = None,
-                 remote: BucketLog | None = None) -> None:
+                 log: CommitLog) -> None:
         self.path = path
         # Where the packs live; ``path`` always holds the index and the lock (local disk).
         self.storage = storage if storage is not None else LocalStorage(path)
-        # Set for a bucket store: commits are published there, the index is its cache.
-        self.remote = remote
+        # Where commits are published: the index itself, or a bucket it caches.
+        self.log = log
         self.options = options
         self.readonly = readonly
         self.lock = lock
@@ -135,8 +142,7 @@ class StoreCore:
         """A read found pack ``n`` gone (a gc moved its objects): drop its descriptor and,
         for a bucket store, bring the index up to date before looking the object up again."""
         self.readers.forget(n)
-        if self.remote is not None:
-            self.remote.refresh(self)
+        self.log.refresh(self)
 
     def read_into(self, oid: bytes, kind: int, prefix: int, out: memoryview, *,
                   id_check: bool = True, fallback: bool = False,
@@ -272,7 +278,7 @@ def read_checked(readers: PackReaders, oid: bytes, pack: int, offset: int, lengt
     """Read the record of ``oid`` at (pack, offset, length) and check checksum, id, kind
     and that its payload is the ``raw_len`` bytes its index entry says (before anything is
     decompressed): the one checked read of the store and of ranks reading by location
-    (engine/located.py). None when the pack file is gone (gc moved the record).
+    (engine/store/located.py). None when the pack file is gone (gc moved the record).
     ``keep=False`` (a deep verify): the payload is checked as it streams by and not kept;
     the Object returned then has an empty payload."""
     name = pack_name(pack)

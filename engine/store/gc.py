@@ -25,11 +25,12 @@ from ..api import GCReport, Problem, ProgressFn
 from ..errors import ConcurrentCommit, CorruptObject, GCRefused
 from ..format import records as fmt
 from ..format import trailer
+from ..format.commitdoc import CommitDoc
 from ..format.ids import ID_SIZE, hexid
 from ..fs import crashpoints
 from ..fs.fileio import store_error
 from ..index import db as ix
-from ..index.commits import pack_doc, record_seq
+from ..index.commits import IndexChange, apply_change, pack_doc
 from ..packs.pack import PackSet, pack_name
 from .gcplan import Plan, plan_packs
 from .lease import leased
@@ -199,19 +200,18 @@ def collect(store: StoreCore, *, threshold: float, progress: ProgressFn | None) 
                         "collected (repair rebuilds the index from the packs)")
     started = time.time()  # before any pack of this gc was uploaded
     before = store.storage.sizes()
-    remote = store.remote
-    base = remote.seq(store) if remote is not None else 0
+    log = store.log
+    base = log.seq(store)
     live = mark(index)
     crashpoints.hit("gc.after_mark")
     swept: list[bytes] = []
-    if remote is not None:
-        remote.begin_gc(store)
+    log.begin_gc(store)
     freed_objects = sweep(index, live, swept)
     crashpoints.hit("gc.after_sweep_commit")
     if progress:
         progress(1, 3)
 
-    # Packs of a distributed put in flight (a live lease, engine/lease.py): unlisted until
+    # Packs of a distributed put in flight (a live lease, engine/store/lease.py): unlisted until
     # its commit adopts them, so neither dropped, rewritten nor deleted as leftovers.
     held = leased(store.path)
     plan = plan_packs(store, threshold, set(live.values()), held)
@@ -245,19 +245,19 @@ def collect(store: StoreCore, *, threshold: float, progress: ProgressFn | None) 
         out.seal_and_sync()
         crashpoints.hit("gc.after_compact_write")
         remote_seq = None
-        if remote is not None and (gone or out.files or swept):
-            remote.check_age(started)
-            keep_uploaded = True  # the gc commit may exist from here (see writer.commit)
+        if gone or out.files or swept:
+            log.check_age(started)
+            keep_uploaded = log.publishes  # its document may exist from here (writer.commit)
             try:
-                remote_seq = _publish_remote(store, base, moves, gone, out, swept)
+                remote_seq = _publish(store, base, moves, gone, out, swept)
             except ConcurrentCommit:
                 keep_uploaded = False
                 raise
         if gone or out.files:
-            index.write(lambda txn: _publish(txn, index, moves, gone, out, seq, snap, chain,
-                                             remote_seq))
-        elif remote is not None:  # only swept (or nothing): the cache says so too
-            remote.settle_gc(store, remote_seq)
+            index.write(lambda txn: _apply(txn, index, moves, gone, out, seq, snap, chain,
+                                           remote_seq))
+        else:  # only swept (or nothing): a cache says so too
+            log.settle_gc(store, remote_seq)
         published = True
         crashpoints.hit("gc.after_compact_commit")
     except OSError as exc:
@@ -269,10 +269,7 @@ def collect(store: StoreCore, *, threshold: float, progress: ProgressFn | None) 
     if progress:
         progress(2, 3)
 
-    if remote is not None:
-        deleted = remote.delete_unlisted(store, in_use | held)
-    else:
-        deleted = _delete_unlisted(store, in_use | held)
+    deleted = log.delete_unlisted(store, in_use | held)
     crashpoints.hit("gc.after_delete")
     if progress:
         progress(3, 3)
@@ -287,60 +284,34 @@ def collect(store: StoreCore, *, threshold: float, progress: ProgressFn | None) 
     )
 
 
-def _publish_remote(store: StoreCore, base: int, moves: dict[bytes, ix.ObjectEntry],
-                    gone: set[int], out: PackSet, swept: list[bytes]) -> int:
-    """Publish this gc as a bucket commit; on a lost race the swept cache is rebuilt
+def _publish(store: StoreCore, base: int, moves: dict[bytes, ix.ObjectEntry],
+                    gone: set[int], out: PackSet, swept: list[bytes]) -> int | None:
+    """Publish this gc in the store's commit log (a bucket's: a local store has nothing to
+    publish before its index transaction); on a lost race the swept cache is rebuilt
     from the bucket (another writer may have reused what this gc swept) and
     ConcurrentCommit raised: nothing of this gc is visible, no pack was deleted."""
-    assert store.remote is not None
-    doc = {"kind": "gc", "gone": sorted(gone), "swept": swept,
-           "packs": [pack_doc(pf.number, pf.size, pf.meta,
-                              [(o, m) for o, m in moves.items() if m.pack == pf.number])
-                     for pf in out.files]}
+    def doc() -> CommitDoc:
+        return CommitDoc(kind="gc", gone=tuple(sorted(gone)), swept=tuple(swept),
+                         packs=tuple(pack_doc(pf.number, pf.size, pf.meta,
+                                              [(o, m) for o, m in moves.items()
+                                               if m.pack == pf.number])
+                                     for pf in out.files))
+
     try:
-        return store.remote.publish(store, base, doc)
+        return store.log.publish(store, base, doc)
     except BaseException:
-        store.remote.rebuild(store)
+        store.log.rebuild(store)
         raise
 
 
-def _publish(txn: ix.Txn, index: ix.Index, moves: dict[bytes, ix.ObjectEntry],
+def _apply(txn: ix.Txn, index: ix.Index, moves: dict[bytes, ix.ObjectEntry],
              gone: set[int], out: PackSet, seq: int, snap: int,
              chain: bytes | None, remote_seq: int | None = None) -> None:
-    if remote_seq is not None:
-        record_seq(txn, index, remote_seq)
-    for oid, entry in moves.items():
-        txn.put(oid, entry.encode(oid), db=index.objects)
-    for n in gone:
-        txn.delete(ix.pack_key(n), db=index.packs)
+    packs = {}
     for pf in out.files:
         live = [m for m in moves.values() if m.pack == pf.number]
         nbytes = sum(m.length for m in live)
-        packed = ix.PackEntry(pf.size, nbytes, nbytes, pf.meta, len(live))
-        txn.put(ix.pack_key(pf.number), packed.encode(), db=index.packs)
-    next_pack = max(out.next_number, ix.get_u64(txn, index.meta, ix.META_NEXT_PACK))
-    txn.put(ix.META_NEXT_PACK, ix.U64.pack(next_pack), db=index.meta)
-    txn.put(ix.META_SEQ, ix.U64.pack(seq), db=index.meta)
-    txn.put(ix.META_SNAPSHOT_PACK, ix.I64.pack(snap), db=index.meta)
-    if chain is not None:
-        txn.put(ix.META_CHAIN, chain, db=index.meta)
-
-
-def _delete_unlisted(store: StoreCore, live_packs: set[int]) -> int:
-    """Unlink pack files the index does not list: compacted packs and crash leftovers.
-    Safe only under the writer lock, when no writer has unpublished packs. A pack that a
-    live object still lives in stays, even if the packs table lost it (damage)."""
-    index = store.index
-    listed = set(index.read(
-        lambda txn: [ix.unpack_pack_key(k) for k, _ in txn.cursor(db=index.packs)]
-    ))
-    deleted = 0
-    for n in store.storage.sizes():
-        if n in listed or n in live_packs:
-            continue
-        store.readers.forget(n)
-        try:
-            deleted += store.storage.delete(n)
-        except OSError as exc:
-            raise store_error(f"cannot delete pack {pack_name(n)}", exc) from exc
-    return deleted
+        packs[pf.number] = ix.PackEntry(pf.size, nbytes, nbytes, pf.meta, len(live))
+    apply_change(txn, index, IndexChange(objects=moves, packs=packs, gone=gone,
+                                         next_pack=out.next_number, remote_seq=remote_seq,
+                                         seq=seq, snapshot_pack=snap, chain=chain))

@@ -27,6 +27,7 @@ from ..api import (
 )
 from ..errors import CorruptObject, ObjectNotFound, RootExists, StoreClosed, StoreLocked
 from ..format.ids import check_id, check_root_name, hexid, object_id
+from ..format.records import checked_object
 from .walk import Via, walk
 
 
@@ -183,8 +184,7 @@ class _MemoryWriter(Writer):
         meta: bool = False,
     ) -> bytes:
         self._check()
-        refs = tuple(bytes(r) for r in refs)
-        payload = bytes(payload)
+        payload, refs = checked_object(kind, payload, refs)  # the pack store's own checks
         oid = object_id(kind, refs, payload)
         for ref in refs:
             if not self.has(ref):

@@ -33,7 +33,7 @@ def open_bucket(url: str, *, cache_dir: str | os.PathLike,
     remote = Remote(storage, gc_grace_s=tuning["gc_grace_s"])
     return PackStore(cache, create=create, compression_level=compression_level,
                      map_size=map_size, pack_target_size=pack_target_size,
-                     readonly=readonly, storage=storage, remote=remote)
+                     readonly=readonly, storage=storage, log=remote)
 
 
 def open_shared(path: str | os.PathLike, *, cache_dir: str | os.PathLike,
@@ -50,4 +50,4 @@ def open_shared(path: str | os.PathLike, *, cache_dir: str | os.PathLike,
     remote = Remote(storage, gc_grace_s=tuning["gc_grace_s"])  # type: ignore[arg-type]
     return PackStore(cache, create=create, compression_level=compression_level,
                      map_size=map_size, pack_target_size=pack_target_size,
-                     readonly=readonly, storage=storage, remote=remote)
+                     readonly=readonly, storage=storage, log=remote)

@@ -43,7 +43,8 @@ from ..index import db as ix
 from ..index.options import read_stored
 from ..storage import PackStorage
 from . import coordinator
-from .core import BucketLog, StoreCore
+from .commit.local import LocalLog
+from .core import CommitLog, StoreCore
 from .freshness import open_index, stale_problem
 from .gc import collect
 from .lease import Leases
@@ -71,7 +72,7 @@ def open(  # noqa: A001 - mirrors the builtin on purpose: engine.open(path)
     missing or behind its packs raises StaleIndex instead of being rebuilt.
 
     An option not given takes the value the store was created with, else the default
-    (engine/options.py: all three are tuning, free to differ between opens)."""
+    (engine/format/options.py: all three are tuning, free to differ between opens)."""
     return PackStore(path, create=create, compression_level=compression_level,
                      map_size=map_size, pack_target_size=pack_target_size, readonly=readonly)
 
@@ -96,9 +97,10 @@ class PackStore(DirectReads, ObjectStore):
     def __init__(self, path: str | os.PathLike, *, create: bool = True,
                  compression_level: int | None = None, map_size: int | None = None,
                  pack_target_size: int | None = None, readonly: bool = False,
-                 storage: PackStorage | None = None, remote: BucketLog | None = None) -> None:
-        """``storage``/``remote`` (engine/storage/s3.py ``open_bucket``): packs elsewhere,
-        ``path`` then being the local cache of the index (docs/FORMAT.md "Object stores")."""
+                 storage: PackStorage | None = None, log: CommitLog | None = None) -> None:
+        """``storage``/``log`` (engine/store/opening.py): packs elsewhere and the commit
+        log they publish to, ``path`` then being the local cache of the index
+        (docs/FORMAT.md "Object stores"). Without them, a local store."""
         asked = {"compression_level": compression_level, "map_size": map_size,
                  "pack_target_size": pack_target_size}
         first = resolve(asked, None)  # checks what was given before anything is touched
@@ -110,24 +112,24 @@ class PackStore(DirectReads, ObjectStore):
         self._leases = Leases(self.path)  # pack ranges reserved by this handle
         try:
             # A bucket store's cache is ours to write even for a read-only handle.
-            self._cache_only = remote is not None
-            self._prepare_dir(remote is not None or (create and not self.readonly))
+            log = log if log is not None else LocalLog(os.fspath(self.path))
+            self._cache_only = log.publishes
+            self._prepare_dir(log.publishes or (create and not self.readonly))
             self._core = StoreCore(self.path, first, lock=WriterLock(self.path / "lock"),
-                                   readonly=self.readonly and remote is None,
-                                   storage=storage, remote=remote)
+                                   readonly=self.readonly and not log.publishes,
+                                   storage=storage, log=log)
             self.opened_with_repair = open_index(self._core)
         except OSError as exc:
             raise store_error(f"cannot open store {self.path}", exc) from exc
-        if remote is not None:
-            try:
-                report = remote.attach(self._core, create=create)
-            except OSError as exc:
-                self.close()
-                raise store_error(f"cannot open store {remote.url}", exc) from exc
-            except BaseException:
-                self.close()
-                raise
-            self.opened_with_repair = report or self.opened_with_repair
+        try:
+            report = log.attach(self._core, create=create)
+        except OSError as exc:
+            self.close()
+            raise store_error(f"cannot open store {log.url}", exc) from exc
+        except BaseException:
+            self.close()
+            raise
+        self.opened_with_repair = report or self.opened_with_repair
         try:
             self._core.options = resolve(asked, read_stored(self._core.index))
         except BaseException:
@@ -136,7 +138,7 @@ class PackStore(DirectReads, ObjectStore):
 
     @property
     def options(self) -> EngineOptions:
-        """The options this handle writes with (engine/options.py)."""
+        """The options this handle writes with (engine/format/options.py)."""
         return self._core.options
 
     @property
@@ -248,8 +250,7 @@ class PackStore(DirectReads, ObjectStore):
             stale = True  # LMDB cannot read its own pages: rebuilt from the packs
         if stale:
             rebuild(self._core)
-        if self._core.remote is not None:
-            self._core.remote.catch_up(self._core)  # commits other caches made meanwhile
+        self._core.log.catch_up(self._core)  # commits other caches made meanwhile
 
     @_translated
     def writer(self, *, timeout: float | None = 0.0) -> Writer:
@@ -276,7 +277,7 @@ class PackStore(DirectReads, ObjectStore):
             finally:
                 self._core.lock.release()
 
-    # -- distributed put, coordinator side (engine/coordinator.py, FORMAT.md) --------
+    # -- distributed put, coordinator side (engine/store/coordinator.py, FORMAT.md) --------
     @_translated
     def reserve_packs(self, n: int, *, timeout: float | None = None) -> range:
         """Durably reserve and lease ``n`` pack numbers for ranks' ``PackSink``s: gc spares
@@ -383,6 +384,6 @@ class PackStore(DirectReads, ObjectStore):
         core.close_files()
 
     def __repr__(self) -> str:
-        if self._core.remote is not None:
+        if self._core.log.publishes:
             return f"PackStore({self._core.storage.describe()!r}, cache={os.fspath(self.path)!r})"
         return f"PackStore({os.fspath(self.path)!r})"

@@ -15,7 +15,7 @@ from .core import StoreCore
 
 class DirectReads:
     """``ObjectStore.get_into`` and ``prefetch`` of a PackStore, over its StoreCore (here
-    because engine/store.py is at its module size limit)."""
+    because engine/store/packstore.py is at its module size limit)."""
 
     _core: StoreCore
 

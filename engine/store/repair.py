@@ -2,7 +2,7 @@
 
 Every pack is read by its trailer, or record by record when the trailer is missing or
 damaged; damaged records are skipped and reported (pack, offset, id). Which roots are kept
-and where they point is engine/repairroots.py: never is a root dropped whose DAG still
+and where they point is engine/store/repairroots.py: never is a root dropped whose DAG still
 partly reads. ``plan_at`` and ``rebuild(dry_run=True)`` stop after the plan. The new index
 is written beside the old one (``index.new``), synced, and swapped in by two renames that
 ``PackStore`` finishes on open should a crash fall between them.
@@ -280,14 +280,14 @@ def rebuild(store: StoreCore, *, dry_run: bool = False, from_packs: bool = False
     trusted nor written (it may be the damage being repaired), and swapped in; other
     processes notice the swap (``Index.refresh_if_replaced``) before their next writer,
     gc or repair and within a second on reads. A bucket or shared-directory store rebuilds
-    from its commit documents (engine/storage/remote.py), which calls back here with
+    from its commit documents (engine/store/commit/bucket.py), which calls back here with
     ``from_packs`` when they are damaged: its packs are read through its storage, those in
     ``exclude`` skipped, and ``extra_meta`` written into the new index with the rest."""
-    if store.remote is not None and not from_packs:  # the commit documents are the truth
+    if store.log.publishes and not from_packs:  # the commit documents are the truth
         if dry_run:
             raise NotSupported("repair(dry_run=True) of a bucket or shared-directory store: "
                                "its index cache rebuilds from the commit documents")
-        return store.remote.rebuild(store)
+        return store.log.rebuild(store)
     plan = _plan(store.storage if from_packs else store.path, _old_meta(store.index),
                  exclude)
     if dry_run:

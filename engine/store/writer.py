@@ -26,13 +26,14 @@ from ..errors import (
     StoreError,
 )
 from ..format import records as fmt
+from ..format.commitdoc import CommitDoc
 from ..format.ids import check_id, check_root_name, hexid, object_id
 from ..format.location import RecordLocation
 from ..format.records import checked_object
 from ..fs import crashpoints
 from ..fs.fileio import store_error
 from ..index import db as ix
-from ..index.commits import pack_doc, record_seq
+from ..index.commits import IndexChange, apply_change, pack_doc
 from ..packs import pack as pk
 from ..packs.pack import PackSet
 from .adopt import Adoption
@@ -57,7 +58,7 @@ class PackWriter(Writer):
         next_pack = self._index.read(lambda t: ix.get_u64(t, self._index.meta, ix.META_NEXT_PACK))
         self._packs = PackSet(core.storage, next_pack, core.options.pack_target_size)
         # A bucket store commits as the successor of the commit its cache showed now.
-        self._base = core.remote.seq(core) if core.remote is not None else 0
+        self._base = core.log.seq(core)
         self._remote_seq: int | None = None
         self._started = time.time()  # before any of its packs was uploaded
         self._level = core.options.compression_level
@@ -73,7 +74,7 @@ class PackWriter(Writer):
         self._payload_new = 0
         self._done = False
         self._broken: BaseException | None = None
-        self._adoption: Adoption | None = None  # records ranks wrote (engine/adopt.py)
+        self._adoption: Adoption | None = None  # records ranks wrote (engine/store/adopt.py)
 
     def _check(self) -> None:
         if self._done:
@@ -92,7 +93,7 @@ class PackWriter(Writer):
 
     def adopt(self, locs: Sequence[RecordLocation]) -> None:
         """Publish, in this writer's commit, records another process wrote and sealed into
-        reserved packs (docs/FORMAT.md "Distributed commit"; checks in engine/adopt.py).
+        reserved packs (docs/FORMAT.md "Distributed commit"; checks in engine/store/adopt.py).
         All of ``locs`` or none are taken; ids already held count as reused."""
         self._check()
         with self._lock:
@@ -219,17 +220,17 @@ class PackWriter(Writer):
             crashpoints.hit("writer.after_pack_write")
             self._packs.seal_and_sync()
             crashpoints.hit("writer.after_pack_fsync")
-            if self._core.remote is not None:
-                self._core.remote.check_age(self._started)
-                # Past this point the commit document may exist (a timeout does not say
-                # it does not): its packs are deleted only on a certain loss.
-                keep_uploaded = True
-                try:
-                    self._remote_seq = self._core.remote.publish(self._core, self._base,
-                                                                 self._commit_doc())
-                except (RootExists, ConcurrentCommit):
-                    keep_uploaded = False  # another writer's document holds the number
-                    raise
+            log = self._core.log
+            log.check_age(self._started)
+            # Past this point a published commit's document may exist (a timeout does not
+            # say it does not): its packs are deleted only on a certain loss.
+            keep_uploaded = log.publishes
+            try:
+                self._remote_seq = log.publish(self._core, self._base, self._commit_doc)
+            except (RootExists, ConcurrentCommit):
+                keep_uploaded = False  # another writer's document holds the number
+                raise
+            if log.publishes:
                 crashpoints.hit("writer.after_remote_commit")
             self._index.write(lambda txn: self._publish(txn, seq, snapshot_pack))
             published = True
@@ -302,49 +303,34 @@ class PackWriter(Writer):
                                          full_bytes)
         return seq, pack
 
-    def _commit_doc(self) -> dict:
-        """What a bucket store's commit object records (engine/storage/remote.py)."""
+    def _commit_doc(self) -> CommitDoc:
+        """What a bucket store's commit object records (engine/store/commit/bucket.py)."""
         by_pack: dict[int, list[tuple[bytes, ix.ObjectEntry]]] = {}
         for oid, entry in self._new.items():
             by_pack.setdefault(entry.pack, []).append((oid, entry))
-        return {"kind": "put",
-                "packs": [pack_doc(pf.number, pf.size, pf.meta, by_pack.get(pf.number, []))
-                          for pf in self._packs.files]
-                + (self._adoption.pack_docs() if self._adoption is not None else []),
-                "set": {n: t for n, t in self._roots.items() if t is not None},
-                "del": sorted(n for n, t in self._roots.items() if t is None),
-                "creates": sorted(self._creates)}
+        return CommitDoc(
+            kind="put",
+            packs=tuple(pack_doc(pf.number, pf.size, pf.meta, by_pack.get(pf.number, []))
+                        for pf in self._packs.files)
+            + (self._adoption.pack_docs() if self._adoption is not None else ()),
+            sets={n: t for n, t in self._roots.items() if t is not None},
+            deletes=tuple(sorted(n for n, t in self._roots.items() if t is None)),
+            creates=tuple(sorted(self._creates)))
 
     def _publish(self, txn: ix.Txn, seq: int | None,
                  snapshot_pack: int | None) -> None:
-        index = self._index
-        if self._remote_seq is not None:
-                record_seq(txn, index, self._remote_seq)
-        for name in sorted(self._creates):
-            # Re-checked inside the publishing transaction: raising aborts it whole.
-            if txn.get(name.encode("utf-8"), db=index.roots) is not None:
-                raise RootExists(f"root {name!r} already exists; nothing of this "
-                                 "transaction was published", name=name)
-        for oid, entry in self._new.items():
-            txn.put(oid, entry.encode(oid), db=index.objects)
+        objects = dict(self._new)
+        packs = {pf.number: ix.PackEntry(pf.size, pf.live, pf.live, pf.meta, pf.objects)
+                 for pf in self._packs.files}
         if self._adoption is not None:
-            self._adoption.publish(txn)
-        for pf in self._packs.files:
-            packed = ix.PackEntry(pf.size, pf.live, pf.live, pf.meta, pf.objects)
-            txn.put(ix.pack_key(pf.number), packed.encode(), db=index.packs)
-        for name, target in self._roots.items():
-            key = name.encode("utf-8")
-            if target is None:
-                txn.delete(key, db=index.roots)
-            else:
-                txn.put(key, target, db=index.roots)
-        next_pack = max(self._packs.next_number, ix.get_u64(txn, index.meta, ix.META_NEXT_PACK))
-        txn.put(ix.META_NEXT_PACK, ix.U64.pack(next_pack), db=index.meta)
-        if seq is not None:
-            txn.put(ix.META_SEQ, ix.U64.pack(seq), db=index.meta)
-            txn.put(ix.META_SNAPSHOT_PACK, ix.I64.pack(snapshot_pack), db=index.meta)
-            txn.put(ix.META_CHAIN, self._chain, db=index.meta)
-            txn.put(ix.META_ROOTS_SUM, self._roots_sum, db=index.meta)
+            objects.update(self._adoption.entries())
+            packs.update(self._adoption.pack_entries())
+        moved = seq is not None
+        apply_change(txn, self._index, IndexChange(
+            objects=objects, packs=packs, roots=self._roots, creates=self._creates,
+            next_pack=self._packs.next_number, remote_seq=self._remote_seq, seq=seq,
+            snapshot_pack=snapshot_pack, chain=self._chain if moved else None,
+            roots_sum=self._roots_sum if moved else None))
 
     def __del__(self) -> None:
         # A writer dropped without commit or abort must not keep the store locked.

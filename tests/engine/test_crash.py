@@ -1,5 +1,5 @@
 """Crash safety: a writer process SIGKILLed at each named point of the commit and gc
-protocols (engine/crashpoints.py) and at random moments, then the store reopened.
+protocols (engine/fs/crashpoints.py) and at random moments, then the store reopened.
 
 After every crash: verify(deep=True) is clean, every committed root reads back byte for
 byte, nothing uncommitted is visible, and a gc in the survivor gives back the bytes the

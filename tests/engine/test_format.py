@@ -1,4 +1,4 @@
-"""Byte formats of engine/format.py: round trips, codec choice, and decoders that raise
+"""Byte formats of engine/format/records.py: round trips, codec choice, and decoders that raise
 nothing but CorruptObject on malformed input (docs/FORMAT.md "Records", "Trailer")."""
 
 from __future__ import annotations

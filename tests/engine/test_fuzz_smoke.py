@@ -77,7 +77,7 @@ def test_commit_seeds_really_decode():
 
     for seed in fuzz_commit.seeds():
         buf = fuzz_commit.reseal(seed[1:]) if seed[:1] == b"\x01" else seed
-        assert decode_commit(buf, fuzz_commit.KEY)["seq"] == 3
+        assert decode_commit(buf, fuzz_commit.KEY).seq == 3
 
 
 def test_record_seeds_really_decode():

@@ -1,4 +1,4 @@
-"""engine/lmdbcheck.py's walk of the small trees: no healthy file is taken for damage.
+"""engine/index/lmdbcheck.py's walk of the small trees: no healthy file is taken for damage.
 
 A false positive would rebuild a healthy index at every writable open, or refuse a
 read-only one, so the walk is run over real LMDB files of every shape the small

@@ -13,7 +13,7 @@ import pytest
 
 import engine
 from engine.errors import CorruptObject
-from engine.packs.pack import list_pack_files
+from engine.packs.pack import list_pack_files, pack_name
 
 
 def put_chain(w, n: int, size: int, *, seed: int = 0) -> list[bytes]:
@@ -171,7 +171,7 @@ def test_repair_rolls_a_damaged_root_back_and_keeps_the_others(tmp_path):
         report = store.repair()
         assert store.roots() == {"a": old, "b": expect_b, "c": expect_c}
         assert [p.what for p in report.damaged] == ["missing-pack", "root-rolled-back"]
-        assert report.damaged[0].pack == engine.pack.pack_name(lost)
+        assert report.damaged[0].pack == pack_name(lost)
         assert store.verify(deep=True).ok
 
 def test_open_finishes_a_repair_swap_a_crash_interrupted(tmp_path):

@@ -203,7 +203,7 @@ def test_invalid_options_are_refused_before_the_store_is_touched(tmp_path):
 
 
 def test_a_conflicting_data_option_raises_options_mismatch():
-    # The engine has no data option today (engine/options.py); the rule is the same for
+    # The engine has no data option today (engine/format/options.py); the rule is the same for
     # any that a later format version adds.
     assert eo.DATA_OPTIONS == frozenset()
     stored = {"compression_level": 5}
@@ -223,3 +223,27 @@ def test_a_conflicting_data_option_raises_options_mismatch():
                                     {"compression_level": 99}, {"future_option": 1}])
 def test_unusable_or_unknown_stored_values_fall_back_to_defaults(stored):
     assert eo.resolve({}, stored) == eo.EngineOptions()
+
+
+# -- one name, one class ----------------------------------------------------------------
+def duplicate_class_names(folder: pathlib.Path) -> dict[str, list[str]]:
+    """Class names defined in more than one module under ``folder`` (subpackages too)."""
+    where: dict[str, list[str]] = {}
+    for path in sorted(folder.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.ClassDef):
+                where.setdefault(node.name, []).append(path.relative_to(folder).as_posix())
+    return {name: paths for name, paths in where.items() if len(paths) > 1}
+
+
+def test_no_two_engine_classes_share_a_name():
+    # There were two PackSinks: a rank's (engine.PackSink) and one pack being written
+    # to a storage (now storage/base.py WritablePack).
+    assert duplicate_class_names(ENGINE) == {}
+
+
+def test_the_class_name_check_sees_a_duplicate_in_a_subpackage(tmp_path):
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "a.py").write_text("class Sink:\n    pass\n")
+    (tmp_path / "b.py").write_text("class Sink:\n    pass\nclass Other:\n    pass\n")
+    assert duplicate_class_names(tmp_path) == {"Sink": ["b.py", "sub/a.py"]}

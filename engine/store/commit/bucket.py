@@ -2,7 +2,7 @@
 cache (docs/FORMAT.md "Object stores").
 
 Every commit (a writer's or a gc's) is one document at ``commits/<seq:020d>``
-(engine/storage/commitdoc.py: checksummed msgpack), created with If-None-Match after all
+(engine/format/commitdoc.py: checksummed msgpack), created with If-None-Match after all
 its packs are uploaded: the object that makes it visible. Two writers that read the same
 newest commit both try ``seq + 1``: exactly one creates it, the other catches up and gets
 RootExists (it lost a create_root race) or ConcurrentCommit. The document carries the
@@ -10,7 +10,7 @@ index entries of the packs it adds, so a cache catches up (or an empty one rebui
 commit documents alone, never reading a pack.
 
 A document that is missing, too big or damaged never stops a cache: it is rebuilt from
-the packs themselves (they are self-describing, engine/repair.py), the damage recorded in
+the packs themselves (they are self-describing, engine/store/repair.py), the damage recorded in
 the cache and reported, and gc refuses to delete anything until the documents read
 whole again. A gc deletes the packs it retires only ``gc_grace_s`` after its commit (a
 later gc does), so readers still holding old locations keep reading; one that finds a
@@ -24,7 +24,7 @@ import contextlib
 import dataclasses
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import msgpack
@@ -40,7 +40,7 @@ from ...errors import (
     StoreError,
     StoreLocked,
 )
-from ...format.commitdoc import commit_key, decode_commit, encode_commit
+from ...format.commitdoc import CommitDoc, commit_key, decode_commit, encode_commit
 from ...index import db as ix
 from ...index.commits import (
     META_REMOTE_DAMAGED,
@@ -53,6 +53,7 @@ from ...index.commits import (
     record_seq,
 )
 from ..repair import rebuild, rebuild_beside
+from ..unlisted import delete_unlisted, listed_packs
 from . import chain
 from .chain import ChainDamaged
 from .gcproof import check_chain, still_needed
@@ -65,7 +66,10 @@ _REFRESH_WAIT_S = 5.0
 
 
 class Remote:
-    """The commit protocol of one bucket store, for one cache (``StoreCore.remote``)."""
+    """The commit protocol of one bucket store, for one cache: its ``CommitLog``
+    (``StoreCore.log``; engine/store/core.py)."""
+
+    publishes = True
 
     def __init__(self, storage: S3Storage, *, gc_grace_s: float) -> None:
         self.storage = storage
@@ -200,7 +204,7 @@ class Remote:
 
     def _rebuild_from_packs(self, core: StoreCore, exc: ChainDamaged) -> RepairReport:
         """The commit documents cannot say what the store holds: index every pack
-        (engine/repair.py), less those a readable document retired, at the newest commit
+        (engine/store/repair.py), less those a readable document retired, at the newest commit
         number listed (a writer of this cache commits after it), and record the damage
         (gc refuses while it lasts; an open rereads the documents)."""
         found = chain.survey(self.storage)
@@ -220,23 +224,24 @@ class Remote:
         return dataclasses.replace(report, damaged=(*problems, *report.damaged))
 
     # -- publishing -----------------------------------------------------------------------
-    def publish(self, core: StoreCore, base: int, doc: dict) -> int:
-        """Create commit ``base + 1`` (all its packs uploaded). On a lost race the cache
-        catches up and RootExists (a name this commit creates now exists) or
-        ConcurrentCommit is raised; nothing of this commit is then visible anywhere."""
+    def publish(self, core: StoreCore, base: int, doc: Callable[[], CommitDoc]) -> int:
+        """Create commit ``base + 1``, the document ``doc()`` (all its packs uploaded). On
+        a lost race the cache catches up and RootExists (a name this commit creates now
+        exists) or ConcurrentCommit is raised; nothing of this commit is then visible
+        anywhere."""
         seq = base + 1
         # The token tells our own document from another writer's: a create whose
         # response was lost is retried by the client and then answered 412 by itself.
         token = os.urandom(16)
-        doc = dict(doc, seq=seq, time=time.time(), token=token)
+        made = dataclasses.replace(doc(), seq=seq, time=time.time(), token=token)
         try:
-            self.storage.put_create(commit_key(seq), encode_commit(doc))
+            self.storage.put_create(commit_key(seq), encode_commit(made))
         except FileExistsError:
             if self._is_ours(seq, token):
                 return seq
             self.catch_up(core)
             index = core.index
-            names = [n.encode("utf-8") for n in doc.get("creates", ())]
+            names = [n.encode("utf-8") for n in made.creates]
             taken = index.read(lambda t: [n for n in names
                                           if t.get(n, db=index.roots) is not None])
             for name in (n.decode() for n in taken):
@@ -261,7 +266,7 @@ class Remote:
     def _is_ours(self, seq: int, token: bytes) -> bool:
         key = commit_key(seq)
         try:
-            return decode_commit(self.storage.get(key), key).get("token") == token
+            return decode_commit(self.storage.get(key), key).token == token
         except (FileNotFoundError, CorruptObject):
             return False  # ours would be whole
 
@@ -292,32 +297,28 @@ class Remote:
         index = core.index
 
         def state(t: ix.Txn) -> tuple[set[int], dict]:
-            keys = t.cursor(db=index.packs).iternext(values=False)
-            listed = {ix.unpack_pack_key(k) for k in keys}
-            return listed, msgpack.unpackb(meta_get(t, index, META_RETIRED) or b"\x80",
-                                           strict_map_key=False)
+            return listed_packs(t, index), msgpack.unpackb(
+                meta_get(t, index, META_RETIRED) or b"\x80", strict_map_key=False)
 
         listed, retired = index.read(state)
         now = time.time()
-        deleted = 0
         present = self.storage.pack_listing()
         kept = []
-        for n, (_, mtime) in sorted(present.items()):
-            if n in listed or n in live_packs:
-                continue
-            since = retired.get(n, mtime.timestamp())
-            if now - since < self.gc_grace_s:
-                continue
+
+        def keep(n: int) -> bool:
+            if now - retired.get(n, present[n][1].timestamp()) < self.gc_grace_s:
+                return True
             why = still_needed(self.storage, core, n, present)
             if why is not None:
                 kept.append(f"pack {n}: {why}")
-                continue
-            self.storage.delete(n)
+            return why is not None
+
+        deleted = delete_unlisted(core, live_packs, present, listed=listed, keep=keep)
+        for n in deleted:
             retired.pop(n, None)
-            deleted += 1
         index.write(lambda t: t.put(META_RETIRED, msgpack.packb(retired), db=index.meta))
         if kept:
             raise GCRefused(f"gc on {self.storage.url} kept {len(kept)} packs the index no "
                             f"longer lists but still needs ({kept[0]}); its commit stands, "
                             "nothing of them was deleted: verify, then repair")
-        return deleted
+        return len(deleted)

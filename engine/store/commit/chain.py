@@ -17,7 +17,14 @@ from typing import Any
 
 from ...api import Problem
 from ...errors import CorruptObject
-from ...format.commitdoc import COMMITS, MAX_COMMIT_BYTES, commit_key, decode_commit, seq_of_key
+from ...format.commitdoc import (
+    COMMITS,
+    MAX_COMMIT_BYTES,
+    CommitDoc,
+    commit_key,
+    decode_commit,
+    seq_of_key,
+)
 
 _IN_FLIGHT = 16  # documents fetched at once (an empty cache of a long-lived store reads
 # thousands), never more than MAX_COMMIT_BYTES of them
@@ -43,10 +50,10 @@ def listed(storage: Any, after: int = 0) -> list[tuple[int, str, int]]:
 
 
 def _fetched(storage: Any, items: list[tuple[int, str, int]]
-             ) -> Iterator[tuple[int, str, dict | ChainDamaged]]:
+             ) -> Iterator[tuple[int, str, CommitDoc | ChainDamaged]]:
     """Each item's document (or what is wrong with it), in order."""
 
-    def fetch(item: tuple[int, str, int]) -> dict | ChainDamaged:
+    def fetch(item: tuple[int, str, int]) -> CommitDoc | ChainDamaged:
         seq, key, size = item
         if size > MAX_COMMIT_BYTES:
             return ChainDamaged(f"commit document {key} is damaged: listed at {size} bytes, "
@@ -93,7 +100,7 @@ def _gaps(items: list[tuple[int, str, int]], after: int
         expect += 1
 
 
-def documents(storage: Any, after: int) -> Iterator[dict]:
+def documents(storage: Any, after: int) -> Iterator[CommitDoc]:
     """Every commit document after ``after``, in order and validated; ChainDamaged at the
     first that is missing, too big or damaged (nothing after it is read)."""
     items = listed(storage, after)
@@ -133,7 +140,7 @@ def survey(storage: Any, upto: int | None = None) -> Survey:
         if isinstance(doc, ChainDamaged):
             out.problems.append(Problem("damaged-commit", str(doc), pack=key))
             continue
-        gone = set(doc.get("gone", ()))
+        gone = set(doc.gone)
         out.gone |= gone
-        out.packs = (out.packs - gone) | {p[0] for p in doc.get("packs", ())}
+        out.packs = (out.packs - gone) | {p.number for p in doc.packs}
     return out
