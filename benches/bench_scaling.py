@@ -276,8 +276,8 @@ def plot(out: str, inputs: list[str]) -> None:
     fig, axes = plt.subplots(1, len(sweeps), figsize=(5.2 * len(sweeps), 4.6), squeeze=False)
     xlabel = {"size": "table size (GB)", "steps": "steps kept", "tables": "number of tables"}
     for ax, sweep in zip(axes[0], sweeps, strict=True):
-        for d in docs:
-            rows = d["sweeps"].get(sweep, [])
+        for d in (d for d in docs if sweep in d["sweeps"]):
+            rows = d["sweeps"][sweep]
             xs = [r["x"] for r in rows]
             for op in OPS:
                 if op == "disk":
