@@ -218,7 +218,7 @@ def read_tables(objects: ObjectStore, pool: Executor,
     """``read_table`` of several tables (each with its ``rows``) as one restore, moved to
     ``device``: one read-ahead; for a CPU restore every output allocated first, one
     prefault thread over them in read order and one pass of the pool over all blocks (per
-    table, each started over: docs/DECISIONS.md, "One read-ahead and one prefault"). For
+    table, each started over: docs/design/restore-path.md, "One read-ahead and one prefault"). For
     another device each table is decoded into host memory of its own and moved before
     the next: the host never holds more than one table."""
     started = table_hints(objects, wanted)

@@ -1,6 +1,6 @@
 """The engine's options, and the rule for the copy kept in the index (``meta.options``).
 
-Two kinds (docs/DECISIONS.md "Engine options"):
+Two kinds (docs/design/store-engine.md, "Engine options"):
 
 - data options describe bytes already stored: a store opened with another value would
   misread them. They are fixed when the store is created; an open that asks for another

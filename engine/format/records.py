@@ -45,7 +45,7 @@ RECORD_OBJECT = 0
 CODEC_RAW = 0
 CODEC_ZSTD = 1
 # Store raw unless zstd saves at least this fraction (FORMAT.md "Records"): below it,
-# decompressing costs a reader more than the bytes saved (docs/DECISIONS.md).
+# decompressing costs a reader more than the bytes saved (docs/design/store-engine.md).
 MIN_SAVING = 0.10
 # Payloads this large are first probed with a sample of SAMPLE_SLICES evenly spaced slices:
 # a sample that zstd cannot shrink by MIN_SAVING means the payload is stored raw without
@@ -56,7 +56,7 @@ SAMPLE_SLICE = 1 << 10
 # The sample must save PROBE_SAVING (not MIN_SAVING): for payloads this large,
 # decompressing (~0.7 GB/s on whole fp32 rows) costs a reader more than the few percent
 # of bytes it saves, and a raw record can be read straight into the reader's memory
-# (docs/DECISIONS.md, "Exact blocks in row order").
+# (docs/design/block-encoding.md, "Layout of a block").
 PROBE_SAVING = 0.10
 # zstd expands at most ~32768x (RLE blocks); a larger claimed raw_len cannot be genuine,
 # so it is refused before any allocation (FORMAT.md "Records", decoding rules).

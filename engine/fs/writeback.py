@@ -2,7 +2,7 @@
 
 Python's os module has no sync_file_range. A pack being appended asks the kernel to
 start writing its bytes to disk while the writer computes the next records, so the fsync
-at commit waits for the tail only (docs/DECISIONS.md, "Early writeback"). It is a hint:
+at commit waits for the tail only (docs/design/put-path.md, "Early writeback"). It is a hint:
 durability still comes from the fsync, and where the call is missing (not Linux) or
 fails, nothing happens.
 """
