@@ -27,7 +27,7 @@ from cnrstore.distributed.leaves import Piece, is_column_leaf, pieces
 from cnrstore.distributed.shard import Shard
 from cnrstore.errors import InvalidInput
 
-__all__ = ["join", "join_state", "Joined", "column_leaves", "target_rows", "whole"]
+__all__ = ["join", "join_pieces", "join_state", "Joined", "column_leaves", "target_rows", "whole"]
 
 
 def target_rows(rows: int, world: int, rank: int) -> tuple[int, int]:
@@ -112,12 +112,13 @@ class Joined:
         return out
 
 
-def _send_buffer(mine: dict[str, tuple], world: int) -> tuple[torch.Tensor, list[int]]:
+def _send_buffer(mine: Mapping[str, tuple], world: int) -> tuple[torch.Tensor, list[int]]:
     """The bytes this rank sends, per destination rank in rank order: for each joined
     table (agreed order) and each of this rank's pieces (listed order), the rows of the
     destination's range, contiguous."""
     per: list[list[torch.Tensor]] = [[] for _ in range(world)]
-    for _name, (rows, _cols, pcs) in mine.items():
+    for _name, (gshape, _dtype, pcs) in mine.items():
+        rows = gshape[0]
         for d in range(world):
             lo, hi = target_rows(rows, world, d)
             for t, r, _c in pcs:
@@ -137,17 +138,29 @@ def join(ds: Any, leaves: Mapping[str, Any], touched: Mapping | None, what: str,
     rows. ``touched`` (name -> GLOBAL row ids of this rank's pieces) is joined too: each
     rank gets the union over the piece holders of the rows in its range; a table some
     holder gave no touched rows for is left out (its rows are found by fingerprints)."""
+    mine: dict[str, tuple] = {}
+    try:
+        if error is not None:
+            raise error
+        for name, leaf in column_leaves(leaves).items():
+            mine[name] = _describe(name, leaf)
+    except BaseException as exc:
+        error = exc
+    return join_pieces(ds, mine, touched, what, error=error)
+
+
+def join_pieces(ds: Any, mine: Mapping[str, tuple], touched: Mapping | None, what: str, *,
+                error: BaseException | None = None) -> Joined:
+    """``join`` of pieces already named: name -> (global shape, dtype name, [(local, row
+    offset, column offset)]) of this rank (a DCP save's chunks)."""
     err: BaseException | None = error
     info: dict[str, tuple] = {}
-    mine: dict[str, tuple] = {}
     buf, sizes = torch.empty(0, dtype=torch.uint8), [0] * ds.comm.world
     try:
         if err is not None:
             raise err
         tmap = dict(touched) if isinstance(touched, Mapping) else None
-        for name, leaf in column_leaves(leaves).items():
-            gshape, dtype, pcs = _describe(name, leaf)
-            mine[name] = (gshape[0], gshape[1], pcs)
+        for name, (gshape, dtype, pcs) in mine.items():
             ids = None
             if tmap is not None and name in tmap:
                 ids = torch.as_tensor(tmap[name]).flatten().to(torch.int64).tolist()

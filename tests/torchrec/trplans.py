@@ -192,3 +192,36 @@ def load_worker(rank, world, path, layouts, dtensor):
             ctr.load(store, 2, m, at=key)
     plan = {t: ps.sharding_type for t, ps in ms["ebc"].plan.plan["sparse"].items()}
     return plan, pieces_of(state(ms))
+
+
+# -- through DCP (cnrstore.dcp): a DMP's state_dict saved by dcp.save, loaded by dcp.load -
+
+DCP_ST = {"ebc": {"t3": "cw", "t4": "twcw", "t5": "tw", "t0": "tw", "t1": "rw", "t2": "tw",
+                  "t6": "dp"}}
+# DTensor mode: no table-column-wise (TorchRec 1.9 fails to build its DTensor on a rank
+# holding none of it)
+DCP_DT = {"ebc": {"t3": "rw", "t4": "cw", "t5": "cw", "t0": "rw", "t1": "tw", "t2": "cw",
+                  "t6": "dp"}}
+
+
+def dcp_worker(rank, world, path, saves, loads):
+    """``saves``/``loads``: [(step, layout, dtensor)]: each DMP's model state saved by
+    dcp.save into ``step``, or loaded by dcp.load from it (other initial values)."""
+    import torch.distributed.checkpoint as dcp
+
+    from cnrstore.dcp import StorageReader, StorageWriter
+
+    out = {}
+    for step, layout, dtensor in saves:
+        ms = models(world, layout, dtensor=dtensor, seed=step, local=world)
+        train(ms, rank, world, [20 + step])
+        sd = {"model": ms["ebc"].state_dict()}
+        dcp.save(sd, storage_writer=StorageWriter(path, step=step))
+        out[step] = pieces_of(sd)
+    for step, layout, dtensor in loads:
+        ms = models(world, layout, dtensor=dtensor, seed=50 + step, local=world)
+        sd = {"model": ms["ebc"].state_dict()}
+        dcp.load(sd, storage_reader=StorageReader(path, step=step))
+        plan = {t: ps.sharding_type for t, ps in ms["ebc"].plan.plan["sparse"].items()}
+        out[step] = (plan, pieces_of({"model": ms["ebc"].state_dict()}))
+    return out
