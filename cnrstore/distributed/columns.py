@@ -38,11 +38,21 @@ def target_rows(rows: int, world: int, rank: int) -> tuple[int, int]:
 
 def column_leaves(leaves: Mapping[str, Any]) -> dict[str, Any]:
     """The entries of ``leaves`` (name -> leaf) that are sharded by columns."""
-    return {n: v for n, v in leaves.items() if not isinstance(v, Shard) and is_column_leaf(v)}
+    out = {}
+    for n, v in leaves.items():
+        try:
+            if not isinstance(v, Shard) and is_column_leaf(v):
+                out[n] = v
+        except InvalidInput as exc:
+            raise InvalidInput(f"table {n!r}: {exc}") from exc
+    return out
 
 
 def _describe(name: str, leaf: Any) -> tuple[tuple[int, ...], str, list[Piece]]:
-    got = pieces(leaf) or []
+    try:
+        got = pieces(leaf) or []
+    except InvalidInput as exc:
+        raise InvalidInput(f"table {name!r}: {exc}") from exc
     gshape = tuple(int(d) for d in leaf.shape)
     dtype: Any = getattr(leaf, "dtype", None)
     md = getattr(leaf, "metadata", None)

@@ -212,10 +212,13 @@ def shard_leaf(x) -> list[Shard] | None:
     if len(gshape) == 0:
         raise InvalidInput("a sharded tensor of ndim 0 has no rows")
     if is_column_leaf(x):
+        held = ", ".join(f"rows {r}..{r + t.shape[0]} cols {c}..{c + t.shape[1]}"
+                         for t, r, c in got[:8]) or "none"
         raise InvalidInput(
-            f"a {type(x).__name__} of shape {tuple(gshape)} is sharded by columns; "
-            "put_state and put_tables join its pieces into whole rows "
-            "(cnrstore.distributed.columns), shard_leaf alone cannot")
+            f"a {type(x).__name__} of shape {tuple(gshape)} is sharded by columns (this "
+            f"rank's pieces: {held}); put_state and the DCP writer join column pieces into "
+            "whole rows (cnrstore/distributed/columns.py), put_tables does not: put it "
+            "with put_state")
     rows = gshape[0]
     shards = sorted((Shard(t.detach(), row_offset=off, rows=rows)
                      for t, off, _ in got if t.shape[0] > 0), key=lambda s: s.row_offset)

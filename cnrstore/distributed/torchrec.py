@@ -20,6 +20,7 @@ TorchRec is imported by nobody here: a DMP and a tracker are used through their 
 
 from __future__ import annotations
 
+import re
 import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -28,9 +29,9 @@ import torch
 
 from cnrstore.distributed.leaves import is_sharded_leaf, row_spans, uniform
 from cnrstore.distributed.shard import Shard
-from cnrstore.errors import InvalidInput, InvalidType
+from cnrstore.errors import CheckpointError, InvalidInput, InvalidType
 
-__all__ = ["state_dict", "load", "load_unsharded", "touched_rows",
+__all__ = ["state_dict", "load", "load_unsharded", "touched_rows", "plan_note",
            "is_tracker", "resolve_touched"]
 
 _SEP = "/"
@@ -64,6 +65,29 @@ def load(store, step, dmp, *, optim: bool = True, strict: bool = True, group=Non
     under k pieces and loaded under k' != k is mapped through the whole row: the mean of
     the row's k saved entries, given to each of its k' pieces; a table saved data-parallel
     (no fused optimizer state) keeps the fresh state of this plan (docs/TORCHREC.md)."""
+    try:
+        return _load(store, step, dmp, optim=optim, strict=strict, group=group, at=at)
+    except CheckpointError as exc:
+        note = plan_note(dmp, str(exc))
+        if note:
+            exc.args = (f"{exc} ({note})",)
+        raise
+
+
+def plan_note(dmp, message: str) -> str:
+    """The sharding of each table of ``dmp``'s plan that ``message`` names, as text
+    ("t3: column_wise on ranks [0, 1]"), or ""."""
+    plan = getattr(getattr(dmp, "plan", None), "plan", None)
+    said = []
+    for mp in (plan.values() if isinstance(plan, Mapping) else ()):
+        for table, ps in (mp.items() if hasattr(mp, "items") else ()):
+            if re.search(rf"(^|[./'\s]){re.escape(str(table))}([.'\s]|$)", message):
+                said.append(f"{table}: {getattr(ps, 'sharding_type', '?')} on ranks "
+                            f"{getattr(ps, 'ranks', '?')}")
+    return "this DMP's plan: " + "; ".join(said) if said else ""
+
+
+def _load(store, step, dmp, *, optim: bool, strict: bool, group, at: str) -> dict:
     state = state_dict(dmp, optim=optim, group=group)
     prefix = f"{at}{_SEP}" if at else ""
     remap, fresh = _per_piece(store, step, state, prefix) if optim else ({}, set())

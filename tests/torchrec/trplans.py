@@ -155,6 +155,18 @@ def save_worker(rank, world, path, path_b, path_cw, path_rw):
     ia = a.put_state(2, state(ms), touched=tracker)
     ib = b.put_state(2, state(ms))
     saved = pieces_of(state(ms))
+    # what is still refused names the table and the plan: put_tables does not join columns
+    import pytest
+
+    from cnrstore.errors import InvalidInput
+
+    w3 = m.state_dict()["sparse.embedding_bags.t3.weight"]
+    with pytest.raises(InvalidInput, match=r"table 'cw'.*sharded by columns.*rows 0\.\.16 "
+                                           r"cols \d+\.\.\d+.*put_state"):
+        a.put_tables(9, {"cw": w3})
+    note = ctr.plan_note(m, "'ebc/optim/state/sparse.embedding_bags.t3.weight/t3.momentum1'")
+    ranks = m.plan.plan["sparse"]["t3"].ranks  # one per column piece (the planner's)
+    assert note == f"this DMP's plan: t3: column_wise on ranks {ranks}", note
     # the same plan, other initial values: restored exactly, optimizer state included
     # ShardedTensor mode: TorchRec 1.9 cannot build the DTensor of a table-column-wise
     # table on a rank holding none of it (utils.create_global_tensor_shape_stride...)
