@@ -12,7 +12,10 @@ put_state/load_state make the nesting the same on every rank (cnrstore.distribut
 a rank holding no row of a table names it by a zero-row ``cnrstore.Shard``), so the raw
 ``{"model": dmp.state_dict(), "optim": dmp.fused_optimizer.state_dict()}`` works; these
 helpers build it, load it back, and map the tracker. The sharded leaves go through
-cnrstore.distributed.leaves, which reads TorchRec's real offsets in both output modes.
+cnrstore.distributed.leaves, which reads TorchRec's real offsets in both output modes, and
+every sharding type works: column pieces (column-wise, table-column-wise, grid) are joined
+into whole rows by the put (cnrstore/distributed/columns.py), and ``load`` maps a
+row-wise accumulator kept per column piece onto another plan's pieces.
 
 TorchRec is imported by nobody here: a DMP and a tracker are used through their methods
 (``state_dict``, ``fused_optimizer``, ``get_unique_ids``), so cnrstore imports without it.

@@ -1,7 +1,8 @@
 """A TorchRec DMP through DCP into cnrstore (cnrstore.dcp): ``dcp.save(dmp.state_dict(),
 storage_writer=StorageWriter(...))`` of plans TorchRec's planner picks, column-wise ones
 included, in ShardedTensor and DTensor output modes at 2 ranks; ``dcp.load`` into a DMP of
-another plan at 3 ranks gives back every table exactly."""
+another plan at 3 ranks gives back every table exactly. Slow (two spawns of TorchRec); the
+default suite saves a DTensor cut along columns through DCP (tests/dcp/test_dcp_ranks.py)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import trplans  # noqa: E402
 import trspawn  # noqa: E402
 
 
+@pytest.mark.slow
 def test_dmp_round_trips_through_dcp_into_another_plan_and_world_size(tmp_path):
     path = str(tmp_path / "ckpt")
     saved = trspawn.run(trplans.dcp_worker, 2, path,
