@@ -114,7 +114,9 @@ class Joined:
                 nbytes = (b - a) * w * t.element_size()
                 raw = bufs[src][pos[src]:pos[src] + nbytes]
                 pos[src] += nbytes
-                t[a - lo:b - lo, c:c + w] = raw.view(t.dtype).view(b - a, w)
+                # a copy: the piece may start at any byte of the buffer (the tables
+                # before it of another dtype), where a view of another dtype cannot
+                t[a - lo:b - lo, c:c + w] = raw.clone().view(t.dtype).view(b - a, w)
             out[name] = Shard(t, row_offset=lo, rows=rows)
         if any(p != len(bufs[s]) for s, p in enumerate(pos)):
             raise InvalidInput("column join: the bytes received do not match the agreed "

@@ -43,3 +43,18 @@ def test_pieces_that_do_not_tile_name_the_table_and_pieces():
     twice = [(torch.zeros(4, 2), 0, 0), (torch.zeros(4, 2), 0, 0), (torch.zeros(4, 2), 0, 2)]
     with pytest.raises(InvalidInput, match="exactly one"):
         whole("emb", 4, 4, twice)
+
+
+def test_received_rows_of_tables_of_several_dtypes_assemble():
+    # one rank's bytes hold a float16 table's rows, then a float32 table's: the second
+    # starts 2 bytes in, where a float32 view of the buffer itself cannot start
+    from cnrstore.distributed.columns import Joined
+
+    a = torch.tensor([[1.5]], dtype=torch.float16)
+    b = torch.arange(6, dtype=torch.float32).reshape(3, 2)
+    raw = torch.cat([a.reshape(-1).view(torch.uint8), b[:, :1].contiguous().reshape(-1).view(
+        torch.uint8), b[:, 1:].contiguous().reshape(-1).view(torch.uint8)])
+    specs = {"a": (1, 1, "float16", [(0, 0, 1, 0, 1)]),
+             "b": (3, 2, "float32", [(0, 0, 3, 0, 1), (0, 0, 3, 1, 1)])}
+    got = Joined(0, 1, specs, list(torch.split(raw, [raw.numel()])), None).shards()
+    assert torch.equal(got["a"].local, a) and torch.equal(got["b"].local, b)
