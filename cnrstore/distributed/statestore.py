@@ -108,6 +108,11 @@ def _uniform(ds: DistributedStore, state: Any, what: str) -> Any:
 def put_state(ds: DistributedStore, step: Any, state: Any, *, quant: Any, metadata: Any,
               blocking: bool, touched: Any) -> Any:
     state = _uniform(ds, state, "put_state: structure")
+    # Column pieces become whole rows, and a tracker's touched rows with them
+    # (cnrstore/distributed/columns.py; touched= may be TorchRec's ModelDeltaTracker)
+    from cnrstore.distributed.columns import join_state
+
+    state, touched, done = join_state(ds, state, touched, "put_state: columns")
     err = None
     try:  # local checks: a rank that fails here must still enter the put's rounds
         plain, sharded = _sharded(state, ds.shard_leaf)
@@ -118,10 +123,6 @@ def put_state(ds: DistributedStore, step: Any, state: Any, *, quant: Any, metada
             quant = "exact"
         elif isinstance(quant, str) and quant != "exact":
             quant = {"*": quant}
-        # touched= may be TorchRec's ModelDeltaTracker (cnrstore/distributed/torchrec.py)
-        from cnrstore.distributed.torchrec import resolve_touched
-
-        touched, done = resolve_touched(touched, state)
     except BaseException as exc:
         err = exc
     ds.comm.agree(err, "put_state: flatten", None)
@@ -179,7 +180,7 @@ def load_state(ds: DistributedStore, step: Any, state: Any, *, strict: bool,
     box: dict[str, Any] = {}
 
     def make() -> dict:
-        plain, sharded = _sharded(state, ds.shard_leaf)
+        plain, sharded = _sharded(state, _load_leaf(ds))
         flat = flatten(plain)
         box["flat"], box["sharded"] = flat, sharded
         if strict and not sel.everything:  # fill checks only the entries it is given
@@ -198,9 +199,10 @@ def load_state(ds: DistributedStore, step: Any, state: Any, *, strict: bool,
             if leaf is None:
                 req[n] = ("whole", tuple(t.shape), str(t.dtype).removeprefix("torch."))
             else:
-                req[n] = ("shards", [(off, off + int(t.shape[0]), tuple(t.shape[1:]),
-                                      str(t.dtype).removeprefix("torch."))
-                                     for t, off in _fill_pieces(leaf)])
+                # whole rows of the table (a column piece takes its columns of them)
+                req[n] = ("shards", [(off, off + int(p.shape[0]), tuple(t.shape[1:]),
+                                      str(p.dtype).removeprefix("torch."))
+                                     for p, off in _fill_pieces(leaf)])
         box["req"] = req
         return req
 
@@ -218,8 +220,7 @@ def load_state(ds: DistributedStore, step: Any, state: Any, *, strict: bool,
     result = state
 
     def is_tensor(v: Any) -> bool:
-        return isinstance(v, Shard) or (ds.shard_leaf is not None
-                                        and ds.shard_leaf(v) is not None)
+        return isinstance(v, Shard) or _load_leaf(ds)(v) is not None
 
     lazy: dict[str, tuple[int, ...]] = {}
     try:
@@ -290,6 +291,21 @@ def _fill_pieces(leaf: Any) -> list[tuple[torch.Tensor, int]]:
     from cnrstore.distributed.leaves import _pieces
 
     return _pieces(leaf, for_fill=True) or []
+
+
+def _load_leaf(ds: DistributedStore) -> Any:
+    """``ds.shard_leaf`` for a load: a column-sharded leaf is a sharded leaf too (fill_leaf
+    reads whole rows for it), where a put joins it first (columns.py)."""
+    if ds.shard_leaf is None:
+        return None
+    from cnrstore.distributed.leaves import is_column_leaf
+
+    def leaf(v: Any) -> Any:
+        if not isinstance(v, (Shard, Mapping, list, tuple, str, bytes)) and is_column_leaf(v):
+            return []
+        return ds.shard_leaf(v)
+
+    return leaf
 
 
 def _table_names(ds: DistributedStore, step: Any) -> list[str]:

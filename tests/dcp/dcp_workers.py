@@ -189,6 +189,11 @@ def executors(rank: int, world: int, path: str) -> list:
         want = full(3)["emb"]
         want[:3] += 1.0
         out.append(torch.equal(got, want))
+        # saved cut along columns: joined into whole rows, read back row-sharded
+        dcp.save(state("dtensor_col", 5, rank, world), storage_writer=StorageWriter(store, step=5))
+        target = zeroed(state("dtensor", 5, rank, world))
+        dcp.load(target, storage_reader=StorageReader(store, step=5))
+        out.append(torch.equal(gathered(target)["model"]["emb"], full(5)["emb"]))
     return out
 
 
@@ -221,8 +226,10 @@ def failures(rank: int, world: int, path: str) -> list:
         "write_data": lambda: dcp.save(state("dtensor", 2, rank, world),
                                        storage_writer=StorageWriter(path, step=2),
                                        planner=FaultyPlanner()),
-        "columns": lambda: dcp.save(state("dtensor_col", 2, rank, world),
-                                    storage_writer=StorageWriter(path, step=2)),
+        "past the columns": lambda: dcp.save(
+            {"cube": distribute_tensor(torch.zeros(4, 2, 2 * world),
+                                       init_device_mesh("cpu", (world,)), [Shard(2)])},
+            storage_writer=StorageWriter(path, step=2)),
         "disk full": lambda: _disk_full(rank, lambda: dcp.save(
             state("dtensor", 2, rank, world), storage_writer=StorageWriter(path, step=2))),
         "step exists": lambda: dcp.save(state("dtensor", 2, rank, world),
