@@ -357,3 +357,17 @@ def test_bench_quant_quick_run_reports_every_scheme_before_and_after(tmp_path):
     errs = [res[f"grid/{s}"]["rel_l2_error"] for s in ("int8", "int4", "int3", "int2")]
     assert errs == sorted(errs) and 0 < errs[0]  # fewer bits, more error
     assert [p.name for p in out.iterdir() if p.name.startswith("cnrquant-")] == []
+
+
+def test_torch_save_is_timed_both_ways_and_the_faster_is_the_peer(quick_run):
+    """Issue 27: a file kept per step and one file replaced per step, at every step; the
+    peer of every put time is the faster of the two, and the report names both."""
+    doc, out, _ = quick_run
+    steps = doc["runs"]["torch_save"][0]["workloads"]["zipf-1pct"]["steps"]
+    for st in steps:
+        assert st["put_keep_s"] > 0 and st["put_replace_s"] > 0
+        assert st["put_s"] == min(st["put_keep_s"], st["put_replace_s"])
+        assert st["peer_way"] in ("keep", "replace")
+    row = doc["summary"]["zipf-1pct"]["torch_save"]
+    assert row["incr_put_s"] <= max(row["incr_put_keep_s"], row["incr_put_replace_s"])
+    assert "replaced per step" in (out / "results.md").read_text()
