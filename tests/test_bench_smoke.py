@@ -364,10 +364,10 @@ def test_torch_save_is_timed_both_ways_and_the_faster_is_the_peer(quick_run):
     peer of every put time is the faster of the two, and the report names both."""
     doc, out, _ = quick_run
     steps = doc["runs"]["torch_save"][0]["workloads"]["zipf-1pct"]["steps"]
-    for st in steps:
-        assert st["put_keep_s"] > 0 and st["put_replace_s"] > 0
-        assert st["put_s"] == min(st["put_keep_s"], st["put_replace_s"])
-        assert st["peer_way"] in ("keep", "replace")
+    for rec in steps:
+        assert rec["put_keep_s"] > 0 and rec["put_replace_s"] > 0
+        assert rec["put_s"] == min(rec["put_keep_s"], rec["put_replace_s"])
+        assert rec["peer_way"] in ("keep", "replace")
     row = doc["summary"]["zipf-1pct"]["torch_save"]
     assert row["incr_put_s"] <= max(row["incr_put_keep_s"], row["incr_put_replace_s"])
     assert "replaced per step" in (out / "results.md").read_text()
