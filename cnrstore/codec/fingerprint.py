@@ -266,9 +266,10 @@ def _native_rows(table: torch.Tensor, words: int, nbytes: int, out: torch.Tensor
     """Hash ``table``'s rows with the compiled one-pass kernel (native.py) when it is
     loaded and each row's bytes are dense (rows may be any stride apart); False: not
     done, use the torch/numpy loop."""
-    fn = native.kernel()
-    if fn is None:
+    kernels = native.kernel()
+    if kernels is None:
         return False
+    fn = kernels.fingerprint
     n = table.shape[0]
     try:
         flat = table.view(n, math.prod(table.shape[1:]))

@@ -1,8 +1,11 @@
-"""The one compiled kernel of the codec: row fingerprints in one pass (_fingerprint.c).
+"""The codec's compiled kernels (_kernels.c): row fingerprints and the int8 encode, each in
+one pass over a row.
 
 numpy computes the fingerprint in five passes over each chunk and ran at a third of a
-plain uint64-multiply pass, which made the fingerprint most of a put's stall (issue 27).
-The C kernel reads each word once. It is compiled from the source shipped in the package
+plain uint64-multiply pass, which made the fingerprint most of a put's stall (issue 27);
+torch's int8 encode takes some fifteen ops per chunk. The C kernels read each word once
+and do the same integer and float32 operations (the torch code stays the reference, and
+tests compare the two). They are compiled from the source shipped in the package
 with the system's C compiler, once per machine and source version, into a cache directory
 (``CNRSTORE_CACHE_DIR``, else ``$XDG_CACHE_HOME/cnrstore``, else ``~/.cache/cnrstore``), and
 loaded with ctypes, which releases the GIL during the call. The file name carries a hash of
@@ -28,11 +31,21 @@ import tempfile
 import threading
 from pathlib import Path
 
-__all__ = ["kernel", "status", "build"]
+__all__ = ["Kernels", "kernel", "status", "build"]
 
-_SRC = Path(__file__).with_name("_fingerprint.c")
-_ABI = 1
-_FLAGS = ["-O3", "-shared", "-fPIC", "-std=c99"]
+
+class Kernels:
+    """The loaded functions: ``fingerprint`` (cnr_row_fingerprints) and ``encode_int8``
+    (cnr_encode_int8, None where the compiler has no _Float16)."""
+
+    def __init__(self, fingerprint, encode_int8) -> None:
+        self.fingerprint = fingerprint
+        self.encode_int8 = encode_int8
+
+_SRC = Path(__file__).with_name("_kernels.c")
+_ABI = 2
+# -ffp-contract=off: no fused multiply-add, so the encode's float32 steps round as torch's.
+_FLAGS = ["-O3", "-shared", "-fPIC", "-std=gnu11", "-ffp-contract=off"]
 _COMPILE_TIMEOUT_S = 300
 
 _lock = threading.Lock()
@@ -76,7 +89,7 @@ def _commands(cc: str, out: str) -> list[list[str]]:
 def _target() -> Path:
     cc = os.environ.get("CC", "cc")
     key = hashlib.sha256(_SRC.read_bytes() + repr((cc, _FLAGS, platform.machine())).encode())
-    return _cache_dir() / f"fingerprint-{key.hexdigest()[:16]}.so"
+    return _cache_dir() / f"kernels-{key.hexdigest()[:16]}.so"
 
 
 def build() -> Path:
@@ -110,15 +123,20 @@ def build() -> Path:
     return target
 
 
-def _load(path: Path):
+def _load(path: Path) -> Kernels:
     lib = ctypes.CDLL(str(path))
-    if lib.cnr_fingerprint_abi() != _ABI:
-        raise OSError(f"{path}: kernel ABI {lib.cnr_fingerprint_abi()}, expected {_ABI}")
-    fn = lib.cnr_row_fingerprints
-    fn.restype = None
+    if lib.cnr_kernels_abi() != _ABI:
+        raise OSError(f"{path}: kernel ABI {lib.cnr_kernels_abi()}, expected {_ABI}")
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [ptr, i64, i64, i64, ptr, ptr, ctypes.c_uint64, ptr]
-    return fn
+    fp = lib.cnr_row_fingerprints
+    fp.restype = None
+    fp.argtypes = [ptr, i64, i64, i64, ptr, ptr, ctypes.c_uint64, ptr]
+    enc = None
+    if lib.cnr_have_encode_int8():
+        enc = lib.cnr_encode_int8
+        enc.restype = None
+        enc.argtypes = [ptr, i64, i64, i64, ptr, ptr]
+    return Kernels(fp, enc)
 
 
 def _build_and_load() -> None:
@@ -135,8 +153,8 @@ def _build_and_load() -> None:
         _state.update(fn=fn, state="loaded", reason="", path=str(path))
 
 
-def kernel(*, wait: bool = False):
-    """The ctypes function ``cnr_row_fingerprints``, or None while it is not available
+def kernel(*, wait: bool = False) -> Kernels | None:
+    """The loaded Kernels, or None while they are not available
     (being compiled, no compiler, disabled). A first call with no cached build starts the
     compile on a background thread and returns None, unless ``wait``."""
     fn = _state["fn"]

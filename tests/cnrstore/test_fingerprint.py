@@ -422,7 +422,7 @@ def test_kernel_builds_into_a_fresh_cache_and_can_be_disabled(kernel_path, tmp_p
     run = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
                          text=True, timeout=300)
     assert run.stdout.strip() == "loaded", run.stderr
-    assert len(list((tmp_path / "native").glob("fingerprint-*.so"))) == 1
+    assert len(list((tmp_path / "native").glob("kernels-*.so"))) == 1
     env["CNRSTORE_NATIVE"] = "0"
     probe += "\nprint(native.status()['reason'])"
     run = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
