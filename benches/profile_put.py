@@ -58,6 +58,7 @@ STAGES = (
     ("engine.writer", "PackWriter.has", "dedup lookups (has)"),
     ("engine.format", "encode_record", "record framing (other)"),
     ("engine.storage.local", "write_all", "write (pack append)"),
+    ("engine.pack", "PackFile.append", "write (pack append)"),
     ("engine.pack", "PackFile.sync", "fsync"),
     ("engine.pack", "fsync_dir", "fsync"),
     ("engine.writer", "PackWriter.commit", "commit: index txn + roots (other)"),
