@@ -38,7 +38,8 @@ class HostBuffers:
     """A small pool of host buffers reused across puts: these VMs first-touch fresh memory
     at well under 1 GB/s, so a fresh staging buffer per put would cost more than the copy.
     Buffers for CUDA tables are pinned, so the device-to-host copy runs at full speed.
-    At most ``keep`` buffers of together at most ``max_bytes`` are kept; larger ones (a
+    At most ``keep`` buffers (or as many as were ever out at once, if more: a put takes one
+    per table) of together at most ``max_bytes`` are kept; larger ones (a
     first put of a huge table) are freed rather than pinned in memory for good."""
 
     def __init__(self, *, keep: int = 4, max_bytes: int = 2 << 30):
@@ -46,6 +47,11 @@ class HostBuffers:
         self._keep = keep
         self._max_bytes = max_bytes
         self._lock = threading.Lock()
+        # Buffers out at once, at most: a put of more tables than ``keep`` takes one per
+        # table, and a count cap below that freed one at every put, so the next put
+        # first-touched a fresh one in its stall (issue 27). The byte budget still holds.
+        self._out = 0
+        self._peak_out = 0
 
     def take(self, nbytes: int, *, pinned: bool) -> torch.Tensor:
         with self._lock:
@@ -53,15 +59,19 @@ class HostBuffers:
                 (b.numel(), i) for i, b in enumerate(self._free)
                 if b.numel() >= nbytes and b.is_pinned() == pinned
             ]
+            self._out += 1
+            self._peak_out = max(self._peak_out, self._out)
             if fits:
                 return self._free.pop(min(fits)[1])
         return torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=pinned)
 
     def give(self, buf: torch.Tensor) -> None:
         with self._lock:
+            self._out = max(0, self._out - 1)
             self._free.append(buf)
+            keep = max(self._keep, self._peak_out)
             while self._free and (
-                len(self._free) > self._keep
+                len(self._free) > keep
                 or sum(b.numel() for b in self._free) > self._max_bytes
             ):
                 # Drop the largest when over the byte budget, else the smallest.
