@@ -20,3 +20,6 @@ if ! .venv/bin/python -c "import torchrec" >/dev/null 2>&1; then
   .venv/bin/python -m pip install -q -e ".[torchrec]"
   .venv/bin/python -m pip install -q --no-deps torchrec==1.9.2
 fi
+# The codec kernels (cnrstore/codec/native.py): built now so the first put of a job
+# does not run on the slower numpy path while the compiler works. No compiler: numpy path.
+.venv/bin/python -m cnrstore.codec.native || echo "no native codec kernels: numpy/torch paths"

@@ -22,6 +22,7 @@ import math
 
 import torch
 
+from cnrstore.codec import native
 from cnrstore.codec.bitpack import pack_codes, unpack_codes
 from cnrstore.codec.layout import (
     BITS as _BITS,
@@ -208,6 +209,8 @@ def _encode_int(
     )
     if n == 0:
         return out
+    if bits == 8 and search == "minmax" and not wide and _encode_int8_native(rows, out, scheme):
+        return out
     # Row chunks keep every temporary cache-sized and reused: fresh full-size temporaries
     # cost more in page first-touch than the arithmetic itself.
     budget = _CUDA_CHUNK_ELEMS if device.type == "cuda" else _cpu_chunk_elems()
@@ -250,6 +253,28 @@ def _encode_int(
     if width and not bool(fits.all()):
         raise NeedsWideQparams(int(torch.nonzero(~fits)[0, 0]))
     return out
+
+
+def _encode_int8_native(rows: torch.Tensor, out: torch.Tensor, scheme: str) -> bool:
+    """int8 min/max rows by the compiled one-pass kernel (native.py; the same float32 steps
+    as the loop below, which tests check it against), refusing rows as that loop does.
+    False where it does not apply (no kernel, not float32 rows on the CPU with unit
+    stride): the caller encodes."""
+    kernels = native.kernel()
+    if (kernels is None or kernels.encode_int8 is None or rows.device.type != "cpu"
+            or rows.dtype != torch.float32 or rows.shape[1] == 0 or rows.stride(1) != 1
+            or not out.is_contiguous()):
+        return False
+    n, width = rows.shape
+    flags = torch.empty(n, dtype=torch.uint8)
+    kernels.encode_int8(rows.data_ptr(), n, width, rows.stride(0), out.data_ptr(),
+                        flags.data_ptr())
+    if bool(flags.any()):  # one check for the common case: no row refused
+        bad = torch.nonzero(flags & 1)
+        if bad.numel():
+            raise _nonfinite_error(int(bad[0, 0]), scheme)
+        raise NeedsWideQparams(int(torch.nonzero(flags & 2)[0, 0]))
+    return True
 
 
 def decode_rows(codes: torch.Tensor, scheme: str, dtype: torch.dtype, width: int,

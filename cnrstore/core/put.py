@@ -110,6 +110,7 @@ def put(core: StoreCore, step: int, tables: Mapping, *, quant: Any, metadata: Ma
                         buffers=core.buffers,
                         keep_full=at_risk(base),
                         borrow=blocking,
+                        defer_encode=not blocking,
                     )
                 )
                 report.add(table.numel() * table.element_size())
@@ -194,6 +195,8 @@ def _write(core: StoreCore, step: int, plans: list[TablePlan], metadata: dict, s
         ensure_stored(core.objects, w, core.options)
 
     try:
+        for p in plans:  # a non-blocking put's deferred encodes, before the writer lock
+            p.encoded()
         return write_step(core.objects, step, plans, metadata=metadata, stall_seconds=stall,
                           lock_timeout=core.options.lock_timeout, state=state, check=check)
     except BaseException as exc:

@@ -118,6 +118,7 @@ def _write_table(w, plan: TablePlan, get) -> bytes:
 def write_blocks(w, plan: TablePlan, get) -> None:
     """Put the blocks ``plan`` writes and fill every slot's id (``w`` needs ``put`` and
     ``has``: an engine Writer, or a rank's collector in a distributed put)."""
+    plan.encoded()  # a non-blocking put's rows are encoded here, on the writer thread
     state = plan.state
     elem = plane_width(state.scheme, state.dtype.itemsize, state.row_nbytes)
     for bw in plan.writes:
