@@ -1,4 +1,4 @@
-"""StoreCore: the state a CheckpointStore owns, as one typed object.
+"""HandleState: the state a CheckpointStore owns, as one typed object.
 
 The store's operations live in several modules (put.py, maintenance.py, statestore.py,
 lineage.py, verify.py) so that each stays readable; they receive this object, never the
@@ -26,13 +26,13 @@ from cnrstore.format.load import list_steps
 from cnrstore.format.manifest import TableManifest
 from engine import ObjectStore
 
-__all__ = ["StoreCore"]
+__all__ = ["HandleState"]
 
 T = TypeVar("T")
 
 
 @dataclass(eq=False)
-class StoreCore:
+class HandleState:
     """Everything a store handle holds. ``lock`` serializes the API methods; ``writer`` runs
     every engine write in call order; ``states`` are the diff bases per table name."""
 

@@ -1,5 +1,5 @@
 """The read and maintenance side of CheckpointStore: get_tables, delete_step, gc, verify,
-stats, and their report types. Functions take the handle's StoreCore; writes (delete, gc)
+stats, and their report types. Functions take the handle's HandleState; writes (delete, gc)
 run on its writer thread, after every put queued before them."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from cnrstore.core.handle import StoreCore
+from cnrstore.core.handle import HandleState
 from cnrstore.core.progress import Reporter, check_progress
 from cnrstore.core.restore import check_slice, read_tables, seed_later
 from cnrstore.core.retention import check_retention, kept_steps
@@ -64,13 +64,13 @@ class StoreStats:
     dedup_ratio: float      # logical / stored
 
 
-def metadata(core: StoreCore, step: int | None) -> dict:
+def metadata(core: HandleState, step: int | None) -> dict:
     core.check_open()
     return core.latest(step, lambda s: dict(load_step(core.objects, core.resolve_step(s))[1]
                                             .metadata))
 
 
-def get_tables(core: StoreCore, step: int | None, *, names: Any, rows: Any,
+def get_tables(core: HandleState, step: int | None, *, names: Any, rows: Any,
                device: Any, progress: Any = None) -> dict:
     core.check_open()
     check_progress(progress)
@@ -96,7 +96,7 @@ def get_tables(core: StoreCore, step: int | None, *, names: Any, rows: Any,
         raise
 
 
-def _read_step(core: StoreCore, step: int, names: Any, rows: dict, device: Any,
+def _read_step(core: HandleState, step: int, names: Any, rows: dict, device: Any,
                progress: Any = None) -> dict:
     manifest = load_manifest(core.objects, step, names=names)
     for name, sel in rows.items():
@@ -123,7 +123,7 @@ def _read_step(core: StoreCore, step: int, names: Any, rows: dict, device: Any,
     return out
 
 
-def delete_step(core: StoreCore, step: int) -> None:
+def delete_step(core: HandleState, step: int) -> None:
     core.check_open()
     check_step(step)
     with core.lock:
@@ -145,7 +145,7 @@ def out_bytes(tm: Any, sel: slice | None) -> int:
     return rows * math.prod(node.shape[1:]) * parse_dtype(node.dtype).itemsize
 
 
-def _store_reporter(core: StoreCore, progress: Any) -> Reporter:
+def _store_reporter(core: HandleState, progress: Any) -> Reporter:
     """A reporter of gc or verify, in thousandths, over the threshold by the store's
     stored bytes (what either pass reads)."""
     if check_progress(progress) is None:
@@ -155,7 +155,7 @@ def _store_reporter(core: StoreCore, progress: Any) -> Reporter:
                     min_total=1)
 
 
-def gc(core: StoreCore, keep_last: int | None, keep: Iterable[int], *,
+def gc(core: HandleState, keep_last: int | None, keep: Iterable[int], *,
        threshold: float, progress: Any = None) -> GCReport:
     core.check_open()
     keep_last, keep = check_retention(keep_last, keep)
@@ -196,7 +196,7 @@ def gc(core: StoreCore, keep_last: int | None, keep: Iterable[int], *,
     return result
 
 
-def verify(core: StoreCore, *, deep: bool, progress: Any = None) -> VerifyReport:
+def verify(core: HandleState, *, deep: bool, progress: Any = None) -> VerifyReport:
     core.check_open()
     report = _store_reporter(core, progress)
     core.writer.drain()
@@ -226,7 +226,7 @@ def _phases(report: Reporter, deep: bool) -> Any:
     return tick
 
 
-def stats(core: StoreCore) -> StoreStats:
+def stats(core: HandleState) -> StoreStats:
     core.check_open()
     core.writer.drain()
     objects = core.objects

@@ -10,7 +10,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from cnrstore.core import lineage
-from cnrstore.core.handle import StoreCore
+from cnrstore.core.handle import HandleState
 from cnrstore.core.options import ensure_stored
 from cnrstore.core.progress import Reporter, check_progress
 from cnrstore.core.seed import seed_state
@@ -31,7 +31,7 @@ from cnrstore.format.manifest import check_step_fits, root_name
 __all__ = ["put"]
 
 
-def put(core: StoreCore, step: int, tables: Mapping, *, quant: Any, metadata: Mapping | None,
+def put(core: HandleState, step: int, tables: Mapping, *, quant: Any, metadata: Mapping | None,
         blocking: bool, touched: Mapping | None, state: dict | None = None,
         keep_full: bool = False, progress: Any = None,
         report: Reporter | None = None) -> StepInfo | Future:
@@ -169,7 +169,7 @@ def _release(plans: list[TablePlan]) -> None:
             p.release()
 
 
-def _queued(core: StoreCore, step: int, plans: list[TablePlan], fut: Future) -> None:
+def _queued(core: HandleState, step: int, plans: list[TablePlan], fut: Future) -> None:
     # The step will be written, so the next put diffs against it. A Ctrl-C while the
     # caller waits leaves it to finish; steps() tells whether it committed. A diff base
     # left on an older committed step stays correct (its blocks exist), only larger.
@@ -185,7 +185,7 @@ def _queued(core: StoreCore, step: int, plans: list[TablePlan], fut: Future) -> 
     fut.add_done_callback(done)
 
 
-def _write(core: StoreCore, step: int, plans: list[TablePlan], metadata: dict, stall: float,
+def _write(core: HandleState, step: int, plans: list[TablePlan], metadata: dict, stall: float,
            state: dict | None) -> StepInfo:
     order = lineage.commit_check(core.objects, step)
 

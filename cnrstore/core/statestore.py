@@ -2,7 +2,7 @@
 load_state and ``get_tables(out=...)`` (DESIGN.md, "Next"; cnrstore/core/state.py says how a
 state is split into tables and a structure).
 
-Functions take the handle's StoreCore, like maintenance.py. Restores into existing tensors decode
+Functions take the handle's HandleState, like maintenance.py. Restores into existing tensors decode
 block by block into the destination rows (restore.read_into), so no second copy of a table
 is ever allocated, and every destination's shape and dtype is checked before the first
 byte is written.
@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from cnrstore.core import maintenance
-from cnrstore.core.handle import StoreCore
+from cnrstore.core.handle import HandleState
 from cnrstore.core.progress import Reporter, check_progress
 from cnrstore.core.put import put
 from cnrstore.core.restore import read_into, seed_later, table_hints
@@ -34,7 +34,7 @@ from cnrstore.format.manifest import StepNode, root_name
 __all__ = ["put_state", "get_state", "load_state", "get_into"]
 
 
-def put_state(core: StoreCore, step, state, *, quant, metadata, blocking, touched,
+def put_state(core: HandleState, step, state, *, quant, metadata, blocking, touched,
               progress=None):
     flat = flatten(state)
     if quant is None:
@@ -48,7 +48,7 @@ def put_state(core: StoreCore, step, state, *, quant, metadata, blocking, touche
                progress=progress)
 
 
-def _stored(core: StoreCore, step) -> tuple[int, StepNode, dict[str, tuple[int, ...]]]:
+def _stored(core: HandleState, step) -> tuple[int, StepNode, dict[str, tuple[int, ...]]]:
     """(step, step node, table name -> shape as put) of a step."""
     step = core.resolve_step(step)
     _, node = load_step(core.objects, step)
@@ -60,7 +60,7 @@ def _stored(core: StoreCore, step) -> tuple[int, StepNode, dict[str, tuple[int, 
     return step, node, shapes
 
 
-def get_state(core: StoreCore, step, *, device, progress=None):
+def get_state(core: HandleState, step, *, device, progress=None):
     core.check_open()
     if step is None:
         return core.latest(None, lambda s: get_state(core, s, device=device,
@@ -73,7 +73,7 @@ def get_state(core: StoreCore, step, *, device, progress=None):
     return unflatten(node.state, stored_leaf(step, tables))
 
 
-def load_state(core: StoreCore, step, state, *, strict: bool, progress=None):
+def load_state(core: HandleState, step, state, *, strict: bool, progress=None):
     core.check_open()
     check_progress(progress)
     if step is None:
@@ -117,7 +117,7 @@ def _has_python_leaves(doc) -> bool:
     return any(_has_python_leaves(c) for c in children)
 
 
-def get_into(core: StoreCore, step, out: Mapping, *, names=None, rows=None,
+def get_into(core: HandleState, step, out: Mapping, *, names=None, rows=None,
              progress=None) -> dict:
     """Decode the tables of ``step`` named by ``out`` into ``out``'s tensors; return them."""
     core.check_open()

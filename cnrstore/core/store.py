@@ -3,7 +3,7 @@
 A store handle owns one background writer thread (all engine writes go through it, so
 steps, deletes and gc happen in call order) and the diff base of every table it put or
 restored. The API methods are thread-safe: one lock serializes them. The handle's state is
-one StoreCore (handle.py); the work is done in put.py, maintenance.py, statestore.py,
+one HandleState (handle.py); the work is done in put.py, maintenance.py, statestore.py,
 lineage.py and verify.py, which receive that core, never this class's private fields.
 """
 
@@ -16,7 +16,7 @@ from typing import Any
 
 from cnrstore.core import changes as step_changes
 from cnrstore.core import lineage, maintenance, statestore
-from cnrstore.core.handle import StoreCore
+from cnrstore.core.handle import HandleState
 from cnrstore.core.lifetime import close_at_exit, forget
 from cnrstore.core.options import Options, make_options, resolve_stored
 from cnrstore.core.put import put
@@ -45,7 +45,7 @@ class CheckpointStore:
             raise InvalidType(f"objects must be an engine.ObjectStore, got {type(objects)}")
         opt = resolve_stored(objects, make_options(options, kwargs))
         assert opt.decode_threads is not None
-        self._core = StoreCore(
+        self._core = HandleState(
             objects=objects,
             options=opt,
             owns_objects=owns_objects,
