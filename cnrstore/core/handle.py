@@ -120,7 +120,7 @@ class HandleState:
              anchor: tuple[str, bytes], deferred: DeferredBase | None = None) -> None:
         """Seed the diff base of a table this handle has no base of (DESIGN.md: a restarted
         job's next put is incremental again; a table the handle put keeps its base).
-        ``deferred``: the diff data is still being computed (restore.seed_later)."""
+        ``deferred``: the diff data is still being computed (seed.seed_later)."""
         if deferred is not None:
             state = TableState.from_manifest(tm, anchor=anchor, deferred=deferred)
             with self.lock:

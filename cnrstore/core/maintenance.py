@@ -11,8 +11,9 @@ from typing import Any
 
 from cnrstore.core.handle import HandleState
 from cnrstore.core.progress import Reporter, check_progress
-from cnrstore.core.restore import check_slice, read_tables, seed_later
+from cnrstore.core.restore import check_slice, read_tables
 from cnrstore.core.retention import check_retention, kept_steps
+from cnrstore.core.seed import seed_later
 from cnrstore.core.tablestate import parse_dtype
 from cnrstore.core.validate import check_device, check_step
 from cnrstore.core.verify import StepProblem, verify_objects
@@ -116,7 +117,7 @@ def _read_step(core: HandleState, step: int, names: Any, rows: dict, device: Any
             seeds.append((name, tm))
         out[name] = tensor
     # The diff bases of the restored tables are computed from the stored step after the
-    # restore returns (restore.seed_later); the next put of a table waits for its own.
+    # restore returns (seed.seed_later); the next put of a table waits for its own.
     for name, tm in seeds:
         core.seed(name, tm, None, None, (root_name(step), manifest.oid),
                   deferred=seed_later(core.objects, tm))

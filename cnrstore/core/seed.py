@@ -11,17 +11,20 @@ from __future__ import annotations
 
 from concurrent.futures import Executor
 
+import numpy as np
 import torch
 
+from cnrstore.codec.fingerprint import row_fingerprints
+from cnrstore.core.blockread import block_codes
 from cnrstore.core.chainpolicy import rebuild
-from cnrstore.core.restore import read_codes
-from cnrstore.core.tablestate import TableState
+from cnrstore.core.restore import run_all
+from cnrstore.core.tablestate import DeferredBase, TableState, parse_dtype
 from cnrstore.errors import CheckpointError
 from cnrstore.format.load import list_steps, load_step, load_table_manifest
-from cnrstore.format.manifest import root_name
-from engine import ObjectStore, StoreError
+from cnrstore.format.manifest import TableManifest, root_name
+from engine import ObjectStore, StoreClosed, StoreError
 
-__all__ = ["seed_state"]
+__all__ = ["read_codes", "seed_later", "seed_state"]
 
 
 def seed_state(
@@ -73,3 +76,64 @@ def seed_state(
                 except (StoreError, CheckpointError):
                     pass
     return state
+
+
+def read_codes(
+    objects: ObjectStore, tm: TableManifest, pool: Executor, *, damaged: set | None = None
+) -> np.ndarray:
+    """All encoded rows ``uint8[rows, row_nbytes]`` of a stored table (seeding a diff base).
+    With ``damaged`` (a set), blocks that cannot be read or decoded are added to it by
+    index, their rows left zero, instead of failing the whole read."""
+    node = tm.node
+    out = np.empty((node.rows, node.row_nbytes), dtype=np.uint8)
+
+    def one(i: int) -> None:
+        start, stop = node.block_range(i)
+        try:
+            out[start:stop] = block_codes(objects, tm, i)
+        except (StoreError, CheckpointError):
+            if damaged is None:
+                raise
+            out[start:stop] = 0
+            damaged.add(i)
+
+    run_all(pool, one, range(node.nblocks))
+    return out
+
+
+def seed_later(objects: ObjectStore, tm: TableManifest) -> DeferredBase:
+    """The diff data of a restored table, computed from the stored step on a background
+    thread (TableState.materialize waits for it at the table's next put): fingerprints of
+    an exact table, block by block with no table-sized buffer, or the stored codes of a
+    lossy one. A restore returns without this work, which cost as much as a third of an
+    exact restore (docs/PERFORMANCE.md); an exact step's stored rows are bit-identical to
+    what the restore returned, so the fingerprints are the same as if taken then. Blocks
+    that cannot be read are reported (the put writes them full)."""
+    node = tm.node
+    lossy = node.scheme != "exact"
+    dtype = parse_dtype(node.dtype)
+
+    def compute(cancel) -> tuple[torch.Tensor | None, np.ndarray | None, set[int]]:
+        codes = np.empty((node.rows, node.row_nbytes), dtype=np.uint8) if lossy else None
+        fps = None if lossy else torch.empty(node.rows, dtype=torch.int64)
+        damaged: set[int] = set()
+        for i in range(node.nblocks):
+            if cancel.is_set():
+                raise StoreClosed("the store was closed while a diff base was seeded")
+            start, stop = node.block_range(i)
+            try:
+                block = block_codes(objects, tm, i)
+            except StoreClosed:
+                raise
+            except (StoreError, CheckpointError):
+                damaged.add(i)
+                continue
+            if codes is not None:
+                codes[start:stop] = block
+            elif fps is not None and stop > start:
+                rows = (torch.from_numpy(block).view(dtype) if node.width
+                        else torch.empty((stop - start, 0), dtype=dtype))
+                row_fingerprints(rows.reshape(stop - start, node.width), out=fps[start:stop])
+        return fps, codes, damaged
+
+    return DeferredBase(compute, objects)

@@ -16,7 +16,8 @@ from cnrstore.core import maintenance
 from cnrstore.core.handle import HandleState
 from cnrstore.core.progress import Reporter, check_progress
 from cnrstore.core.put import put
-from cnrstore.core.restore import read_into, seed_later, table_hints
+from cnrstore.core.restore import read_into, table_hints
+from cnrstore.core.seed import seed_later
 from cnrstore.core.state import (
     check_structure,
     fill,

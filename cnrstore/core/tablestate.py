@@ -92,7 +92,7 @@ os.register_at_fork(after_in_child=_reset_seeder)
 
 class DeferredBase:
     """The diff data of a restored table (fingerprints or seed codes), computed from the
-    stored step off the restore path (restore.seed_later). ``compute(cancel)`` returns
+    stored step off the restore path (seed.seed_later). ``compute(cancel)`` returns
     (fingerprints, seed codes, indices of blocks it could not read); ``cancel`` is a
     threading.Event it checks between blocks."""
 
