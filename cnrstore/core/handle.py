@@ -19,9 +19,9 @@ import torch
 from cnrstore.core.options import Options
 from cnrstore.core.snapshot import HostBuffers
 from cnrstore.core.tablestate import DeferredBase, TableState, cancel_deferred
-from cnrstore.core.validate import check_step
+from cnrstore.core.validate import check_step, check_writable
 from cnrstore.core.writer import BackgroundWriter
-from cnrstore.errors import CheckpointError, ReadOnlyStore, StepNotFound
+from cnrstore.errors import CheckpointError, StepNotFound
 from cnrstore.format.load import list_steps
 from cnrstore.format.manifest import TableManifest
 from engine import ObjectStore
@@ -57,8 +57,7 @@ class HandleState:
             raise CheckpointError("store handle used across fork(); open the store again")
 
     def check_writable(self, what: str) -> None:
-        if getattr(self.objects, "readonly", False):
-            raise ReadOnlyStore(f"{what}: the store was opened with readonly=True")
+        check_writable(self.objects, what)
 
     def close(self) -> None:
         with self.lock:

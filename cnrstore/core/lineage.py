@@ -19,20 +19,12 @@ from cnrstore.format.load import list_steps
 from cnrstore.format.manifest import root_name
 from engine import ObjectStore
 
-__all__ = ["check_order", "commit_check", "rollback", "delete_steps"]
-
-
-def check_order(core: HandleState, step: int) -> None:
-    """Refuse a put of ``step`` below the highest stored or pending step. Call with the
-    handle's lock held (pending puts are part of the order)."""
-    known = list_steps(core.objects)
-    highest = max([*known[-1:], *core.pending], default=None)
-    if highest is not None and step < highest:
-        raise StepOrderError(step, highest)
+__all__ = ["commit_check", "rollback", "delete_steps"]
 
 
 def commit_check(objects: ObjectStore, step: int) -> Callable[[], None]:
-    """The same rule, for write_step to run once the writer lock is held."""
+    """The order rule (checked up front by put.check_new_step), for write_step to run once
+    the writer lock is held."""
 
     def check() -> None:
         steps = list_steps(objects)

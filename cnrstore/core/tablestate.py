@@ -168,6 +168,9 @@ class TableState:
     # Blocks of a base seeded from the store that could not be read (damaged): written in
     # full by the next put, never as a reuse of the damaged record (issue 8).
     damaged_blocks: frozenset[int] = frozenset()
+    # Their records that could not be read: a distributed put's rank, which cannot read
+    # the store when it writes, is told these are there and unreadable.
+    damaged_ids: frozenset[bytes] = frozenset()
     # Root name of the put that made this state (its anchor once committed).
     planned_root: str | None = None
     # A restored table's diff data, still being computed from the stored step (a restore
