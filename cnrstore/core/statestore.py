@@ -2,7 +2,7 @@
 load_state and ``get_tables(out=...)`` (DESIGN.md, "Next"; cnrstore/core/state.py says how a
 state is split into tables and a structure).
 
-Functions take the handle's HandleState, like maintenance.py. Restores into existing tensors decode
+Functions take the handle's HandleState, like get.py. Restores into existing tensors decode
 block by block into the destination rows (restore.read_into), so no second copy of a table
 is ever allocated, and every destination's shape and dtype is checked before the first
 byte is written.
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from cnrstore.core import maintenance
+from cnrstore.core.get import get_tables
 from cnrstore.core.handle import HandleState
 from cnrstore.core.progress import Reporter, check_progress
 from cnrstore.core.put import put
@@ -67,8 +67,8 @@ def get_state(core: HandleState, step, *, device, progress=None):
         return core.latest(None, lambda s: get_state(core, s, device=device,
                                                      progress=progress))
     step, node, shapes = _stored(core, step)
-    tables = maintenance.get_tables(core, step, names=None, rows=None, device=device,
-                                    progress=progress)
+    tables = get_tables(core, step, names=None, rows=None, device=device,
+                        progress=progress)
     if node.state is None:  # a put_tables step: its tables are its state
         return tables
     return unflatten(node.state, stored_leaf(step, tables))
@@ -97,8 +97,8 @@ def load_state(core: HandleState, step, state, *, strict: bool, progress=None):
         # stored entries as fresh tensors: left empty, opt.load_state_dict(...) resumed
         # with no optimizer state at all, silently.
         lazy = lazy_tables(state, node.state)
-        fresh = maintenance.get_tables(core, step, names=sorted(lazy), rows=None,
-                                       device="cpu") if lazy else {}
+        fresh = get_tables(core, step, names=sorted(lazy), rows=None,
+                           device="cpu") if lazy else {}
         result = fill(state, node.state, strict=strict,
                       adopt=lambda doc: unflatten(doc, stored_leaf(step, fresh)))
     elif strict and _has_python_leaves(flat.doc):

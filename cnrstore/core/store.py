@@ -15,7 +15,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from cnrstore.core import changes as step_changes
-from cnrstore.core import lineage, maintenance, statestore
+from cnrstore.core import get, lineage, maintenance, statestore
 from cnrstore.core.handle import HandleState
 from cnrstore.core.lifetime import close_at_exit, forget
 from cnrstore.core.options import Options, make_options, resolve_stored
@@ -140,8 +140,8 @@ class CheckpointStore:
         if out is not None:
             return statestore.get_into(self._core, step, out, names=names, rows=rows,
                                        progress=progress)
-        return maintenance.get_tables(self._core, step, names=names, rows=rows, device=device,
-                                      progress=progress)
+        return get.get_tables(self._core, step, names=names, rows=rows, device=device,
+                              progress=progress)
 
     @translating
     def get_state(self, step: int | None = None, *, device="cpu",
