@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cnrstore.core import changes as step_changes
 from cnrstore.core import get, lineage, maintenance, statestore
@@ -245,6 +245,14 @@ class CheckpointStore:
 
     def __repr__(self) -> str:
         return f"CheckpointStore({self._core.objects!r}, block_rows={self._core.options.rows})"
+
+
+if TYPE_CHECKING:
+    from cnrstore.core.api import StoreAPI
+
+    def _is_store_api(store: CheckpointStore) -> StoreAPI:
+        """mypy checks here that CheckpointStore has the shared store API (core/api.py)."""
+        return store
 
 
 @translating
