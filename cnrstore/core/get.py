@@ -6,7 +6,6 @@ whole (seed.seed_later), so a restarted job's next put is incremental again."""
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
 from typing import Any
 
 from cnrstore.core.handle import HandleState
@@ -14,8 +13,8 @@ from cnrstore.core.progress import Reporter, check_progress
 from cnrstore.core.restore import check_slice, read_tables
 from cnrstore.core.seed import seed_later
 from cnrstore.core.tablestate import parse_dtype
-from cnrstore.core.validate import check_device
-from cnrstore.errors import InvalidType, StepNotFound, TableNotFound
+from cnrstore.core.validate import check_device, check_selection
+from cnrstore.errors import StepNotFound, TableNotFound
 from cnrstore.format.load import load_manifest
 from cnrstore.format.manifest import root_name
 from engine import StoreError
@@ -30,13 +29,7 @@ def get_tables(core: HandleState, step: int | None, *, names: Any, rows: Any,
     if step is None:
         return core.latest(None, lambda s: get_tables(core, s, names=names, rows=rows,
                                                       device=device, progress=progress))
-    if names is not None:
-        if isinstance(names, str) or not isinstance(names, Iterable):
-            raise InvalidType("names must be an iterable of table names (not a str)")
-        names = list(names)
-    if rows is not None and not isinstance(rows, Mapping):
-        raise InvalidType("rows must be a mapping table name -> slice")
-    rows = dict(rows or {})
+    names, rows = check_selection(names, rows)
     device = check_device(device)
     step = core.resolve_step(step)
     try:

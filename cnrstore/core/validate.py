@@ -5,7 +5,7 @@ before anything changes."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import msgpack
 import torch
@@ -18,7 +18,7 @@ from cnrstore.format.manifest import KIND_STEP, MAX_NDIM, check_node_size
 __all__ = [
     "check_step", "check_name", "check_device", "check_table", "check_tables",
     "check_destination", "is_shard", "not_a_tensor", "overlaps", "resolve_quant",
-    "pack_metadata", "check_touched", "check_writable",
+    "pack_metadata", "check_touched", "check_writable", "check_selection",
 ]
 
 
@@ -186,6 +186,18 @@ def check_touched(touched, tables: Mapping, *, owned: Mapping | None = None
                                    "(touched takes global row ids of the rank's own shards)")
         out[name] = t
     return out
+
+
+def check_selection(names, rows) -> tuple[list[str] | None, dict]:
+    """The ``names`` (None: every table) and ``rows`` (table -> slice) of a read, as a
+    list and a dict; the slices themselves are checked against the stored rows later."""
+    if names is not None:
+        if isinstance(names, str) or not isinstance(names, Iterable):
+            raise InvalidType("names must be an iterable of table names (not a str)")
+        names = list(names)
+    if rows is not None and not isinstance(rows, Mapping):
+        raise InvalidType("rows must be a mapping table name -> slice")
+    return names, dict(rows or {})
 
 
 def check_device(device) -> torch.device:
