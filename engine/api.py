@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 from .errors import NotSupported
 
 if TYPE_CHECKING:
-    from .location import RecordLocation
+    from .format.location import RecordLocation
 
 ProgressFn = Callable[[int, int], None]  # (done, total); total may be 0 when unknown
 

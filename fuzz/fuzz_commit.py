@@ -25,7 +25,7 @@ else:
 
 with _instrumented:
     from engine.errors import CorruptObject
-    from engine.storage.commitdoc import (
+    from engine.format.commitdoc import (
         HEADER,
         MAGIC,
         MAX_PACK,

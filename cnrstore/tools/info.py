@@ -28,8 +28,7 @@ from cnrstore.format.load import load_step, load_table, load_table_manifest
 from cnrstore.format.manifest import DTYPE_SIZES, TableNode
 from cnrstore.tools.access import objects_of, opened, tick
 from cnrstore.tools.sizes import Sizes, unreachable
-from engine.api import ProgressFn
-from engine.fileio import allocated_bytes
+from engine import ProgressFn, allocated_bytes
 
 __all__ = [
     "StepSummary",

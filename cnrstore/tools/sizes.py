@@ -11,8 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import engine
-from engine import ObjectStore
-from engine.walk import walk
+from engine import ObjectStore, walk
 
 __all__ = ["Sizes", "unreachable"]
 

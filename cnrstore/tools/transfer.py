@@ -26,7 +26,7 @@ from cnrstore.errors import (
 )
 from cnrstore.format.load import load_step, load_table
 from cnrstore.tools.access import tick
-from engine.fileio import atomic_write
+from engine import atomic_write
 
 __all__ = ["MissingExtra", "TransferResult", "export_step", "export_target",
            "import_step"]

@@ -13,7 +13,7 @@ import abc
 import pathlib
 from collections.abc import Sequence
 
-from .. import trailer
+from ..format import trailer
 
 
 class PackSink(abc.ABC):

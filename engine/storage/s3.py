@@ -27,9 +27,11 @@ from collections.abc import Mapping
 from datetime import datetime, timedelta
 from typing import Any
 
-from .. import crashpoints, trailer
-from .. import format as fmt
 from ..errors import CorruptObject, FormatError
+from ..format import records as fmt
+from ..format import trailer
+from ..format.names import pack_name
+from ..fs import crashpoints
 from .base import PackSink, PackStorage
 from .local import LocalSink
 
@@ -154,8 +156,6 @@ class S3Storage(PackStorage):
 
     @staticmethod
     def key(n: int) -> str:
-        from ..pack import pack_name
-
         return f"packs/{pack_name(n)}"
 
     # -- plain objects (claims, commits) --------------------------------------------------
@@ -259,8 +259,6 @@ class S3Storage(PackStorage):
             raise _io(f"HEAD {self.key(n)}", exc) from exc
 
     def read_trailer(self, n: int) -> list[trailer.TrailerEntry]:
-        from ..pack import pack_name
-
         with self._lock:
             cached = self._trailers.get(n)
             if cached is not None:
@@ -362,26 +360,3 @@ def attach_bucket(url: str, staging: pathlib.Path,
                         chunk_size=tuning["chunk_size"],
                         max_concurrency=tuning["max_concurrency"])
     return storage, tuning
-
-
-def open_bucket(url: str, *, cache_dir: str | os.PathLike,
-                storage_options: Mapping[str, Any] | None = None, create: bool = True,
-                compression_level: int | None = None, map_size: int | None = None,
-                pack_target_size: int | None = None, readonly: bool = False) -> Any:
-    """Open (or create) the bucket store at ``url`` = ``s3://bucket/prefix``, with its
-    index cached in ``cache_dir`` (a local disk: LMDB must not live on a network
-    filesystem). Configuration: the AWS_* environment, overridden by ``storage_options``
-    (obstore S3 keys, plus ``chunk_size``, ``max_concurrency``, ``gc_grace_s``,
-    ``max_retries``, ``retry_timeout_s``, ``timeout_s``)."""
-    from ..store import PackStore
-    from .remote import Remote
-
-    if cache_dir is None:
-        raise FormatError(f"{url}: a bucket store needs a local cache_dir for its index")
-    cache = pathlib.Path(cache_dir).absolute()
-    parse_url(url)  # a bad location is refused before the cache is touched
-    storage, tuning = attach_bucket(url, cache / "staging", storage_options)
-    remote = Remote(storage, gc_grace_s=tuning["gc_grace_s"])
-    return PackStore(cache, create=create, compression_level=compression_level,
-                     map_size=map_size, pack_target_size=pack_target_size,
-                     readonly=readonly, storage=storage, remote=remote)

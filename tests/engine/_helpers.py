@@ -22,7 +22,7 @@ import time
 import engine
 from engine.api import Object
 from engine.errors import CorruptObject, ObjectNotFound, StoreError
-from engine.ids import object_id
+from engine.format.ids import object_id
 
 HERE = pathlib.Path(__file__).resolve()
 _HEAD = struct.Struct("<QQ")

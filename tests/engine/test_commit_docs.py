@@ -19,8 +19,9 @@ pytest.importorskip("obstore")
 pytest.importorskip("moto")
 
 import engine  # noqa: E402
-from engine.storage import chain, commitdoc  # noqa: E402
+from engine.format import commitdoc  # noqa: E402
 from engine.storage.shared import SharedStorage  # noqa: E402
+from engine.store.commit import chain
 
 GOLDEN = pathlib.Path(__file__).parent / "golden"
 

@@ -17,8 +17,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import engine
-from engine import format as fmt
-from engine import index as ix
 from engine.errors import (
     FormatError,
     ObjectNotFound,
@@ -26,8 +24,10 @@ from engine.errors import (
     StoreError,
     StoreLocked,
 )
-from engine.ids import object_id
-from engine.pack import list_pack_files
+from engine.format import records as fmt
+from engine.format.ids import object_id
+from engine.index import db as ix
+from engine.packs.pack import list_pack_files
 
 
 def pack_bytes(path) -> int:

@@ -21,7 +21,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 import engine
 from engine.api import Object
 from engine.errors import ObjectNotFound, StoreLocked
-from engine.ids import object_id
+from engine.format.ids import object_id
 
 ROOT_NAMES = ("step/1", "step/2", "step/10", "latest", "é-ünïcode")
 
