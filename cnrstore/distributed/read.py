@@ -14,7 +14,7 @@ import torch
 
 from cnrstore.codec.layout import dtype_name
 from cnrstore.core.restore import check_slice, read_into, read_table, read_tables, row_range
-from cnrstore.core.validate import check_destination, check_device, check_step
+from cnrstore.core.validate import check_destination, check_device, check_selection, check_step
 from cnrstore.distributed import transfer
 from cnrstore.distributed.comm import rebuild_error, wire_error
 from cnrstore.distributed.shard import Shard
@@ -147,12 +147,9 @@ def get_tables(ds: DistributedStore, step: Any, *, names: Any, rows: Any, device
                 raise InvalidType("out must be a mapping table name -> tensor or Shard")
             return {n: _out_spec(n, t) for n, t in out.items()}
         check_device(device)
-        if names is not None and (isinstance(names, str) or not isinstance(names, Iterable)):
-            raise InvalidType("names must be an iterable of table names (not a str)")
-        if rows is not None and not isinstance(rows, Mapping):
-            raise InvalidType("rows must be a mapping table name -> slice")
-        req: dict[str, Any] = {n: None for n in (names or ())}
-        for n, sel in (rows or {}).items():
+        wanted, sel_rows = check_selection(names, rows)
+        req: dict[str, Any] = {n: None for n in (wanted or ())}
+        for n, sel in sel_rows.items():
             if not isinstance(sel, slice):
                 raise InvalidType(f"rows[{n!r}] must be a slice, got {type(sel).__name__}")
             req[n] = ("slice", (sel.start, sel.stop, sel.step))
