@@ -31,7 +31,7 @@ from cnrstore.core.validate import is_shard, not_a_tensor
 from cnrstore.errors import InvalidInput, InvalidType, ManifestError
 
 __all__ = ["FlatState", "flatten", "unflatten", "fill", "lazy_tables", "stored_leaf",
-           "check_structure"]
+           "check_structure", "merge_structures"]
 
 _SCALARS = (type(None), bool, int, float, str, bytes)
 SEP = "/"
@@ -152,6 +152,63 @@ def check_structure(doc) -> dict[str, tuple[int, ...]]:
             raise ManifestError(f"unknown state structure node {sorted(node)}")
 
     walk(doc, 0)
+    return out
+
+
+_KINDS = {"T": "tensor", "p": "Python value", "d": "dict", "l": "list", "t": "tuple"}
+
+
+def _kind(node: dict) -> str:
+    return next(k for k in _KINDS if k in node)
+
+
+def merge_structures(docs: list[dict]) -> dict:
+    """One structure document naming the leaves of all of ``docs`` (one per rank, the
+    coordinator's first): dict entries any of them has, in the order of the first that
+    has them (keys matched by their text, as table names are); sequences as long as the
+    longest; where several give the same leaf, the first one's (a Python value is the
+    coordinator's). A path that is a tensor in one document and anything else in another
+    is InvalidInput: one of them would be lost."""
+
+    def tensors(node: dict) -> bool:
+        kind = _kind(node)
+        if kind == "T":
+            return True
+        if kind == "d":
+            return any(tensors(c) for _, c in node["d"])
+        return kind in ("l", "t") and any(tensors(c) for c in node[kind])
+
+    def merge(a: dict, b: dict, path: str, rank: int) -> dict:
+        ka, kb = _kind(a), _kind(b)
+        if ka != kb:
+            if tensors(a) or tensors(b):
+                raise InvalidInput(
+                    f"state entry {path or '<root>'!r} is a {_KINDS[kb]} on rank {rank} "
+                    f"and a {_KINDS[ka]} on a lower rank; every rank must give it as the "
+                    "same kind (nothing was written)")
+            return a  # Python values only: the lower rank's, as for one value
+        if ka == "d":
+            items = [[k, c] for k, c in a["d"]]
+            at = {str(k): i for i, (k, _) in enumerate(items)}
+            for k, c in b["d"]:
+                sub = f"{path}{SEP}{k}" if path else str(k)
+                if str(k) in at:
+                    i = at[str(k)]
+                    items[i][1] = merge(items[i][1], c, sub, rank)
+                else:
+                    at[str(k)] = len(items)
+                    items.append([k, c])
+            return {"d": items}
+        if ka in ("l", "t"):
+            sa, sb = a[ka], b[ka]
+            both = [merge(x, y, f"{path}{SEP}{i}" if path else str(i), rank)
+                    for i, (x, y) in enumerate(zip(sa, sb))]
+            return {ka: both + sa[len(sb):] + sb[len(sa):]}
+        return a
+
+    out = docs[0]
+    for rank, doc in enumerate(docs[1:], start=1):
+        out = merge(out, doc, "", rank)
     return out
 
 

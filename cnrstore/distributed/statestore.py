@@ -18,6 +18,7 @@ from cnrstore.core.state import (
     fill,
     flatten,
     lazy_tables,
+    merge_structures,
     stored_leaf,
     unflatten,
 )
@@ -125,9 +126,13 @@ def put_state(ds: DistributedStore, step: Any, state: Any, *, quant: Any, metada
             quant = {"*": quant}
     except BaseException as exc:
         err = exc
-    ds.comm.agree(err, "put_state: flatten", None)
+    # The structure stored names every rank's leaves, as DCP's metadata names every
+    # rank's keys: a plain tensor or Python value only another rank gives (a table-wise
+    # table) is stored, so it must be in the structure that get_state rebuilds.
+    docs = ds.comm.agree(err, "put_state: flatten", None if err else flat.doc)
+    doc = merge_structures(docs)  # the same on every rank, or the same error on every rank
     info = dput.put(ds, step, tables, quant=quant, metadata=metadata, blocking=blocking,
-                    touched=touched, state=flat.doc)
+                    touched=touched, state=doc)
     done()
     return info
 

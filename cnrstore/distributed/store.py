@@ -222,8 +222,12 @@ class DistributedStore:
     def put_state(self, step: int, state: Any, *, quant: Any = None,
                   metadata: Mapping | None = None, blocking: bool = True,
                   touched: Mapping | None = None) -> StepInfo | Future:
-        """Collective put_state: tensor leaves may be plain (replicated), Shards, DTensor
-        or ShardedTensor; the structure and Python leaves stored are the coordinator's."""
+        """Collective put_state: tensor leaves may be plain (replicated, or given by one
+        rank only: a table-wise table), Shards, DTensor or ShardedTensor. The structure
+        stored names every rank's leaves (dict entries merged, in the order of the lowest
+        rank that gives them); a Python leaf several ranks give is the lowest rank's; a
+        path that is a tensor on one rank and something else on another is InvalidInput
+        before anything is written."""
         return statestore.put_state(self, step, state, quant=quant, metadata=metadata,
                               blocking=blocking, touched=touched)
 

@@ -296,3 +296,23 @@ def test_a_crafted_state_structure_is_a_manifest_error():
             s.get_state(step)
         with pytest.raises(cnrstore.CheckpointError):
             s.load_state(step, {"w": torch.zeros(4, 2)})
+
+
+def test_merged_structures_name_every_documents_leaves():
+    from cnrstore.core.state import check_structure, flatten, merge_structures, unflatten
+
+    a = flatten({"m": {"w": torch.ones(2, 2)}, "e": 1, "seq": [torch.ones(1)], "o": {1: 2}})
+    b = flatten({"m": {"v": torch.ones(3, 1)}, "e": 2, "seq": [torch.ones(1), torch.ones(2)],
+                 "extra": "x", "o": {"1": 5, 2: 3}})
+    doc = merge_structures([a.doc, b.doc])
+    assert set(check_structure(doc)) == set(a.tables) | set(b.tables)
+    got = unflatten(doc, lambda name, shape: name)
+    # the first document's values and order where both have an entry (keys by their text)
+    assert got == {"m": {"w": "m/w", "v": "m/v"}, "e": 1, "seq": ["seq/0", "seq/1"],
+                   "o": {1: 2, 2: 3}, "extra": "x"}
+    assert merge_structures([a.doc]) is a.doc
+    with pytest.raises(cnrstore.InvalidInput, match="'m/w' is a dict on rank 1"):
+        merge_structures([a.doc, flatten({"m": {"w": {"x": torch.ones(1)}}}).doc])
+    # Python values only: the first one's, whatever their kinds
+    assert unflatten(merge_structures([flatten({"s": None}).doc, flatten({"s": {"k": 1}}).doc]),
+                     lambda n, s: n) == {"s": None}
