@@ -4,7 +4,7 @@ satisfy: ``CheckpointStore`` (one process, cnrstore/core/store.py) and
 checks each class against it (the ``_is_store_api`` functions beside them) and
 tests/cnrstore/test_store_api.py checks the signatures themselves, parameter by
 parameter, so the two classes' methods cannot drift apart. A method both handles have
-belongs here; what only one has (CheckpointStore's ``progress=``, a rank's plumbing) is
+belongs here; what only one has (a rank's plumbing, CheckpointStore's ``objects``) is
 listed by that test.
 """
 
@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 from cnrstore.core.options import Options
 from cnrstore.core.writer import StepInfo
+from engine import ProgressFn
 
 __all__ = ["StoreAPI"]
 
@@ -31,21 +32,25 @@ class StoreAPI(Protocol):
 
     def put_tables(self, step: int, tables: Mapping, *, quant: Any = "exact",
                    metadata: Mapping | None = None, blocking: bool = True,
-                   touched: Mapping | None = None) -> StepInfo | Future: ...
+                   touched: Mapping | None = None,
+                   progress: ProgressFn | None = None) -> StepInfo | Future: ...
 
     def put_state(self, step: int, state: Any, *, quant: Any = None,
                   metadata: Mapping | None = None, blocking: bool = True,
-                  touched: Mapping | None = None) -> StepInfo | Future: ...
+                  touched: Mapping | None = None,
+                   progress: ProgressFn | None = None) -> StepInfo | Future: ...
 
     def get_tables(self, step: int | None = None, *, names: Iterable[str] | None = None,
                    rows: Mapping[str, slice] | None = None, device: Any = "cpu",
-                   out: Mapping | None = None) -> dict: ...
+                   out: Mapping | None = None, progress: ProgressFn | None = None) -> dict: ...
 
     def get_state(self, step: int | None = None, *, device: Any = "cpu",
-                  names: Iterable[str] | None = None) -> Any: ...
+                  names: Iterable[str] | None = None,
+                  progress: ProgressFn | None = None) -> Any: ...
 
     def load_state(self, step: int | None, state: Any, *, strict: bool = True,
-                   names: Iterable[str] | None = None) -> Any: ...
+                   names: Iterable[str] | None = None,
+                   progress: ProgressFn | None = None) -> Any: ...
 
     def changes(self, a: int, b: int, names: Iterable[str] | None = None, *,
                 rows: Mapping[str, slice] | None = None, strict: bool = False) -> Any: ...
@@ -61,8 +66,8 @@ class StoreAPI(Protocol):
     def rollback(self, step: int) -> list[int]: ...
 
     def gc(self, keep_last: int | None = None, keep: Iterable[int] = (), *,
-           threshold: float = 0.25) -> Any: ...
+           threshold: float = 0.25, progress: ProgressFn | None = None) -> Any: ...
 
-    def verify(self, *, deep: bool = True) -> Any: ...
+    def verify(self, *, deep: bool = True, progress: ProgressFn | None = None) -> Any: ...
 
     def stats(self) -> Any: ...

@@ -20,6 +20,7 @@ import msgpack
 import torch
 
 from cnrstore.codec.quantize import row_nbytes
+from cnrstore.core.progress import Reporter, check_progress
 from cnrstore.core.put import check_new_step, forget_failed, queued
 from cnrstore.core.seed import seed_blocks
 from cnrstore.core.snapshot import TablePlan, plan_table
@@ -55,7 +56,7 @@ def _quant_key(quant: Any) -> Any:
 
 def put(ds: DistributedStore, step: int, tables: Mapping, *, quant: Any,
         metadata: Mapping | None, blocking: bool, touched: Mapping | None,
-        state: dict | None = None) -> StepInfo | Future:
+        state: dict | None = None, progress: Any = None) -> StepInfo | Future:
     comm = ds.comm
     t0 = time.perf_counter()
     opt = ds.options
@@ -66,6 +67,7 @@ def put(ds: DistributedStore, step: int, tables: Mapping, *, quant: Any,
         ds.check_open()
         try:
             check_step(step)
+            check_progress(progress)
             local = layout.local_tables(tables, ds.shard_leaf)
             meta_doc = pack_metadata(metadata)
             rows_touched = check_touched(touched, local, owned={
@@ -119,6 +121,12 @@ def put(ds: DistributedStore, step: int, tables: Mapping, *, quant: Any,
         bases = _seed(ds, [g[1] for g in got], gtables, schemes)
         _receive(comm, got, buf, sizes, gtables, runs)
         del buf
+        # This rank's own work: the bytes of the block runs it plans (its rows and those
+        # sent to it); done == total once the step committed.
+        report = Reporter(progress, sum(
+            (run.hi - run.lo) * layout.width(gtables[run.name].row_shape)
+            * gtables[run.name].torch_dtype.itemsize for run, _, _ in runs),
+            min_total=opt.progress_min_bytes)
 
         plans: list[tuple[str, int, TablePlan]] = []
         err = None
@@ -133,6 +141,7 @@ def put(ds: DistributedStore, step: int, tables: Mapping, *, quant: Any,
                 sub = layout.assemble(run, parts, gt.row_shape, gt.torch_dtype)
                 plans.append((run.name, run.b0, _plan(ds, run, sub, schemes[run.name],
                                                       tids, None, bases)))
+                report.add(sub.numel() * sub.element_size())
             rnb = {n: p.state.row_nbytes for n, _, p in plans}
         except BaseException as exc:
             _release(plans)
@@ -183,8 +192,11 @@ def put(ds: DistributedStore, step: int, tables: Mapping, *, quant: Any,
             else:  # not queued: as a refused put, the bases stay those of the last put
                 _release(plans)
     if not blocking:
+        fut.add_done_callback(lambda f: None if f.exception() else report.finish())
         return fut
-    return fut.result()
+    info = fut.result()
+    report.finish()
+    return info
 
 
 def _receive(comm: Any, got: list, buf: torch.Tensor | None, sizes: list[int],

@@ -13,6 +13,8 @@ from typing import Any
 import torch
 
 from cnrstore.codec.layout import dtype_name
+from cnrstore.core.get import out_bytes
+from cnrstore.core.progress import Reporter, check_progress
 from cnrstore.core.restore import check_slice, read_into, read_table, read_tables, row_range
 from cnrstore.core.validate import check_destination, check_device, check_selection, check_step
 from cnrstore.distributed import transfer
@@ -31,7 +33,7 @@ from cnrstore.format.load import list_steps, load_manifest, load_step
 # so the layers test sees no import cycle.
 DistributedStore = Any
 
-__all__ = ["get_tables", "collective_read", "finish_read", "fill_dest"]
+__all__ = ["get_tables", "collective_read", "finish_read", "fill_dest", "rank_reporter"]
 
 Ranges = list[tuple[int, int]]
 _ALL = "\x00all"  # request key: every table of the step (never a table name: names are UTF-8)
@@ -137,9 +139,21 @@ def finish_read(ds: DistributedStore, err: BaseException | None, what: str) -> N
         transfer.moved_everywhere(what)
 
 
+def rank_reporter(ds: DistributedStore, progress: Any, tables: dict,
+                  rows: Mapping | None = None) -> Reporter:
+    """``progress`` over the bytes this rank decodes of ``tables`` ({name: (manifest,
+    row ranges)}, as collective_read answered; ``rows``: the slices asked for, if any):
+    each rank reports its own reads."""
+    return Reporter(progress, sum(
+        out_bytes(tm, rows[n]) if rows and n in rows else
+        sum(out_bytes(tm, slice(lo, hi)) for lo, hi in ranges)
+        for n, (tm, ranges) in tables.items()), min_total=ds.options.progress_min_bytes)
+
+
 def get_tables(ds: DistributedStore, step: Any, *, names: Any, rows: Any, device: Any,
-               out: Any) -> dict:
+               out: Any, progress: Any = None) -> dict:
     def make() -> dict:
+        check_progress(progress)
         if out is not None:
             if names is not None or rows is not None:
                 raise InvalidInput("get_tables: out= names the tables; not with names= or rows=")
@@ -160,18 +174,22 @@ def get_tables(ds: DistributedStore, step: Any, *, names: Any, rows: Any, device
     s, _, tables, objects = collective_read(ds, step, None, "get_tables", make)
     result: dict = {}
     err = None
+    report = rank_reporter(ds, progress, tables, None if out is not None else rows)
     try:
         if out is not None:
             for n, (tm, ranges) in tables.items():
                 fill_dest(ds, objects, tm, ranges, out[n])
                 result[n] = out[n]
+                report.add(sum(out_bytes(tm, slice(lo, hi)) for lo, hi in ranges))
         else:
             wanted = [(tm, (rows or {}).get(n)) for n, (tm, _) in tables.items()]
             result = dict(zip(tables, read_tables(objects, ds.pool, wanted,
-                                                  check_device(device))))
+                                                  check_device(device),
+                                                  done=report.add if report.fn else None)))
     except BaseException as exc:
         err = exc
     finish_read(ds, err, "get_tables: read")
+    report.finish()
     return result
 
 

@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from cnrstore.core.get import out_bytes
+from cnrstore.core.progress import check_progress
 from cnrstore.core.restore import read_into, read_table, read_tables
 from cnrstore.core.state import (
     MAX_DEPTH,
@@ -33,7 +35,7 @@ from cnrstore.core.stateselect import (
 )
 from cnrstore.core.validate import check_destination, check_device
 from cnrstore.distributed import put as dput
-from cnrstore.distributed.read import collective_read, fill_dest, finish_read
+from cnrstore.distributed.read import collective_read, fill_dest, finish_read, rank_reporter
 from cnrstore.distributed.shard import Shard
 from cnrstore.errors import InvalidInput, InvalidType, StepNotFound
 from cnrstore.format.load import list_steps, load_step
@@ -107,7 +109,7 @@ def _uniform(ds: DistributedStore, state: Any, what: str) -> Any:
 
 
 def put_state(ds: DistributedStore, step: Any, state: Any, *, quant: Any, metadata: Any,
-              blocking: bool, touched: Any) -> Any:
+              blocking: bool, touched: Any, progress: Any = None) -> Any:
     state = _uniform(ds, state, "put_state: structure")
     # Column pieces become whole rows, and a tracker's touched rows with them
     # (cnrstore/distributed/columns.py; touched= may be TorchRec's ModelDeltaTracker)
@@ -132,7 +134,7 @@ def put_state(ds: DistributedStore, step: Any, state: Any, *, quant: Any, metada
     docs = ds.comm.agree(err, "put_state: flatten", None if err else flat.doc)
     doc = merge_structures(docs)  # the same on every rank, or the same error on every rank
     info = dput.put(ds, step, tables, quant=quant, metadata=metadata, blocking=blocking,
-                    touched=touched, state=doc)
+                    touched=touched, state=doc, progress=progress)
     done()
     return info
 
@@ -154,10 +156,12 @@ def _select(ds: DistributedStore, step: Any, names: Any, what: str
     return s, sel, doc, tables
 
 
-def get_state(ds: DistributedStore, step: Any, *, device: Any, names: Any = None) -> Any:
+def get_state(ds: DistributedStore, step: Any, *, device: Any, names: Any = None,
+              progress: Any = None) -> Any:
     step, sel, _, stored = _select(ds, step, names, "get_state: names")
 
     def make() -> Any:
+        check_progress(progress)
         check_device(device)
         # Only the picked tables are asked for: the coordinator reads nothing else.
         return None if sel.everything else {n: None for n in stored if sel(n)}
@@ -165,26 +169,30 @@ def get_state(ds: DistributedStore, step: Any, *, device: Any, names: Any = None
     s, doc, tables, objects = collective_read(ds, step, None, "get_state", make)
     result: dict = {}
     err = None
+    report = rank_reporter(ds, progress, tables)
     try:
         result = dict(zip(tables, read_tables(objects, ds.pool,
                                               [(tm, None) for tm, _ in tables.values()],
-                                              check_device(device))))
+                                              check_device(device),
+                                              done=report.add if report.fn else None)))
         if doc is not None:
             check_structure(doc)
             result = unflatten(prune(doc, sel, NONE_HOLE), stored_leaf(s, result))
     except BaseException as exc:
         err = exc
     finish_read(ds, err, "get_state: read")
+    report.finish()
     return result
 
 
 def load_state(ds: DistributedStore, step: Any, state: Any, *, strict: bool,
-               names: Any = None) -> Any:
+               names: Any = None, progress: Any = None) -> Any:
     state = _uniform(ds, state, "load_state: structure")
     step, sel, stored_doc, stored = _select(ds, step, names, "load_state: names")
     box: dict[str, Any] = {}
 
     def make() -> dict:
+        check_progress(progress)
         plain, sharded = _sharded(state, _load_leaf(ds))
         flat = flatten(plain)
         box["flat"], box["sharded"] = flat, sharded
@@ -228,6 +236,9 @@ def load_state(ds: DistributedStore, step: Any, state: Any, *, strict: bool,
         return isinstance(v, Shard) or _load_leaf(ds)(v) is not None
 
     lazy: dict[str, tuple[int, ...]] = {}
+    # This rank's in-place restore, as CheckpointStore.load_state reports it (the tables
+    # adopted into empty containers below are read without a report, there as here).
+    report = rank_reporter(ds, progress, tables)
     try:
         flat, sharded = box["flat"], box["sharded"]
         if doc is not None:
@@ -247,6 +258,7 @@ def load_state(ds: DistributedStore, step: Any, state: Any, *, strict: bool,
                     return read_table(objects, tm, ds.pool, rows=slice(lo, hi))[0]
 
                 fill_leaf(leaf, rows)
+            report.add(sum(out_bytes(tm, slice(lo, hi)) for lo, hi in ranges))
     except BaseException as exc:
         err = exc
     finish_read(ds, err, "load_state: read")
@@ -268,6 +280,7 @@ def load_state(ds: DistributedStore, step: Any, state: Any, *, strict: bool,
 
             result = fill(state, doc, strict=strict and sel.everything, is_tensor=is_tensor,
                           adopt=adopt)
+    report.finish()
     return result
 
 

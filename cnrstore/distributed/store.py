@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from cnrstore.core.lifetime import close_at_exit
 from cnrstore.core.options import Options, make_options
+from cnrstore.core.progress import check_progress
 from cnrstore.core.snapshot import HostBuffers
 from cnrstore.core.store import CheckpointStore
 from cnrstore.core.store import open as open_plain
@@ -33,7 +34,7 @@ from cnrstore.distributed import put as dput
 from cnrstore.distributed import read, statestore, transfer
 from cnrstore.distributed.comm import Comm, rebuild_error, wire_error
 from cnrstore.errors import CheckpointError, InvalidInput, translate, translating
-from engine import StoreError
+from engine import ProgressFn, StoreError
 
 __all__ = ["DistributedStore", "open_distributed"]
 
@@ -155,14 +156,21 @@ class DistributedStore:
             raise rebuild_error(got[1], 0)
         return got[1]
 
-    def coordinated(self, what: str, fn: Callable[[CheckpointStore], Any]) -> Any:
+    def coordinated(self, what: str, fn: Callable[[CheckpointStore], Any], *,
+                    check: Callable[[], Any] | None = None) -> Any:
         """Run ``fn(store)`` on the coordinator after every queued put, same result or
-        error on every rank."""
+        error on every rank (``check()``'s error too, raised on a rank before)."""
         self.check_open()
         self.drain()
+        err = None
+        try:
+            if check is not None:
+                check()
+        except BaseException as exc:
+            err = exc
         # Every call begins with an all-gather, where ranks in different calls meet
         # (comm.py): a broadcast alone would pair this call with another's round.
-        self.comm.all_gather(None, what)
+        self.comm.agree(err, what)
         return self.from_coordinator(self.comm, what, lambda: fn(self.coordinator_store),
                                      scatter=False)
 
@@ -207,57 +215,67 @@ class DistributedStore:
     @translating
     def put_tables(self, step: int, tables: Mapping, *, quant: Any = "exact",
                    metadata: Mapping | None = None, blocking: bool = True,
-                   touched: Mapping | None = None) -> StepInfo | Future:
+                   touched: Mapping | None = None,
+                   progress: ProgressFn | None = None) -> StepInfo | Future:
         """Collective put. ``tables`` on each rank: name -> plain tensor (the whole table;
         given on several ranks it is replicated and stored once), ``cnrstore.Shard`` or a
         list of Shards (the rows this rank holds; all ranks' shards tile the table), or a
         DTensor/ShardedTensor. ``touched``: per table, GLOBAL row ids of this rank's own
         rows changed since the last put. ``step``, ``quant`` and ``metadata`` are the same
         on every rank. Every rank gets the same StepInfo (its own ``stall_seconds``) or
-        the same error, and no step appears unless every rank's part was written."""
+        the same error, and no step appears unless every rank's part was written.
+        ``progress(done, total)`` on each rank hears of that rank's own work: the bytes
+        of the blocks it encodes (its rows, with those other ranks sent it), the last call
+        once the step committed (cnrstore/core/progress.py)."""
         return dput.put(self, step, tables, quant=quant, metadata=metadata,
-                        blocking=blocking, touched=touched)
+                        blocking=blocking, touched=touched, progress=progress)
 
     @translating
     def put_state(self, step: int, state: Any, *, quant: Any = None,
                   metadata: Mapping | None = None, blocking: bool = True,
-                  touched: Mapping | None = None) -> StepInfo | Future:
+                  touched: Mapping | None = None,
+                  progress: ProgressFn | None = None) -> StepInfo | Future:
         """Collective put_state: tensor leaves may be plain (replicated, or given by one
         rank only: a table-wise table), Shards, DTensor or ShardedTensor. The structure
         stored names every rank's leaves (dict entries merged, in the order of the lowest
         rank that gives them); a Python leaf several ranks give is the lowest rank's; a
         path that is a tensor on one rank and something else on another is InvalidInput
-        before anything is written."""
+        before anything is written. ``progress``: this rank's work, as for put_tables."""
         return statestore.put_state(self, step, state, quant=quant, metadata=metadata,
-                              blocking=blocking, touched=touched)
+                                    blocking=blocking, touched=touched, progress=progress)
 
     # -- get -----------------------------------------------------------------------------
     @translating
     def get_tables(self, step: int | None = None, *, names: Iterable[str] | None = None,
                    rows: Mapping[str, slice] | None = None, device: Any = "cpu",
-                   out: Mapping | None = None) -> dict:
+                   out: Mapping | None = None, progress: ProgressFn | None = None) -> dict:
         """Collective read; each rank asks for its own names and rows and reads only the
         blocks overlapping them. ``out`` values may be tensors (the whole table) or
-        Shards (their rows, filled in place)."""
+        Shards (their rows, filled in place). ``progress(done, total)`` on each rank:
+        the bytes that rank decodes."""
         return transfer.again(self, lambda: read.get_tables(
-            self, step, names=names, rows=rows, device=device, out=out))
+            self, step, names=names, rows=rows, device=device, out=out, progress=progress))
 
     @translating
     def get_state(self, step: int | None = None, *, device: Any = "cpu",
-                  names: Iterable[str] | None = None) -> Any:
+                  names: Iterable[str] | None = None,
+                  progress: ProgressFn | None = None) -> Any:
         """Collective get_state; ``names`` as for CheckpointStore.get_state (each rank
-        may pick its own)."""
-        return transfer.again(self, lambda: statestore.get_state(self, step, device=device,
-                                                                 names=names))
+        may pick its own); ``progress``: the bytes this rank decodes."""
+        return transfer.again(self, lambda: statestore.get_state(
+            self, step, device=device, names=names, progress=progress))
 
     @translating
     def load_state(self, step: int | None, state: Any, *, strict: bool = True,
-                   names: Iterable[str] | None = None) -> Any:
+                   names: Iterable[str] | None = None,
+                   progress: ProgressFn | None = None) -> Any:
         """Restore into ``state`` in place: plain tensors get the whole table, Shards,
-        DTensor and ShardedTensor leaves their own rows. ``names`` as for
-        CheckpointStore.load_state."""
-        return transfer.again(self, lambda: statestore.load_state(self, step, state,
-                                                                  strict=strict, names=names))
+        DTensor and ShardedTensor leaves their own rows; an empty dict or list the step
+        holds filled on every rank (a fresh Adam's ``"state": {}``) comes back filled,
+        as in CheckpointStore.load_state. ``names`` as there; ``progress``: the bytes
+        this rank restores in place."""
+        return transfer.again(self, lambda: statestore.load_state(
+            self, step, state, strict=strict, names=names, progress=progress))
 
     @translating
     def changes(self, a: int, b: int, names: Iterable[str] | None = None, *,
@@ -296,9 +314,14 @@ class DistributedStore:
 
     @translating
     def gc(self, keep_last: int | None = None, keep: Iterable[int] = (), *,
-           threshold: float = 0.25) -> Any:
+           threshold: float = 0.25, progress: ProgressFn | None = None) -> Any:
+        """Collective gc, run by the coordinator: its ``progress`` hears of the work (as
+        for CheckpointStore.gc); the other ranks do none of it and hear nothing."""
         keep = list(keep) if not isinstance(keep, (str, bytes)) else keep
-        report = self.coordinated("gc", lambda s: s.gc(keep_last, keep, threshold=threshold))
+        report = self.coordinated("gc", lambda s: s.gc(
+            keep_last, keep, threshold=threshold,
+            progress=progress if self.is_coordinator else None),
+            check=lambda: check_progress(progress))
         self._drop_missing()
         return report
 
@@ -316,8 +339,10 @@ class DistributedStore:
                 st.drop_missing(lambda oid: oid not in gone_set)
 
     @translating
-    def verify(self, *, deep: bool = True) -> Any:
-        return self.coordinated("verify", lambda s: s.verify(deep=deep))
+    def verify(self, *, deep: bool = True, progress: ProgressFn | None = None) -> Any:
+        """Collective verify, run by the coordinator; ``progress`` as for ``gc``."""
+        return self.coordinated("verify", lambda s: s.verify(deep=deep, progress=progress),
+                                check=lambda: check_progress(progress))
 
     @translating
     def stats(self) -> Any:

@@ -15,9 +15,7 @@ from cnrstore.distributed.store import DistributedStore
 
 # Keyword-only parameters one handle has beyond the protocol's, per method.
 EXTRA_PARAMS = {
-    CheckpointStore: {"put_tables": {"progress"}, "put_state": {"progress"},
-                      "get_tables": {"progress"}, "get_state": {"progress"},
-                      "load_state": {"progress"}, "gc": {"progress"}, "verify": {"progress"}},
+    CheckpointStore: {},
     DistributedStore: {},
 }
 # Public names one handle has beyond the protocol's.

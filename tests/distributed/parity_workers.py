@@ -54,3 +54,61 @@ def leaves_of_one_rank(rank: int, world: int, path: str) -> dict:
         out["clash"] = _err(lambda: s.put_state(2, clash))
         out["steps"] = s.steps()
     return out
+
+
+class Calls(list):
+    """A progress callback recording its calls."""
+
+    def __call__(self, done: int, total: int) -> None:
+        self.append((done, total))
+
+
+def _table(step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(256, 8, generator=g)
+
+
+def progress_per_rank(rank: int, world: int, path: str) -> dict:
+    """Each rank's ``progress`` calls of every call that takes one (rows split evenly:
+    block-aligned shards, so a rank's own work is its own rows)."""
+    lo, hi = (32 * round(8 * r / world) for r in (rank, rank + 1))  # 8 blocks of 32 rows
+    out: dict = {"own": (hi - lo) * 8 * 4}
+
+    def mine(step: int) -> cnrstore.Shard:
+        return cnrstore.Shard(_table(step)[lo:hi].clone(), row_offset=lo, rows=256)
+
+    with _open(path, progress_min_bytes=1024) as s:
+        c = Calls()
+        s.put_tables(1, {"t": mine(1)}, progress=c)
+        out["put_tables"] = list(c)
+        c = Calls()
+        s.put_state(2, {"m": {"t": mine(2)}, "epoch": 2}, blocking=False, progress=c).result()
+        s.steps()
+        out["put_state"] = list(c)
+        c = Calls()
+        s.get_tables(1, names=["t"], rows={"t": slice(lo, hi)}, progress=c)
+        out["get_tables rows"] = list(c)
+        c = Calls()
+        dest = cnrstore.Shard(torch.empty(hi - lo, 8), row_offset=lo, rows=256)
+        s.get_tables(1, out={"t": dest}, progress=c)
+        out["get_tables out"] = (list(c), torch.equal(dest.local, _table(1)[lo:hi]))
+        c = Calls()
+        s.get_state(2, progress=c)  # every rank reads the whole table
+        out["get_state"] = list(c)
+        c = Calls()
+        dest = cnrstore.Shard(torch.empty(hi - lo, 8), row_offset=lo, rows=256)
+        s.load_state(2, {"m": {"t": dest}, "epoch": 0}, progress=c)
+        out["load_state"] = (list(c), torch.equal(dest.local, _table(2)[lo:hi]))
+        for name, call in [("verify", lambda p: s.verify(progress=p)),
+                           ("gc", lambda p: s.gc(keep_last=1, progress=p))]:
+            c = Calls()
+            call(c)
+            out[name] = list(c)
+        # A bad progress on one rank only: refused on every rank, nothing written.
+        bad = "not callable" if rank == world - 1 else None
+        out["bad"] = [_err(lambda: s.put_tables(3, {"t": mine(3)}, progress=bad)),
+                      _err(lambda: s.get_state(progress=bad)),
+                      _err(lambda: s.gc(keep_last=0, progress=bad)),
+                      _err(lambda: s.verify(progress=bad))]
+        out["steps"] = s.steps()
+    return out
