@@ -26,7 +26,7 @@ import torch
 
 from cnrstore.core.retention import check_retention, kept_steps
 from cnrstore.core.store import CheckpointStore
-from cnrstore.errors import InvalidInput, InvalidType, StepNotFound, TableNotFound
+from cnrstore.errors import InvalidInput, InvalidType, StepNotFound
 
 __all__ = ["CheckpointManager", "plan_retention"]
 
@@ -76,37 +76,6 @@ def _state_dicts(state: Mapping) -> dict:
         else:
             out[k] = v
     return out
-
-
-def _prime(opt: torch.optim.Optimizer) -> bool:
-    """Create the lazily made state of a fresh optimizer (Adam's moments, its step) with
-    one step of zero gradients at learning rate 0, so a restore has tensors to fill in
-    place. The parameters do not move (and are restored afterwards in any case)."""
-    if opt.state:
-        return False
-    params = [p for g in opt.param_groups for p in g["params"] if p.requires_grad]
-    grads = [p.grad for p in params]
-    lrs = [g.get("lr") for g in opt.param_groups]
-    try:
-        for p in params:
-            p.grad = torch.zeros_like(p)
-        for g in opt.param_groups:
-            if "lr" in g:
-                g["lr"] = torch.tensor(0.0) if isinstance(g["lr"], torch.Tensor) else 0.0
-        with torch.no_grad():
-            opt.step()
-    except Exception as exc:
-        raise InvalidInput(
-            f"restore: cannot create the state of a fresh {type(opt).__name__} to fill "
-            f"({type(exc).__name__}: {exc}); restore with store.get_state(step) and "
-            "opt.load_state_dict(...) instead") from exc
-    finally:
-        for g, lr in zip(opt.param_groups, lrs):
-            if lr is not None:
-                g["lr"] = lr
-        for p, grad in zip(params, grads):
-            p.grad = grad
-    return True
 
 
 class CheckpointManager:
@@ -298,10 +267,11 @@ class CheckpointManager:
         """Restore ``step`` (None: the newest committed) into ``into`` in place and return
         a mapping like ``into``: Module and Optimizer values are filled and returned as
         they are, tensor nestings filled in place, other values as stored. A fresh
-        optimizer (Adam, Adagrad: state made on the first step) is primed with one
-        zero-learning-rate step so its state tensors exist to be filled; its param_groups
-        and step counters are then set from the stored ones. Retention never deletes a
-        step while it is being restored. StepNotFound if there is no such step."""
+        optimizer (Adam, LBFGS: state made on the first step) gets the stored state as
+        fresh tensors (``load_state`` fills an empty container the step holds filled),
+        an optimizer with state has it filled in place; either then loads it with
+        ``load_state_dict``. Retention never deletes a step while it is being restored.
+        StepNotFound if there is no such step."""
         if not isinstance(into, Mapping):
             raise InvalidType("into must be a mapping, e.g. {'model': model, 'optim': opt}")
         with self._lock:
@@ -312,19 +282,11 @@ class CheckpointManager:
                     raise StepNotFound(-1, "restore: the store holds no step yet")
             self._restoring[step] = self._restoring.get(step, 0) + 1
         try:
-            primed = {k for k, v in into.items()
-                      if isinstance(v, torch.optim.Optimizer) and _prime(v)}
-            try:
-                got = self.store.load_state(step, _state_dicts(into))
-            except TableNotFound as exc:
-                # A step saved before the optimizer's first step() holds no state for it:
-                # the primed state goes again (nothing was written: names are checked
-                # first), and the optimizer is restored as it was then, stateless.
-                owner = str(getattr(exc, "table", "")).split("/")[0]
-                if owner not in primed:
-                    raise
-                into[owner].state.clear()
-                got = self.store.load_state(step, _state_dicts(into))
+            # A fresh optimizer's empty "state" comes back filled with the stored one
+            # (load_state adopts what an empty container of the destination lacks), so
+            # no optimizer step is run to make it: LBFGS cannot step without a closure,
+            # SparseAdam without sparse gradients.
+            got = self.store.load_state(step, _state_dicts(into))
             out: dict = {}
             for k, v in into.items():
                 if isinstance(v, torch.optim.Optimizer):
