@@ -1,5 +1,6 @@
 """A DistributedStore does what a CheckpointStore does (cnrstore/core/api.py), on spawned
-gloo ranks: a put_state's structure names every rank's leaves."""
+gloo ranks: a put_state's structure names every rank's leaves, ``progress=`` reports each
+rank's own work, and a fresh Adam's empty state is restored bit for bit."""
 
 from __future__ import annotations
 
@@ -61,3 +62,13 @@ def test_progress_reports_each_ranks_own_work(tmp_path, world):
     assert all(b == bad[0] for b in bad), bad
     assert all(e is not None and e[0] == "InvalidType" for e in bad[0]), bad[0]
     assert all(r["steps"] == [2] for r in res), [r["steps"] for r in res]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_fresh_adam_is_restored_bit_for_bit_and_trains_on_alike(tmp_path, world):
+    from parity_workers import fresh_adam
+
+    res = run(world, fresh_adam, str(tmp_path / "s"), timeout=120)
+    for r in res:
+        assert not isinstance(r, Failed), r.trace
+    assert all(r == {"restored": True, "stepped": True} for r in res), res
