@@ -29,6 +29,7 @@ import shutil
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -163,6 +164,27 @@ def experiment(tasks, *, seeds: int, schemes=SCHEMES, restores=RESTORES, quick=F
     return doc
 
 
+def plateau(name: str, seed: int = 0, *, quick: bool = False, log=print) -> list[dict]:
+    """How close a task's base run ends to its plateau: held-out loss and AUC at a quarter,
+    half, three quarters and the end of the run, and at the end of a run twice as long
+    (its learning rates annealed over twice the steps)."""
+    rows = []
+    with deterministic():
+        for factor in (1, 2):
+            task = make_task(name, seed, quick=quick)
+            task = replace(task, steps=task.steps * factor)
+            run = _Run(task)
+            marks = [task.steps * k // 4 for k in (1, 2, 3, 4)] if factor == 1 else [task.steps]
+            for mark in marks:
+                run.train(mark)
+                loss, auc = evaluate(run.model, task.eval)
+                rows.append({"task": name, "steps": mark, "of": task.steps, "loss": loss,
+                             "auc": auc})
+                log(f"{name} seed {seed}: step {mark} of {task.steps}: loss {loss:.6f} "
+                    f"auc {auc:.6f}")
+    return rows
+
+
 def merge(docs: list[dict]) -> dict:
     """One results document from several runs of the same schemes and restores."""
     doc = copy.deepcopy(docs[0])
@@ -190,7 +212,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="run nothing: tables and plots from DIR/results.json (several: "
                         "their tasks together, e.g. of one run per task; written to --out "
                         "or the first DIR)")
+    parser.add_argument("--plateau", action="store_true",
+                        help="run nothing else: where each task's base run (seed 0) ends, "
+                        "against a run twice as long")
     args = parser.parse_args(argv)
+    if args.plateau:
+        rows = [r for name in args.tasks for r in plateau(name, quick=args.quick)]
+        if args.out is not None:
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / "plateau.json").write_text(json.dumps(rows, indent=1))
+        return 0
     if args.report:
         doc = merge([json.loads((d / "results.json").read_text()) for d in args.report])
         out = args.out or args.report[0]
