@@ -359,8 +359,9 @@ def first_nonfinite_row(rows: torch.Tensor) -> int | None:
 # fewest bytes whose 95% interval stayed inside Check-N-Run's 0.01% budget (loss and AUC)
 # on both tasks at every measured count up to the band's end (quality_report.derive_policy;
 # tests/test_quality.py checks these bands against the committed measurement).
-AUTO_POLICY: tuple[tuple[float, str], ...] = ((1.0, "int4"), (20.0, "int8"))
-# More restores than the last band: not measured, so the store does not guess.
+AUTO_POLICY: tuple[tuple[float, str], ...] = ((5.0, "int8"),)
+# More restores: fp16 and int8 left the budget at 20 restores on the synthetic task (their
+# intervals too wide to clear it), and beyond 20 nothing was measured.
 AUTO_BEYOND = "exact"
 
 
