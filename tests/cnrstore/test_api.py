@@ -1,4 +1,5 @@
-"""The public API of DESIGN.md, against the memory twin and the real pack store."""
+"""The public API (docs/GUIDE.md, "The API contract"), against the memory twin and the real
+pack store."""
 
 from __future__ import annotations
 
