@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from cnrstore.core.restore import read_into, read_table, read_tables
+from cnrstore.core.restore import read_into, read_tables
 from cnrstore.core.state import (
     MAX_DEPTH,
     SEP,
@@ -191,12 +191,12 @@ def load_state(ds: DistributedStore, step: Any, state: Any, *, strict: bool) -> 
             elif isinstance(leaf, Shard):
                 fill_dest(ds, objects, tm, ranges, leaf)
             else:
-                from cnrstore.distributed.leaves import fill_leaf
-
-                def rows(lo: int, hi: int, tm: Any = tm) -> torch.Tensor:
-                    return read_table(objects, tm, ds.pool, rows=slice(lo, hi))[0]
-
-                fill_leaf(leaf, rows)
+                # Each local piece decoded in place where it can be (fill_dest): a read
+                # into fresh memory and a copy cost a cold restore its page faults twice.
+                # The pieces were checked against the stored table by the request.
+                for piece, off in _fill_pieces(leaf):
+                    fill_dest(ds, objects, tm, ranges,
+                              Shard(piece, row_offset=off, rows=tm.node.rows))
     except BaseException as exc:
         err = exc
     finish_read(ds, err, "load_state: read")
