@@ -73,10 +73,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--job-timeout", type=float, default=1800.0, help="seconds per job")
     p.add_argument("--one-process", action="store_true",
                    help="run all jobs of a repeat in one subprocess (implied by --quick)")
+    p.add_argument("--plot", type=Path, default=None,
+                   help="also draw restore time per system into this PNG (with results.json "
+                        "files as arguments: draw from them, run nothing)")
+    p.add_argument("inputs", nargs="*", type=Path, help="results.json files for --plot")
     p.add_argument("--quick", action="store_true",
                    help=f"CI smoke run: scale {QUICK_SCALE}, 2 incremental steps, 1 repeat, "
                         "one process")
     args = p.parse_args(argv)
+    if args.inputs and not args.plot:
+        p.error("results.json arguments need --plot")
     args.one_process = args.one_process or args.quick
     args.scale = args.scale if args.scale is not None else (QUICK_SCALE if args.quick else 1.0)
     args.steps = args.steps if args.steps is not None else (2 if args.quick else 3)
@@ -250,6 +256,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     meta["torch"] = torch.__version__
     meta["plots"] = report.plot(summary, args.out)
+    if args.plot:
+        report.plot_restores(summary, args.plot)
+        meta["plots"].append(str(args.plot))
     doc = {"meta": meta, "summary": summary, "targets": checks, "runs": runs,
            "failures": failures}
     md = report.markdown(summary, checks, meta)
@@ -264,6 +273,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.inputs:
+        for path in args.inputs:  # one PNG per file would overwrite: the last one wins
+            report.plot_restores(json.loads(path.read_text())["summary"], args.plot)
+        return 0
     doc = run(args)
     print((args.out / "results.md").read_text())
     return 1 if doc["failures"] else 0

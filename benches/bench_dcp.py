@@ -1,6 +1,6 @@
 """DCP through cnrstore vs DCP's own files: the same ``dcp.save`` / ``dcp.load`` of the
 same DTensors, with ``cnrstore.dcp.StorageWriter``/``StorageReader`` or with
-``FileSystemWriter``/``FileSystemReader`` (issue 25; results in benches/results/bench_dcp.md).
+``FileSystemWriter``/``FileSystemReader`` (issue 25; runs in benches/results/bench_dcp.md).
 
     .venv/bin/python benches/bench_dcp.py --out /tmp/bench_dcp             # 4 ranks, 269 MB, 3 runs
     .venv/bin/python benches/bench_dcp.py --quick --out /tmp/bench_dcp_q   # CI smoke

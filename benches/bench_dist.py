@@ -1,5 +1,5 @@
 """Many ranks: the same sharded tables through cnrstore's distributed store and through
-torch.distributed.checkpoint (DCP), in one run (issue 11; results in docs/PERFORMANCE.md).
+torch.distributed.checkpoint (DCP), in one run (issue 11; runs in benches/results/bench_dist.md).
 
     .venv/bin/python benches/bench_dist.py --out /tmp/bench_dist            # 4 ranks, 1.075 GB
     .venv/bin/python benches/bench_dist.py --quick --out /tmp/bench_dist_q  # CI smoke, seconds

@@ -1,5 +1,5 @@
 """Put/get throughput of a cnrstore on S3 next to torch.save + one upload with the same
-client (obstore), against a loopback S3 server (docs/PERFORMANCE.md, "Object stores").
+client (obstore), against a loopback S3 server (runs: benches/results/bench_s3.md).
 
     .venv/bin/python benches/bench_s3.py                  # 1 GB, SeaweedFS started here
     .venv/bin/python benches/bench_s3.py --gb 0.05 --out /tmp/s3b    # smoke

@@ -1,5 +1,5 @@
 #!/bin/bash
-# Start-up time of the `cnrstore` command (docs/PERFORMANCE.md, "CLI start-up").
+# Start-up time of the `cnrstore` command (runs: benches/results/cli_startup.md).
 # usage: benches/cli_startup.sh STORE [PYTHON]   -- median of 7 wall-clock runs, in ms.
 # Run it from outside the source tree (cwd comes first on sys.path for `python -m`), with
 # PYTHONPATH naming the tree to measure if it is not the installed one.

@@ -51,20 +51,20 @@ STAGES = (
     ("cnrstore.core.writer", "encode_full", "block payload (full)"),
     ("cnrstore.core.writer", "encode_patch", "block payload (patch)"),
     ("cnrstore.core.put", "write_step", "manifest + writer glue (other)"),
-    ("engine.writer", "object_id", "hash: object id (engine put)"),
-    ("engine.writer", "PackWriter.has", "dedup lookups (has)"),
-    ("engine.format", "encode_record", "record framing (other)"),
+    ("engine.store.writer", "object_id", "hash: object id (engine put)"),
+    ("engine.store.writer", "PackWriter.has", "dedup lookups (has)"),
+    ("engine.format.records", "encode_record", "record framing (other)"),
     ("engine.storage.local", "write_all", "write (pack append)"),
-    ("engine.pack", "PackFile.sync", "fsync"),
-    ("engine.pack", "fsync_dir", "fsync"),
-    ("engine.writer", "PackWriter.commit", "commit: index txn + roots (other)"),
+    ("engine.packs.pack", "PackFile.sync", "fsync"),
+    ("engine.packs.pack", "fsync_dir", "fsync"),
+    ("engine.store.writer", "PackWriter.commit", "commit: index txn + roots (other)"),
     ("cnrstore.core.put", "seed_state", "seed diff base from store"),
     # get
-    ("engine.pack", "pread_exact", "read (pread)"),
-    ("engine.format", "_decompress", "decompress"),
-    ("engine.format", "object_id", "hash: verify id on read"),
-    ("engine.format", "check_record", "record checksum + header"),
-    ("engine.core", "StoreCore.lookup", "index lookup"),
+    ("engine.packs.pack", "pread_exact", "read (pread)"),
+    ("engine.format.records", "_decompress", "decompress"),
+    ("engine.format.records", "object_id", "hash: verify id on read"),
+    ("engine.format.records", "check_record", "record checksum + header"),
+    ("engine.store.core", "StoreCore.lookup", "index lookup"),
     ("cnrstore.core.restore", "decode_rows", "dequantize / decode rows"),
     ("cnrstore.format.blocks", "decode_full", "block decode"),
     ("cnrstore.format.blocks", "decode_patch", "block decode"),
@@ -126,8 +126,8 @@ class StageTimers:
         import xxhash
         import zstandard
 
-        import engine.format
-        import engine.writer
+        import engine.format.records
+        import engine.store.writer
 
         timers = self
         compress_stage = self._wrap(lambda cctx, data: cctx.compress(data), "compress (zstd)")
@@ -148,8 +148,8 @@ class StageTimers:
 
         checksum = timers._wrap(xxhash.xxh3_64_intdigest, "checksum (xxh3-64)")
         for module, attr, proxy in (
-            (engine.writer, "zstandard", _ModuleProxy(zstandard, ZstdCompressor=_Cctx)),
-            (engine.format, "xxhash", _ModuleProxy(xxhash, xxh3_64_intdigest=checksum)),
+            (engine.store.writer, "zstandard", _ModuleProxy(zstandard, ZstdCompressor=_Cctx)),
+            (engine.format.records, "xxhash", _ModuleProxy(xxhash, xxh3_64_intdigest=checksum)),
         ):
             self._undo.append((module, attr, getattr(module, attr)))
             setattr(module, attr, proxy)

@@ -295,3 +295,37 @@ def plot(summary: dict[str, Any], out_dir: Path) -> list[str]:
         plt.close(fig)
         written.append(fname)
     return written
+
+
+RESTORE_BARS = (("restore_latest_s", "latest, cold"), ("restore_oldest_s", "oldest, cold"),
+                ("restore_warm_s", "latest, warm (median of 3)"),
+                ("restore_inplace_s", "latest, into existing tensors"))
+
+
+def plot_restores(summary: dict[str, Any], out: Path, workload: str | None = None) -> None:
+    """Restore time per system (PNG at ``out``): one bar per restore kind and system, for
+    ``workload`` (default: the first). torch_save's restore is torch.load, dcp's dcp.load."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    work = workload or next(iter(summary))
+    rows = summary[work]
+    systems = list(rows)
+    peer = {"torch_save": "torch.load", "safetensors": "safetensors load", "dcp": "dcp.load"}
+    fig, ax = plt.subplots(figsize=(max(6.5, 1.3 * len(systems)), 4.2))
+    width = 0.8 / len(RESTORE_BARS)
+    for i, (key, label) in enumerate(RESTORE_BARS):
+        ys = [rows[s].get(key) or 0.0 for s in systems]
+        ax.bar([j + i * width for j in range(len(systems))], ys, width, label=label)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(systems))],
+                  [peer.get(s, s) for s in systems], fontsize=8)
+    ax.set_ylabel("restore time (s)")
+    mb = next(iter(rows.values()))["logical_bytes"] / 1e6
+    ax.set_title(f"Restore time per system: {mb:.0f} MB of tables, {work}", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)

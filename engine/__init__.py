@@ -19,6 +19,7 @@ from .api import (
     ObjectInfo,
     ObjectStore,
     Problem,
+    ProgressFn,
     RepairReport,
     RootRepair,
     Stats,
@@ -42,13 +43,17 @@ from .errors import (
     StoreError,
     StoreLocked,
 )
-from .ids import object_id
-from .located import LocatedObjects, LocatedReader
-from .location import RecordLocation, decode_locations, encode_locations
-from .memory import MemoryStore
-from .options import EngineOptions
-from .sink import PacksExhausted, PackSink, packs_needed, record_bound
-from .store import PackStore, open  # noqa: A004 - engine.open(path) is the entry point
+from .format.ids import object_id
+from .format.location import RecordLocation, decode_locations, encode_locations
+from .format.options import EngineOptions
+from .fs import crashpoints
+from .fs.fileio import allocated_bytes, atomic_write
+from .store.located import LocatedObjects, LocatedReader
+from .store.memory import MemoryStore
+from .store.packstore import PackStore, open  # noqa: A004 - engine.open(path) is the entry point
+from .store.repair import plan_at
+from .store.sink import PacksExhausted, PackSink, packs_needed, record_bound
+from .store.walk import walk
 
 
 def storage_open(url: str | os.PathLike, *, cache_dir: str | os.PathLike,
@@ -57,16 +62,13 @@ def storage_open(url: str | os.PathLike, *, cache_dir: str | os.PathLike,
     ``s3://bucket/prefix`` (obstore needed; engine/storage/s3.py) or a directory every
     host reaches (engine/storage/shared.py); other keywords as for ``open``."""
     if str(url).startswith("s3://"):
-        from .storage.s3 import open_bucket
+        from .store.opening import open_bucket
 
-        store: PackStore = open_bucket(str(url), cache_dir=cache_dir,
-                                       storage_options=storage_options, **kwargs)
-        return store
-    from .storage.shared import open_shared
+        return open_bucket(str(url), cache_dir=cache_dir, storage_options=storage_options,
+                           **kwargs)
+    from .store.opening import open_shared
 
-    shared: PackStore = open_shared(url, cache_dir=cache_dir,
-                                    storage_options=storage_options, **kwargs)
-    return shared
+    return open_shared(url, cache_dir=cache_dir, storage_options=storage_options, **kwargs)
 
 
 __all__ = [
@@ -91,6 +93,7 @@ __all__ = [
     "PackStore",
     "PacksExhausted",
     "Problem",
+    "ProgressFn",
     "ReadOnly",
     "RecordLocation",
     "RepairReport",
@@ -104,11 +107,16 @@ __all__ = [
     "StoreLocked",
     "VerifyReport",
     "Writer",
+    "allocated_bytes",
+    "atomic_write",
+    "crashpoints",
     "decode_locations",
     "encode_locations",
     "object_id",
     "packs_needed",
+    "plan_at",
     "record_bound",
     "open",
     "storage_open",
+    "walk",
 ]

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 from .errors import NotSupported
 
 if TYPE_CHECKING:
-    from .location import RecordLocation
+    from .format.location import RecordLocation
 
 ProgressFn = Callable[[int, int], None]  # (done, total); total may be 0 when unknown
 
@@ -166,7 +166,7 @@ class Writer(abc.ABC):
 
     def adopt(self, locs: Sequence[RecordLocation]) -> None:
         """Publish in this commit records another process wrote into packs reserved with
-        ``reserve_packs`` (pack stores only; engine/adopt.py lists the checks)."""
+        ``reserve_packs`` (pack stores only; engine/store/adopt.py lists the checks)."""
         raise NotSupported(f"{type(self).__name__} cannot adopt records written elsewhere")
 
     @abc.abstractmethod

@@ -56,7 +56,7 @@ class ObjectNotFound(StoreError, KeyError):
 
 
 class PackMoved(ObjectNotFound):
-    """A record read by location (engine/located.py) is no longer in its pack: the pack
+    """A record read by location (engine/store/located.py) is no longer in its pack: the pack
     file is gone (a gc compacted it). Ask the coordinator for the object's location again."""
 
 
@@ -128,7 +128,7 @@ class ReadOnly(StoreError):
 
 
 class OptionsMismatch(StoreError):
-    """An open asked for a value of an option that describes stored data (engine/options.py)
+    """An open asked for a value of an option that describes stored data (engine/format/options.py)
     other than the one the store was created with."""
 
     def __init__(self, message: str, *, name: str, stored: object, asked: object):

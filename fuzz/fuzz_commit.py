@@ -1,5 +1,5 @@
 """Atheris target: the commit-document decoder of bucket and shared-directory stores
-(``engine.storage.commitdoc.decode_commit``).
+(``engine.format.commitdoc.decode_commit``).
 
 Any input must decode to a document that passed every field check, or raise
 ``CorruptObject``, nothing else. An input whose first byte is 0x01 is *resealed*: the
@@ -25,11 +25,12 @@ else:
 
 with _instrumented:
     from engine.errors import CorruptObject
-    from engine.storage.commitdoc import (
+    from engine.format.commitdoc import (
         HEADER,
         MAGIC,
         MAX_PACK,
         VERSION,
+        CommitDoc,
         commit_key,
         decode_commit,
         encode_commit,
@@ -50,13 +51,14 @@ def check(data: bytes) -> None:
     except CorruptObject:
         return
     # What the cache applies must be what the checks promise.
-    assert doc["seq"] == 3 and doc["kind"] in ("put", "gc")
-    for n, _, meta, entries in doc.get("packs", ()):
+    assert doc.seq == 3 and doc.kind in ("put", "gc")
+    for n, _, meta, entries in doc.packs:
         assert 0 <= n <= MAX_PACK and isinstance(meta, bool)
         for oid, *_, refs in entries:
             assert len(oid) == 16 and all(len(r) == 16 for r in refs)
-    assert all(isinstance(k, str) and len(v) == 16 for k, v in doc.get("set", {}).items())
-    assert all(isinstance(k, str) for k in (*doc.get("del", ()), *doc.get("creates", ())))
+    assert all(isinstance(k, str) and len(v) == 16 for k, v in doc.sets.items())
+    assert all(isinstance(k, str) for k in (*doc.deletes, *doc.creates))
+    assert decode_commit(encode_commit(doc), KEY) == doc  # the type says all the body did
 
 
 def seeds() -> list[bytes]:
@@ -69,7 +71,7 @@ def seeds() -> list[bytes]:
     gc = {"seq": 3, "kind": "gc", "time": 1.7e9, "token": b"\x44" * 16,
           "packs": [[9, 2048, False, [[oid, 16, 100, 1, 120, []]]]],
           "gone": [7], "swept": [b"\x55" * 16]}
-    v2 = [encode_commit(put), encode_commit(gc)]
+    v2 = [encode_commit(CommitDoc.from_fields(put)), encode_commit(CommitDoc.from_fields(gc))]
     v1 = [msgpack.packb(dict(put, v=1), use_bin_type=True)]
     return v2 + v1 + [b"\x01" + d[HEADER.size:] for d in v2]
 

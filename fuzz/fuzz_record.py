@@ -25,7 +25,8 @@ else:
 
 with _instrumented:
     from engine.errors import CorruptObject
-    from engine.format import (
+    from engine.format.ids import object_id
+    from engine.format.records import (
         CHECKSUM,
         RECORD_HEADER,
         RECORD_OBJECT,
@@ -37,7 +38,6 @@ with _instrumented:
         encode_snapshot,
         snapshot_id,
     )
-    from engine.ids import object_id
 
 
 def reseal(body: bytes) -> bytes:

@@ -23,7 +23,7 @@ else:
 
 with _instrumented:
     from engine.errors import CorruptObject
-    from engine.format import (
+    from engine.format.records import (
         CHECKSUM,
         FORMAT_VERSION,
         PACK_HEADER,
@@ -31,7 +31,7 @@ with _instrumented:
         RECORD_ROOTS,
         PackHeader,
     )
-    from engine.trailer import (
+    from engine.format.trailer import (
         FOOTER,
         TRAILER_ENTRY,
         TrailerEntry,

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benches import report  # noqa: E402
+from benches import bench_checkpoint, report  # noqa: E402
 from benches.bench_checkpoint import parse_args  # noqa: E402
 from benches.measure import PeakMemory, disk_bytes, evict_page_cache  # noqa: E402
 from benches.workload import (  # noqa: E402
@@ -212,7 +212,7 @@ def quick_run(tmp_path_factory):
         systems += ["cnr_exact", "cnr_exact_touched", "cnr_int8_async"]
     cmd = [sys.executable, str(REPO / "benches" / "bench_checkpoint.py"), "--quick",
            "--systems", ",".join(systems), "--fractions", "0.01", "--dists", "zipf",
-           "--out", str(out)]
+           "--out", str(out), "--plot", str(out / "restore.png")]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads((out / "results.json").read_text()), out, systems
@@ -228,6 +228,11 @@ def test_quick_run_writes_json_and_markdown_of_every_system(quick_run):
     assert doc["meta"]["n_tables"] == len(doc["meta"]["tables"]) == len(table_specs())
     md = (out / "results.md").read_text()
     assert all(f"| {s} |" in md for s in systems)
+    # --plot: restore time per system, drawn by the run and again from its JSON alone
+    assert (out / "restore.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    again = out / "again.png"
+    assert bench_checkpoint.main(["--plot", str(again), str(out / "results.json")]) == 0
+    assert again.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_quick_run_numbers_are_sane(quick_run):

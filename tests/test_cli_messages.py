@@ -16,7 +16,7 @@ from cnrstore.cli import fmt
 from cnrstore.cli.app import main
 from cnrstore.format.manifest import root_name
 from cnrstore.tools import info as ci
-from engine.pack import pack_path
+from engine.packs.pack import pack_path
 
 pytest.importorskip("safetensors")
 

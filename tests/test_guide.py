@@ -236,6 +236,31 @@ def resume_older(block: Block, tmp: pathlib.Path, request) -> None:
         assert s.steps() == [100, 150]
 
 
+def part_of_state(block: Block, tmp: pathlib.Path, request) -> None:
+    model, trained = DLRM(), DLRM()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+
+    def state(epoch):
+        return {"model": model.state_dict(), "optim": opt.state_dict(), "epoch": epoch}
+
+    with torch.no_grad():
+        for p in trained.parameters():
+            p.add_(1.0)
+    topt = torch.optim.Adam(trained.parameters(), lr=1e-3)
+    trained(torch.randint(0, 300, (4, 8))).sum().backward()
+    topt.step()
+    with cnrstore.open("ckpt/") as s:
+        s.put_state(100, {"model": trained.state_dict(), "optim": topt.state_dict(),
+                          "epoch": 7})
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ns = _run(block, {"store": cnrstore.open("ckpt/"), "model": model, "state": state})
+    assert sorted(ns["embs"]) == sorted(k for k in before if k.startswith("embs."))
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, trained.state_dict()[k]), k
+    assert ns["restored"]["epoch"] == 7 and ns["restored"]["optim"]["state"] == {}
+    assert not torch.equal(before["embs.0.weight"], model.embs[0].weight)
+
+
 def training_loop(block: Block, tmp: pathlib.Path, request) -> None:
     # The loop is killed at step 555 and started again as a new process would (a fresh
     # model and a fresh Adam with no state): it must end with the weights and optimizer
@@ -416,6 +441,7 @@ RUNNERS: dict[str, Callable] = {
     "Stores on S3#0": on_s3,
     "Putting a step#0": putting,
     "Checkpoint a training job#0": training_job,
+    "Part of a state#0": part_of_state,
     "Resume from an older step#0": resume_older,
     "A training loop#0": training_loop,
     "Many ranks (torch.distributed)#0": many_ranks,

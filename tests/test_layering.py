@@ -5,6 +5,7 @@ import pathlib
 import subprocess
 import sys
 
+import _importgraph as ig
 import pytest
 
 ENGINE = pathlib.Path(__file__).resolve().parents[1] / "engine"
@@ -59,3 +60,31 @@ def test_the_length_check_looks_into_subpackages(tmp_path):
     (tmp_path / "sub" / "long.py").write_text("x = 1\n" * 401)
     (tmp_path / "short.py").write_text("x = 1\n" * 400)
     assert _over_400_lines(tmp_path) == {str(pathlib.Path("sub", "long.py")): 401}
+
+
+# -- no import cycle anywhere in the repository ------------------------------------------
+PACKAGES = ["engine", "cnrstore"]
+
+
+def test_no_import_cycle_in_the_repository():
+    # Both packages in one graph, imports inside functions and under TYPE_CHECKING
+    # counted (tests/_importgraph.py): a cycle through the two would show here only.
+    graph = ig.graph(PACKAGES)
+    assert {name.split(".")[0] for name in graph} == set(PACKAGES)
+    assert any(dep.startswith("engine") for name, deps in graph.items()
+               if name.startswith("cnrstore") for dep in deps)
+    cycles = ig.cycles(graph)
+    assert cycles == [], f"{len(cycles)} import cycles: {cycles}"
+
+
+def test_the_cycle_check_sees_a_cycle_across_packages_and_inside_functions(tmp_path):
+    for pkg in PACKAGES:
+        (tmp_path / pkg).mkdir()
+        (tmp_path / pkg / "__init__.py").write_text("")
+    (tmp_path / "engine" / "a.py").write_text("def f():\n    import cnrstore.b\n")
+    (tmp_path / "cnrstore" / "b.py").write_text("from engine import a\n")
+    (tmp_path / "cnrstore" / "c.py").write_text("from . import b\n")
+    graph = ig.graph(PACKAGES, root=tmp_path)
+    assert ig.cycles(graph) == [["cnrstore.b", "engine.a"]]
+    assert ig.cycles({"x": {"y"}, "y": {"z"}, "z": {"x"}, "w": {"x"}}) == [["x", "y", "z"]]
+    assert ig.cycles({"x": {"y"}, "y": set()}) == []

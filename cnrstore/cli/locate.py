@@ -43,7 +43,7 @@ def cache_dir_of(args: argparse.Namespace) -> str | None:
 
 
 def require_store(path: str, cache_dir: str | None = None) -> None:
-    # The engine's layout (engine/store.py): a store directory holds index/ and packs/.
+    # The engine's layout (engine/store/packstore.py): a store directory holds index/ and packs/.
     # Checked here so a mistyped path is a usage error, and nothing is created. A bucket
     # store is checked by its open (create=False: "no store at s3://...").
     where = "on S3" if is_url(path) else "on a shared directory"

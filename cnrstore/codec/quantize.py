@@ -72,7 +72,7 @@ _SCAN_ELEMS = 1 << 22
 _CPU_CHUNK_ELEMS = (1 << 15) - 1
 # With one intra-op thread no op forks anything, and per-op overhead (~5-10 us, ~15 ops a
 # chunk) is what a small chunk costs: 16x larger chunks (2 MiB of float32, cache-sized)
-# encode int8 3x faster (1.05 M x 64 rows: 0.67-1.09 s -> 0.23 s, docs/PERFORMANCE.md).
+# encode int8 3x faster (1.05 M x 64 rows: 0.67-1.09 s -> 0.23 s, benches/results/).
 _SERIAL_CHUNK_FACTOR = 16
 
 
@@ -82,7 +82,8 @@ def _cpu_chunk_elems() -> int:
 
 # Decoding takes a block in one chunk (a default block of 32768 x 64 is 2 M elements; up to
 # 16 MiB fp32): at the encode chunk per-op overhead was half of an int8 restore
-# (docs/PERFORMANCE.md, "Issue 14, third pass"). int8 into fp32 has no chunk temporary.
+# (benches/results/bench_checkpoint.md, "Issue 14, third pass"). int8 into fp32 has no chunk
+# temporary.
 _CPU_DECODE_CHUNK_ELEMS = 1 << 22
 _CUDA_CHUNK_ELEMS = 1 << 24
 

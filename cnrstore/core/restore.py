@@ -26,7 +26,8 @@ from cnrstore.format.manifest import TableManifest
 from engine import ObjectStore, StoreClosed, StoreError
 
 __all__ = ["block_span", "check_slice", "new_output", "row_range", "read_table", "read_tables",
-           "read_codes", "read_into", "run_all", "seed_later", "table_hints"]
+           "read_codes", "read_into", "read_many_into", "run_all", "seed_later",
+           "table_hints"]
 
 
 def row_range(sel: slice | None, rows: int) -> tuple[int, int, np.ndarray | None]:
@@ -217,7 +218,7 @@ def read_tables(objects: ObjectStore, pool: Executor,
     """``read_table`` of several tables (each with its ``rows``) as one restore, moved to
     ``device``: one read-ahead; for a CPU restore every output allocated first, one
     prefault thread over them in read order and one pass of the pool over all blocks (per
-    table, each started over: docs/DECISIONS.md, "One read-ahead and one prefault"). For
+    table, each started over: docs/design/restore-path.md, "One read-ahead and one prefault"). For
     another device each table is decoded into host memory of its own and moved before
     the next: the host never holds more than one table."""
     started = table_hints(objects, wanted)
@@ -271,6 +272,32 @@ def read_into(
     buffer and copied (to the device for CUDA). Returns (codes, fingerprints) like
     ``read_table`` for seeding a diff base; the codes are table-sized, so a caller asks for
     them only for lossy tables (they are smaller than the table)."""
+    one, codes_out, fps = _into_read(objects, tm, dest, fingerprints, keep_codes, started,
+                                     done)
+    run_all(pool, one, range(tm.node.nblocks))
+    return codes_out, fps
+
+
+def read_many_into(objects: ObjectStore, pool: Executor,
+                   wanted: list[tuple[TableManifest, torch.Tensor]],
+                   done: Callable[[int], None] | None = None) -> None:
+    """``read_into`` of several tables as one restore: one read-ahead and one pass of the
+    pool over all their blocks, as ``read_tables`` (per table, the pool drained at the end
+    of each: a training state is dozens of tables, moments and step counters beside each
+    weight, and every drain left threads idle behind one table's last block)."""
+    started = table_hints(objects, [(tm, None) for tm, _ in wanted])
+    tasks: list[tuple[Callable[[int], None], int]] = []
+    for (tm, dest), hint in zip(wanted, started):
+        one = _into_read(objects, tm, dest, False, False, hint, done)[0]
+        tasks.extend((one, i) for i in range(tm.node.nblocks))
+    run_all(pool, lambda task: task[0](task[1]), tasks)
+
+
+def _into_read(objects: ObjectStore, tm: TableManifest, dest: torch.Tensor,
+               fingerprints: bool, keep_codes: bool, started: Started | None,
+               done: Callable[[int], None] | None
+               ) -> tuple[Callable[[int], None], np.ndarray | None, torch.Tensor | None]:
+    """(decode block i into ``dest``, the codes, the fingerprints) of ``read_into``."""
     node = tm.node
     dtype = parse_dtype(node.dtype)
     width = node.width
@@ -279,6 +306,7 @@ def read_into(
               and dest.device.type == "cpu")
     codes_out = np.empty((node.rows, node.row_nbytes), dtype=np.uint8) if keep_codes else None
     fps = torch.empty(node.rows, dtype=torch.int64) if fingerprints else None
+    row_bytes = dest.nbytes // node.rows if node.rows else 0
 
     def one(i: int) -> None:
         hint(i)
@@ -305,19 +333,11 @@ def read_into(
             row_fingerprints(part, out=fps[start:stop])
         if codes_out is not None:
             codes_out[start:stop] = codes
+        if done is not None:  # ``done(bytes of dest decoded)`` after each block
+            done((stop - start) * row_bytes)
 
     hint = started or Readahead(objects, tm.block_ids, node.block_rows * node.row_nbytes).started
-    if done is not None:  # ``done(bytes of dest decoded)`` after each block
-        row_bytes, tick = (dest.nbytes // node.rows if node.rows else 0), done
-
-        def one_done(i: int) -> None:
-            one(i)
-            start, stop = node.block_range(i)
-            tick((stop - start) * row_bytes)
-        run_all(pool, one_done, range(node.nblocks))
-    else:
-        run_all(pool, one, range(node.nblocks))
-    return codes_out, fps
+    return one, codes_out, fps
 
 
 def seed_later(objects: ObjectStore, tm: TableManifest) -> DeferredBase:

@@ -16,7 +16,7 @@ from cnrstore.core import maintenance
 from cnrstore.core.handle import StoreCore
 from cnrstore.core.progress import Reporter, check_progress
 from cnrstore.core.put import put
-from cnrstore.core.restore import read_into, seed_later, table_hints
+from cnrstore.core.restore import read_many_into, seed_later
 from cnrstore.core.state import (
     check_structure,
     fill,
@@ -24,6 +24,15 @@ from cnrstore.core.state import (
     lazy_tables,
     stored_leaf,
     unflatten,
+)
+from cnrstore.core.stateselect import (
+    KEEP_HOLE,
+    NONE_HOLE,
+    check_names,
+    keep_to_none,
+    leaf_names,
+    prune,
+    select,
 )
 from cnrstore.core.tablestate import parse_dtype
 from cnrstore.core.validate import check_destination
@@ -60,52 +69,66 @@ def _stored(core: StoreCore, step) -> tuple[int, StepNode, dict[str, tuple[int, 
     return step, node, shapes
 
 
-def get_state(core: StoreCore, step, *, device, progress=None):
+def get_state(core: StoreCore, step, *, device, names=None, progress=None):
     core.check_open()
+    check_names(names)
     if step is None:
-        return core.latest(None, lambda s: get_state(core, s, device=device,
+        return core.latest(None, lambda s: get_state(core, s, device=device, names=names,
                                                      progress=progress))
     step, node, shapes = _stored(core, step)
-    tables = maintenance.get_tables(core, step, names=None, rows=None, device=device,
-                                    progress=progress)
+    # Selected on the step node alone: only the chosen tables' manifests and blocks are read.
+    sel = select(names, leaf_names(node.state, node.tables), step)
+    tables = maintenance.get_tables(
+        core, step, names=None if sel.everything else [t for t in node.tables if sel(t)],
+        rows=None, device=device, progress=progress)
     if node.state is None:  # a put_tables step: its tables are its state
         return tables
-    return unflatten(node.state, stored_leaf(step, tables))
+    return unflatten(prune(node.state, sel, NONE_HOLE), stored_leaf(step, tables))
 
 
-def load_state(core: StoreCore, step, state, *, strict: bool, progress=None):
+def load_state(core: StoreCore, step, state, *, strict: bool, names=None, progress=None):
     core.check_open()
     check_progress(progress)
+    check_names(names)
     if step is None:
         return core.latest(None, lambda s: load_state(core, s, state, strict=strict,
-                                                      progress=progress))
+                                                      names=names, progress=progress))
     flat = flatten(state)
     for name, t in flat.tables.items():
         check_destination(f"state entry {name!r}", t)
     step, node, shapes = _stored(core, step)
+    stored = leaf_names(node.state, node.tables)
+    sel = select(names, stored, step)
+    given = {n: t for n, t in flat.tables.items() if sel(n)}
     present = set(node.tables)
-    missing = [n for n in flat.tables if n not in present]
+    missing = [n for n in given if n not in present]
     if missing and strict:  # the first one; strict=False skips them all
         raise TableNotFound(missing[0], step)
-    for name in flat.tables:
+    if strict and not sel.everything:  # fill below checks only the entries it is given
+        have = set(stored)
+        extra = [n for n in leaf_names(flat.doc) if sel(n) and n not in have]
+        if extra:
+            raise InvalidInput(f"state entry {extra[0]!r} is not in the stored state")
+    for name in given:
         if name in shapes and shapes[name] != flat.shapes[name]:
             raise InvalidInput(f"state entry {name!r} has shape {flat.shapes[name]}, step "
                                f"{step} holds {shapes[name]}; nothing was written")
     if node.state is not None:
+        doc = prune(node.state, sel, KEEP_HOLE)
         # An empty container the store holds filled (a fresh Adam's "state": {}) gets the
         # stored entries as fresh tensors: left empty, opt.load_state_dict(...) resumed
         # with no optimizer state at all, silently.
-        lazy = lazy_tables(state, node.state)
+        lazy = lazy_tables(state, doc)
         fresh = maintenance.get_tables(core, step, names=sorted(lazy), rows=None,
                                        device="cpu") if lazy else {}
-        result = fill(state, node.state, strict=strict,
-                      adopt=lambda doc: unflatten(doc, stored_leaf(step, fresh)))
-    elif strict and _has_python_leaves(flat.doc):
+        result = fill(state, doc, strict=strict and sel.everything,
+                      adopt=lambda d: unflatten(keep_to_none(d), stored_leaf(step, fresh)))
+    elif strict and sel.everything and _has_python_leaves(flat.doc):
         raise InvalidInput(f"step {step} was put with put_tables and holds no Python values; "
                            "pass only tensors or strict=False")
     else:
         result = state
-    get_into(core, step, {n: t for n, t in flat.tables.items() if n in present},
+    get_into(core, step, {n: t for n, t in given.items() if n in present},
              progress=progress)
     return result
 
@@ -141,13 +164,12 @@ def get_into(core: StoreCore, step, out: Mapping, *, names=None, rows=None,
             )
     anchor = (root_name(step), manifest.oid)
     seeds = [name for name in manifest.tables if core.wants_seed(name)]
-    started = table_hints(core.objects, [(tm, None) for tm in manifest.tables.values()])
     report = Reporter(progress, sum(out[n].nbytes for n in manifest.tables),
                       min_total=core.options.progress_min_bytes)
-    for (name, tm), hint in zip(manifest.tables.items(), started):
-        # detach: restoring into a parameter is not an autograd operation
-        read_into(core.objects, tm, core.pool, out[name].detach(), started=hint,
-                  done=report.add if report.fn is not None else None)
+    # detach: restoring into a parameter is not an autograd operation
+    read_many_into(core.objects, core.pool,
+                   [(tm, out[name].detach()) for name, tm in manifest.tables.items()],
+                   done=report.add if report.fn is not None else None)
     report.finish()
     # As get_tables: diff bases are computed from the stored step after the restore.
     for name in seeds:

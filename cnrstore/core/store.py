@@ -145,15 +145,19 @@ class CheckpointStore:
 
     @translating
     def get_state(self, step: int | None = None, *, device="cpu",
-                  progress: ProgressFn | None = None):
+                  names: Iterable[str] | None = None, progress: ProgressFn | None = None):
         """The nesting put with ``step`` (None: the highest), with fresh tensors on
         ``device``; key types, lists, tuples and dict order as put. A put_tables step
-        gives its tables."""
-        return statestore.get_state(self._core, step, device=device, progress=progress)
+        gives its tables. ``names``: leaf names or fnmatch patterns over them
+        (``["model/*", "epoch"]``); only those leaves are read and returned, in the
+        containers on their way (a list keeps its length, None where nothing was picked);
+        one that matches no leaf is an error (cnrstore/core/stateselect.py)."""
+        return statestore.get_state(self._core, step, device=device, names=names,
+                                    progress=progress)
 
     @translating
     def load_state(self, step: int | None, state, *, strict: bool = True,
-                   progress: ProgressFn | None = None):
+                   names: Iterable[str] | None = None, progress: ProgressFn | None = None):
         """Restore ``step`` (None: the highest) into the tensors of ``state`` in place (no
         second copy of a table) and return ``state`` with its Python leaves as stored.
         Every name, shape and dtype is checked before any tensor is written (a meta or
@@ -161,8 +165,10 @@ class CheckpointStore:
         error, skipped with ``strict=False``; stored entries ``state`` does not name are
         left alone, except in an empty dict or list of ``state`` that the step holds
         filled (a fresh Adam's ``"state": {}``): it comes back filled, with fresh CPU
-        tensors, so ``opt.load_state_dict(result["optim"])`` resumes the optimizer."""
-        return statestore.load_state(self._core, step, state, strict=strict,
+        tensors, so ``opt.load_state_dict(result["optim"])`` resumes the optimizer.
+        ``names`` (as for ``get_state``) restores only the entries of ``state`` and of the
+        step that it picks, reading nothing else; the rest of ``state`` is left as it is."""
+        return statestore.load_state(self._core, step, state, strict=strict, names=names,
                                      progress=progress)
 
     @translating

@@ -5,9 +5,12 @@ The engine's check runs first (structure; with ``deep`` a re-hash of every objec
 manifest of every step asked for is decoded and, with ``deep``, every block's patch chain is
 resolved and its shape checked against the geometry of EVERY table that refers to it (a
 crafted table node may list a small block as a huge one); a block is decoded once however
-many tables refer to it. Problems are engine ``Problem`` records, those of this layer
-``StepProblem`` records that also say the step, table and block. A step that is gone when
-it is read (dropped by a gc in another process since it was listed) is not a problem.
+many tables refer to it, and each object of a chain once however many steps' chains
+run through it (each step's patch sits on the last: resolving every chain from its full
+block read steps x depth objects, tests/cnrstore/test_verify_cost.py). Problems are
+engine ``Problem`` records, those of this layer ``StepProblem`` records that also say the
+step, table and block. A step that is gone when it is read (dropped by a gc in another
+process since it was listed) is not a problem.
 """
 
 from __future__ import annotations
@@ -16,8 +19,15 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from cnrstore.core.options import OPTIONS_ROOT, read_stored
-from cnrstore.errors import CheckpointError, StepNotFound
-from cnrstore.format.blocks import resolve
+from cnrstore.errors import CheckpointError, ManifestError, StepNotFound
+from cnrstore.format.blocks import (
+    KIND_BLOCK_FULL,
+    KIND_BLOCK_PATCH,
+    MAX_CHAIN,
+    decode_full,
+    decode_patch,
+    plan_chain,
+)
 from cnrstore.format.load import list_steps, load_manifest
 from cnrstore.format.manifest import StepManifest, root_name
 from engine import ObjectStore, Problem, StoreError
@@ -84,7 +94,7 @@ def verify_objects(objects: ObjectStore, *, deep: bool = True,
         manifests.append((step, manifest))
     shapes: dict[bytes, tuple[int, ...] | None] = {}  # decoded shape; None: undecodable
     if deep:
-        problems += _check_blocks(objects, manifests, shapes, progress)
+        problems += _check_blocks(objects, manifests, shapes, progress, {})
     decoded = sum(1 for s in shapes.values() if s is not None)
     return VerifyResult(not problems, tuple(problems), len(chosen), report.objects_checked,
                         report.bytes_checked, decoded, len(shapes))
@@ -92,7 +102,8 @@ def verify_objects(objects: ObjectStore, *, deep: bool = True,
 
 def _check_blocks(objects: ObjectStore, manifests: list[tuple[int, StepManifest]],
                   shapes: dict[bytes, tuple[int, ...] | None],
-                  progress: ProgressFn | None) -> list[Problem]:
+                  progress: ProgressFn | None, checked: dict[bytes, _Checked]
+                  ) -> list[Problem]:
     problems: list[Problem] = []
     total = sum(len(tm.block_ids) for _, m in manifests for tm in m.tables.values())
     done = 0
@@ -106,8 +117,8 @@ def _check_blocks(objects: ObjectStore, manifests: list[tuple[int, StepManifest]
                 start, stop = tm.node.block_range(i)
                 if oid not in shapes:
                     try:
-                        shapes[oid] = resolve(objects.get, oid, info=objects.info,
-                                              shape=(stop - start, tm.node.row_nbytes)).shape
+                        shapes[oid] = _chain_shape(objects, oid,
+                                                   (stop - start, tm.node.row_nbytes), checked)
                     except (CheckpointError, StoreError) as exc:
                         shapes[oid] = None
                         if not _still_there(objects, step):
@@ -122,6 +133,43 @@ def _check_blocks(objects: ObjectStore, manifests: list[tuple[int, StepManifest]
                                                 f"expected {want}", oid=oid, step=step,
                                                 table=name, block=i))
     return problems
+
+
+_Checked = tuple[int, int] | CheckpointError | StoreError  # a chain's shape, or its error
+
+
+def _chain_shape(objects: ObjectStore, oid: bytes, want: tuple[int, int],
+                 checked: dict[bytes, _Checked]) -> tuple[int, int]:
+    """The codes' shape of block ``oid``, with the checks of ``blocks.resolve`` (the chain's
+    sizes from the index first, then every object decoded, every patch of its base's
+    shape), but an object whose chain ``checked`` already holds is not read again."""
+    plan_chain(objects.info, oid, *want)
+    pending: list[tuple[bytes, tuple[int, int]]] = []
+    cur = oid
+    while cur not in checked:
+        try:
+            obj = objects.get(cur)
+            if obj.kind == KIND_BLOCK_FULL:
+                checked[cur] = decode_full(obj, cur).shape
+                break
+            if obj.kind != KIND_BLOCK_PATCH or len(obj.refs) != 1:
+                raise ManifestError(f"object kind {obj.kind} is not a block", oid=cur)
+            head, _, _ = decode_patch(obj, cur)
+        except (CheckpointError, StoreError) as exc:
+            checked[cur] = exc
+            break
+        pending.append((cur, (head.nrows, head.row_nbytes)))
+        if len(pending) > MAX_CHAIN:
+            raise ManifestError("patch chain too deep (cycle?)", oid=oid)
+        cur = obj.refs[0]
+    base = checked[cur]
+    for poid, shape in reversed(pending):  # oldest first, as resolve applies them
+        if not isinstance(base, Exception) and shape != base:
+            base = ManifestError("patch does not match its base block's shape", oid=poid)
+        checked[poid] = base
+    if isinstance(base, Exception):
+        raise base
+    return base
 
 
 def _still_there(objects: ObjectStore, step: int) -> bool:

@@ -21,6 +21,15 @@ from cnrstore.core.state import (
     stored_leaf,
     unflatten,
 )
+from cnrstore.core.stateselect import (
+    KEEP_HOLE,
+    NONE_HOLE,
+    Selection,
+    keep_to_none,
+    leaf_names,
+    prune,
+    select,
+)
 from cnrstore.core.validate import check_destination, check_device
 from cnrstore.distributed import put as dput
 from cnrstore.distributed.read import collective_read, dest_hints, fill_dest, finish_read
@@ -122,9 +131,32 @@ def put_state(ds: DistributedStore, step: Any, state: Any, *, quant: Any, metada
     return info
 
 
-def get_state(ds: DistributedStore, step: Any, *, device: Any) -> Any:
-    s, doc, tables, objects = collective_read(ds, step, None, "get_state",
-                                               lambda: check_device(device) and None)
+def _select(ds: DistributedStore, step: Any, names: Any, what: str
+            ) -> tuple[Any, Selection, Any, list[str]]:
+    """(step, Selection of ``names``, stored structure, stored table names): the step
+    resolved once (a later put cannot change what the names picked), the names checked
+    against it on every rank (each rank may pick its own; every rank raises or returns)."""
+    if names is None:
+        return step, Selection(None), None, []
+    s, doc, tables = ds.coordinated(what, lambda st: _structure(st, step))
+    err, sel = None, Selection(None)
+    try:
+        sel = select(names, leaf_names(doc, tables), s)
+    except BaseException as exc:
+        err = exc
+    ds.comm.agree(err, what, None)
+    return s, sel, doc, tables
+
+
+def get_state(ds: DistributedStore, step: Any, *, device: Any, names: Any = None) -> Any:
+    step, sel, _, stored = _select(ds, step, names, "get_state: names")
+
+    def make() -> Any:
+        check_device(device)
+        # Only the picked tables are asked for: the coordinator reads nothing else.
+        return None if sel.everything else {n: None for n in stored if sel(n)}
+
+    s, doc, tables, objects = collective_read(ds, step, None, "get_state", make)
     result: dict = {}
     err = None
     try:
@@ -133,23 +165,33 @@ def get_state(ds: DistributedStore, step: Any, *, device: Any) -> Any:
                                               check_device(device))))
         if doc is not None:
             check_structure(doc)
-            result = unflatten(doc, stored_leaf(s, result))
+            result = unflatten(prune(doc, sel, NONE_HOLE), stored_leaf(s, result))
     except BaseException as exc:
         err = exc
     finish_read(ds, err, "get_state: read")
     return result
 
 
-def load_state(ds: DistributedStore, step: Any, state: Any, *, strict: bool) -> Any:
+def load_state(ds: DistributedStore, step: Any, state: Any, *, strict: bool,
+               names: Any = None) -> Any:
     state = _uniform(ds, state, "load_state: structure")
+    step, sel, stored_doc, stored = _select(ds, step, names, "load_state: names")
     box: dict[str, Any] = {}
 
     def make() -> dict:
         plain, sharded = _sharded(state, ds.shard_leaf)
         flat = flatten(plain)
         box["flat"], box["sharded"] = flat, sharded
+        if strict and not sel.everything:  # fill checks only the entries it is given
+            have = set(leaf_names(stored_doc, stored))
+            extra = [n for n in leaf_names(flat.doc)
+                     if sel(n) and n not in have and n not in flat.tables]
+            if extra:
+                raise InvalidInput(f"state entry {extra[0]!r} is not in the stored state")
         req: dict[str, Any] = {}
         for n, t in flat.tables.items():
+            if not sel(n):
+                continue
             leaf = sharded.get(n)
             for dest in [t] if leaf is None else [p for p, _ in _fill_pieces(leaf)]:
                 check_destination(f"state entry {n!r}", dest)
@@ -163,7 +205,8 @@ def load_state(ds: DistributedStore, step: Any, state: Any, *, strict: bool) -> 
         return req
 
     # Entries the step lacks are skipped with strict=False: ask first which it holds.
-    held = None if strict else set(_table_names(ds, step))
+    held = None if strict else set(stored) if names is not None else set(
+        _table_names(ds, step))
     if held is not None:
         inner = make
 
@@ -182,7 +225,8 @@ def load_state(ds: DistributedStore, step: Any, state: Any, *, strict: bool) -> 
     try:
         flat, sharded = box["flat"], box["sharded"]
         if doc is not None:
-            result = fill(state, doc, strict=strict, is_tensor=is_tensor)
+            doc = prune(doc, sel, KEEP_HOLE)
+            result = fill(state, doc, strict=strict and sel.everything, is_tensor=is_tensor)
             lazy = lazy_tables(state, doc, is_tensor=is_tensor)
         # Each local piece of a sharded leaf is decoded in place where it can be
         # (fill_dest): a read into fresh memory and a copy cost a cold restore its page
@@ -215,11 +259,13 @@ def load_state(ds: DistributedStore, step: Any, state: Any, *, strict: bool) -> 
             fresh = _read_whole(ds, s, sorted(agreed), "load_state: adopt")
 
             def adopt(d: dict) -> Any:
+                d = keep_to_none(d)
                 if not set(check_structure(d)) <= agreed:
                     return None
                 return unflatten(d, stored_leaf(s, fresh))
 
-            result = fill(state, doc, strict=strict, is_tensor=is_tensor, adopt=adopt)
+            result = fill(state, doc, strict=strict and sel.everything, is_tensor=is_tensor,
+                          adopt=adopt)
     return result
 
 
@@ -251,15 +297,16 @@ def _fill_pieces(leaf: Any) -> list[tuple[torch.Tensor, int]]:
 
 
 def _table_names(ds: DistributedStore, step: Any) -> list[str]:
-    s = ds.coordinated("load_state", lambda st: _names(st, step))
-    return s
+    return ds.coordinated("load_state", lambda st: _structure(st, step))[2]
 
 
-def _names(store: Any, step: Any) -> list[str]:
+def _structure(store: Any, step: Any) -> tuple[int, Any, list[str]]:
+    """(step, stored structure or None, table names) of ``step`` (None: the highest)."""
     objects = store.objects
     if step is None:
         steps = list_steps(objects)
         if not steps:
             raise StepNotFound(-1, "the store holds no steps")
         step = steps[-1]
-    return list(load_step(objects, step)[1].tables)
+    node = load_step(objects, step)[1]
+    return step, node.state, list(node.tables)

@@ -234,14 +234,21 @@ class DistributedStore:
             self, step, names=names, rows=rows, device=device, out=out))
 
     @translating
-    def get_state(self, step: int | None = None, *, device: Any = "cpu") -> Any:
-        return transfer.again(self, lambda: statestore.get_state(self, step, device=device))
+    def get_state(self, step: int | None = None, *, device: Any = "cpu",
+                  names: Iterable[str] | None = None) -> Any:
+        """Collective get_state; ``names`` as for CheckpointStore.get_state (each rank
+        may pick its own)."""
+        return transfer.again(self, lambda: statestore.get_state(self, step, device=device,
+                                                                 names=names))
 
     @translating
-    def load_state(self, step: int | None, state: Any, *, strict: bool = True) -> Any:
+    def load_state(self, step: int | None, state: Any, *, strict: bool = True,
+                   names: Iterable[str] | None = None) -> Any:
         """Restore into ``state`` in place: plain tensors get the whole table, Shards,
-        DTensor and ShardedTensor leaves their own rows."""
-        return transfer.again(self, lambda: statestore.load_state(self, step, state, strict=strict))
+        DTensor and ShardedTensor leaves their own rows. ``names`` as for
+        CheckpointStore.load_state."""
+        return transfer.again(self, lambda: statestore.load_state(self, step, state,
+                                                                  strict=strict, names=names))
 
     @translating
     def changes(self, a: int, b: int, names: Iterable[str] | None = None, *,

@@ -73,7 +73,7 @@ def plane_width(scheme: str, itemsize: int, row_nbytes: int, *,
     unless ``exact_planes`` (then the table's own), 2 for the 16-bit casts, 1 for integer
     codes, whose scale/offset are too few to matter. Exact rows unsplit are stored raw by
     the engine (zstd saves under its probe threshold on them), so a restore reads them
-    straight into the table (docs/DECISIONS.md, "Exact blocks in row order")."""
+    straight into the table (docs/design/block-encoding.md, "Exact blocks")."""
     if scheme == "exact":
         k = itemsize if exact_planes else 1
     elif scheme in ("fp16", "bf16"):

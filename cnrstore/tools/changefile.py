@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from cnrstore.errors import BadPath, InvalidInput, MissingExtra, translating
 from cnrstore.format.load import load_step, load_table
-from engine.fileio import atomic_write
+from engine import atomic_write
 
 __all__ = ["ChangesFile", "apply_changes", "apply_file", "read_changes", "write_changes"]
 

@@ -14,8 +14,7 @@ import engine
 from cnrstore.core.verify import StepProblem, VerifyResult, verify_objects
 from cnrstore.format.manifest import StepNode, step_of_root
 from cnrstore.tools.access import opened
-from engine.api import ProgressFn
-from engine.repair import plan_at
+from engine import ProgressFn, plan_at
 
 __all__ = ["StepProblem", "VerifyResult", "verify", "repair", "RepairResult", "RootDamage"]
 

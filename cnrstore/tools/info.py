@@ -28,8 +28,7 @@ from cnrstore.format.load import load_step, load_table, load_table_manifest
 from cnrstore.format.manifest import DTYPE_SIZES, TableNode
 from cnrstore.tools.access import objects_of, opened, tick
 from cnrstore.tools.sizes import Sizes, unreachable
-from engine.api import ProgressFn
-from engine.fileio import allocated_bytes
+from engine import ProgressFn, allocated_bytes
 
 __all__ = [
     "StepSummary",
@@ -133,7 +132,7 @@ class GCPlan:
 class GCResult:
     """cnrstore.GCReport plus what a gc on a bucket or shared directory could not free
     yet: the packs it retired stay ``grace_s`` after its commit for readers of the old
-    index (engine/storage/remote.py), and a gc run after that deletes them."""
+    index (engine/store/commit/bucket.py), and a gc run after that deletes them."""
 
     steps_deleted: tuple[int, ...]
     steps_kept: tuple[int, ...]

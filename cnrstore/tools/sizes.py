@@ -11,8 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import engine
-from engine import ObjectStore
-from engine.walk import walk
+from engine import ObjectStore, walk
 
 __all__ = ["Sizes", "unreachable"]
 
@@ -32,7 +31,7 @@ class Sizes:
 
     def reach(self, oid: bytes, into: set[bytes] | None = None) -> set[bytes]:
         """Ids reachable from ``oid`` (itself included), added to ``into``; objects already
-        in ``into`` are not walked again. The engine's one DAG walk (engine/walk.py)."""
+        in ``into`` are not walked again. The engine's one DAG walk (engine/store/walk.py)."""
         seen: set[bytes] = set() if into is None else into
         seen |= walk([(oid, "")], lambda o, _via: () if o in seen else self.info(o).refs)
         return seen
@@ -45,7 +44,7 @@ class Sizes:
 
 
 def unreachable(objects: ObjectStore, sizes: Sizes, reached: set[bytes]) -> int:
-    """How many indexed objects no root reaches: gc's mark (engine/gc.py) walks every root,
+    """How many indexed objects no root reaches: gc's mark (engine/store/gc.py) walks every root,
     steps and the others (cnrstore/options) alike, and sweeps the rest. ``reached`` holds
     what the caller walked already (it is not changed); the other roots are walked here.
     The one count of "unreachable" that du, the gc dry run and gc itself agree on."""

@@ -26,7 +26,7 @@ from cnrstore.errors import (
 )
 from cnrstore.format.load import load_step, load_table
 from cnrstore.tools.access import tick
-from engine.fileio import atomic_write
+from engine import atomic_write
 
 __all__ = ["MissingExtra", "TransferResult", "export_step", "export_target",
            "import_step"]
@@ -106,7 +106,7 @@ def export_target(path: str | os.PathLike, *, overwrite: bool,
 
 def _write_file(target: str, given: str, data: bytes) -> None:
     """``data`` as the file ``target``, complete or not at all: a temporary file in the
-    same directory, fsync'ed and renamed over it (engine.fileio.atomic_write, which removes
+    same directory, fsync'ed and renamed over it (engine.atomic_write, which removes
     the temporary file when a write fails). A full disk or any other OSError is
     StorageError naming the file; an existing file is then left as it was."""
     existed = os.path.exists(target)

@@ -13,10 +13,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..errors import FormatError
-from .base import PackSink, PackStorage
+from .base import PackStorage, WritablePack
 from .local import LocalSink, LocalStorage
 
-__all__ = ["LocalSink", "LocalStorage", "PackSink", "PackStorage", "attach"]
+__all__ = ["LocalSink", "LocalStorage", "WritablePack", "PackStorage", "attach"]
 
 
 def attach(locator: tuple[str, str], *, staging: str | os.PathLike,

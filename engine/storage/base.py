@@ -1,6 +1,6 @@
 """The pack-storage interface (docs/FORMAT.md "Pack files", "Object stores").
 
-Packs are immutable once sealed: a ``PackSink`` writes one (append, then ``finish`` makes
+Packs are immutable once sealed: a ``WritablePack`` writes one (append, then ``finish`` makes
 it durable where it lives: fsync for a directory, an upload for a bucket), and the
 ``PackStorage`` reads byte ranges of finished packs back, lists and deletes them. Errors
 are OSError (FileNotFoundError for a pack that is not there, FileExistsError for a pack
@@ -13,10 +13,10 @@ import abc
 import pathlib
 from collections.abc import Sequence
 
-from .. import trailer
+from ..format import trailer
 
 
-class PackSink(abc.ABC):
+class WritablePack(abc.ABC):
     """One pack being written. ``path`` is the local file that holds its bytes meanwhile."""
 
     path: pathlib.Path
@@ -57,7 +57,7 @@ class PackStorage(abc.ABC):
     remote: bool = False
 
     @abc.abstractmethod
-    def create(self, n: int, *, meta: bool) -> PackSink:
+    def create(self, n: int, *, meta: bool) -> WritablePack:
         """A sink for pack ``n``; FileExistsError when that number is taken."""
 
     @abc.abstractmethod

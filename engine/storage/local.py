@@ -7,13 +7,15 @@ import os
 import pathlib
 from collections.abc import Sequence
 
-from .. import trailer
-from ..fileio import allocated_bytes, fsync_dir, makedirs_durable, write_all, writev_all
-from ..writeback import start_writeback
-from .base import PackSink, PackStorage
+from ..format import trailer
+from ..format.names import list_pack_files, pack_name, pack_path
+from ..format.trailer import read_trailer
+from ..fs.fileio import allocated_bytes, fsync_dir, makedirs_durable, write_all, writev_all
+from ..fs.writeback import start_writeback
+from .base import PackStorage, WritablePack
 
 
-class LocalSink(PackSink):
+class LocalSink(WritablePack):
     def __init__(self, path: pathlib.Path) -> None:
         self.path = path
         makedirs_durable(path.parent)
@@ -58,11 +60,9 @@ class LocalStorage(PackStorage):
         self.root = pathlib.Path(root)
 
     def path(self, n: int) -> pathlib.Path:
-        from ..pack import pack_path
-
         return pack_path(self.root, n)
 
-    def create(self, n: int, *, meta: bool) -> PackSink:
+    def create(self, n: int, *, meta: bool) -> WritablePack:
         return LocalSink(self.path(n))
 
     def read(self, n: int, offset: int, length: int) -> bytes:
@@ -77,14 +77,10 @@ class LocalStorage(PackStorage):
         return os.stat(self.path(n)).st_size
 
     def read_trailer(self, n: int) -> list[trailer.TrailerEntry]:
-        from ..pack import pack_name, read_trailer
-
         return read_trailer(self.path(n), name=pack_name(n))
 
     def sizes(self) -> dict[int, int]:
         """Allocated bytes (``st_blocks``), what a directory store reports as stored."""
-        from ..pack import list_pack_files
-
         return {n: allocated_bytes(p) for n, p in list_pack_files(self.root).items()}
 
     def delete(self, n: int) -> bool:

@@ -6,7 +6,7 @@ Layout under ``s3://bucket/prefix/``::
     claims/NNNNNNNN          empty, created create-only (If-None-Match) before pack N is
                              written: two writers on two caches can never pick one number
     commits/SSSSSSSSSSSSSSSSSSSS  one msgpack document per commit, created create-only
-                             (engine/storage/remote.py)
+                             (engine/store/commit/bucket.py)
 
 A pack is staged in a local file while its writer appends to it and uploaded when it is
 sealed: multipart in ``chunk_size`` parts, at most ``max_concurrency`` in flight. Reads are
@@ -27,10 +27,11 @@ from collections.abc import Mapping
 from datetime import datetime, timedelta
 from typing import Any
 
-from .. import crashpoints, trailer
-from .. import format as fmt
-from ..errors import CorruptObject, FormatError
-from .base import PackSink, PackStorage
+from ..errors import FormatError
+from ..format import trailer
+from ..format.names import pack_name
+from ..fs import crashpoints
+from .base import PackStorage, WritablePack
 from .local import LocalSink
 
 try:
@@ -154,8 +155,6 @@ class S3Storage(PackStorage):
 
     @staticmethod
     def key(n: int) -> str:
-        from ..pack import pack_name
-
         return f"packs/{pack_name(n)}"
 
     # -- plain objects (claims, commits) --------------------------------------------------
@@ -198,7 +197,7 @@ class S3Storage(PackStorage):
             raise _io(f"DELETE {key}", exc) from exc
 
     # -- packs ----------------------------------------------------------------------------
-    def create(self, n: int, *, meta: bool) -> PackSink:
+    def create(self, n: int, *, meta: bool) -> WritablePack:
         return S3Sink(self, n)
 
     def upload(self, n: int, path: pathlib.Path) -> None:
@@ -259,21 +258,13 @@ class S3Storage(PackStorage):
             raise _io(f"HEAD {self.key(n)}", exc) from exc
 
     def read_trailer(self, n: int) -> list[trailer.TrailerEntry]:
-        from ..pack import pack_name
-
         with self._lock:
             cached = self._trailers.get(n)
             if cached is not None:
                 self._trailers.move_to_end(n)
                 return cached
-        name = pack_name(n)
-        size = self.size(n)
-        if size < fmt.PACK_HEADER.size + trailer.FOOTER.size:
-            raise CorruptObject(f"pack {name}: too short for a trailer", pack=name, offset=0)
-        footer = self.read(n, size - trailer.FOOTER.size, trailer.FOOTER.size)
-        count, entries_offset = trailer.parse_footer(footer, size, pack=name)
-        data = self.read(n, entries_offset, size - entries_offset)
-        entries = trailer.decode_trailer(data, count, entries_offset, pack=name)
+        entries = trailer.read_trailer_of(self.size(n), lambda off, ln: self.read(n, off, ln),
+                                          name=pack_name(n))
         with self._lock:
             self._trailers[n] = entries
             while len(self._trailers) > _TRAILERS:
@@ -362,26 +353,3 @@ def attach_bucket(url: str, staging: pathlib.Path,
                         chunk_size=tuning["chunk_size"],
                         max_concurrency=tuning["max_concurrency"])
     return storage, tuning
-
-
-def open_bucket(url: str, *, cache_dir: str | os.PathLike,
-                storage_options: Mapping[str, Any] | None = None, create: bool = True,
-                compression_level: int | None = None, map_size: int | None = None,
-                pack_target_size: int | None = None, readonly: bool = False) -> Any:
-    """Open (or create) the bucket store at ``url`` = ``s3://bucket/prefix``, with its
-    index cached in ``cache_dir`` (a local disk: LMDB must not live on a network
-    filesystem). Configuration: the AWS_* environment, overridden by ``storage_options``
-    (obstore S3 keys, plus ``chunk_size``, ``max_concurrency``, ``gc_grace_s``,
-    ``max_retries``, ``retry_timeout_s``, ``timeout_s``)."""
-    from ..store import PackStore
-    from .remote import Remote
-
-    if cache_dir is None:
-        raise FormatError(f"{url}: a bucket store needs a local cache_dir for its index")
-    cache = pathlib.Path(cache_dir).absolute()
-    parse_url(url)  # a bad location is refused before the cache is touched
-    storage, tuning = attach_bucket(url, cache / "staging", storage_options)
-    remote = Remote(storage, gc_grace_s=tuning["gc_grace_s"])
-    return PackStore(cache, create=create, compression_level=compression_level,
-                     map_size=map_size, pack_target_size=pack_target_size,
-                     readonly=readonly, storage=storage, remote=remote)

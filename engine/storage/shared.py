@@ -3,7 +3,7 @@ with its LMDB index as a local cache exactly as for S3 (docs/FORMAT.md "Shared
 directories").
 
 LMDB must never live on a network filesystem (lmdb.h), so the shared directory holds only
-what a bucket holds, and the commit protocol is the bucket's (engine/storage/remote.py):
+what a bucket holds, and the commit protocol is the bucket's (engine/store/commit/bucket.py):
 
     <shared>/packs/XX/NNNNNNNN.pack   immutable packs, the same bytes as a directory store's
     <shared>/claims/NNNNNNNN          empty, created O_EXCL before pack N is written: two
@@ -30,8 +30,9 @@ from datetime import datetime, timezone
 from typing import Any
 
 from ..errors import FormatError, NoStore
-from ..fileio import fsync_dir, makedirs_durable, write_all
-from .base import PackSink
+from ..format.names import list_pack_files
+from ..fs.fileio import fsync_dir, makedirs_durable, write_all
+from .base import WritablePack
 from .local import LocalSink, LocalStorage
 
 MARK = "commits"  # a shared-directory store has this directory; a directory store never
@@ -123,13 +124,11 @@ class SharedStorage(LocalStorage):
         fsync_dir(path.parent)
 
     # -- packs ----------------------------------------------------------------------------
-    def create(self, n: int, *, meta: bool) -> PackSink:
+    def create(self, n: int, *, meta: bool) -> WritablePack:
         return SharedSink(self, n)
 
     def pack_listing(self) -> dict[int, tuple[int, datetime]]:
         """Every pack file: number -> (size, last modified)."""
-        from ..pack import list_pack_files
-
         out = {}
         for n, path in list_pack_files(self.root).items():
             try:
@@ -184,31 +183,20 @@ def check_location(root: pathlib.Path, cache: pathlib.Path, *, create: bool) -> 
         raise NoStore(f"no store at {root} (pass create=True to make one)")
 
 
-def open_shared(path: str | os.PathLike, *, cache_dir: str | os.PathLike,
-                storage_options: Mapping[str, Any] | None = None, create: bool = True,
-                compression_level: int | None = None, map_size: int | None = None,
-                pack_target_size: int | None = None, readonly: bool = False) -> Any:
-    """Open (or create) the shared-directory store at ``path`` with its index cached in
-    ``cache_dir`` (a local disk). ``storage_options`` may set ``gc_grace_s`` only."""
-    from ..store import PackStore
-    from .remote import Remote
-
-    if cache_dir is None:
-        raise FormatError(f"{path}: a shared-directory store needs a local cache_dir")
+def attach_shared(root: pathlib.Path, cache: pathlib.Path,
+                  storage_options: Mapping[str, Any] | None, *, create: bool
+                  ) -> tuple[SharedStorage, dict[str, float]]:
+    """The shared directory ``root`` (made when ``create``; refused when it holds
+    something else) as a storage whose uploads stage in ``cache``, and its tuning
+    (``storage_options`` may set ``gc_grace_s`` only)."""
     given = dict(storage_options or {})
     unknown = sorted(set(given) - set(TUNING))
     if unknown:
         raise FormatError(f"storage_options {unknown} do not apply to a shared-directory "
                           f"store (it takes {sorted(TUNING)})")
     tuning = {k: float(given.get(k, v)) for k, v in TUNING.items()}
-    root = pathlib.Path(path).absolute()
-    cache = pathlib.Path(cache_dir).absolute()
-    check_location(root, cache, create=create and not readonly)
+    check_location(root, cache, create=create)
     makedirs_durable(root)
     for d in _DIRS:
         makedirs_durable(root / d)
-    storage = SharedStorage(root, cache / "staging")
-    remote = Remote(storage, gc_grace_s=tuning["gc_grace_s"])  # type: ignore[arg-type]
-    return PackStore(cache, create=create, compression_level=compression_level,
-                     map_size=map_size, pack_target_size=pack_target_size,
-                     readonly=readonly, storage=storage, remote=remote)
+    return SharedStorage(root, cache / "staging"), tuning

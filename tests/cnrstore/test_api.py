@@ -145,7 +145,7 @@ def test_stats_report_dedup(store):
 
 def test_verify_clean_store(store):
     if not isinstance(store.objects, engine.MemoryStore):
-        pytest.importorskip("engine.verify")
+        pytest.importorskip("engine.store.verify")
     store.put_tables(1, _tables())
     t = _tables()
     t["user"][3] += 1
@@ -156,7 +156,7 @@ def test_verify_clean_store(store):
 
 
 def test_verify_reports_a_corrupted_pack(tmp_path):
-    pytest.importorskip("engine.verify")
+    pytest.importorskip("engine.store.verify")
     path = tmp_path / "ckpt"
     g = torch.Generator().manual_seed(0)
     with cnrstore.open(path, block_rows=16) as s:

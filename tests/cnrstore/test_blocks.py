@@ -67,7 +67,7 @@ def test_element_width_must_divide_the_row():
 
 
 def test_plane_width_follows_the_scheme():
-    assert plane_width("exact", 4, 256) == 1  # rows unsplit, stored raw (DECISIONS.md)
+    assert plane_width("exact", 4, 256) == 1  # rows unsplit, stored raw (docs/design/)
     assert plane_width("exact", 4, 256, exact_planes=True) == 4
     assert plane_width("exact", 8, 64, exact_planes=True) == 8
     assert plane_width("fp16", 4, 128) == 2

@@ -1,5 +1,5 @@
 """A blocking put of a whole exact table writes from the table itself (no staging copy,
-docs/DECISIONS.md "Blocking puts borrow the table"). The guarantee it keeps: the step
+docs/design/put-path.md, "A blocking put borrows the table"). The guarantee it keeps: the step
 holds the values at call time, or it is not committed, even when the caller stops
 waiting (Ctrl-C) and changes the table at once."""
 

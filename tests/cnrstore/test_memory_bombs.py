@@ -21,7 +21,7 @@ import engine
 from cnrstore.format import manifest as mf
 from cnrstore.format.load import load_manifest
 from cnrstore.tools import info
-from engine import format as fmt
+from engine.format import records as fmt
 
 CAP = 128 << 20
 OK, PROBLEMS = 0, 1   # the CLI's exit codes (cnrstore.errors)

@@ -1,5 +1,5 @@
 """A checkpointing process SIGKILLed in the middle of a put (at each commit point of the
-engine, engine/crashpoints.py): no step is ever half visible, older steps read back, and the
+engine, engine/fs/crashpoints.py): no step is ever half visible, older steps read back, and the
 next put from a fresh process is incremental again."""
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ import cnrstore
 import engine
 from cnrstore.format.load import list_steps, load_manifest
 from cnrstore.tools import info as ci
-from engine.pack import list_pack_files
+from engine.packs.pack import list_pack_files
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 

@@ -30,7 +30,7 @@ def _open(moto, url, cache):
 def _interleave(handle, other_commit):
     """Make ``handle``'s next bucket commit lose: ``other_commit`` runs (on another
     cache) right before it creates its commit document."""
-    remote = handle.objects._core.remote
+    remote = handle.objects._core.log
     original = remote.publish
 
     def publish(core, base, doc):

@@ -12,7 +12,7 @@ from dist_util import BLOCK_ROWS, FANOUT, Failed, run, survivors
 from dist_workers import _table, bad_input, failing, hung, killed
 
 import cnrstore
-from engine.pack import list_pack_files
+from engine.packs.pack import list_pack_files
 
 
 @pytest.mark.parametrize("how,error", [

@@ -15,7 +15,7 @@ from dist_util import BLOCK_ROWS, FANOUT, Failed, oracle, put_sequence, run, seq
 from dist_workers import _table, killed, layouts, restore_layouts, save_layouts
 
 import cnrstore
-from engine.pack import pack_name
+from engine.packs.pack import pack_name
 
 pytest.importorskip("obstore")
 

@@ -21,7 +21,7 @@ sys.path.insert(0, str(HERE.parent))
 from _helpers import DATA_KIND, NODE_KIND, make_payload  # noqa: E402
 
 import engine  # noqa: E402
-from engine.ids import object_id  # noqa: E402
+from engine.format.ids import object_id  # noqa: E402
 
 SIZE = 8192
 
@@ -118,7 +118,7 @@ def _cmd_read_tables(path: str, locs_file: str, roots_file: str, out_file: str,
         tables = cs.get_tables(int(step))
         torch.save(tables, out_file)
     say(f"read {sorted(tables)}")
-    from engine import index
+    from engine.index import db as index
 
     say(f"lmdb-envs {len(index._SHARED)}")  # a rank never opens the index
 

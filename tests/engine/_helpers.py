@@ -13,8 +13,6 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import random
-import struct
 import subprocess
 import sys
 import time
@@ -22,10 +20,10 @@ import time
 import engine
 from engine.api import Object
 from engine.errors import CorruptObject, ObjectNotFound, StoreError
-from engine.ids import object_id
+from engine.format.ids import object_id
+from engine.testing import make_payload, payload_ok  # noqa: F401 - the workers' payloads
 
 HERE = pathlib.Path(__file__).resolve()
-_HEAD = struct.Struct("<QQ")
 DATA_KIND = 1
 NODE_KIND = 2
 SHARED_SEED = 7  # one leaf every DAG shares, so every commit also exercises dedup
@@ -42,20 +40,6 @@ def _open_kw() -> dict:
 
 
 # -- deterministic objects -------------------------------------------------------------
-def make_payload(seed: int, size: int) -> bytes:
-    size = max(size, _HEAD.size)
-    body = random.Random(seed).randbytes(size - _HEAD.size)
-    return _HEAD.pack(seed, size) + body
-
-
-def payload_ok(payload: bytes) -> bool:
-    """True if ``payload`` is exactly what make_payload wrote for its own header."""
-    if len(payload) < _HEAD.size:
-        return False
-    seed, size = _HEAD.unpack_from(payload)
-    return len(payload) == size and payload == make_payload(seed, size)
-
-
 def dag(i: int, *, size: int = 4096, leaves: int = 3) -> tuple[bytes, dict[bytes, Object]]:
     """The DAG of commit ``i``: ``leaves`` data objects of about ``size`` bytes plus the
     shared leaf, under one metadata node. Returns (top id, {id: object}) in put order."""

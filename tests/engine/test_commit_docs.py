@@ -19,8 +19,9 @@ pytest.importorskip("obstore")
 pytest.importorskip("moto")
 
 import engine  # noqa: E402
-from engine.storage import chain, commitdoc  # noqa: E402
+from engine.format import commitdoc  # noqa: E402
 from engine.storage.shared import SharedStorage  # noqa: E402
+from engine.store.commit import chain
 
 GOLDEN = pathlib.Path(__file__).parent / "golden"
 
@@ -314,17 +315,17 @@ def test_sparse_commit_file_is_never_read(tmp_path):
 
 
 def test_a_document_over_the_cap_is_refused_before_it_is_published(tmp_path):
-    doc = {"seq": 1, "kind": "gc", "time": 0.0,
-           "swept": [b"\x01" * 16] * (commitdoc.MAX_COMMIT_BYTES // 16)}
+    doc = commitdoc.CommitDoc(kind="gc", seq=1,
+                              swept=(b"\x01" * 16,) * (commitdoc.MAX_COMMIT_BYTES // 16))
     with pytest.raises(commitdoc.CommitTooLarge, match="nothing was published"):
         commitdoc.encode_commit(doc)
 
 
 def test_decode_names_the_key_and_checks_the_checksum():
-    doc = {"seq": 5, "kind": "gc", "time": 1.5, "gone": [3], "swept": [b"\x02" * 16],
-           "token": b"\x03" * 16}
+    doc = commitdoc.CommitDoc(kind="gc", seq=5, time=1.5, gone=(3,), swept=(b"\x02" * 16,),
+                              token=b"\x03" * 16)
     data = commitdoc.encode_commit(doc)
-    assert commitdoc.decode_commit(data, _key(5))["gone"] == [3]
+    assert commitdoc.decode_commit(data, _key(5)) == doc
     flipped = data[:-1] + bytes([data[-1] ^ 1])
     with pytest.raises(engine.CorruptObject, match=f"{_key(5)}.*checksum"):
         commitdoc.decode_commit(flipped, _key(5))

@@ -23,8 +23,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine.errors import CorruptObject, ObjectNotFound, StoreError
-from engine.format import PACK_HEADER, RECORD_HEADER
-from engine.ids import ID_SIZE, hexid
+from engine.format.ids import ID_SIZE, hexid
+from engine.format.records import PACK_HEADER, RECORD_HEADER
 
 SIZE = 50_000  # random leaves: stored raw, so their bytes can be found in the packs
 ROOTS = (0, 1, 2)

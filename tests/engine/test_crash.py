@@ -1,5 +1,5 @@
 """Crash safety: a writer process SIGKILLed at each named point of the commit and gc
-protocols (engine/crashpoints.py) and at random moments, then the store reopened.
+protocols (engine/fs/crashpoints.py) and at random moments, then the store reopened.
 
 After every crash: verify(deep=True) is clean, every committed root reads back byte for
 byte, nothing uncommitted is visible, and a gc in the survivor gives back the bytes the
@@ -28,7 +28,7 @@ from _helpers import (
 )
 
 import engine
-from engine.crashpoints import POINTS
+from engine.fs.crashpoints import POINTS
 
 SMALL = 4096
 BIG = 256 * 1024  # the crashed commit's leaves: big enough that leftovers show on disk
@@ -64,7 +64,7 @@ def test_every_crash_point_is_covered_and_reached():
     # one the engine no longer calls is a protocol step nobody checks any more.
     assert set(POINTS) == set(WRITER_POINTS) | set(GC_POINTS)
     engine_dir = pathlib.Path(engine.__file__).parent
-    sources = "".join(p.read_text() for p in engine_dir.glob("*.py"))
+    sources = "".join(p.read_text() for p in engine_dir.rglob("*.py"))
     for point in POINTS:
         assert f'crashpoints.hit("{point}")' in sources, f"{point} is never hit"
 

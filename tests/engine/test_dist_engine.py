@@ -36,9 +36,9 @@ from engine.errors import (
     StoreError,
     StoreLocked,
 )
-from engine.freshness import stale_problem
-from engine.ids import object_id
-from engine.pack import pack_path
+from engine.format.ids import object_id
+from engine.packs.pack import pack_path
+from engine.store.freshness import stale_problem
 
 
 def objects_for(seed: int, n: int = 4, size: int = 6000) -> list[tuple[int, bytes, tuple]]:

@@ -173,10 +173,10 @@ def test_get_tables_through_located_objects_in_another_process(tmp_path):
 
 
 def test_every_distributed_crash_point_is_killed_here_and_reached():
-    from engine.crashpoints import DIST_POINTS
+    from engine.fs.crashpoints import DIST_POINTS
 
     engine_dir = pathlib.Path(engine.__file__).parent
-    sources = "".join(p.read_text() for p in engine_dir.glob("*.py"))
+    sources = "".join(p.read_text() for p in engine_dir.rglob("*.py"))
     tests = pathlib.Path(__file__).read_text()
     for point in DIST_POINTS:
         assert f'crashpoints.hit("{point}")' in sources, f"{point} is never hit"

@@ -14,7 +14,7 @@ from _helpers import make_payload
 
 import engine
 from engine import LocatedReader, PackMoved, PackSink
-from engine.ids import object_id
+from engine.format.ids import object_id
 from engine.storage import attach
 
 

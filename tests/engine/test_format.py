@@ -1,4 +1,4 @@
-"""Byte formats of engine/format.py: round trips, codec choice, and decoders that raise
+"""Byte formats of engine/format/records.py: round trips, codec choice, and decoders that raise
 nothing but CorruptObject on malformed input (docs/FORMAT.md "Records", "Trailer")."""
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import engine
-from engine import format as fmt
-from engine import trailer
 from engine.errors import CorruptObject
-from engine.ids import object_id
+from engine.format import records as fmt
+from engine.format import trailer
+from engine.format.ids import object_id
 
 CCTX = zstandard.ZstdCompressor(level=3)
 ids = st.binary(min_size=16, max_size=16)
@@ -218,7 +218,7 @@ def test_golden_v1_packs_still_open(tmp_path):
 
 
 def test_atomic_write_replaces_whole_files_and_leaves_no_temp(tmp_path):
-    from engine.fileio import allocated_bytes, atomic_write
+    from engine.fs.fileio import allocated_bytes, atomic_write
 
     target = tmp_path / "small.bin"
     atomic_write(target, b"first version")

@@ -73,15 +73,15 @@ def test_seeds_decode(name):
 
 
 def test_commit_seeds_really_decode():
-    from engine.storage.commitdoc import decode_commit
+    from engine.format.commitdoc import decode_commit
 
     for seed in fuzz_commit.seeds():
         buf = fuzz_commit.reseal(seed[1:]) if seed[:1] == b"\x01" else seed
-        assert decode_commit(buf, fuzz_commit.KEY)["seq"] == 3
+        assert decode_commit(buf, fuzz_commit.KEY).seq == 3
 
 
 def test_record_seeds_really_decode():
-    from engine.format import decode_record
+    from engine.format.records import decode_record
 
     for seed in fuzz_record.seeds():
         buf = fuzz_record.reseal(seed[1:]) if seed[:1] == b"\x01" else seed

@@ -13,8 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine.errors import CorruptObject
-from engine.location import RecordLocation
-from engine.memory import MemoryStore
+from engine.format.location import RecordLocation
+from engine.store.memory import MemoryStore
 
 KIND = 7
 

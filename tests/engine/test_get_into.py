@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 import engine
 from engine.errors import CorruptObject
-from engine.memory import MemoryStore
+from engine.store.memory import MemoryStore
 
 KIND = 7
 

@@ -17,9 +17,9 @@ import zstandard
 from _helpers import check_dag, find_in_packs, open_store, pack_files, put_dag
 
 import engine
-from engine import format as fmt
-from engine.gc import GCRefused
-from engine.pack import read_trailer
+from engine.format import records as fmt
+from engine.packs.pack import read_trailer
+from engine.store.gc import GCRefused
 
 
 # -- roots records (item 10) -----------------------------------------------------------
@@ -154,7 +154,7 @@ def test_gc_lists_the_packs_it_could_not_read(tmp_path):
 
 # -- damaged index bytes surface as StoreError ----------------------------------------
 def _rename_root(path, old: bytes, new: bytes, *, fix_checksum: bool) -> None:
-    from engine import index as ix
+    from engine.index import db as ix
 
     env = lmdb.open(str(path / "index"), max_dbs=4)
     try:
@@ -274,7 +274,7 @@ def test_read_only_handle_beside_a_writable_one_in_one_process(tmp_path):
 def test_an_entry_pointing_past_any_file_is_corrupt_not_overflow(tmp_path):
     # Even an entry that passes its checksum (rewritten with one here) must not let
     # OverflowError escape get().
-    from engine import index as ix
+    from engine.index import db as ix
 
     path = tmp_path / "s"
     with open_store(path) as store:

@@ -20,9 +20,9 @@ import pytest
 from _helpers import check_dag, open_store, pack_files, put_dag, run
 
 import engine
-from engine import index as ix
-from engine import lmdbcheck
-from engine.gc import GCRefused
+from engine.index import db as ix
+from engine.index import lmdbcheck
+from engine.store.gc import GCRefused
 
 ROOTS = list(range(6))
 FLIPS_DEFAULT = 12

@@ -12,8 +12,8 @@ import pytest
 from _helpers import check_dag, open_store, pack_files, put_dag, run
 
 import engine
-from engine import format as fmt
-from engine import index as ix
+from engine.format import records as fmt
+from engine.index import db as ix
 
 ROOTS = range(4)
 

@@ -1,4 +1,4 @@
-"""engine/lmdbcheck.py's walk of the small trees: no healthy file is taken for damage.
+"""engine/index/lmdbcheck.py's walk of the small trees: no healthy file is taken for damage.
 
 A false positive would rebuild a healthy index at every writable open, or refuse a
 read-only one, so the walk is run over real LMDB files of every shape the small
@@ -13,8 +13,8 @@ from _helpers import open_store, put_dag
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine import index as ix
-from engine.lmdbcheck import SMALL_DATABASES, data_file_problem
+from engine.index import db as ix
+from engine.index.lmdbcheck import SMALL_DATABASES, data_file_problem
 
 _NAMES = sorted(SMALL_DATABASES) + [b"objects"]
 

@@ -13,7 +13,7 @@ import pytest
 
 import engine
 from engine.errors import CorruptObject
-from engine.pack import list_pack_files
+from engine.packs.pack import list_pack_files, pack_name
 
 
 def put_chain(w, n: int, size: int, *, seed: int = 0) -> list[bytes]:
@@ -171,7 +171,7 @@ def test_repair_rolls_a_damaged_root_back_and_keeps_the_others(tmp_path):
         report = store.repair()
         assert store.roots() == {"a": old, "b": expect_b, "c": expect_c}
         assert [p.what for p in report.damaged] == ["missing-pack", "root-rolled-back"]
-        assert report.damaged[0].pack == engine.pack.pack_name(lost)
+        assert report.damaged[0].pack == pack_name(lost)
         assert store.verify(deep=True).ok
 
 def test_open_finishes_a_repair_swap_a_crash_interrupted(tmp_path):
@@ -261,7 +261,7 @@ def test_maintenance_at_scale(tmp_path):
 # -- issue 23: a repair never makes readable data unreadable -----------------------------
 
 def _records(pack: pathlib.Path):
-    from engine.pack import read_trailer, scan_records
+    from engine.packs.pack import read_trailer, scan_records
 
     return list(scan_records(pack.read_bytes(), name=pack.name,
                              entries=read_trailer(pack, name=pack.name)))
@@ -352,7 +352,7 @@ def test_repair_dry_run_writes_nothing(tmp_path):
     raw = bytearray(pack.read_bytes())
     raw[e.offset + 80] ^= 1
     pack.write_bytes(bytes(raw))
-    from engine.repair import plan_at
+    from engine.store.repair import plan_at
 
     def files() -> dict[pathlib.Path, bytes]:
         return {p: p.read_bytes() for p in path.rglob("*") if p.is_file()}
@@ -377,7 +377,7 @@ def test_repair_brings_back_roots_an_earlier_repair_dropped(tmp_path):
     # The index an earlier repair wrote lacks roots it dropped (issue 23: every step of a
     # store with one bad data byte), with a roots checksum to match and the newest
     # commit_seq. The packs' roots records still name them: a repair keeps them.
-    from engine import index as ix
+    from engine.index import db as ix
 
     path = tmp_path / "s"
     with engine.open(path) as store:

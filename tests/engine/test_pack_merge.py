@@ -14,9 +14,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import engine
-from engine import index as ix
-from engine.crashpoints import POINTS
-from engine.gcplan import SMALL_PACK_DIVISOR
+from engine.fs.crashpoints import POINTS
+from engine.index import db as ix
+from engine.store.gcplan import SMALL_PACK_DIVISOR
 
 TARGET = 64 << 10
 LIMIT = TARGET // SMALL_PACK_DIVISOR

@@ -1,5 +1,6 @@
-"""The pack store against the ObjectStore contract (shared with the memory twin) and its
-on-disk behaviour: dedup, codecs, persistence, gc, verify, repair, map growth, locking."""
+"""Every store against the ObjectStore contract (engine/testing/contract.py), and the pack
+store's on-disk behaviour: dedup, codecs, persistence, gc, verify, repair, map growth,
+locking."""
 
 from __future__ import annotations
 
@@ -13,21 +14,19 @@ import threading
 
 import lmdb
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 import engine
-from engine import format as fmt
-from engine import index as ix
 from engine.errors import (
     FormatError,
-    ObjectNotFound,
     StoreClosed,
     StoreError,
     StoreLocked,
 )
-from engine.ids import object_id
-from engine.pack import list_pack_files
+from engine.format import records as fmt
+from engine.format.ids import object_id
+from engine.index import db as ix
+from engine.packs.pack import list_pack_files
+from engine.testing import ObjectStoreContract
 
 
 def pack_bytes(path) -> int:
@@ -41,110 +40,10 @@ def put_chain(w, n: int, size: int, *, seed: int = 0) -> list[bytes]:
     return leaves + [w.put(2, b"node%d" % seed, leaves, meta=True)]
 
 
-# -- contract: both stores ------------------------------------------------------------------
-
-# Sizes from 0 past the 4 KiB pack target used below; random (stored raw) or repetitive
-# (stored zstd).
-PAYLOADS = st.one_of(
-    st.binary(max_size=64),
-    st.tuples(st.integers(0, 9000), st.integers(0, 2**32)).map(
-        lambda t: random.Random(t[1]).randbytes(t[0])),
-    st.tuples(st.integers(0, 9000), st.binary(min_size=1, max_size=8)).map(
-        lambda t: (t[1] * t[0])[: t[0]]),
-)
-
-
-@settings(max_examples=25, deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(objs=st.lists(st.tuples(st.integers(0, 255), PAYLOADS, st.booleans()),
-                     min_size=1, max_size=6), nref=st.integers(0, 3))
-def test_round_trip(store_factory, objs, nref):
-    # One store per test run, shared by the examples: they must not disturb each other.
-    if not hasattr(store_factory, "shared"):
-        store_factory.shared = store_factory(pack_target_size=4096)
-    store = store_factory.shared
-    written = {}
-    with store.writer() as w:
-        for kind, payload, meta in objs:
-            refs = tuple(list(written)[-nref:]) if nref else ()
-            oid = w.put(kind, payload, refs, meta=meta)
-            assert oid == object_id(kind, refs, payload)
-            written[oid] = (kind, refs, payload)
-    for oid, (kind, refs, payload) in written.items():
-        obj = store.get(oid)
-        assert (obj.kind, obj.refs, obj.payload) == (kind, refs, payload)
-        info = store.info(oid)
-        assert (info.kind, info.refs, info.raw_len) == (kind, refs, len(payload))
-    assert [o.payload for o in store.get_many(list(written))] == [
-        v[2] for v in written.values()
-    ]
-
-
-def test_dedup_counts_reuse(store_factory):
-    store = store_factory()
-    with store.writer() as w:
-        a = w.put(1, b"same")
-        assert w.put(1, b"same") == a
-    w2 = store.writer()
-    assert w2.put(1, b"same") == a
-    info = w2.commit()
-    assert (info.objects_new, info.objects_reused, info.bytes_written) == (0, 1, 0)
-
-
-def test_refs_must_exist(store_factory):
-    store = store_factory()
-    with store.writer() as w, pytest.raises(ObjectNotFound):
-        w.put(1, b"x", [b"\x01" * 16])
-    with store.writer() as w:
-        a = w.put(1, b"a")
-        b = w.put(1, b"b", [a])  # a ref put earlier in the same writer is fine
-    assert store.get(b).refs == (a,)
-
-
-def test_roots_set_move_delete(store_factory):
-    store = store_factory()
-    with store.writer() as w:
-        a, b = w.put(1, b"a"), w.put(1, b"b")
-        w.set_root("one", a)
-        w.set_root("two", a)
-    with store.writer() as w:
-        w.set_root("two", b)
-        w.delete_root("one")
-        with pytest.raises(ObjectNotFound):
-            w.delete_root("never")
-        with pytest.raises(ObjectNotFound):
-            w.set_root("bad", b"\x07" * 16)
-    assert store.roots() == {"two": b}
-    assert store.root("one") is None and store.root("two") == b
-
-
-def test_abort_publishes_nothing(store_factory):
-    store = store_factory()
-    with pytest.raises(RuntimeError), store.writer() as w:
-        oid = w.put(1, b"lost")
-        w.set_root("r", oid)
-        raise RuntimeError("boom")
-    assert not store.has(oid) and store.roots() == {}
-    with pytest.raises(ObjectNotFound):
-        store.get(oid)
-
-
-def test_second_writer_is_locked_out(store_factory):
-    store = store_factory()
-    w = store.writer()
-    with pytest.raises(StoreLocked):
-        store.writer(timeout=0.0)
-    with pytest.raises(StoreLocked):
-        store.writer(timeout=0.05)
-    w.abort()
-    store.writer().abort()  # free again
-
-
-def test_closed_store_refuses_use(store_factory):
-    store = store_factory()
-    store.close()
-    with pytest.raises(StoreClosed):
-        store.roots()
+# -- contract: every store (engine/testing/contract.py) --------------------------------------
+class TestObjectStoreContract(ObjectStoreContract):
+    """Over ``store_factory`` (tests/engine/conftest.py): the memory twin, a directory,
+    S3 on moto and a shared directory (and, slow, S3 on SeaweedFS)."""
 
 
 # -- pack store specifics -------------------------------------------------------------------
@@ -341,19 +240,6 @@ def test_a_transaction_of_many_packs_holds_few_descriptors(tmp_path):
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
-def test_finished_writer_refuses_more_work(store_factory):
-    store = store_factory()
-    w = store.writer()
-    w.put(1, b"a")
-    w.commit()
-    with pytest.raises(StoreClosed):
-        w.put(1, b"b")
-    with pytest.raises(StoreClosed):
-        w.commit()
-    w.abort()  # harmless after commit
-    store.writer().abort()  # the lock was released
-
-
 def test_puts_from_several_threads_share_one_writer(pack_store):
     payloads = [random.Random(i).randbytes(2000) + bytes(2000) for i in range(60)]
     w = pack_store.writer()
@@ -425,33 +311,3 @@ def test_the_memory_twin_unlocks_when_a_writer_is_dropped():
     del w
     with store.writer() as w2:
         w2.put(1, b"x")
-
-
-def test_both_stores_refuse_an_empty_or_unencodable_root_name(store_factory):
-    store = store_factory()
-    with store.writer() as w:
-        oid = w.put(1, b"x")
-        for bad in ("", "\udc80", "x" * 600):
-            with pytest.raises(ValueError):
-                w.set_root(bad, oid)
-            with pytest.raises(ValueError):
-                w.create_root(bad, oid)
-    assert store.roots() == {}
-
-
-def test_create_root_fails_at_commit_with_nothing_published(store_factory):
-    store = store_factory()
-    with store.writer() as w:
-        first = w.put(1, b"first")
-        w.create_root("a", first)
-    w = store.writer()
-    second = w.put(1, b"second")
-    w.create_root("b", second)
-    w.delete_root("a")
-    w.create_root("a", second)  # deleted then created in one writer: allowed
-    w.commit()
-    assert store.roots() == {"a": second, "b": second}
-    with pytest.raises(engine.RootExists):
-        with store.writer() as w:
-            w.create_root("a", second)
-    assert store.root("a") == second

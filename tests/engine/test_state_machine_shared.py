@@ -1,4 +1,4 @@
-"""The engine state machine (test_state_machine.py) on a shared-directory store: packs and
+"""The engine state machine (engine/testing/machine.py) on a shared-directory store: packs and
 commit documents in one directory, the index cached in another; every reopen takes a
 fresh cache every other time, so the machine also checks that an empty cache rebuilds
 exactly the committed state from the commit documents (and ``repair`` is that rebuild)."""
@@ -9,10 +9,11 @@ import itertools
 import os
 
 import pytest
+from _helpers import pack_bytes
 from hypothesis import HealthCheck, settings
-from test_state_machine import StoreMachine
 
 import engine
+from engine.testing import StoreMachine
 
 
 class SharedMachine(StoreMachine):
@@ -26,8 +27,8 @@ class SharedMachine(StoreMachine):
                                    cache_dir=os.path.join(self.dir, f"cache{n // 2}"),
                                    storage_options={"gc_grace_s": 0.0})
 
-    def packs_root(self) -> str:
-        return os.path.join(self.dir, "shared")
+    def stored_bytes(self) -> int:
+        return pack_bytes(os.path.join(self.dir, "shared"))
 
 
 _SETTINGS = dict(deadline=None,

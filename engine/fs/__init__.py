@@ -1,0 +1,1 @@
+"""Process and file primitives: durable writes, writeback hints, the writer lock, crash points."""

@@ -1,0 +1,1 @@
+"""The LMDB index: schema, checks, and applying commits to it."""

@@ -1,0 +1,1 @@
+"""Pack files: appending, sealing, reading and scanning them."""

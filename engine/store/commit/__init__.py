@@ -1,0 +1,1 @@
+"""Commit logs: the bucket and shared-directory commit protocol."""
