@@ -182,7 +182,8 @@ def _restore(rank: int, world: int, a, root: str, system: str) -> dict:
 
 def _train(rank: int, world: int, a, root: str, system: str, every: int) -> dict:
     """``a.overhead_steps`` training steps with a checkpoint every ``every`` (none for
-    ``none``), timed from the first step to the last checkpoint durable: ``cnr`` puts
+    ``none``) after one untimed checkpoint, timed from the first step to the last
+    checkpoint durable: ``cnr`` puts
     non-blocking with TorchRec's tracker as ``touched=``, ``dcp_async`` is
     dcp.async_save, each waiting for its previous save only when the next one starts
     (DCP allows one in flight; cnrstore queues up to max_inflight)."""
@@ -200,6 +201,15 @@ def _train(rank: int, world: int, a, root: str, system: str, every: int) -> dict
     ckpt_pg = dist.new_group(backend="gloo") if system == "dcp_async" else None
     loss, _ = dmp(batches[0])  # the first step builds what TorchRec builds lazily
     loss.backward()
+    # A job in its steady state has checkpointed before: one untimed checkpoint first
+    # (cnrstore's is the full one, whose blocks the timed ones diff against).
+    if store is not None:
+        store.put_state(0, _state(dmp), touched=trk)
+    elif system == "dcp_async":
+        import torch.distributed.checkpoint as dcp
+
+        dcp.async_save(_state(dmp), process_group=ckpt_pg,
+                       checkpoint_id=os.path.join(where, "step0")).result()
     if trk is not None:
         trk.get_unique_ids()  # the warm-up step's lookups are not the run's
     dist.barrier()
