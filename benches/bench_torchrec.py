@@ -203,15 +203,13 @@ def _train(rank: int, world: int, a, root: str, system: str, every: int) -> dict
     loss.backward()
     # A job in its steady state has checkpointed before: one untimed checkpoint first
     # (cnrstore's is the full one, whose blocks the timed ones diff against).
-    if store is not None:
+    if store is not None:  # reading the tracker there: the warm-up's lookups are not timed
         store.put_state(0, _state(dmp), touched=trk)
     elif system == "dcp_async":
         import torch.distributed.checkpoint as dcp
 
         dcp.async_save(_state(dmp), process_group=ckpt_pg,
                        checkpoint_id=os.path.join(where, "step0")).result()
-    if trk is not None:
-        trk.get_unique_ids()  # the warm-up step's lookups are not the run's
     dist.barrier()
     t0 = time.perf_counter()
     pending = None
