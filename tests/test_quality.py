@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from cnrstore.codec import quantize
-from cnrstore.codec.quantize import auto_scheme
+from cnrstore.codec import autopolicy
+from cnrstore.codec.autopolicy import auto_scheme
 from cnrstore.demo.dlrm import deterministic
 
 _BENCHES = Path(__file__).resolve().parents[1] / "benches"
@@ -171,19 +171,19 @@ def test_auto_rule_is_the_one_the_committed_measurement_supports():
     doc = json.loads(_RESULTS.read_text())
     assert not doc["quick"] and set(doc["tasks"]) == {"synthetic", "movielens"}
     policy = rep.derive_policy(doc)
-    assert [(float(n), s) for n, s in policy if s != "exact"] == list(quantize.AUTO_POLICY)
+    assert [(float(n), s) for n, s in policy if s != "exact"] == list(autopolicy.AUTO_POLICY)
     for n, scheme in policy:
         assert auto_scheme(n) == scheme
-    assert auto_scheme(max(doc["restores"]) + 1) == quantize.AUTO_BEYOND
+    assert auto_scheme(max(doc["restores"]) + 1) == autopolicy.AUTO_BEYOND
 
 
 def test_auto_rule_is_monotone_and_checks_its_input():
     order = {"int2": 2, "int3": 3, "int4": 4, "int8": 8, "fp16": 16, "bf16": 16, "exact": 32}
     picks = [auto_scheme(r) for r in (0, 0.5, 1, 1.5, 2, 5, 6, 19, 20, 21, 1000)]
     assert [order[p] for p in picks] == sorted(order[p] for p in picks)
-    ends = [most for most, _ in quantize.AUTO_POLICY]
+    ends = [most for most, _ in autopolicy.AUTO_POLICY]
     assert ends == sorted(ends)
-    for most, scheme in quantize.AUTO_POLICY:
+    for most, scheme in autopolicy.AUTO_POLICY:
         assert auto_scheme(most) == scheme
     for bad in (-1, math.nan, math.inf):
         with pytest.raises(ValueError):

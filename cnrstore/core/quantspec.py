@@ -25,7 +25,8 @@ from fnmatch import fnmatchcase
 
 import torch
 
-from cnrstore.codec.quantize import SCHEMES, auto_scheme, check_scheme
+from cnrstore.codec.autopolicy import auto_scheme
+from cnrstore.codec.quantize import SCHEMES, check_scheme
 from cnrstore.errors import InvalidInput, InvalidType, UnknownScheme
 
 __all__ = ["resolve_quant", "is_pattern"]

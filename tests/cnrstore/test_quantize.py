@@ -9,7 +9,8 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from cnrstore.codec import quantize
+from cnrstore.codec import autopolicy
+from cnrstore.codec.autopolicy import auto_scheme
 from cnrstore.codec.bitpack import pack_codes, packed_nbytes, unpack_codes
 from cnrstore.codec.errorbound import max_abs_error
 from cnrstore.codec.qparams import dequantize, fp16_qparams, within_limit
@@ -19,7 +20,6 @@ from cnrstore.codec.quantize import (
     SCHEMES,
     NeedsWideQparams,
     RangeError,
-    auto_scheme,
     check_scheme,
     decode_rows,
     encode_rows,
@@ -305,10 +305,10 @@ def test_auto_scheme_follows_its_bands():
     # The bands themselves come from the measurement (tests/test_quality.py ties them to
     # docs/quality/results.json); here: each band's end and what lies beyond the last.
     lo = 0.0
-    for most, scheme in quantize.AUTO_POLICY:
+    for most, scheme in autopolicy.AUTO_POLICY:
         assert auto_scheme(lo) == scheme and auto_scheme(most) == scheme
         lo = math.nextafter(most, math.inf)
-    assert auto_scheme(lo) == auto_scheme(1e9) == quantize.AUTO_BEYOND
+    assert auto_scheme(lo) == auto_scheme(1e9) == autopolicy.AUTO_BEYOND
     for bad in (-1, math.nan, math.inf):
         with pytest.raises(ValueError):
             auto_scheme(bad)
