@@ -78,6 +78,33 @@ def _state_dicts(state: Mapping) -> dict:
     return out
 
 
+def _placed_like_params(opt: torch.optim.Optimizer, sd: Any) -> Any:
+    """``sd``, a restored optimizer state_dict, with each plain tensor of a DTensor
+    parameter's state that has the parameter's shape (Adam's moments) made a DTensor of
+    the parameter's placements. A fresh optimizer's state is adopted by load_state as
+    whole plain tensors (every rank reads them); FSDP2's parameters are DTensors, and
+    their optimizer state must be laid out as they are."""
+    try:
+        from torch.distributed.tensor import DTensor, distribute_tensor
+    except ImportError:  # pragma: no cover - torch without DTensor
+        return sd
+    if not isinstance(sd, Mapping) or not isinstance(sd.get("state"), Mapping):
+        return sd
+    by_id = {i: p for g_sd, g in zip(sd.get("param_groups") or [], opt.param_groups)
+             for i, p in zip(g_sd.get("params", []), g["params"])}
+    for i, st in sd["state"].items():
+        p = by_id.get(i)
+        if not isinstance(p, DTensor) or not isinstance(st, dict):
+            continue
+        for k, v in st.items():
+            if (isinstance(v, torch.Tensor) and not isinstance(v, DTensor)
+                    and tuple(v.shape) == tuple(p.shape)):
+                # every rank holds the whole tensor: each keeps its own rows, no collective
+                st[k] = distribute_tensor(v.to(p.device), p.device_mesh, p.placements,
+                                          src_data_rank=None)
+    return sd
+
+
 class CheckpointManager:
     """Saves a training state every ``save_interval_steps`` steps and/or every
     ``save_interval_seconds`` seconds (``clock``, default time.monotonic; on many ranks the
@@ -290,7 +317,7 @@ class CheckpointManager:
             out: dict = {}
             for k, v in into.items():
                 if isinstance(v, torch.optim.Optimizer):
-                    v.load_state_dict(got[k])
+                    v.load_state_dict(_placed_like_params(v, got[k]))
                     out[k] = v
                 elif isinstance(v, torch.nn.Module):
                     out[k] = v

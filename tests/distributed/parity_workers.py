@@ -164,3 +164,47 @@ def fresh_adam(rank: int, world: int, path: str) -> dict:
     out["stepped"] = (_same(fresh.state_dict(), model.state_dict())
                       and _same(fopt.state_dict(), opt.state_dict()))
     return out
+
+
+def dtensor_adam(rank: int, world: int, path: str) -> dict:
+    """CheckpointManager.restore of a fresh Adam over a row-sharded DTensor parameter
+    (FSDP2's layout): the restored state is that parameter's layout, and trains on alike."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+
+    def make(seed: int):
+        torch.manual_seed(seed)
+        p = torch.nn.Parameter(distribute_tensor(torch.randn(64, 4), mesh, [Shard(0)]))
+        return p, torch.optim.Adam([p], lr=0.01)
+
+    def train(p, opt, steps) -> None:
+        for step in steps:
+            g = torch.Generator().manual_seed(step)
+            target = distribute_tensor(torch.randn(64, 4, generator=g), mesh, [Shard(0)])
+            opt.zero_grad()
+            ((p - target) ** 2).sum().full_tensor().backward()
+            opt.step()
+
+    p, opt = make(0)
+    train(p, opt, range(3))
+    with cnrstore.open(path, group=dist.group.WORLD, block_rows=BLOCK_ROWS, fanout=FANOUT,
+                       timeout=30) as s:
+        mgr = cnrstore.CheckpointManager(s)
+        mgr.save(3, {"p": {"w": p}, "optim": opt})
+        mgr.wait()
+        q, fopt = make(1)
+        mgr.restore(into={"p": {"w": q}, "optim": fopt})
+    st = fopt.state[q]
+    out = {"layout": {k: isinstance(v, DTensor) for k, v in st.items()}
+           == {k: isinstance(v, DTensor) for k, v in opt.state[p].items()},
+           "restored": all(torch.equal(st[k].to_local(), opt.state[p][k].to_local())
+                           for k in ("exp_avg", "exp_avg_sq"))
+           and torch.equal(st["step"], opt.state[p]["step"])
+           and torch.equal(q.to_local(), p.to_local())}
+    train(p, opt, [3])
+    train(q, fopt, [3])
+    out["stepped"] = torch.equal(q.to_local(), p.to_local())
+    return out

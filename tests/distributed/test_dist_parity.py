@@ -72,3 +72,14 @@ def test_a_fresh_adam_is_restored_bit_for_bit_and_trains_on_alike(tmp_path, worl
     for r in res:
         assert not isinstance(r, Failed), r.trace
     assert all(r == {"restored": True, "stepped": True} for r in res), res
+
+
+def test_a_fresh_adam_over_a_dtensor_parameter_is_restored_in_its_layout(tmp_path):
+    # FSDP2's parameters are DTensors: the manager restores a fresh Adam's adopted state
+    # as DTensors of the parameter's placements (whole plain tensors could not step).
+    from parity_workers import dtensor_adam
+
+    res = run(2, dtensor_adam, str(tmp_path / "s"), timeout=120)
+    for r in res:
+        assert not isinstance(r, Failed), r.trace
+    assert all(r == {"layout": True, "restored": True, "stepped": True} for r in res), res
