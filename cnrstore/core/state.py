@@ -165,10 +165,11 @@ def _kind(node: dict) -> str:
 def merge_structures(docs: list[dict]) -> dict:
     """One structure document naming the leaves of all of ``docs`` (one per rank, the
     coordinator's first): dict entries any of them has, in the order of the first that
-    has them (keys matched by their text, as table names are); sequences as long as the
-    longest; where several give the same leaf, the first one's (a Python value is the
-    coordinator's). A path that is a tensor in one document and anything else in another
-    is InvalidInput: one of them would be lost."""
+    has them (keys matched by their text, as table names are); sequences holding tensors
+    as long as the longest; where several give the same leaf, the first one's (a Python
+    value, or a sequence of Python values only, is the coordinator's). A path that is a
+    tensor in one document and anything else in another is InvalidInput: one of them
+    would be lost."""
 
     def tensors(node: dict) -> bool:
         kind = _kind(node)
@@ -200,6 +201,8 @@ def merge_structures(docs: list[dict]) -> dict:
                     items.append([k, c])
             return {"d": items}
         if ka in ("l", "t"):
+            if not tensors(b):  # a list of Python values (a param group's "params") is
+                return a        # one value: the lower rank's, not spliced from several
             sa, sb = a[ka], b[ka]
             both = [merge(x, y, f"{path}{SEP}{i}" if path else str(i), rank)
                     for i, (x, y) in enumerate(zip(sa, sb))]

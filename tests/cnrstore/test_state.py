@@ -313,6 +313,9 @@ def test_merged_structures_name_every_documents_leaves():
     assert merge_structures([a.doc]) is a.doc
     with pytest.raises(cnrstore.InvalidInput, match="'m/w' is a dict on rank 1"):
         merge_structures([a.doc, flatten({"m": {"w": {"x": torch.ones(1)}}}).doc])
-    # Python values only: the first one's, whatever their kinds
+    # Python values only: the first one's, whatever their kinds; a list of them is one
+    assert unflatten(merge_structures([flatten({"p": [1, 2]}).doc,
+                                       flatten({"p": [3, 4, 5]}).doc]),
+                     lambda n, s: n) == {"p": [1, 2]}
     assert unflatten(merge_structures([flatten({"s": None}).doc, flatten({"s": {"k": 1}}).doc]),
                      lambda n, s: n) == {"s": None}
