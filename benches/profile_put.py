@@ -43,7 +43,8 @@ __all__ = ["StageTimers", "main", "profile"]
 # looked up at call time, i.e. the caller's module for `from x import f` names.
 STAGES = (
     ("cnrstore.core.snapshot", "row_fingerprints", "fingerprint"),
-    ("cnrstore.core.snapshot", "_changed_old_rows", "diff vs previous fingerprints"),
+    ("cnrstore.core.snapshot", "fingerprints_and_changes", "fingerprint + diff (one pass)"),
+    ("cnrstore.core.snapshot", "_changed_old_rows", "diff vs seed codes"),
     ("cnrstore.core.hostcodes", "first_nonfinite_row", "NaN/Inf check"),
     ("cnrstore.core.snapshot", "first_nonfinite_row", "NaN/Inf check"),
     ("cnrstore.core.hostcodes", "encode_rows", "quantize / encode rows"),

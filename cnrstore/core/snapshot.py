@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from cnrstore.codec.fingerprint import row_fingerprints
+from cnrstore.codec.fpdiff import fingerprints_and_changes
 from cnrstore.codec.quantize import (
     NeedsWideQparams,
     decode_rows,
@@ -109,23 +110,21 @@ def _changed_old_rows(
     name: str, x: torch.Tensor, fp: torch.Tensor, base: TableState, common: int, scheme: str,
     wide: bool,
 ) -> np.ndarray:
-    """Ascending ids of rows < common that differ from the diff base."""
-    if base.fingerprints is not None:
-        mask = fp[:common] != base.fingerprints[:common].to(fp.device)
-    else:  # seeded from stored codes: compare codes row by row
-        if scheme != "exact" and common:
-            bad = first_nonfinite_row(x[:common])
-            if bad is not None:
-                raise NonFiniteValues(name, bad, scheme)
-        codes = encode_checked(name, x[:common], scheme, wide, None)
-        assert base.seed_codes is not None  # a base has fingerprints or seed codes
-        seed = base.seed_codes[:common].to(codes.device)
-        if codes.shape[1]:
-            mask = (codes != seed).any(dim=1)
-        else:
-            mask = torch.zeros(common, dtype=torch.bool, device=fp.device)
-        if scheme != "exact":
-            _keep_restored_rows(mask, x, fp, seed, scheme)
+    """Ascending ids of rows < common that differ from a diff base seeded from stored
+    codes (a base with fingerprints is diffed by fingerprints_and_changes)."""
+    if scheme != "exact" and common:
+        bad = first_nonfinite_row(x[:common])
+        if bad is not None:
+            raise NonFiniteValues(name, bad, scheme)
+    codes = encode_checked(name, x[:common], scheme, wide, None)
+    assert base.seed_codes is not None  # a base has fingerprints or seed codes
+    seed = base.seed_codes[:common].to(codes.device)
+    if codes.shape[1]:
+        mask = (codes != seed).any(dim=1)
+    else:
+        mask = torch.zeros(common, dtype=torch.bool, device=fp.device)
+    if scheme != "exact":
+        _keep_restored_rows(mask, x, fp, seed, scheme)
     return torch.nonzero(mask).flatten().cpu().numpy()
 
 
@@ -220,6 +219,9 @@ def _plan_table(
         fp = None
         fp_future = _fp_pool().submit(row_fingerprints, x)
         changed = np.zeros(0, dtype=np.int64)
+    elif cbase is not None and cbase.fingerprints is not None:
+        # One pass: each row's fingerprint is compared with the base's as it is made.
+        fp, changed = fingerprints_and_changes(x, cbase.fingerprints[:common])
     else:
         fp = row_fingerprints(x)
         changed = (
