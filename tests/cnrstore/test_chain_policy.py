@@ -14,7 +14,8 @@ from ckpt_util import assert_identical, make_store, random_table
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cnrstore.core.chainpolicy import chain_budget, depth_cap, stagger
+from cnrstore.core.chainpolicy import _grow, chain_budget, depth_cap, grow_unions, stagger
+from cnrstore.core.tablestate import BlockSlot
 from cnrstore.format.blocks import decode_patch, resolve
 from cnrstore.format.load import load_manifest
 from cnrstore.format.manifest import KIND_BLOCK_PATCH
@@ -204,3 +205,41 @@ def test_any_change_sequence_restores_every_step(max_chain, steps):
     for step, want in enumerate(keep):
         assert_identical(s.get_tables(step)["t"], want)
     _check_patches(s.objects, range(len(keep)))
+
+
+@settings(max_examples=60, deadline=None)
+@given(block_rows=st.integers(1, 9), nblocks=st.integers(1, 6), seed=st.integers(0, 2**31 - 1))
+def test_table_wide_union_growth_matches_growing_each_block(block_rows, nblocks, seed):
+    """grow_unions (one pass over a table, snapshot.py) gives every mergeable block the
+    union and full-block fingerprints _grow gives it alone, including rows changed back to
+    their full-block value (which leave the union)."""
+    rng = np.random.default_rng(seed)
+    slots: list = []
+    for _ in range(nblocks):
+        kind = rng.integers(0, 4)
+        if kind == 0:
+            slots.append(None)
+            continue
+        slot = BlockSlot(block_rows)
+        if kind >= 2:  # a chain on a full block, with rows differing from it
+            u = np.flatnonzero(rng.random(block_rows) < 0.5).astype(np.int64)
+            slot = BlockSlot(block_rows, 1, 10, full=slot, union=u,
+                             fsig=rng.integers(0, 4, len(u)).astype(np.int64))
+        if kind == 3 and rng.random() < 0.5:
+            slot.union = None  # unknown union: never merged
+        slots.append(slot)
+    total = nblocks * block_rows
+    changed = np.flatnonzero(rng.random(total) < 0.6).astype(np.int64)
+    old_fp = rng.integers(0, 4, len(changed)).astype(np.int64)
+    new_fp = rng.integers(0, 4, len(changed)).astype(np.int64)
+    got = grow_unions(slots, block_rows, changed, old_fp, new_fp)
+    for i, slot in enumerate(slots):
+        sel = (changed >= i * block_rows) & (changed < (i + 1) * block_rows)
+        mergeable = slot is not None and slot.union is not None and slot.fsig is not None
+        if not sel.any() or not mergeable:
+            assert i not in got
+            continue
+        want = _grow(slot.union, slot.fsig, changed[sel] - i * block_rows, old_fp[sel],
+                     new_fp[sel])
+        assert np.array_equal(got[i][0], want[0]) and np.array_equal(got[i][1], want[1])
+        assert got[i][0].dtype == np.int64 and got[i][1].dtype == np.int64
