@@ -9,7 +9,8 @@
  * - cnr_row_fingerprints_diff: the fingerprints, each compared with the previous put's as
  *   it is made, emitting the ids of the rows that differ (core/snapshot.py's diff);
  * - cnr_gather_check_f32: a non-blocking put's copy of its changed float32 rows with the
- *   refusal flags of their min/max (core/hostcodes.py snapshot_rows), in one pass.
+ *   refusal flags of their min/max (core/hostcodes.py snapshot_rows), in one pass;
+ * - cnr_grow_union: a block's merge union after a put (core/chainpolicy.py), one merge.
  *
  * numpy takes five passes over every chunk (xor, multiply, shift, xor, multiply-sum) and ran
  * at a third of a plain uint64-multiply pass; here every word is read once, and gcc
@@ -26,7 +27,7 @@
 #define CNR_C 0x9E3779B97F4A7C15ULL
 
 /* Bumped with any change to the functions' signatures (native.py checks it). */
-int cnr_kernels_abi(void) { return 3; }
+int cnr_kernels_abi(void) { return 4; }
 
 static inline uint64_t avalanche(uint64_t h) {
     h ^= h >> 30;
@@ -172,6 +173,29 @@ void cnr_gather_check_f32(const float *x, int64_t stride, const int64_t *idx, in
         for (int64_t r = r0; r < r1; r++)
             flags[r] = row_flags(out + r * width, width);
     }
+}
+
+/* A block's merge union after a put (core/chainpolicy.py _grow, its reference): the rows
+ * that differ from the full block, ascending, with their full-block fingerprints. u/fs: the
+ * union before (nu rows); rows/ofp/nfp: the rows that changed (nr, ascending) with their
+ * previous and new fingerprints. A changed row already in the union leaves it when its new
+ * fingerprint is its full-block one; a changed row not in it joins with its previous one.
+ * One merge pass into out_u/out_f (room for nu + nr); returns the new union's length. */
+int64_t cnr_grow_union(const int64_t *u, const int64_t *fs, int64_t nu, const int64_t *rows,
+                       const int64_t *ofp, const int64_t *nfp, int64_t nr, int64_t *out_u,
+                       int64_t *out_f) {
+    int64_t i = 0, j = 0, k = 0;
+    while (i < nu || j < nr) {
+        if (j >= nr || (i < nu && u[i] < rows[j])) {
+            out_u[k] = u[i]; out_f[k++] = fs[i++];
+        } else if (i >= nu || rows[j] < u[i]) {
+            out_u[k] = rows[j]; out_f[k++] = ofp[j++];
+        } else {
+            if (nfp[j] != fs[i]) { out_u[k] = u[i]; out_f[k++] = fs[i]; }
+            i++; j++;
+        }
+    }
+    return k;
 }
 
 /* ---- int8 encode: every step is the float32 op qparams.py does, in the same order; built

@@ -22,12 +22,13 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from cnrstore.codec import native
 from cnrstore.codec.fingerprint import row_fingerprints
 from cnrstore.core.tablestate import BlockSlot
 from cnrstore.format.blocks import KIND_BLOCK_PATCH, decode_full, decode_patch, patch_nbytes
 
-__all__ = ["block_key", "stagger", "chain_budget", "depth_cap", "grow_unions", "next_slot",
-           "rebuild", "MERGE_SHARE"]
+__all__ = ["block_key", "stagger", "chain_budget", "depth_cap", "next_slot", "rebuild",
+           "MERGE_SHARE"]
 
 _PHI = (5 ** 0.5 - 1) / 2
 # A merged patch is written when it is at most this share of the block's chain budget.
@@ -61,7 +62,21 @@ def depth_cap(index: int, max_chain: int) -> int:
 def _grow(union: np.ndarray, fsig: np.ndarray, rows: np.ndarray, old_fp: np.ndarray,
           new_fp: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The rows that differ from the full block after ``rows`` (ascending, block-local)
-    changed from ``old_fp`` to ``new_fp``: a row back at its full-block value leaves."""
+    changed from ``old_fp`` to ``new_fp``: a row back at its full-block value leaves.
+    One merge pass in the compiled kernel (cnr_grow_union) where it is loaded: this numpy
+    form takes a dozen calls and four copies of the union per block, 20-30 ms of a
+    non-blocking put's stall over 58 blocks (issue 27); both give the same arrays."""
+    kernels = native.kernel()
+    if kernels is not None and kernels.grow_union is not None:
+        args = [np.ascontiguousarray(a, dtype=np.int64)
+                for a in (union, fsig, rows, old_fp, new_fp)]
+        out_u = np.empty(len(union) + len(rows), dtype=np.int64)
+        out_f = np.empty_like(out_u)
+        k = kernels.grow_union(args[0].ctypes.data, args[1].ctypes.data, len(union),
+                               args[2].ctypes.data, args[3].ctypes.data,
+                               args[4].ctypes.data, len(rows), out_u.ctypes.data,
+                               out_f.ctypes.data)
+        return out_u[:k], out_f[:k]
     if len(union):
         pos = np.searchsorted(union, rows)
         at = np.minimum(pos, len(union) - 1)
@@ -78,60 +93,19 @@ def _grow(union: np.ndarray, fsig: np.ndarray, rows: np.ndarray, old_fp: np.ndar
     return np.insert(union, ins, rows[fresh]), np.insert(fsig, ins, old_fp[fresh])
 
 
-def _mergeable(old: BlockSlot) -> bool:
-    """The slot knows its full block and the rows that differ from it."""
-    full = old if old.depth == 0 else old.full
-    return old.union is not None and old.fsig is not None and full is not None
-
-
-def grow_unions(slots: list, block_rows: int, changed: np.ndarray, old_fp: np.ndarray,
-                new_fp: np.ndarray) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-    """``_grow`` of every mergeable block of a table with changed rows, in one pass:
-    block i -> (union, fsig) as ``next_slot`` would compute them. ``slots``: the diff
-    base's slots (None: no slot); ``changed``: ascending table row ids, with their
-    previous and new fingerprints. Per block, _grow's dozen numpy calls cost more than
-    their work (~1 ms a block on a loaded 2-core VM, a sixth of issue 27's stall); the
-    unions of different blocks never share a row, so offset by their blocks' starts they
-    grow as one table-wide union."""
-    nblocks = len(slots)
-    hit = np.zeros(nblocks, dtype=bool)
-    if not len(changed) or not nblocks:
-        return {}
-    blk = changed // block_rows
-    touched = np.unique(blk[blk < nblocks])
-    picks = [int(i) for i in touched
-             if slots[i] is not None and slots[i].nrows > 0 and _mergeable(slots[i])]
-    if not picks:
-        return {}
-    hit[picks] = True
-    starts = np.asarray(picks, dtype=np.int64) * block_rows
-    lens = [len(slots[i].union) for i in picks]
-    union = np.concatenate([slots[i].union for i in picks]) + np.repeat(starts, lens)
-    fsig = np.concatenate([slots[i].fsig for i in picks])
-    m = hit[np.minimum(blk, nblocks - 1)] & (blk < nblocks)
-    union, fsig = _grow(union, fsig, changed[m], old_fp[m], new_fp[m])
-    cuts = np.searchsorted(union, np.stack([starts, starts + block_rows])).tolist()
-    return {i: (union[lo:hi] - i * block_rows, fsig[lo:hi].copy())
-            for i, lo, hi in zip(picks, cuts[0], cuts[1])}
-
-
 def next_slot(old: BlockSlot, key: int, rows: np.ndarray, old_fp: np.ndarray | None,
-              new_fp: np.ndarray, row_nbytes: int, max_chain: int,
-              grown: tuple[np.ndarray, np.ndarray] | None = None,
+              new_fp: np.ndarray, row_nbytes: int, max_chain: int
               ) -> tuple[BlockSlot, np.ndarray | None, BlockSlot | None]:
     """The new slot of a changed block (``key``: its ``block_key``; rows ``rows`` changed,
     block-local), the
     rows to write (None: the whole block) and the slot of the patch's base (None: full).
     ``old_fp``: the changed rows' previous fingerprints (None: unknown, a base seeded
-    from stored codes; the block is then not merged before its next full rewrite).
-    ``grown``: the block's (union, fsig) from ``grow_unions``, when it computed them."""
+    from stored codes; the block is then not merged before its next full rewrite)."""
     nr = old.nrows
     full = old if old.depth == 0 else old.full
     union = fsig = None
-    if _mergeable(old) and old_fp is not None:
-        assert old.union is not None and old.fsig is not None
-        union, fsig = grown if grown is not None else _grow(old.union, old.fsig, rows,
-                                                            old_fp, new_fp)
+    if old.union is not None and old.fsig is not None and full is not None and old_fp is not None:
+        union, fsig = _grow(old.union, old.fsig, rows, old_fp, new_fp)
     else:
         full = None
     cap = depth_cap(key, max_chain)

@@ -27,7 +27,7 @@ from cnrstore.codec.quantize import (
     is_wide,
     row_nbytes,
 )
-from cnrstore.core.chainpolicy import block_key, grow_unions, next_slot
+from cnrstore.core.chainpolicy import block_key, next_slot
 from cnrstore.core.hostcodes import HostBuffers, encode_checked, gather_encode, snapshot_rows
 from cnrstore.core.tablestate import BlockSlot, TableState
 from cnrstore.errors import NonFiniteValues
@@ -245,10 +245,6 @@ def _plan_table(
     writes: list[BlockWrite] = []
     parts: list = []   # rows to encode, ascending: (start, stop) of a full block, or ids
     pos = 0
-    grown = grow_unions(
-        [s if s is not None and s.nrows == min(block_rows, rows - i * block_rows) else None
-         for i, s in enumerate(cbase.slots[:nblocks])], block_rows, changed, old_fp, new_fp
-    ) if cbase is not None and old_fp is not None and new_fp is not None else {}
     cuts = np.searchsorted(changed, np.arange(nblocks + 1, dtype=np.int64) * block_rows
                            ).tolist() if len(changed) else None
     for i in range(nblocks):
@@ -264,8 +260,7 @@ def _plan_table(
             lo, hi = cuts[i], cuts[i + 1]
             slot, local, pbase = next_slot(
                 old, block_key(name, block_offset + i), changed[lo:hi] - start,
-                None if old_fp is None else old_fp[lo:hi], new_fp[lo:hi], rnb, max_chain,
-                grown.get(i))
+                None if old_fp is None else old_fp[lo:hi], new_fp[lo:hi], rnb, max_chain)
         else:
             slot, local, pbase = BlockSlot(nr), None, None
         slots.append(slot)

@@ -14,8 +14,8 @@ from ckpt_util import assert_identical, make_store, random_table
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cnrstore.core.chainpolicy import _grow, chain_budget, depth_cap, grow_unions, stagger
-from cnrstore.core.tablestate import BlockSlot
+from cnrstore.codec import native
+from cnrstore.core.chainpolicy import _grow, chain_budget, depth_cap, stagger
 from cnrstore.format.blocks import decode_patch, resolve
 from cnrstore.format.load import load_manifest
 from cnrstore.format.manifest import KIND_BLOCK_PATCH
@@ -207,39 +207,31 @@ def test_any_change_sequence_restores_every_step(max_chain, steps):
     _check_patches(s.objects, range(len(keep)))
 
 
-@settings(max_examples=60, deadline=None)
-@given(block_rows=st.integers(1, 9), nblocks=st.integers(1, 6), seed=st.integers(0, 2**31 - 1))
-def test_table_wide_union_growth_matches_growing_each_block(block_rows, nblocks, seed):
-    """grow_unions (one pass over a table, snapshot.py) gives every mergeable block the
-    union and full-block fingerprints _grow gives it alone, including rows changed back to
-    their full-block value (which leave the union)."""
+
+def _grow_numpy(*args):
+    saved = native.kernel
+    native.kernel = lambda **kw: None  # type: ignore[assignment]
+    try:
+        return _grow(*args)
+    finally:
+        native.kernel = saved  # type: ignore[assignment]
+
+
+@settings(max_examples=80, deadline=None)
+@given(nrows=st.integers(1, 40), seed=st.integers(0, 2**31 - 1),
+       p_union=st.sampled_from([0.0, 0.3, 0.9]), p_rows=st.sampled_from([0.05, 0.5, 1.0]))
+def test_the_compiled_union_growth_matches_the_numpy_one(nrows, seed, p_union, p_rows):
+    """cnr_grow_union (one merge) gives the arrays of the numpy _grow, including rows
+    changed back to their full-block value (which leave the union) and new rows."""
+    if native.kernel(wait=True) is None:
+        pytest.skip(f"no native kernel here: {native.status()['reason']}")
     rng = np.random.default_rng(seed)
-    slots: list = []
-    for _ in range(nblocks):
-        kind = rng.integers(0, 4)
-        if kind == 0:
-            slots.append(None)
-            continue
-        slot = BlockSlot(block_rows)
-        if kind >= 2:  # a chain on a full block, with rows differing from it
-            u = np.flatnonzero(rng.random(block_rows) < 0.5).astype(np.int64)
-            slot = BlockSlot(block_rows, 1, 10, full=slot, union=u,
-                             fsig=rng.integers(0, 4, len(u)).astype(np.int64))
-        if kind == 3 and rng.random() < 0.5:
-            slot.union = None  # unknown union: never merged
-        slots.append(slot)
-    total = nblocks * block_rows
-    changed = np.flatnonzero(rng.random(total) < 0.6).astype(np.int64)
-    old_fp = rng.integers(0, 4, len(changed)).astype(np.int64)
-    new_fp = rng.integers(0, 4, len(changed)).astype(np.int64)
-    got = grow_unions(slots, block_rows, changed, old_fp, new_fp)
-    for i, slot in enumerate(slots):
-        sel = (changed >= i * block_rows) & (changed < (i + 1) * block_rows)
-        mergeable = slot is not None and slot.union is not None and slot.fsig is not None
-        if not sel.any() or not mergeable:
-            assert i not in got
-            continue
-        want = _grow(slot.union, slot.fsig, changed[sel] - i * block_rows, old_fp[sel],
-                     new_fp[sel])
-        assert np.array_equal(got[i][0], want[0]) and np.array_equal(got[i][1], want[1])
-        assert got[i][0].dtype == np.int64 and got[i][1].dtype == np.int64
+    union = np.flatnonzero(rng.random(nrows) < p_union).astype(np.int64)
+    fsig = rng.integers(0, 3, len(union)).astype(np.int64)
+    rows = np.flatnonzero(rng.random(nrows) < p_rows).astype(np.int64)
+    old_fp = rng.integers(0, 3, len(rows)).astype(np.int64)
+    new_fp = rng.integers(0, 3, len(rows)).astype(np.int64)
+    got = _grow(union, fsig, rows, old_fp, new_fp)
+    want = _grow_numpy(union, fsig, rows, old_fp, new_fp)
+    for g, w in zip(got, want):
+        assert g.dtype == np.int64 and np.array_equal(g, w)
