@@ -28,7 +28,7 @@ from ..fs.fileio import store_error
 from ..fs.lock import WriterLock
 from ..index import db as ix
 from ..packs.pack import PackReaders, pack_name
-from ..storage import LocalStorage, PackStorage
+from ..packs.storage import PackStorage, as_storage
 
 
 class CommitLog(Protocol):
@@ -67,7 +67,7 @@ class StoreCore:
                  log: CommitLog) -> None:
         self.path = path
         # Where the packs live; ``path`` always holds the index and the lock (local disk).
-        self.storage = storage if storage is not None else LocalStorage(path)
+        self.storage = storage if storage is not None else as_storage(path)
         # Where commits are published: the index itself, or a bucket it caches.
         self.log = log
         self.options = options

@@ -15,7 +15,6 @@ since the location was learnt) raises ``PackMoved``: ask the coordinator again.
 from __future__ import annotations
 
 import os
-import pathlib
 import threading
 from collections.abc import Iterable, Iterator, Mapping
 from typing import cast
@@ -38,7 +37,8 @@ from ..errors import CorruptObject, ObjectNotFound, PackMoved, ReadOnly, StoreCl
 from ..format.ids import check_id, check_root_name, hexid
 from ..format.location import RecordLocation
 from ..packs.pack import PackReaders, as_storage, pack_name
-from ..storage import PackStorage
+from ..packs.storage import PackStorage
+from ..storage import ObjectBackend
 from .core import read_checked
 
 
@@ -46,9 +46,7 @@ class LocatedReader:
     """Checked reads of records by location from ``storage`` (a PackStorage, or a store
     directory: its ``packs``). Thread-safe."""
 
-    def __init__(self, storage: str | os.PathLike | PackStorage) -> None:
-        if not isinstance(storage, PackStorage):
-            storage = pathlib.Path(storage).absolute()
+    def __init__(self, storage: str | os.PathLike | PackStorage | ObjectBackend) -> None:
         self.storage = as_storage(storage)
         self.path = self.storage.describe()
         self._readers = PackReaders(self.storage)

@@ -41,7 +41,7 @@ from ..fs.fileio import makedirs_durable, store_error
 from ..fs.lock import WriterLock
 from ..index import db as ix
 from ..index.options import read_stored
-from ..storage import PackStorage
+from ..packs.storage import PackStorage
 from . import coordinator
 from .commit.local import LocalLog
 from .core import CommitLog, StoreCore

@@ -29,7 +29,7 @@ from ..fs.fileio import fsync_dir, store_error
 from ..index import db as ix
 from ..index.options import read_stored
 from ..packs.pack import list_pack_files, pack_name, read_trailer, scan_records
-from ..storage import PackStorage
+from ..packs.storage import PackStorage
 from .lease import live_ranges
 from .repairroots import ChosenRoots, Snapshot, choose_roots
 

@@ -238,7 +238,7 @@ def duplicate_class_names(folder: pathlib.Path) -> dict[str, list[str]]:
 
 def test_no_two_engine_classes_share_a_name():
     # There were two PackSinks: a rank's (engine.PackSink) and one pack being written
-    # to a storage (now storage/base.py WritablePack).
+    # to a storage (now storage/base.py KeyWriter).
     assert duplicate_class_names(ENGINE) == {}
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import pathlib
 import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
@@ -59,7 +60,7 @@ from .chain import ChainDamaged
 from .gcproof import check_chain, still_needed
 
 if TYPE_CHECKING:
-    from ...storage.s3 import S3Storage
+    from ...packs.storage import PackStorage
     from ..core import StoreCore
 
 _REFRESH_WAIT_S = 5.0
@@ -71,9 +72,12 @@ class Remote:
 
     publishes = True
 
-    def __init__(self, storage: S3Storage, *, gc_grace_s: float) -> None:
+    def __init__(self, storage: PackStorage, *, staging: pathlib.Path,
+                 gc_grace_s: float) -> None:
         self.storage = storage
-        self.url = storage.url
+        self.objects = storage.backend  # commit documents and claims: keys and bytes
+        self.staging = staging
+        self.url = storage.describe()
         self.gc_grace_s = float(gc_grace_s)
         self.last_rebuild: RepairReport | None = None  # a catch-up that met damage
 
@@ -93,11 +97,11 @@ class Remote:
         """At open, under the writer lock: check that the cache belongs to this bucket
         location, rebuild it after an interrupted gc, and bring it up to date."""
         index = core.index
-        location = self.storage.url.encode("utf-8")
+        location = self.url.encode("utf-8")
         report = None
         with self._locked(core, None):
-            self.storage.staging.mkdir(exist_ok=True)
-            for leftover in self.storage.staging.iterdir():  # a dead writer's: claims kept
+            self.staging.mkdir(exist_ok=True)
+            for leftover in self.staging.iterdir():  # a dead writer's: claims kept
                 leftover.unlink()
 
             def state(t: ix.Txn) -> tuple[bytes | None, bool, int]:
@@ -107,14 +111,14 @@ class Remote:
             owner, dirty, nobj = index.read(state)
             if owner is None and nobj:
                 raise FormatError(f"cache {core.path} holds a store that is not a cache of "
-                                  f"{self.storage.url}")
+                                  f"{self.url}")
             if owner is not None and owner != location:
                 raise FormatError(f"cache {core.path} belongs to {owner.decode()!r}, not "
-                                  f"{self.storage.url}")
+                                  f"{self.url}")
             if owner is None:
                 index.write(lambda t: t.put(META_REMOTE_ID, location, db=index.meta))
             damaged = bool(self.damage(core)) and not dirty
-            found = chain.survey(self.storage) if damaged else None
+            found = chain.survey(self.objects) if damaged else None
             if dirty or (found is not None and not found.problems):
                 report = self.rebuild(core)  # a mended chain is read again
             else:
@@ -124,7 +128,7 @@ class Remote:
                 if report is None and found is not None:
                     report = self._counts(core, tuple(found.problems))
             if not create and self.seq(core) == 0:
-                raise NoStore(f"no store at {self.storage.url} (pass create=True to "
+                raise NoStore(f"no store at {self.url} (pass create=True to "
                                   "make one)")
         return report
 
@@ -145,7 +149,7 @@ class Remote:
 
         def apply(txn: ix.Txn) -> None:
             nonlocal applied
-            for doc in chain.documents(self.storage, ix.get_u64(txn, index.meta,
+            for doc in chain.documents(self.objects, ix.get_u64(txn, index.meta,
                                                                 META_REMOTE_SEQ)):
                 apply_commit(txn, index, doc)
                 applied += 1
@@ -176,7 +180,7 @@ class Remote:
     def rebuild(self, core: StoreCore) -> RepairReport:
         """With the writer lock held: a fresh cache from every commit document, or from
         the packs when one is damaged."""
-        location = self.storage.url.encode("utf-8")
+        location = self.url.encode("utf-8")
 
         def fill(new: ix.Index, txn: ix.Txn) -> None:
             for key in (ix.META_SEQ, ix.META_NEXT_PACK):
@@ -185,7 +189,7 @@ class Remote:
             txn.put(ix.META_CHAIN, ix.chain_value([], 0, 0), db=new.meta)
             txn.put(ix.META_ROOTS_SUM, ix.roots_digest({}), db=new.meta)
             txn.put(META_REMOTE_ID, location, db=new.meta)
-            for doc in chain.documents(self.storage, 0):
+            for doc in chain.documents(self.objects, 0):
                 apply_commit(txn, new, doc)
 
         try:
@@ -207,10 +211,10 @@ class Remote:
         (engine/store/repair.py), less those a readable document retired, at the newest commit
         number listed (a writer of this cache commits after it), and record the damage
         (gc refuses while it lasts; an open rereads the documents)."""
-        found = chain.survey(self.storage)
+        found = chain.survey(self.objects)
         problems = found.problems or [Problem("damaged-commit", str(exc), pack=exc.key)]
         messages = [p.message for p in problems]
-        extra = {META_REMOTE_ID: self.storage.url.encode("utf-8"),
+        extra = {META_REMOTE_ID: self.url.encode("utf-8"),
                  META_REMOTE_SEQ: ix.U64.pack(found.newest),
                  META_REMOTE_DAMAGED: msgpack.packb(messages)}
         report = rebuild(core, from_packs=True, exclude=found.gone, extra_meta=extra)
@@ -235,7 +239,7 @@ class Remote:
         token = os.urandom(16)
         made = dataclasses.replace(doc(), seq=seq, time=time.time(), token=token)
         try:
-            self.storage.put_create(commit_key(seq), encode_commit(made))
+            self.objects.put_if_absent(commit_key(seq), encode_commit(made))
         except FileExistsError:
             if self._is_ours(seq, token):
                 return seq
@@ -246,9 +250,9 @@ class Remote:
                                           if t.get(n, db=index.roots) is not None])
             for name in (n.decode() for n in taken):
                     raise RootExists(f"root {name!r} already exists: another writer "
-                                     f"committed it first ({self.storage.url})",
+                                     f"committed it first ({self.url})",
                                      name=name) from None
-            raise ConcurrentCommit(f"{self.storage.url}: another writer committed {seq} "
+            raise ConcurrentCommit(f"{self.url}: another writer committed {seq} "
                                    "first; nothing of this commit was published") from None
         return seq
 
@@ -259,14 +263,14 @@ class Remote:
         accepts the risk."""
         age = time.time() - started
         if self.gc_grace_s > 0 and age > 0.9 * self.gc_grace_s:
-            raise StoreError(f"{self.storage.url}: this commit's packs are {age:.0f} s old, "
+            raise StoreError(f"{self.url}: this commit's packs are {age:.0f} s old, "
                              f"too close to gc_grace_s ({self.gc_grace_s:.0f} s): a gc may "
                              "have deleted them; nothing was published (raise gc_grace_s)")
 
     def _is_ours(self, seq: int, token: bytes) -> bool:
         key = commit_key(seq)
         try:
-            return decode_commit(self.storage.get(key), key).token == token
+            return decode_commit(self.objects.get(key), key).token == token
         except (FileNotFoundError, CorruptObject):
             return False  # ours would be whole
 
@@ -302,11 +306,11 @@ class Remote:
 
         listed, retired = index.read(state)
         now = time.time()
-        present = self.storage.pack_listing()
+        present = self.storage.listing()
         kept = []
 
         def keep(n: int) -> bool:
-            if now - retired.get(n, present[n][1].timestamp()) < self.gc_grace_s:
+            if now - retired.get(n, present[n].modified) < self.gc_grace_s:
                 return True
             why = still_needed(self.storage, core, n, present)
             if why is not None:
@@ -318,7 +322,7 @@ class Remote:
             retired.pop(n, None)
         index.write(lambda t: t.put(META_RETIRED, msgpack.packb(retired), db=index.meta))
         if kept:
-            raise GCRefused(f"gc on {self.storage.url} kept {len(kept)} packs the index no "
+            raise GCRefused(f"gc on {self.url} kept {len(kept)} packs the index no "
                             f"longer lists but still needs ({kept[0]}); its commit stands, "
                             "nothing of them was deleted: verify, then repair")
         return len(deleted)
