@@ -111,14 +111,18 @@ def _reported(report: RepairReport | None, why: str) -> RepairReport:
     return dataclasses.replace(report, damaged=(problem, *report.damaged))
 
 
-def _open_writable(store: StoreCore, *, damaged: bool) -> RepairReport | None:
+def _open_writable(store: StoreCore, *, damaged: bool, unsafe: bool = False
+                   ) -> RepairReport | None:
+    """Open the index writable. Its file is walked once (engine/index/lmdbcheck.py), by
+    the open itself; a file found ``unsafe`` is opened again under the writer lock, which
+    walks it once more and, still unsafe, replaces it by a rebuild from the packs."""
     p = store.path
     lock = store.lock
     report = None
     data = p / "index" / "data.mdb"
     locked = False
     try:
-        if damaged or not data.exists() or ix.data_file_problem(data) is not None:
+        if damaged or unsafe or not data.exists():
             lock.acquire(None)  # a repair elsewhere may be between its renames
             locked = True
         elif (p / "index.new").exists() or (p / "index.old").exists():
@@ -135,19 +139,28 @@ def _open_writable(store: StoreCore, *, damaged: bool) -> RepairReport | None:
                 shutil.rmtree(p / "index")
                 fsync_dir(p)
         needs_repair = not (p / "index").exists() and bool(list_pack_files(p))
-        store.attach(ix.open_shared(p / "index", map_size=store.options.map_size,
-                                    options=store.options.persisted()))
         try:
-            if needs_repair:
-                report = _rebuild(store)
-            else:
-                report = _bring_up_to_date(store, locked)
-        except BaseException:
-            store.close_files()
-            raise
+            index = ix.open_shared(p / "index", map_size=store.options.map_size,
+                                   options=store.options.persisted())
+        except ix.UnsafeIndexFile:
+            if locked:
+                raise  # sound under the lock a moment ago: open_index rebuilds it
+            index = None
+        if index is not None:
+            store.attach(index)
+            try:
+                if needs_repair:
+                    report = _rebuild(store)
+                else:
+                    report = _bring_up_to_date(store, locked)
+            except BaseException:
+                store.close_files()
+                raise
     finally:
         if locked:
             lock.release()
+    if index is None:
+        return _open_writable(store, damaged=False, unsafe=True)
     return report
 
 
@@ -210,11 +223,13 @@ def _open_readonly(store: StoreCore) -> None:
     if not data.exists():
         raise StaleIndex(f"store {p} has no index; open it writable once to rebuild it "
                          "from the packs")
-    problem = ix.data_file_problem(data)
-    if problem is not None:
-        raise StaleIndex(f"store {p}: {problem}; open it writable to rebuild the index")
-    store.attach(ix.open_shared(p / "index", map_size=store.options.map_size,
-                                options=store.options.persisted(), readonly=True))
+    try:
+        index = ix.open_shared(p / "index", map_size=store.options.map_size,
+                               options=store.options.persisted(), readonly=True)
+    except ix.UnsafeIndexFile as exc:  # the open's one walk of the file found it unsafe
+        raise StaleIndex(f"store {p}: {exc.problem}; open it writable to rebuild the "
+                         "index") from None
+    store.attach(index)
     try:
         problem = stale_problem(store)
     except BaseException:
