@@ -40,7 +40,7 @@ _BATCH_BYTES = 1 << 20  # one GET covers the headers of small records within 1 M
 _GAP_BYTES = 64 << 10   # skipping at most this much payload between two of them
 
 if TYPE_CHECKING:
-    from .core import StoreCore
+    from .core import PackStoreState
 
 
 @dataclass
@@ -57,7 +57,7 @@ class _Pack:
 class Adoption:
     """The records one writer adopts; not thread-safe (the writer serializes calls)."""
 
-    def __init__(self, core: StoreCore) -> None:
+    def __init__(self, core: PackStoreState) -> None:
         self._core = core
         self.locs: dict[bytes, RecordLocation] = {}
         self.packs: dict[int, _Pack] = {}

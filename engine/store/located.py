@@ -22,7 +22,6 @@ from typing import cast
 import zstandard
 
 from ..api import (
-    GCReport,
     Object,
     ObjectInfo,
     ObjectStore,
@@ -30,7 +29,8 @@ from ..api import (
     ProgressFn,
     RepairReport,
     Stats,
-    VerifyReport,
+    StoreGCReport,
+    StoreVerifyReport,
     Writer,
 )
 from ..errors import CorruptObject, ObjectNotFound, PackMoved, ReadOnly, StoreClosed
@@ -144,14 +144,14 @@ class LocatedObjects(ObjectStore):
         raise ReadOnly("writer() on located objects (a rank's read-only view)")
 
     def gc(self, *, threshold: float = 0.25, timeout: float | None = 0.0,
-           progress: ProgressFn | None = None) -> GCReport:
+           progress: ProgressFn | None = None) -> StoreGCReport:
         raise ReadOnly("gc() on located objects (a rank's read-only view)")
 
     def repair(self, *, dry_run: bool = False) -> RepairReport:
         raise ReadOnly("repair() on located objects (a rank's read-only view)")
 
     def verify(self, *, deep: bool = False, roots: Iterable[str] | None = None,
-               progress: ProgressFn | None = None) -> VerifyReport:
+               progress: ProgressFn | None = None) -> StoreVerifyReport:
         """Structure: every ref of a located object is located too. Deep: read and
         id-check every located object. ``roots`` limits nothing here (all are checked)."""
         problems: list[Problem] = []
@@ -170,7 +170,7 @@ class LocatedObjects(ObjectStore):
                 except CorruptObject as exc:
                     problems.append(Problem("corrupt", str(exc), oid=loc.oid,
                                             pack=pack_name(loc.pack), offset=loc.offset))
-        return VerifyReport(not problems, tuple(problems), len(self._locs), nbytes)
+        return StoreVerifyReport(not problems, tuple(problems), len(self._locs), nbytes)
 
     def stats(self) -> Stats:
         logical = sum(loc.raw_len for loc in self._locs.values())

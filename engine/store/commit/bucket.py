@@ -5,7 +5,7 @@ Every commit (a writer's or a gc's) is one document at ``commits/<seq:020d>``
 (engine/format/commitdoc.py: checksummed msgpack), created with If-None-Match after all
 its packs are uploaded: the object that makes it visible. Two writers that read the same
 newest commit both try ``seq + 1``: exactly one creates it, the other catches up and gets
-RootExists (it lost a create_root race) or ConcurrentCommit. The document carries the
+RootExists (it lost a create_root race) or CommitSequenceTaken. The document carries the
 index entries of the packs it adds, so a cache catches up (or an empty one rebuilds) from
 commit documents alone, never reading a pack.
 
@@ -32,7 +32,7 @@ import msgpack
 
 from ...api import Problem, RepairReport
 from ...errors import (
-    ConcurrentCommit,
+    CommitSequenceTaken,
     CorruptObject,
     FormatError,
     GCRefused,
@@ -61,14 +61,14 @@ from .gcproof import check_chain, still_needed
 
 if TYPE_CHECKING:
     from ...packs.storage import PackStorage
-    from ..core import StoreCore
+    from ..core import PackStoreState
 
 _REFRESH_WAIT_S = 5.0
 
 
 class Remote:
     """The commit protocol of one bucket store, for one cache: its ``CommitLog``
-    (``StoreCore.log``; engine/store/core.py)."""
+    (``PackStoreState.log``; engine/store/core.py)."""
 
     publishes = True
 
@@ -81,19 +81,19 @@ class Remote:
         self.gc_grace_s = float(gc_grace_s)
         self.last_rebuild: RepairReport | None = None  # a catch-up that met damage
 
-    def damage(self, core: StoreCore) -> list[str]:
+    def damage(self, core: PackStoreState) -> list[str]:
         """Why the cache was rebuilt from the packs ([] when the commit documents said
         everything it holds)."""
         index = core.index
         raw = index.read(lambda t: meta_get(t, index, META_REMOTE_DAMAGED))
         return [] if raw is None else [str(m) for m in msgpack.unpackb(raw)]
 
-    def seq(self, core: StoreCore) -> int:
+    def seq(self, core: PackStoreState) -> int:
         index = core.index
         return index.read(lambda t: ix.get_u64(t, index.meta, META_REMOTE_SEQ))
 
     # -- open and catch up ----------------------------------------------------------------
-    def attach(self, core: StoreCore, *, create: bool) -> RepairReport | None:
+    def attach(self, core: PackStoreState, *, create: bool) -> RepairReport | None:
         """At open, under the writer lock: check that the cache belongs to this bucket
         location, rebuild it after an interrupted gc, and bring it up to date."""
         index = core.index
@@ -133,14 +133,14 @@ class Remote:
         return report
 
     @contextlib.contextmanager
-    def _locked(self, core: StoreCore, timeout: float | None) -> Iterator[None]:
+    def _locked(self, core: PackStoreState, timeout: float | None) -> Iterator[None]:
         core.lock.acquire(timeout)
         try:
             yield
         finally:
             core.lock.release()
 
-    def catch_up(self, core: StoreCore) -> int:
+    def catch_up(self, core: PackStoreState) -> int:
         """With the writer lock held: apply every commit newer than the cache's, in one
         transaction; return how many. A damaged one rebuilds the cache from the packs
         (``last_rebuild`` reports it)."""
@@ -161,7 +161,7 @@ class Remote:
             return 0
         return applied
 
-    def refresh(self, core: StoreCore) -> None:
+    def refresh(self, core: PackStoreState) -> None:
         """A reader found a pack gone: catch up if the writer lock can be had soon (a
         writer of this handle holds it for its whole life: then the read just retries).
         A cache rebuilt from the packs is rebuilt again: its locations may name a pack
@@ -177,7 +177,7 @@ class Remote:
         except StoreLocked:
             pass
 
-    def rebuild(self, core: StoreCore) -> RepairReport:
+    def rebuild(self, core: PackStoreState) -> RepairReport:
         """With the writer lock held: a fresh cache from every commit document, or from
         the packs when one is damaged."""
         location = self.url.encode("utf-8")
@@ -199,14 +199,14 @@ class Remote:
         return self._counts(core, ())
 
     @staticmethod
-    def _counts(core: StoreCore, damaged: tuple[Problem, ...]) -> RepairReport:
+    def _counts(core: PackStoreState, damaged: tuple[Problem, ...]) -> RepairReport:
         index = core.index
         counts = index.read(lambda t: (t.stat(index.packs)["entries"],
                                        t.stat(index.objects)["entries"],
                                        t.stat(index.roots)["entries"]))
         return RepairReport(*counts, damaged)
 
-    def _rebuild_from_packs(self, core: StoreCore, exc: ChainDamaged) -> RepairReport:
+    def _rebuild_from_packs(self, core: PackStoreState, exc: ChainDamaged) -> RepairReport:
         """The commit documents cannot say what the store holds: index every pack
         (engine/store/repair.py), less those a readable document retired, at the newest commit
         number listed (a writer of this cache commits after it), and record the damage
@@ -228,10 +228,10 @@ class Remote:
         return dataclasses.replace(report, damaged=(*problems, *report.damaged))
 
     # -- publishing -----------------------------------------------------------------------
-    def publish(self, core: StoreCore, base: int, doc: Callable[[], CommitDoc]) -> int:
+    def publish(self, core: PackStoreState, base: int, doc: Callable[[], CommitDoc]) -> int:
         """Create commit ``base + 1``, the document ``doc()`` (all its packs uploaded). On
         a lost race the cache catches up and RootExists (a name this commit creates now
-        exists) or ConcurrentCommit is raised; nothing of this commit is then visible
+        exists) or CommitSequenceTaken is raised; nothing of this commit is then visible
         anywhere."""
         seq = base + 1
         # The token tells our own document from another writer's: a create whose
@@ -252,7 +252,7 @@ class Remote:
                     raise RootExists(f"root {name!r} already exists: another writer "
                                      f"committed it first ({self.url})",
                                      name=name) from None
-            raise ConcurrentCommit(f"{self.url}: another writer committed {seq} "
+            raise CommitSequenceTaken(f"{self.url}: another writer committed {seq} "
                                    "first; nothing of this commit was published") from None
         return seq
 
@@ -274,14 +274,14 @@ class Remote:
         except (FileNotFoundError, CorruptObject):
             return False  # ours would be whole
 
-    def begin_gc(self, core: StoreCore) -> None:
+    def begin_gc(self, core: PackStoreState) -> None:
         """Before gc sweeps the cache: should it die before its commit is published, the
         next open rebuilds the cache instead of trusting a sweep the bucket never saw."""
         check_chain(self.storage, self.damage(core), core)
         index = core.index
         index.write(lambda t: t.put(META_REMOTE_DIRTY, b"1", db=index.meta))
 
-    def settle_gc(self, core: StoreCore, seq: int | None) -> None:
+    def settle_gc(self, core: PackStoreState, seq: int | None) -> None:
         """A gc that moved no pack: record its commit (if it swept anything) and clear
         the dirty mark."""
         index = core.index
@@ -293,7 +293,7 @@ class Remote:
 
         index.write(settle)
 
-    def delete_unlisted(self, core: StoreCore, live_packs: set[int]) -> int:
+    def delete_unlisted(self, core: PackStoreState, live_packs: set[int]) -> int:
         """Delete pack objects the index no longer lists once no reader may need them:
         ``gc_grace_s`` after the commit that retired them, or after their upload for
         packs no commit ever listed (crash leftovers; a writer still uploading is

@@ -16,10 +16,10 @@ from . import chain
 
 if TYPE_CHECKING:
     from ...packs.storage import PackStorage
-    from ..core import StoreCore
+    from ..core import PackStoreState
 
 
-def check_chain(storage: PackStorage, damage: list[str], core: StoreCore) -> None:
+def check_chain(storage: PackStorage, damage: list[str], core: PackStoreState) -> None:
     """gc deletes only what it can prove dead: refuse (GCRefused, nothing changed)
     when a commit document is damaged (``damage``: why the cache was rebuilt from the
     packs), or the cache and the documents disagree on the newest commit or on the packs
@@ -38,7 +38,7 @@ def check_chain(storage: PackStorage, damage: list[str], core: StoreCore) -> Non
 
     seq, packs = index.read(view)
     # Up to the cache's commit: one another writer made since is this gc's lost race
-    # (ConcurrentCommit at its publish), not a disagreement.
+    # (CommitSequenceTaken at its publish), not a disagreement.
     found = chain.survey(storage.backend, upto=seq)
     if found.problems:
         raise GCRefused(f"gc refused on {where}: {found.problems[0].message} "
@@ -51,7 +51,7 @@ def check_chain(storage: PackStorage, damage: list[str], core: StoreCore) -> Non
                         "or repair")
 
 
-def still_needed(storage: PackStorage, core: StoreCore, n: int,
+def still_needed(storage: PackStorage, core: PackStoreState, n: int,
                   present: Container[int]) -> str | None:
     """Why unlisted pack ``n`` must stay, by its own trailer: an object in it is indexed
     there, or indexed in a pack that is not there or does not hold it at that offset (a
