@@ -44,9 +44,12 @@ __all__ = ["StageTimers", "main", "profile"]
 STAGES = (
     ("cnrstore.core.snapshot", "row_fingerprints", "fingerprint"),
     ("cnrstore.core.snapshot", "_changed_old_rows", "diff vs previous fingerprints"),
+    ("cnrstore.core.hostcodes", "first_nonfinite_row", "NaN/Inf check"),
     ("cnrstore.core.snapshot", "first_nonfinite_row", "NaN/Inf check"),
-    ("cnrstore.core.snapshot", "encode_rows", "quantize / encode rows"),
-    ("cnrstore.core.snapshot", "_gather_encode", "gather + copy to host"),
+    ("cnrstore.core.hostcodes", "encode_rows", "quantize / encode rows"),
+    ("cnrstore.core.snapshot", "gather_encode", "gather + copy to host"),
+    ("cnrstore.core.snapshot", "snapshot_rows", "copy changed rows (encode deferred)"),
+    ("cnrstore.core.snapshot", "next_slot", "chain policy (next_slot)"),
     ("cnrstore.core.snapshot", "plan_table", "plan blocks (other)"),
     ("cnrstore.core.writer", "encode_full", "block payload (full)"),
     ("cnrstore.core.writer", "encode_patch", "block payload (patch)"),
@@ -55,6 +58,7 @@ STAGES = (
     ("engine.store.writer", "PackWriter.has", "dedup lookups (has)"),
     ("engine.format.records", "encode_record", "record framing (other)"),
     ("engine.storage.local", "write_all", "write (pack append)"),
+    ("engine.packs.pack", "PackFile.append", "write (pack append)"),
     ("engine.packs.pack", "PackFile.sync", "fsync"),
     ("engine.packs.pack", "fsync_dir", "fsync"),
     ("engine.store.writer", "PackWriter.commit", "commit: index txn + roots (other)"),
@@ -180,7 +184,8 @@ def _phase(timers: StageTimers, name: str, fn) -> dict[str, Any]:
 
 def profile(*, scale: float, schemes: list[str], workload: Workload, seed: int = 0,
             workdir: Path | None = None) -> list[dict[str, Any]]:
-    """Full put, one incremental put and a cold get of the latest step, per scheme."""
+    """Full put, one incremental put, the stall of a non-blocking one and the writer's
+    rest of it, and a cold get of the latest step, per scheme."""
     import cnrstore
 
     timers = StageTimers()
@@ -200,12 +205,23 @@ def profile(*, scale: float, schemes: list[str], workload: Workload, seed: int =
                 apply_update(tables, workload, seed=seed, step=1)
                 phases.append(_phase(timers, f"{scheme}: incremental put ({workload.name})",
                                      put(1)))
+                # The stall: until put_tables(blocking=False) returns. Writer-thread stages
+                # that overlap it are counted in it; the wait for the writer is the next.
+                apply_update(tables, workload, seed=seed, step=2)
+                pending: list = []
+
+                def stall(store=store, tables=tables, scheme=scheme, pending=pending):
+                    pending.append(store.put_tables(2, tables, quant=scheme, blocking=False))
+
+                phases.append(_phase(timers, f"{scheme}: stall of a blocking=False put", stall))
+                phases.append(_phase(timers, f"{scheme}: its writer, after the stall",
+                                     lambda pending=pending: pending[0].result()))
                 store.close()
                 evict_page_cache(tmp)
 
                 def get(path=str(tmp / "store")):
                     with cnrstore.open(path) as s:
-                        s.get_tables(1)
+                        s.get_tables(2)
 
                 phases.append(_phase(timers, f"{scheme}: cold get of the latest step", get))
             finally:

@@ -67,6 +67,12 @@ def _row(result: dict[str, Any]) -> dict[str, Any]:
         "full_put_s": steps[0]["put_s"],
         "incr_put_s": _mean([s["put_s"] for s in incr]),
         "incr_stall_s": _mean([s["stall_s"] for s in incr]),
+        # torch.save both ways (benches/peers.py TorchSave); put_s is the faster of them
+        "full_put_keep_s": steps[0].get("put_keep_s"),
+        "full_put_replace_s": steps[0].get("put_replace_s"),
+        "incr_put_keep_s": _mean([s["put_keep_s"] for s in incr if "put_keep_s" in s]),
+        "incr_put_replace_s": _mean([s["put_replace_s"] for s in incr
+                                     if "put_replace_s" in s]),
         "restore_latest_s": result["restore_latest_s"],
         "restore_oldest_s": result["restore_oldest_s"],
         "restore_warm_s": result.get("restore_warm_s"),
@@ -212,9 +218,20 @@ def markdown(summary: dict[str, Any], checks: list[dict[str, Any]], meta: dict[s
         f"median of {meta['repeat']} run(s); cache eviction: {meta['cache_eviction']}; "
         f"peak memory by {meta['memory_method']}.",
         "MB = 10^6 bytes allocated on disk (st_blocks). Ratios against torch.save "
-        "(+fsync); stall = time until put_tables returns.",
+        "(+fsync), timed both ways at every step (a file kept per step; one file replaced "
+        "per step), the faster of the two being the peer; stall = time until put_tables "
+        "returns.",
         "",
     ]
+    for workload, rows in summary.items():
+        ts = rows.get("torch_save") or {}
+        if ts.get("incr_put_keep_s") is not None:
+            lines += [f"torch.save+fsync ({workload}): incremental step "
+                      f"{ts['incr_put_keep_s']:.3f} s kept per step, "
+                      f"{ts['incr_put_replace_s']:.3f} s replaced per step; "
+                      f"full {ts['full_put_keep_s']:.3f} s / {ts['full_put_replace_s']:.3f} s.",
+                      ""]
+            break
     header = "| " + " | ".join(c[0] for c in COLUMNS) + " |"
     rule = "|" + "|".join("---" for _ in COLUMNS) + "|"
     for workload, rows in summary.items():

@@ -124,7 +124,8 @@ def _run_workload(spec: dict[str, Any], workload: Workload, mem: PeakMemory) -> 
     oldest_exact = tables_digest(restored) == oldest_digest
     del restored
     system.close()
-    shutil.rmtree(root, ignore_errors=True)
+    for path in system.paths():
+        shutil.rmtree(path, ignore_errors=True)
     return {
         "workload": workload.name,
         "logical_bytes": sum(t.numel() * t.element_size() for t in tables.values()),

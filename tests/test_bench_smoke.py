@@ -362,3 +362,33 @@ def test_bench_quant_quick_run_reports_every_scheme_before_and_after(tmp_path):
     errs = [res[f"grid/{s}"]["rel_l2_error"] for s in ("int8", "int4", "int3", "int2")]
     assert errs == sorted(errs) and 0 < errs[0]  # fewer bits, more error
     assert [p.name for p in out.iterdir() if p.name.startswith("cnrquant-")] == []
+
+
+def test_torch_save_is_timed_both_ways_and_the_faster_is_the_peer(quick_run):
+    """Issue 27: a file kept per step and one file replaced per step, at every step; the
+    peer of every put time is the faster of the two, and the report names both."""
+    doc, out, _ = quick_run
+    steps = doc["runs"]["torch_save"][0]["workloads"]["zipf-1pct"]["steps"]
+    for rec in steps:
+        assert rec["put_keep_s"] > 0 and rec["put_replace_s"] > 0
+        assert rec["put_s"] == min(rec["put_keep_s"], rec["put_replace_s"])
+        assert rec["peer_way"] in ("keep", "replace")
+    row = doc["summary"]["zipf-1pct"]["torch_save"]
+    assert row["incr_put_s"] <= max(row["incr_put_keep_s"], row["incr_put_replace_s"])
+    assert "replaced per step" in (out / "results.md").read_text()
+
+
+@pytest.mark.slow
+def test_bench_put_quick_run_reports_ratios_against_the_peer(tmp_path):
+    proc = subprocess.run([sys.executable, str(REPO / "benches" / "bench_put.py"), "--quick",
+                           "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads((tmp_path / "bench_put.json").read_text())
+    rep = doc["repeats"][0]
+    assert set(rep["ratios"]) == {"cnr_int8_async", "cnr_int8", "cnr_exact"}
+    for r in rep["ratios"].values():
+        assert all(v > 0 for v in r.values())
+    assert rep["fresh_full_put"]["ratio"] > 0
+    assert rep["puts"]["fingerprint"]["fp_one_core_gbs"] > 0
+    assert "replaced per step" in (tmp_path / "bench_put.md").read_text()

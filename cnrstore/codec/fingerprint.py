@@ -31,6 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
+from cnrstore.codec import native
 from cnrstore.codec.cores import cores
 
 __all__ = ["row_fingerprints", "FINGERPRINT_VERSION"]
@@ -248,6 +249,8 @@ def _pool() -> ThreadPoolExecutor:
 
 def _finish(table: torch.Tensor, words: int, nbytes: int, out: torch.Tensor) -> None:
     """Fingerprints of ``table``'s rows (at least one) into ``out``."""
+    if table.device.type == "cpu" and _native_rows(table, words, nbytes, out):
+        return
     if words == 0:
         out.zero_()
     else:
@@ -257,6 +260,30 @@ def _finish(table: torch.Tensor, words: int, nbytes: int, out: torch.Tensor) -> 
         part = out[start : start + step]
         part ^= _to_signed(nbytes * _LEN_MUL)
         _avalanche(part)
+
+
+def _native_rows(table: torch.Tensor, words: int, nbytes: int, out: torch.Tensor) -> bool:
+    """Hash ``table``'s rows with the compiled one-pass kernel (native.py) when it is
+    loaded and each row's bytes are dense (rows may be any stride apart); False: not
+    done, use the torch/numpy loop."""
+    kernels = native.kernel()
+    if kernels is None:
+        return False
+    fn = kernels.fingerprint
+    n = table.shape[0]
+    try:
+        flat = table.view(n, math.prod(table.shape[1:]))
+    except RuntimeError:  # the row's elements are not one dense run
+        return False
+    if flat.shape[1] > 1 and flat.stride(1) != 1:
+        return False
+    a, b = _keys(table.device, words)
+    dst = out if out.is_contiguous() else torch.empty(n, dtype=torch.int64)
+    fn(flat.data_ptr(), n, flat.stride(0) * flat.element_size(), nbytes, a.data_ptr(),
+       b.data_ptr(), (nbytes * _LEN_MUL) & _MASK64, dst.data_ptr())
+    if dst is not out:
+        out.copy_(dst)
+    return True
 
 
 def _cpu_word_view(table: torch.Tensor, words: int) -> np.ndarray | None:

@@ -22,6 +22,7 @@ import math
 
 import torch
 
+from cnrstore.codec import native
 from cnrstore.codec.bitpack import pack_codes, unpack_codes
 from cnrstore.codec.layout import (
     BITS as _BITS,
@@ -50,7 +51,7 @@ from cnrstore.codec.qsearch import SEARCHES, choose_ranges, choose_row_ranges
 __all__ = [
     "SCHEMES", "LOSSY_DTYPES", "GREEDY_MAX_BITS", "check_scheme", "scheme_bits", "row_nbytes",
     "row_nbytes_options", "is_wide", "encode_rows", "decode_rows", "first_nonfinite_row",
-    "RangeError", "NeedsWideQparams", "auto_scheme",
+    "RangeError", "NeedsWideQparams",
 ]
 
 # SCHEMES, the header sizes and row sizes come from cnrstore.codec.layout (torch-free).
@@ -208,6 +209,8 @@ def _encode_int(
     )
     if n == 0:
         return out
+    if bits == 8 and search == "minmax" and not wide and _encode_int8_native(rows, out, scheme):
+        return out
     # Row chunks keep every temporary cache-sized and reused: fresh full-size temporaries
     # cost more in page first-touch than the arithmetic itself.
     budget = _CUDA_CHUNK_ELEMS if device.type == "cuda" else _cpu_chunk_elems()
@@ -250,6 +253,28 @@ def _encode_int(
     if width and not bool(fits.all()):
         raise NeedsWideQparams(int(torch.nonzero(~fits)[0, 0]))
     return out
+
+
+def _encode_int8_native(rows: torch.Tensor, out: torch.Tensor, scheme: str) -> bool:
+    """int8 min/max rows by the compiled one-pass kernel (native.py; the same float32 steps
+    as the loop below, which tests check it against), refusing rows as that loop does.
+    False where it does not apply (no kernel, not float32 rows on the CPU with unit
+    stride): the caller encodes."""
+    kernels = native.kernel()
+    if (kernels is None or kernels.encode_int8 is None or rows.device.type != "cpu"
+            or rows.dtype != torch.float32 or rows.shape[1] == 0 or rows.stride(1) != 1
+            or not out.is_contiguous()):
+        return False
+    n, width = rows.shape
+    flags = torch.empty(n, dtype=torch.uint8)
+    kernels.encode_int8(rows.data_ptr(), n, width, rows.stride(0), out.data_ptr(),
+                        flags.data_ptr())
+    if bool(flags.any()):  # one check for the common case: no row refused
+        bad = torch.nonzero(flags & 1)
+        if bad.numel():
+            raise _nonfinite_error(int(bad[0, 0]), scheme)
+        raise NeedsWideQparams(int(torch.nonzero(flags & 2)[0, 0]))
+    return True
 
 
 def decode_rows(codes: torch.Tensor, scheme: str, dtype: torch.dtype, width: int,
@@ -350,27 +375,3 @@ def first_nonfinite_row(rows: torch.Tensor) -> int | None:
             if hits.numel():
                 return start + int(hits[0])
     return None
-
-
-# "auto" policy (docs/QUANTIZATION.md, "The auto policy"): quantization error compounds
-# with every restore (each restore resumes training from the dequantized tables), so the
-# fewer restores a job expects, the fewer bits its checkpoints can afford. Calibrated by
-# benches/quality.py (docs/QUALITY.md): against Check-N-Run's 0.01% budget int4 was
-# indistinguishable from exact up to 5 restores and failed at 20; int8 held at 5; int2 and
-# int3 failed from 1 and 5 restores, so the policy never picks them.
-AUTO_INT4_MAX_RESTORES = 5.0
-AUTO_INT8_MAX_RESTORES = 10.0
-# Beyond AUTO_INT8_MAX_RESTORES: fp16 (at noise level after 20 restores in the same runs).
-
-
-def auto_scheme(expected_restores: float) -> str:
-    """The scheme the "auto" policy picks for a job expecting this many restores."""
-    if isinstance(expected_restores, bool) or not isinstance(expected_restores, (int, float)):
-        raise TypeError(f"expected_restores must be a number, got {expected_restores!r}")
-    if not expected_restores >= 0 or expected_restores == float("inf"):
-        raise ValueError(f"expected_restores must be finite and >= 0, got {expected_restores}")
-    if expected_restores <= AUTO_INT4_MAX_RESTORES:
-        return "int4"
-    if expected_restores <= AUTO_INT8_MAX_RESTORES:
-        return "int8"
-    return "fp16"

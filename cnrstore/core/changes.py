@@ -1,5 +1,5 @@
 """Changes between two kept steps: the rows a replica of step a needs to become step b
-(DESIGN.md, "Next": ``store.changes``; docs/GUIDE.md, "Publishing changes").
+(docs/GUIDE.md, "DCP, TorchRec, changes": ``store.changes``; docs/GUIDE.md, "Publishing changes").
 
 One walk over both steps' DAGs, top-down: an equal table or segment id ends the descent
 unread, and only blocks whose ids differ are looked at (cnrstore/core/blockdiff.py finds
@@ -9,7 +9,7 @@ come in batches of about one block's codes, so memory is bounded by a block, not
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping
+from collections.abc import Callable, Iterator, MutableMapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,10 +18,9 @@ import torch
 from cnrstore.codec.quantize import decode_rows
 from cnrstore.core.blockdiff import BlockDiff, diff_block, new_block
 from cnrstore.core.restore import check_slice
-from cnrstore.core.validate import check_step
+from cnrstore.core.validate import check_selection, check_step
 from cnrstore.errors import (
     InvalidInput,
-    InvalidType,
     ManifestError,
     StepNotFound,
     TableNotFound,
@@ -302,16 +301,12 @@ def check_request(get: Get, get_step: Callable[[int], tuple[bytes, StepNode]], a
     a, b = check_step(a), check_step(b)
     ra, rb = get_step(a), get_step(b)
     order = list(rb[1].tables) + [n for n in ra[1].tables if n not in set(rb[1].tables)]
-    if names is not None:
-        if isinstance(names, str) or not isinstance(names, Iterable):
-            raise InvalidType("names must be an iterable of table names (not a str)")
-        wanted = list(names)
+    wanted, rows = check_selection(names, rows)
+    if wanted is not None:
         for n in wanted:
             if n not in order:
                 raise TableNotFound(n, b)
         order = [n for n in order if n in set(wanted)]
-    if rows is not None and not isinstance(rows, Mapping):
-        raise InvalidType("rows must be a mapping table name -> slice")
     ranges: dict[str, tuple[int, int]] = {}
     b_rows = {}
     for n, tid in zip(rb[1].tables, rb[1].table_ids):

@@ -1,4 +1,4 @@
-"""StoreCore: the state a CheckpointStore owns, as one typed object.
+"""HandleState: the state a CheckpointStore owns, as one typed object.
 
 The store's operations live in several modules (put.py, maintenance.py, statestore.py,
 lineage.py, verify.py) so that each stays readable; they receive this object, never the
@@ -19,20 +19,20 @@ import torch
 from cnrstore.core.options import Options
 from cnrstore.core.snapshot import HostBuffers
 from cnrstore.core.tablestate import DeferredBase, TableState, cancel_deferred
-from cnrstore.core.validate import check_step
+from cnrstore.core.validate import check_step, check_writable
 from cnrstore.core.writer import BackgroundWriter
-from cnrstore.errors import CheckpointError, ReadOnlyStore, StepNotFound
+from cnrstore.errors import CheckpointError, StepNotFound
 from cnrstore.format.load import list_steps
 from cnrstore.format.manifest import TableManifest
 from engine import ObjectStore
 
-__all__ = ["StoreCore"]
+__all__ = ["HandleState"]
 
 T = TypeVar("T")
 
 
 @dataclass(eq=False)
-class StoreCore:
+class HandleState:
     """Everything a store handle holds. ``lock`` serializes the API methods; ``writer`` runs
     every engine write in call order; ``states`` are the diff bases per table name."""
 
@@ -57,8 +57,7 @@ class StoreCore:
             raise CheckpointError("store handle used across fork(); open the store again")
 
     def check_writable(self, what: str) -> None:
-        if getattr(self.objects, "readonly", False):
-            raise ReadOnlyStore(f"{what}: the store was opened with readonly=True")
+        check_writable(self.objects, what)
 
     def close(self) -> None:
         with self.lock:
@@ -118,9 +117,10 @@ class StoreCore:
 
     def seed(self, name: str, tm: TableManifest, fps: Any, codes: Any,
              anchor: tuple[str, bytes], deferred: DeferredBase | None = None) -> None:
-        """Seed the diff base of a table this handle has no base of (DESIGN.md: a restarted
-        job's next put is incremental again; a table the handle put keeps its base).
-        ``deferred``: the diff data is still being computed (restore.seed_later)."""
+        """Seed the diff base of a table this handle has no base of (docs/ARCHITECTURE.md,
+        "A put and a get", Seeding: a restarted job's next put is incremental again; a table
+        the handle put keeps its base).
+        ``deferred``: the diff data is still being computed (seed.seed_later)."""
         if deferred is not None:
             state = TableState.from_manifest(tm, anchor=anchor, deferred=deferred)
             with self.lock:

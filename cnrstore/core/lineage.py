@@ -1,5 +1,6 @@
 """Lineage of a store: "latest" is the highest step, steps only grow, and going back to an
-older step is an explicit ``rollback`` (DESIGN.md, "Next"; docs/design/training-state.md).
+older step is an explicit ``rollback`` (docs/GUIDE.md, "Training state and lineage";
+docs/design/training-state.md).
 
 Resuming from step 100 while steps up to 300 exist used to add step 150 below 300: reads
 of "latest" still saw 300 and ``gc(keep_last=2)`` dropped the new step. Now a put below the
@@ -12,27 +13,19 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from cnrstore.core.handle import StoreCore
+from cnrstore.core.handle import HandleState
 from cnrstore.core.validate import check_step
 from cnrstore.errors import InvalidType, StepNotFound, StepOrderError
 from cnrstore.format.load import list_steps
 from cnrstore.format.manifest import root_name
 from engine import ObjectStore
 
-__all__ = ["check_order", "commit_check", "rollback", "delete_steps"]
-
-
-def check_order(core: StoreCore, step: int) -> None:
-    """Refuse a put of ``step`` below the highest stored or pending step. Call with the
-    handle's lock held (pending puts are part of the order)."""
-    known = list_steps(core.objects)
-    highest = max([*known[-1:], *core.pending], default=None)
-    if highest is not None and step < highest:
-        raise StepOrderError(step, highest)
+__all__ = ["commit_check", "rollback", "delete_steps"]
 
 
 def commit_check(objects: ObjectStore, step: int) -> Callable[[], None]:
-    """The same rule, for write_step to run once the writer lock is held."""
+    """The order rule (checked up front by put.check_new_step), for write_step to run once
+    the writer lock is held."""
 
     def check() -> None:
         steps = list_steps(objects)
@@ -42,14 +35,14 @@ def commit_check(objects: ObjectStore, step: int) -> Callable[[], None]:
     return check
 
 
-def _forget_bases(core: StoreCore) -> None:
+def _forget_bases(core: HandleState) -> None:
     # The handle's diff bases describe the rolled-back (or deleted) branch; the next put
     # seeds from the newest stored step (seed_from_store) or a restore seeds it.
     with core.lock:
         core.states.clear()
 
 
-def rollback(core: StoreCore, step: int) -> list[int]:
+def rollback(core: HandleState, step: int) -> list[int]:
     """Delete every step after ``step`` in one engine commit; return them (ascending)."""
     core.check_open()
     check_step(step)
@@ -72,7 +65,7 @@ def rollback(core: StoreCore, step: int) -> list[int]:
     return deleted
 
 
-def delete_steps(core: StoreCore, steps: Iterable[int]) -> list[int]:
+def delete_steps(core: HandleState, steps: Iterable[int]) -> list[int]:
     """Delete the named steps in one engine commit (all or none: StepNotFound if any is
     missing). Returns them sorted. Their bytes are reclaimed by the next gc."""
     core.check_open()

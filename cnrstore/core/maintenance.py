@@ -1,25 +1,23 @@
-"""The read and maintenance side of CheckpointStore: get_tables, delete_step, gc, verify,
-stats, and their report types. Functions take the handle's StoreCore; writes (delete, gc)
-run on its writer thread, after every put queued before them."""
+"""The maintenance side of CheckpointStore: metadata, delete_step, gc, verify, stats, and
+their report types (the get pipeline is get.py). Functions take the handle's
+HandleState; writes (delete, gc) run on its writer thread, after every put queued before
+them."""
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from cnrstore.core.handle import StoreCore
+from cnrstore.core.handle import HandleState
 from cnrstore.core.progress import Reporter, check_progress
-from cnrstore.core.restore import check_slice, read_tables, seed_later
 from cnrstore.core.retention import check_retention, kept_steps
-from cnrstore.core.tablestate import parse_dtype
-from cnrstore.core.validate import check_device, check_step
+from cnrstore.core.validate import check_step
 from cnrstore.core.verify import StepProblem, verify_objects
-from cnrstore.errors import InvalidInput, InvalidType, StepNotFound, TableNotFound
-from cnrstore.format.load import list_steps, load_manifest, load_step
+from cnrstore.errors import InvalidInput, StepNotFound
+from cnrstore.format.load import list_steps, load_step
 from cnrstore.format.manifest import root_name
-from engine import Problem, StoreError
+from engine import Problem
 from engine import StoreGCReport as EngineGCReport
 from engine import StoreVerifyReport as EngineVerifyReport
 
@@ -64,66 +62,13 @@ class StoreStats:
     dedup_ratio: float      # logical / stored
 
 
-def metadata(core: StoreCore, step: int | None) -> dict:
+def metadata(core: HandleState, step: int | None) -> dict:
     core.check_open()
     return core.latest(step, lambda s: dict(load_step(core.objects, core.resolve_step(s))[1]
                                             .metadata))
 
 
-def get_tables(core: StoreCore, step: int | None, *, names: Any, rows: Any,
-               device: Any, progress: Any = None) -> dict:
-    core.check_open()
-    check_progress(progress)
-    if step is None:
-        return core.latest(None, lambda s: get_tables(core, s, names=names, rows=rows,
-                                                      device=device, progress=progress))
-    if names is not None:
-        if isinstance(names, str) or not isinstance(names, Iterable):
-            raise InvalidType("names must be an iterable of table names (not a str)")
-        names = list(names)
-    if rows is not None and not isinstance(rows, Mapping):
-        raise InvalidType("rows must be a mapping table name -> slice")
-    rows = dict(rows or {})
-    device = check_device(device)
-    step = core.resolve_step(step)
-    try:
-        return _read_step(core, step, names, rows, device, progress)
-    except StoreError as exc:
-        # Another handle or process deleted the step and a gc swept its objects while they
-        # were read: the step is gone, not damaged (the engine's ObjectNotFound escaped).
-        if not _step_still_there(core.objects, step):
-            raise StepNotFound(step, f"step {step} was deleted while it was read") from exc
-        raise
-
-
-def _read_step(core: StoreCore, step: int, names: Any, rows: dict, device: Any,
-               progress: Any = None) -> dict:
-    manifest = load_manifest(core.objects, step, names=names)
-    for name, sel in rows.items():
-        if name not in manifest.tables:
-            raise TableNotFound(name, step)
-        check_slice(sel, manifest.tables[name].node.rows, name=name)
-    out = {}
-    seeds = []
-    wanted = list(manifest.tables.items())
-    report = Reporter(progress, sum(out_bytes(tm, rows.get(n)) for n, tm in wanted),
-                      min_total=core.options.progress_min_bytes)
-    tensors = read_tables(core.objects, core.pool, [(tm, rows.get(n)) for n, tm in wanted],
-                          device, done=report.add if report.fn is not None else None)
-    report.finish()
-    for (name, tm), tensor in zip(wanted, tensors):
-        if rows.get(name) is None and core.wants_seed(name):
-            seeds.append((name, tm))
-        out[name] = tensor
-    # The diff bases of the restored tables are computed from the stored step after the
-    # restore returns (restore.seed_later); the next put of a table waits for its own.
-    for name, tm in seeds:
-        core.seed(name, tm, None, None, (root_name(step), manifest.oid),
-                  deferred=seed_later(core.objects, tm))
-    return out
-
-
-def delete_step(core: StoreCore, step: int) -> None:
+def delete_step(core: HandleState, step: int) -> None:
     core.check_open()
     check_step(step)
     with core.lock:
@@ -138,14 +83,7 @@ def delete_step(core: StoreCore, step: int) -> None:
         core.writer.run(job)
 
 
-def out_bytes(tm: Any, sel: slice | None) -> int:
-    """Bytes of the tensor a read of ``tm`` (rows ``sel``) returns."""
-    node = tm.node
-    rows = node.rows if sel is None else len(range(*sel.indices(node.rows)))
-    return rows * math.prod(node.shape[1:]) * parse_dtype(node.dtype).itemsize
-
-
-def _store_reporter(core: StoreCore, progress: Any) -> Reporter:
+def _store_reporter(core: HandleState, progress: Any) -> Reporter:
     """A reporter of gc or verify, in thousandths, over the threshold by the store's
     stored bytes (what either pass reads)."""
     if check_progress(progress) is None:
@@ -155,7 +93,7 @@ def _store_reporter(core: StoreCore, progress: Any) -> Reporter:
                     min_total=1)
 
 
-def gc(core: StoreCore, keep_last: int | None, keep: Iterable[int], *,
+def gc(core: HandleState, keep_last: int | None, keep: Iterable[int], *,
        threshold: float, progress: Any = None) -> GCReport:
     core.check_open()
     keep_last, keep = check_retention(keep_last, keep)
@@ -196,7 +134,7 @@ def gc(core: StoreCore, keep_last: int | None, keep: Iterable[int], *,
     return result
 
 
-def verify(core: StoreCore, *, deep: bool, progress: Any = None) -> VerifyReport:
+def verify(core: HandleState, *, deep: bool, progress: Any = None) -> VerifyReport:
     core.check_open()
     report = _store_reporter(core, progress)
     core.writer.drain()
@@ -226,7 +164,7 @@ def _phases(report: Reporter, deep: bool) -> Any:
     return tick
 
 
-def stats(core: StoreCore) -> StoreStats:
+def stats(core: HandleState) -> StoreStats:
     core.check_open()
     core.writer.drain()
     objects = core.objects
@@ -236,11 +174,3 @@ def stats(core: StoreCore) -> StoreStats:
     stored = st.stored_bytes or st.logical_bytes  # the memory twin allocates no disk
     ratio = logical / stored if stored else 0.0
     return StoreStats(len(steps), logical, stored, st.objects, ratio)
-
-
-def _step_still_there(objects: Any, step: int) -> bool:
-    """False when ``step`` was dropped (by another process) after it was resolved."""
-    try:
-        return objects.root(root_name(step)) is not None
-    except StoreError:
-        return True

@@ -1,16 +1,23 @@
 """The put path of a store handle: validate, plan every table against its diff base, and
-queue the step on the handle's writer (DESIGN.md, "Public API"; docs/MANIFEST.md, "Write
-rules"). ``put`` is CheckpointStore.put_tables and put_state."""
+queue the step on the handle's writer (docs/GUIDE.md, "The API contract"; docs/MANIFEST.md, "Write
+rules"). ``put`` is CheckpointStore.put_tables and put_state.
+
+The step checks and the queued-put bookkeeping here are the distributed put's too
+(cnrstore/distributed/put.py): a handle keeps ``pending`` (each queued step's Future),
+``states`` (the diff bases the queued puts leave, keyed by table name, or by (table,
+first block) on a rank, which holds the bases of its own blocks) and ``failed`` (a
+background put failed, so the bases cannot be trusted). A new step must be neither
+pending nor stored, and not below the highest stored or pending step (lineage.py)."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 from cnrstore.core import lineage
-from cnrstore.core.handle import StoreCore
+from cnrstore.core.handle import HandleState
 from cnrstore.core.options import ensure_stored
 from cnrstore.core.progress import Reporter, check_progress
 from cnrstore.core.seed import seed_state
@@ -20,6 +27,7 @@ from cnrstore.core.validate import (
     check_step,
     check_tables,
     check_touched,
+    check_writable,
     pack_metadata,
     resolve_quant,
 )
@@ -27,16 +35,19 @@ from cnrstore.core.writer import BaseGone, StepInfo, write_step
 from cnrstore.errors import StepExists, StepOrderError, WriteFailed
 from cnrstore.format.load import list_steps
 from cnrstore.format.manifest import check_step_fits, root_name
+from engine import ObjectStore
 
-__all__ = ["put"]
+__all__ = ["PutBook", "check_new_step", "forget_failed", "marking_failed", "put", "queued"]
+
+T = TypeVar("T")
 
 
-def put(core: StoreCore, step: int, tables: Mapping, *, quant: Any, metadata: Mapping | None,
+def put(core: HandleState, step: int, tables: Mapping, *, quant: Any, metadata: Mapping | None,
         blocking: bool, touched: Mapping | None, state: dict | None = None,
         keep_full: bool = False, progress: Any = None,
         report: Reporter | None = None) -> StepInfo | Future:
     core.check_open()
-    core.check_writable("put_tables")
+    check_writable(core.objects, "put_tables")
     check_step(step)
     check_tables(tables)
     check_progress(progress)
@@ -47,12 +58,8 @@ def put(core: StoreCore, step: int, tables: Mapping, *, quant: Any, metadata: Ma
     rows_touched = check_touched(touched, tables)
     with core.lock:
         core.check_open()
-        if core.failed:  # a background put failed: its diff base cannot be trusted
-            core.states.clear()
-            core.failed = False
-        if step in core.pending or core.objects.root(root_name(step)) is not None:
-            raise StepExists(step)
-        lineage.check_order(core, step)
+        forget_failed(core)
+        check_new_step(core.objects, core.pending, step)
         # bytes of the tables planned; done == total once the step committed
         if report is None:  # a put planned again (below) goes on from where it was
             report = Reporter(progress, sum(t.numel() * t.element_size()
@@ -110,6 +117,7 @@ def put(core: StoreCore, step: int, tables: Mapping, *, quant: Any, metadata: Ma
                         buffers=core.buffers,
                         keep_full=at_risk(base),
                         borrow=blocking,
+                        defer_encode=not blocking,
                     )
                 )
                 report.add(table.numel() * table.element_size())
@@ -169,23 +177,15 @@ def _release(plans: list[TablePlan]) -> None:
             p.release()
 
 
-def _queued(core: StoreCore, step: int, plans: list[TablePlan], fut: Future) -> None:
+def _queued(core: HandleState, step: int, plans: list[TablePlan], fut: Future) -> None:
     # The step will be written, so the next put diffs against it. A Ctrl-C while the
     # caller waits leaves it to finish; steps() tells whether it committed. A diff base
     # left on an older committed step stays correct (its blocks exist), only larger.
     core.last_root = root_name(step)
-    for p in plans:
-        core.states[p.name] = p.state
-        p.state.planned_root = root_name(step)
-    core.pending[step] = fut
-
-    def done(_: Future) -> None:
-        core.pending.pop(step, None)
-
-    fut.add_done_callback(done)
+    queued(core, step, fut, {p.name: p.state for p in plans})
 
 
-def _write(core: StoreCore, step: int, plans: list[TablePlan], metadata: dict, stall: float,
+def _write(core: HandleState, step: int, plans: list[TablePlan], metadata: dict, stall: float,
            state: dict | None) -> StepInfo:
     order = lineage.commit_check(core.objects, step)
 
@@ -194,10 +194,75 @@ def _write(core: StoreCore, step: int, plans: list[TablePlan], metadata: dict, s
         ensure_stored(core.objects, w, core.options)
 
     try:
-        return write_step(core.objects, step, plans, metadata=metadata, stall_seconds=stall,
-                          lock_timeout=core.options.lock_timeout, state=state, check=check)
+        def write() -> StepInfo:
+            for p in plans:  # a non-blocking put's deferred encodes, before the writer lock
+                p.encoded()
+            return write_step(core.objects, step, plans, metadata=metadata,
+                              stall_seconds=stall, lock_timeout=core.options.lock_timeout,
+                              state=state, check=check)
+        return marking_failed(core, write)
     except BaseException as exc:
-        core.failed = True
         if isinstance(exc, (WriteFailed, StepOrderError, StepExists)):
             raise
         raise WriteFailed(step, f"{type(exc).__name__}: {exc}") from exc
+
+
+class PutBook(Protocol):
+    """What a handle keeps of its queued puts (HandleState, DistributedStore)."""
+
+    states: dict[Any, Any]
+    pending: dict[int, Future]
+    failed: bool
+
+
+def check_new_step(objects: ObjectStore, pending: Mapping[int, Future], step: int) -> None:
+    """StepExists for a step pending or stored, StepOrderError for one below the highest
+    (with the handle's lock held: pending puts are part of the order)."""
+    if step in pending or objects.root(root_name(step)) is not None:
+        raise StepExists(step)
+    known = list_steps(objects)  # the order rule: core/lineage.py says why
+    highest = max([*known[-1:], *pending], default=None)
+    if highest is not None and step < highest:
+        raise StepOrderError(step, highest)
+
+
+def forget_failed(book: PutBook) -> None:
+    """Before planning a put: a background put failed, so its diff bases are not trusted
+    (the put writes every block full)."""
+    if book.failed:
+        book.states.clear()
+        book.failed = False
+
+
+def marking_failed(book: PutBook, write: Callable[[], T]) -> T:
+    """``write()`` on the writer thread; its failure marks the bases untrusted."""
+    try:
+        return write()
+    except BaseException:
+        book.failed = True
+        raise
+
+
+def queued(book: PutBook, step: int, fut: Future, states: Mapping[Any, Any],
+           tables: Iterable[str] = ()) -> None:
+    """The put of ``step`` is queued (also when the caller was interrupted just after):
+    the next put diffs against the bases it leaves, ``states`` (key -> TableState). Every
+    older base of those tables and of ``tables`` is forgotten (a rank's blocks of a table
+    change owner with the shards; a rank may hold none of a table this time). The step
+    stays pending until its Future is done."""
+    tables = {*tables, *(_table(k) for k in states)}
+    for key in [k for k in book.states if _table(k) in tables]:
+        del book.states[key]
+    for key, state in states.items():
+        book.states[key] = state
+        state.planned_root = root_name(step)
+    book.pending[step] = fut
+
+    def done(_: Future) -> None:
+        book.pending.pop(step, None)
+
+    fut.add_done_callback(done)
+
+
+def _table(key: Any) -> str:
+    return key if isinstance(key, str) else key[0]

@@ -20,14 +20,13 @@ from cnrstore.codec.quantize import decode_rows
 from cnrstore.core.blockread import block_codes, codes_buffer
 from cnrstore.core.prefault import Prefault
 from cnrstore.core.readahead import Readahead, Started, table_blocks
-from cnrstore.core.tablestate import DeferredBase, parse_dtype
+from cnrstore.core.tablestate import parse_dtype
 from cnrstore.errors import CheckpointError, InvalidInput, InvalidType
 from cnrstore.format.manifest import TableManifest
-from engine import ObjectStore, StoreClosed, StoreError
+from engine import ObjectStore
 
 __all__ = ["block_span", "check_slice", "new_output", "row_range", "read_table", "read_tables",
-           "read_codes", "read_into", "read_many_into", "run_all", "seed_later",
-           "table_hints"]
+           "read_into", "read_many_into", "run_all", "table_hints"]
 
 
 def row_range(sel: slice | None, rows: int) -> tuple[int, int, np.ndarray | None]:
@@ -82,29 +81,6 @@ def run_all(pool: Executor, fn: Callable[[Any], None], items: Iterable[Any]) -> 
     for f in futures:
         if not f.cancelled():
             f.result()  # raises its error
-
-
-def read_codes(
-    objects: ObjectStore, tm: TableManifest, pool: Executor, *, damaged: set | None = None
-) -> np.ndarray:
-    """All encoded rows ``uint8[rows, row_nbytes]`` of a stored table (seeding a diff base).
-    With ``damaged`` (a set), blocks that cannot be read or decoded are added to it by
-    index, their rows left zero, instead of failing the whole read."""
-    node = tm.node
-    out = np.empty((node.rows, node.row_nbytes), dtype=np.uint8)
-
-    def one(i: int) -> None:
-        start, stop = node.block_range(i)
-        try:
-            out[start:stop] = block_codes(objects, tm, i)
-        except (StoreError, CheckpointError):
-            if damaged is None:
-                raise
-            out[start:stop] = 0
-            damaged.add(i)
-
-    run_all(pool, one, range(node.nblocks))
-    return out
 
 
 def block_span(tm: TableManifest, rows: slice | None = None) -> tuple[int, int]:
@@ -338,41 +314,3 @@ def _into_read(objects: ObjectStore, tm: TableManifest, dest: torch.Tensor,
 
     hint = started or Readahead(objects, tm.block_ids, node.block_rows * node.row_nbytes).started
     return one, codes_out, fps
-
-
-def seed_later(objects: ObjectStore, tm: TableManifest) -> DeferredBase:
-    """The diff data of a restored table, computed from the stored step on a background
-    thread (TableState.materialize waits for it at the table's next put): fingerprints of
-    an exact table, block by block with no table-sized buffer, or the stored codes of a
-    lossy one. A restore returns without this work, which cost as much as a third of an
-    exact restore (docs/PERFORMANCE.md); an exact step's stored rows are bit-identical to
-    what the restore returned, so the fingerprints are the same as if taken then. Blocks
-    that cannot be read are reported (the put writes them full)."""
-    node = tm.node
-    lossy = node.scheme != "exact"
-    dtype = parse_dtype(node.dtype)
-
-    def compute(cancel) -> tuple[torch.Tensor | None, np.ndarray | None, set[int]]:
-        codes = np.empty((node.rows, node.row_nbytes), dtype=np.uint8) if lossy else None
-        fps = None if lossy else torch.empty(node.rows, dtype=torch.int64)
-        damaged: set[int] = set()
-        for i in range(node.nblocks):
-            if cancel.is_set():
-                raise StoreClosed("the store was closed while a diff base was seeded")
-            start, stop = node.block_range(i)
-            try:
-                block = block_codes(objects, tm, i)
-            except StoreClosed:
-                raise
-            except (StoreError, CheckpointError):
-                damaged.add(i)
-                continue
-            if codes is not None:
-                codes[start:stop] = block
-            elif fps is not None and stop > start:
-                rows = (torch.from_numpy(block).view(dtype) if node.width
-                        else torch.empty((stop - start, 0), dtype=dtype))
-                row_fingerprints(rows.reshape(stop - start, node.width), out=fps[start:stop])
-        return fps, codes, damaged
-
-    return DeferredBase(compute, objects)

@@ -1,6 +1,6 @@
 """The on-device part of a put: find changed rows, plan blocks, gather + encode, copy to host.
 
-This is the training stall of a put (DESIGN.md, "Data flow of a put", steps 1-2). It runs on
+This is the training stall of a put (docs/ARCHITECTURE.md, "A put and a get", steps 1-2). It runs on
 the table's own device and changes nothing in the store or the handle: it returns a
 ``TablePlan`` (host codes of exactly the rows to write, plus the block plan and the new
 diff base), which the background writer turns into objects. A plan raises before anything
@@ -21,16 +21,15 @@ import torch
 from cnrstore.codec.fingerprint import row_fingerprints
 from cnrstore.codec.quantize import (
     NeedsWideQparams,
-    RangeError,
     decode_rows,
-    encode_rows,
     first_nonfinite_row,
     is_wide,
     row_nbytes,
 )
 from cnrstore.core.chainpolicy import block_key, next_slot
+from cnrstore.core.hostcodes import HostBuffers, encode_checked, gather_encode, snapshot_rows
 from cnrstore.core.tablestate import BlockSlot, TableState
-from cnrstore.errors import NonFiniteValues, ValueOutOfRange
+from cnrstore.errors import NonFiniteValues
 
 __all__ = ["BlockWrite", "TablePlan", "HostBuffers", "plan_table", "FULL", "PATCH"]
 
@@ -78,47 +77,14 @@ class TablePlan:
     # wait drops it). Until then the new state has no diff data, so a put planned
     # meanwhile writes every block full: never wrong.
     fingerprint_later: Callable[[], None] | None = None
+    # A non-blocking put's changed rows, copied but not encoded yet (hostcodes.snapshot_rows):
+    # ``encoded()`` fills ``codes`` on the writer thread, before any block is written.
+    encode_later: Callable[[], np.ndarray] | None = None
 
-
-class HostBuffers:
-    """A small pool of host buffers reused across puts: these VMs first-touch fresh memory
-    at well under 1 GB/s, so a fresh staging buffer per put would cost more than the copy.
-    Buffers for CUDA tables are pinned, so the device-to-host copy runs at full speed.
-    At most ``keep`` buffers of together at most ``max_bytes`` are kept; larger ones (a
-    first put of a huge table) are freed rather than pinned in memory for good."""
-
-    def __init__(self, *, keep: int = 4, max_bytes: int = 2 << 30):
-        self._free: list[torch.Tensor] = []
-        self._keep = keep
-        self._max_bytes = max_bytes
-        self._lock = threading.Lock()
-
-    def take(self, nbytes: int, *, pinned: bool) -> torch.Tensor:
-        with self._lock:
-            fits = [
-                (b.numel(), i) for i, b in enumerate(self._free)
-                if b.numel() >= nbytes and b.is_pinned() == pinned
-            ]
-            if fits:
-                return self._free.pop(min(fits)[1])
-        return torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=pinned)
-
-    def give(self, buf: torch.Tensor) -> None:
-        with self._lock:
-            self._free.append(buf)
-            while self._free and (
-                len(self._free) > self._keep
-                or sum(b.numel() for b in self._free) > self._max_bytes
-            ):
-                # Drop the largest when over the byte budget, else the smallest.
-                sizes = [b.numel() for b in self._free]
-                over = sum(sizes) > self._max_bytes
-                pick = max if over else min
-                self._free.pop(pick(range(len(sizes)), key=sizes.__getitem__))
-
-    def held_bytes(self) -> int:
-        with self._lock:
-            return sum(b.numel() for b in self._free)
+    def encoded(self) -> None:
+        """Run a deferred encode (once; a no-op for plans encoded when planned)."""
+        if self.encode_later is not None:
+            self.codes, self.encode_later = self.encode_later(), None
 
 
 _FP_POOL: ThreadPoolExecutor | None = None
@@ -151,7 +117,7 @@ def _changed_old_rows(
             bad = first_nonfinite_row(x[:common])
             if bad is not None:
                 raise NonFiniteValues(name, bad, scheme)
-        codes = _encode(name, x[:common], scheme, wide, None)
+        codes = encode_checked(name, x[:common], scheme, wide, None)
         assert base.seed_codes is not None  # a base has fingerprints or seed codes
         seed = base.seed_codes[:common].to(codes.device)
         if codes.shape[1]:
@@ -178,22 +144,14 @@ def _keep_restored_rows(
     mask[cand[same.to(cand.device)]] = False
 
 
-def _encode(name: str, rows: torch.Tensor, scheme: str, wide: bool, idx) -> torch.Tensor:
-    """encode_rows, with a row the scheme cannot represent refused as ValueOutOfRange
-    (``idx`` maps the rows' positions to table rows; None: the same)."""
-    try:
-        return encode_rows(rows, scheme, wide=wide)
-    except RangeError as exc:
-        raise ValueOutOfRange(name, exc.row if idx is None else int(idx[exc.row]), scheme
-                              ) from None
-
-
 def plan_table(name: str, table: torch.Tensor, *, scheme: str, base: TableState | None,
                wide: bool | None = None, **kwargs) -> TablePlan:
     """Plan the put of one table against its diff base (None: all blocks full).
     ``keep_full``: also keep every row's codes (TablePlan.full_codes). ``borrow``: the
     caller waits for the write (a blocking put), so a whole exact table need not be
-    copied: the plan's codes are a view of it (TablePlan.borrowed).
+    copied: the plan's codes are a view of it (TablePlan.borrowed). ``defer_encode``:
+    the caller does not wait (a non-blocking put), so intN rows are only copied here and
+    encoded on the writer thread (TablePlan.encode_later): the stall is the copy.
 
     intN tables are encoded with fp16 scale/offset until a row needs fp32 ones (values
     beyond +-65504, docs/QUANTIZATION.md "Wide rows"); then the whole table is re-encoded
@@ -228,6 +186,7 @@ def _plan_table(
     buffers: HostBuffers | None = None,
     keep_full: bool = False,
     borrow: bool = False,
+    defer_encode: bool = False,
 ) -> TablePlan:
     x = _as_rows(table)
     rows, width = x.shape
@@ -316,14 +275,20 @@ def _plan_table(
     )
 
     borrowed = None
-    if borrow and idx is None and scheme == "exact" and x.device.type == "cpu" and (
+    later = None
+    if defer_encode and idx is not None and not keep_full:
+        later = snapshot_rows(name, x, idx, scheme, buffers, wide)
+    if later is not None:
+        # The changed rows are copied now (the step's values); the writer encodes them.
+        codes, release = np.zeros((0, rnb), dtype=np.uint8), later[1]
+    elif borrow and idx is None and scheme == "exact" and x.device.type == "cpu" and (
             x.is_contiguous() and x.numel()):
         # A blocking put of a whole exact table: its codes are the table's own bytes, read
         # by the writer while the caller waits (no staging copy of the table).
         codes, release = x.view(torch.uint8).numpy().reshape(rows, rnb), None
         borrowed = threading.Event()
     else:
-        codes, release = _gather_encode(name, x, idx, scheme, rnb, buffers, wide)
+        codes, release = gather_encode(name, x, idx, scheme, rnb, buffers, wide)
     state = TableState(
         shape=tuple(table.shape),
         dtype=table.dtype,
@@ -340,6 +305,8 @@ def _plan_table(
     nchanged = len(changed) + rows - common if compatible else rows
     plan = TablePlan(name, state, writes, codes, nchanged, logical, base_slots, release)
     plan.borrowed = borrowed
+    if later is not None:
+        plan.encode_later = later[0]
     if fp is None:
         def fingerprint_later() -> None:
             state.fingerprints = fp_future.result()
@@ -348,52 +315,7 @@ def _plan_table(
         if idx is None:
             plan.full_codes = codes
         else:
-            plan.full_codes, _ = _gather_encode(name, x, None, scheme, rnb, None, wide)
+            plan.full_codes, _ = gather_encode(name, x, None, scheme, rnb, None, wide)
     if cbase is not None and cbase.damaged_blocks:
         plan.damaged_blocks = frozenset(i for i in cbase.damaged_blocks if i < nblocks)
     return plan
-
-
-def _gather_encode(
-    name: str,
-    x: torch.Tensor,
-    idx: np.ndarray | None,
-    scheme: str,
-    rnb: int,
-    buffers: HostBuffers | None,
-    wide: bool = False,
-) -> tuple[np.ndarray, Callable[[], None] | None]:
-    """Gather rows ``idx`` (None: all) of ``x`` on its device, encode them, and copy the codes
-    to host memory that nothing else references (the caller may mutate ``x`` right after)."""
-    whole = idx is None
-    n = len(x) if idx is None else len(idx)
-    idx_t = None if idx is None else torch.from_numpy(idx).to(x.device)
-    nbytes = n * rnb
-    if nbytes == 0:  # no rows to write, or zero-width rows: nothing to encode
-        return np.zeros((n, rnb), dtype=np.uint8), None
-    if scheme == "exact" and not x.is_cuda and buffers is not None and nbytes:
-        # Exact codes are the raw row bytes: gather straight into a reused host buffer.
-        buf = buffers.take(nbytes, pinned=False)
-        dst = buf[:nbytes].view(x.dtype).view(n, x.shape[1])
-        if idx_t is None:
-            dst.copy_(x)
-        else:
-            torch.index_select(x, 0, idx_t, out=dst)
-        return buf[:nbytes].numpy().reshape(n, rnb), lambda: buffers.give(buf)
-    sel = x if idx_t is None else x.index_select(0, idx_t)
-    if scheme != "exact" and n:
-        bad = first_nonfinite_row(sel)
-        if bad is not None:
-            raise NonFiniteValues(name, bad if idx is None else int(idx[bad]), scheme)
-    codes = _encode(name, sel, scheme, wide, None if whole else idx)
-    if not codes.is_cuda or buffers is None or nbytes == 0:
-        # Codes may alias the table (exact bytes, or a cast to the table's own dtype): copy
-        # those, so the caller may modify the table as soon as the put returns.
-        alias = codes.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
-        host = codes.to("cpu", copy=True) if (alias or codes.is_cuda) else codes
-        return host.numpy().reshape(n, rnb), None
-    buf = buffers.take(nbytes, pinned=True)
-    host = buf[:nbytes].view(n, rnb)
-    host.copy_(codes, non_blocking=True)
-    torch.cuda.current_stream(codes.device).synchronize()
-    return host.numpy(), lambda: buffers.give(buf)

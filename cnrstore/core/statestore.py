@@ -1,8 +1,8 @@
 """Whole training state and in-place restore on a store handle: put_state, get_state,
-load_state and ``get_tables(out=...)`` (DESIGN.md, "Next"; cnrstore/core/state.py says how a
-state is split into tables and a structure).
+load_state and ``get_tables(out=...)`` (docs/GUIDE.md, "Training state and lineage";
+cnrstore/core/state.py says how a state is split into tables and a structure).
 
-Functions take the handle's StoreCore, like maintenance.py. Restores into existing tensors decode
+Functions take the handle's HandleState, like get.py. Restores into existing tensors decode
 block by block into the destination rows (restore.read_into), so no second copy of a table
 is ever allocated, and every destination's shape and dtype is checked before the first
 byte is written.
@@ -12,11 +12,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from cnrstore.core import maintenance
-from cnrstore.core.handle import StoreCore
+from cnrstore.core.get import get_tables
+from cnrstore.core.handle import HandleState
 from cnrstore.core.progress import Reporter, check_progress
 from cnrstore.core.put import put
-from cnrstore.core.restore import read_many_into, seed_later
+from cnrstore.core.restore import read_many_into
+from cnrstore.core.seed import seed_later
 from cnrstore.core.state import (
     check_structure,
     fill,
@@ -43,7 +44,7 @@ from cnrstore.format.manifest import StepNode, root_name
 __all__ = ["put_state", "get_state", "load_state", "get_into"]
 
 
-def put_state(core: StoreCore, step, state, *, quant, metadata, blocking, touched,
+def put_state(core: HandleState, step, state, *, quant, metadata, blocking, touched,
               progress=None):
     flat = flatten(state)
     if quant is None:
@@ -57,7 +58,7 @@ def put_state(core: StoreCore, step, state, *, quant, metadata, blocking, touche
                progress=progress)
 
 
-def _stored(core: StoreCore, step) -> tuple[int, StepNode, dict[str, tuple[int, ...]]]:
+def _stored(core: HandleState, step) -> tuple[int, StepNode, dict[str, tuple[int, ...]]]:
     """(step, step node, table name -> shape as put) of a step."""
     step = core.resolve_step(step)
     _, node = load_step(core.objects, step)
@@ -69,7 +70,7 @@ def _stored(core: StoreCore, step) -> tuple[int, StepNode, dict[str, tuple[int, 
     return step, node, shapes
 
 
-def get_state(core: StoreCore, step, *, device, names=None, progress=None):
+def get_state(core: HandleState, step, *, device, names=None, progress=None):
     core.check_open()
     check_names(names)
     if step is None:
@@ -78,7 +79,7 @@ def get_state(core: StoreCore, step, *, device, names=None, progress=None):
     step, node, shapes = _stored(core, step)
     # Selected on the step node alone: only the chosen tables' manifests and blocks are read.
     sel = select(names, leaf_names(node.state, node.tables), step)
-    tables = maintenance.get_tables(
+    tables = get_tables(
         core, step, names=None if sel.everything else [t for t in node.tables if sel(t)],
         rows=None, device=device, progress=progress)
     if node.state is None:  # a put_tables step: its tables are its state
@@ -86,7 +87,7 @@ def get_state(core: StoreCore, step, *, device, names=None, progress=None):
     return unflatten(prune(node.state, sel, NONE_HOLE), stored_leaf(step, tables))
 
 
-def load_state(core: StoreCore, step, state, *, strict: bool, names=None, progress=None):
+def load_state(core: HandleState, step, state, *, strict: bool, names=None, progress=None):
     core.check_open()
     check_progress(progress)
     check_names(names)
@@ -119,7 +120,7 @@ def load_state(core: StoreCore, step, state, *, strict: bool, names=None, progre
         # stored entries as fresh tensors: left empty, opt.load_state_dict(...) resumed
         # with no optimizer state at all, silently.
         lazy = lazy_tables(state, doc)
-        fresh = maintenance.get_tables(core, step, names=sorted(lazy), rows=None,
+        fresh = get_tables(core, step, names=sorted(lazy), rows=None,
                                        device="cpu") if lazy else {}
         result = fill(state, doc, strict=strict and sel.everything,
                       adopt=lambda d: unflatten(keep_to_none(d), stored_leaf(step, fresh)))
@@ -140,7 +141,7 @@ def _has_python_leaves(doc) -> bool:
     return any(_has_python_leaves(c) for c in children)
 
 
-def get_into(core: StoreCore, step, out: Mapping, *, names=None, rows=None,
+def get_into(core: HandleState, step, out: Mapping, *, names=None, rows=None,
              progress=None) -> dict:
     """Decode the tables of ``step`` named by ``out`` into ``out``'s tensors; return them."""
     core.check_open()

@@ -1,9 +1,9 @@
-"""CheckpointStore: the public API of cnrstore (DESIGN.md, "Public API").
+"""CheckpointStore: the public API of cnrstore (docs/GUIDE.md, "The API contract").
 
 A store handle owns one background writer thread (all engine writes go through it, so
 steps, deletes and gc happen in call order) and the diff base of every table it put or
 restored. The API methods are thread-safe: one lock serializes them. The handle's state is
-one StoreCore (handle.py); the work is done in put.py, maintenance.py, statestore.py,
+one HandleState (handle.py); the work is done in put.py, maintenance.py, statestore.py,
 lineage.py and verify.py, which receive that core, never this class's private fields.
 """
 
@@ -12,11 +12,11 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cnrstore.core import changes as step_changes
-from cnrstore.core import lineage, maintenance, statestore
-from cnrstore.core.handle import StoreCore
+from cnrstore.core import get, lineage, maintenance, statestore
+from cnrstore.core.handle import HandleState
 from cnrstore.core.lifetime import close_at_exit, forget
 from cnrstore.core.options import Options, make_options, resolve_stored
 from cnrstore.core.put import put
@@ -45,7 +45,7 @@ class CheckpointStore:
             raise InvalidType(f"objects must be an engine.ObjectStore, got {type(objects)}")
         opt = resolve_stored(objects, make_options(options, kwargs))
         assert opt.decode_threads is not None
-        self._core = StoreCore(
+        self._core = HandleState(
             objects=objects,
             options=opt,
             owns_objects=owns_objects,
@@ -140,8 +140,8 @@ class CheckpointStore:
         if out is not None:
             return statestore.get_into(self._core, step, out, names=names, rows=rows,
                                        progress=progress)
-        return maintenance.get_tables(self._core, step, names=names, rows=rows, device=device,
-                                      progress=progress)
+        return get.get_tables(self._core, step, names=names, rows=rows, device=device,
+                              progress=progress)
 
     @translating
     def get_state(self, step: int | None = None, *, device="cpu",
@@ -251,6 +251,14 @@ class CheckpointStore:
 
     def __repr__(self) -> str:
         return f"CheckpointStore({self._core.objects!r}, block_rows={self._core.options.rows})"
+
+
+if TYPE_CHECKING:
+    from cnrstore.core.api import StoreAPI
+
+    def _is_store_api(store: CheckpointStore) -> StoreAPI:
+        """mypy checks here that CheckpointStore has the shared store API (core/api.py)."""
+        return store
 
 
 @translating

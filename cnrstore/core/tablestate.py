@@ -92,7 +92,7 @@ os.register_at_fork(after_in_child=_reset_seeder)
 
 class DeferredBase:
     """The diff data of a restored table (fingerprints or seed codes), computed from the
-    stored step off the restore path (restore.seed_later). ``compute(cancel)`` returns
+    stored step off the restore path (seed.seed_later). ``compute(cancel)`` returns
     (fingerprints, seed codes, indices of blocks it could not read); ``cancel`` is a
     threading.Event it checks between blocks."""
 
@@ -168,6 +168,9 @@ class TableState:
     # Blocks of a base seeded from the store that could not be read (damaged): written in
     # full by the next put, never as a reuse of the damaged record (issue 8).
     damaged_blocks: frozenset[int] = frozenset()
+    # Their records that could not be read: a distributed put's rank, which cannot read
+    # the store when it writes, is told these are there and unreadable.
+    damaged_ids: frozenset[bytes] = frozenset()
     # Root name of the put that made this state (its anchor once committed).
     planned_root: str | None = None
     # A restored table's diff data, still being computed from the stored step (a restore

@@ -1,24 +1,25 @@
 """Up-front validation of put arguments: everything a put can refuse is refused here, before
-any fingerprint is computed or any byte written (DESIGN.md, "Bad input gets a clear error").
+any fingerprint is computed or any byte written (docs/GUIDE.md, "The API contract": "Bad
+input gets a clear error").
 NaN/Inf under lossy schemes is checked where the rows are gathered (snapshot.py), still
 before anything changes."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import msgpack
 import torch
 
 from cnrstore.codec.layout import DTYPES, dtype_name
 from cnrstore.core.quantspec import resolve_quant  # noqa: F401 - re-exported: patterns live there
-from cnrstore.errors import InvalidInput, InvalidType
+from cnrstore.errors import InvalidInput, InvalidType, ReadOnlyStore
 from cnrstore.format.manifest import KIND_STEP, MAX_NDIM, check_node_size
 
 __all__ = [
     "check_step", "check_name", "check_device", "check_table", "check_tables",
     "check_destination", "is_shard", "not_a_tensor", "overlaps", "resolve_quant",
-    "pack_metadata", "check_touched",
+    "pack_metadata", "check_touched", "check_writable", "check_selection",
 ]
 
 
@@ -35,6 +36,12 @@ def check_step(step) -> int:
 
 
 MAX_STEP = 1 << 64
+
+
+def check_writable(objects, what: str) -> None:
+    """ReadOnlyStore before a write to a store opened with readonly=True."""
+    if getattr(objects, "readonly", False):
+        raise ReadOnlyStore(f"{what}: the store was opened with readonly=True")
 
 
 def check_name(what: str, name) -> str:
@@ -143,19 +150,23 @@ def pack_metadata(metadata) -> dict:
     return doc
 
 
-def check_touched(touched, tables: Mapping) -> dict[str, torch.Tensor]:
-    """Touched row ids per table as int64 tensors on each table's device."""
+def check_touched(touched, tables: Mapping, *, owned: Mapping | None = None
+                  ) -> dict[str, torch.Tensor]:
+    """Touched row ids per table as 1-D int64 tensors on each table's device, each inside
+    the table's rows. ``owned`` (a distributed put's rank): per table, the global row
+    ranges ``[(lo, hi), ...]`` this rank holds, which its ids must lie in (on the CPU)."""
     if touched is None:
         return {}
     if not isinstance(touched, Mapping):
         raise InvalidType(f"touched must be a mapping name -> row ids, got {type(touched)}")
+    whose = "this put" if owned is None else "this rank's put"
     out = {}
     for name, ids in touched.items():
         if name not in tables:
-            raise InvalidInput(f"touched names table {name!r} that is not in this put")
-        table = tables[name]
+            raise InvalidInput(f"touched names table {name!r} that is not in {whose}")
+        device = tables[name].device if owned is None else "cpu"
         try:
-            t = torch.as_tensor(ids, device=table.device)
+            t = torch.as_tensor(ids, device=device)
         except (TypeError, ValueError, RuntimeError) as exc:
             raise InvalidType(f"touched[{name!r}] is not a sequence of row ids: {exc}") from exc
         if t.ndim == 1 and t.numel() == 0:
@@ -163,10 +174,31 @@ def check_touched(touched, tables: Mapping) -> dict[str, torch.Tensor]:
         if t.ndim != 1 or t.dtype.is_floating_point or t.dtype == torch.bool:
             raise InvalidType(f"touched[{name!r}] must be a 1-D integer sequence of row ids")
         t = t.to(torch.int64)
-        if t.numel() and (int(t.min()) < 0 or int(t.max()) >= table.shape[0]):
-            raise InvalidInput(f"touched[{name!r}] has row ids outside 0..{table.shape[0] - 1}")
+        if owned is None:
+            rows = tables[name].shape[0]
+            if t.numel() and (int(t.min()) < 0 or int(t.max()) >= rows):
+                raise InvalidInput(f"touched[{name!r}] has row ids outside 0..{rows - 1}")
+        else:
+            inside = torch.zeros(t.shape, dtype=torch.bool)
+            for lo, hi in owned[name]:
+                inside |= (t >= lo) & (t < hi)
+            if not bool(inside.all()):
+                raise InvalidInput(f"touched[{name!r}] has row ids outside this rank's rows "
+                                   "(touched takes global row ids of the rank's own shards)")
         out[name] = t
     return out
+
+
+def check_selection(names, rows) -> tuple[list[str] | None, dict]:
+    """The ``names`` (None: every table) and ``rows`` (table -> slice) of a read, as a
+    list and a dict; the slices themselves are checked against the stored rows later."""
+    if names is not None:
+        if isinstance(names, str) or not isinstance(names, Iterable):
+            raise InvalidType("names must be an iterable of table names (not a str)")
+        names = list(names)
+    if rows is not None and not isinstance(rows, Mapping):
+        raise InvalidType("rows must be a mapping table name -> slice")
+    return names, dict(rows or {})
 
 
 def check_device(device) -> torch.device:

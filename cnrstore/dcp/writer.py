@@ -2,15 +2,18 @@
 
 DCP's steps and what this writer does in them:
 
-- ``prepare_local_plan`` (every rank): each tensor chunk must hold whole rows (sharded
-  along dim 0 only); a chunk cut along another dim is refused, naming the FQN.
+- ``prepare_local_plan`` (every rank): each tensor chunk holds whole rows, or the whole
+  rows' columns of a 2-D tensor (TorchRec's column-wise and grid plans); a chunk cut
+  along a later dim is refused, naming the FQN.
 - ``prepare_global_plan`` (coordinator): the document of the step (docmeta.py) from all
   plans, the quant patterns checked against the FQNs; every rank's plan carries it.
 - ``write_data`` (every rank): the chunks DCP resolves become ``Shard``s of the FQN's
   table, the bytes items are gathered, and ONE collective ``put_tables`` writes the step:
   row shards on the global row grid, diffed against the store's bases, so a later save
   writes only the rows that changed and the blocks are those of ``put_tables`` of the
-  same tensors. A rank's failure reaches every rank before anything is written.
+  same tensors (column chunks are first joined into whole rows of an even split,
+  cnrstore/distributed/columns.py). A rank's failure reaches every rank before anything
+  is written.
 - ``finish`` (coordinator): nothing is left to do; the step committed in write_data
   (cnrstore's commit is collective, DCP's finish runs on the coordinator alone).
 """
@@ -31,27 +34,36 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 import cnrstore.dcp.docmeta as docmeta
-from cnrstore.codec.layout import parse_dtype
+from cnrstore.codec.layout import dtype_name, parse_dtype
 from cnrstore.core.options import Options
 from cnrstore.core.quantspec import resolve_quant
 from cnrstore.core.validate import check_step, pack_metadata
 from cnrstore.core.writer import StepInfo
 from cnrstore.dcp.handle import Target
+from cnrstore.distributed import columns
 from cnrstore.distributed.shard import Shard
 from cnrstore.distributed.store import DistributedStore
 from cnrstore.errors import InvalidInput
+from cnrstore.format.manifest import root_name
 
 __all__ = ["StorageWriter"]
 
 
 def _rows_only(item: Any) -> None:
+    """A chunk of whole rows, or of whole rows' columns (a 2-D tensor cut along dim 1,
+    as TorchRec's column-wise plans give): the latter are joined into whole rows."""
     td = item.tensor_data
     offsets, sizes, size = list(td.chunk.offsets), list(td.chunk.sizes), list(td.size)
-    if offsets[1:] != [0] * (len(size) - 1) or sizes[1:] != size[1:]:
+    if offsets[2:] != [0] * (len(size) - 2) or sizes[2:] != size[2:]:
         raise InvalidInput(
-            f"DCP save: {item.index.fqn!r} is sharded along a dim other than rows (chunk at "
-            f"{offsets} of size {sizes} in {size}); cnrstore stores row shards (dim 0), so "
-            "give it whole rows on each rank")
+            f"DCP save: {item.index.fqn!r} is sharded along a dim past the columns (chunk "
+            f"at {offsets} of size {sizes} in {size}); cnrstore stores whole rows and joins "
+            "row and column pieces only")
+
+
+def _is_column(td: Any) -> bool:
+    size = list(td.size)
+    return len(size) >= 2 and (int(td.chunk.offsets[1]) != 0 or int(td.chunk.sizes[1]) != size[1])
 
 
 class StorageWriter(_DCPWriter):
@@ -105,12 +117,15 @@ class StorageWriter(_DCPWriter):
         return [dataclasses.replace(p, storage_data=doc) for p in plans]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        self.info = None
         try:
             store = self.target.open()
             try:
                 self.info, results = self._write(store, plan, planner)
             finally:
-                self.target.done()
+                info = self.info
+                self.target.done(None if info is None else
+                                 (root_name(self.step), bytes.fromhex(info.root)))
         except BaseException:
             self.info = None
             raise
@@ -128,6 +143,7 @@ class StorageWriter(_DCPWriter):
         tables: dict[str, list[Shard]] = {}
         values: dict[str, bytes] = {}
         results: list[WriteResult] = []
+        cols: dict[str, tuple] = {}  # fqn -> (size, dtype, column pieces): joined below
         try:
             if not isinstance(plan.storage_data, Mapping):
                 raise InvalidInput("DCP save: the plan lacks the writer's document (a planner "
@@ -143,6 +159,14 @@ class StorageWriter(_DCPWriter):
                 td = item.tensor_data
                 assert td is not None
                 size = list(td.size)
+                if _is_column(td):
+                    cols.setdefault(item.index.fqn, (tuple(int(d) for d in size),
+                                                     dtype_name(td.properties.dtype), []))
+                    cols[item.index.fqn][2].append((data.detach(), int(td.chunk.offsets[0]),
+                                                    int(td.chunk.offsets[1])))
+                    results.append(WriteResult(item.index, data.numel() * data.element_size(),
+                                               None))
+                    continue
                 t = data.detach().reshape(docmeta.table_shape(list(td.chunk.sizes)))
                 row = int(td.chunk.offsets[0]) if size else 0
                 tables.setdefault(item.index.fqn, []).append(
@@ -158,6 +182,20 @@ class StorageWriter(_DCPWriter):
         put: Mapping = tables
         if not isinstance(store, DistributedStore):
             put = {fqn: _whole(fqn, shards) for fqn, shards in tables.items()}
+            put.update({fqn: columns.whole(fqn, size[0], size[1], pcs)
+                        for fqn, (size, _, pcs) in cols.items()})
+        else:
+            # column chunks become whole rows of an even split (every rank enters)
+            joined = columns.join_pieces(store, cols, None, "DCP save: columns")
+            if joined.specs:
+                err = None
+                got_rows: dict = {}
+                try:
+                    got_rows = joined.shards()
+                except BaseException as exc:
+                    err = exc
+                self.target.agree(err, "DCP save: columns assembled", None)
+                tables.update({fqn: [shard] for fqn, shard in got_rows.items()})
         info = store.put_tables(self.step, put, quant=self.quant, metadata=meta)
         return info, results
 

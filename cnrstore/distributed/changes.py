@@ -7,11 +7,11 @@ rank returns its changes, or every rank raises the lowest rank's error."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator
 from typing import Any
 
 from cnrstore.core.changes import Change, check_request, iter_changes
-from cnrstore.core.validate import check_step
+from cnrstore.core.validate import check_selection, check_step
 from cnrstore.distributed import transfer
 from cnrstore.distributed.comm import rebuild_error, wire_error
 from cnrstore.errors import InvalidInput, InvalidType
@@ -24,14 +24,9 @@ __all__ = ["changes"]
 
 def _request(a: Any, b: Any, names: Any, rows: Any, strict: bool) -> tuple:
     a, b = check_step(a), check_step(b)
-    if names is not None:
-        if isinstance(names, str) or not isinstance(names, Iterable):
-            raise InvalidType("names must be an iterable of table names (not a str)")
-        names = list(names)
-    if rows is not None and not isinstance(rows, Mapping):
-        raise InvalidType("rows must be a mapping table name -> slice")
+    names, rows = check_selection(names, rows)
     spec = {}
-    for n, sel in (rows or {}).items():
+    for n, sel in rows.items():
         if not isinstance(sel, slice):
             raise InvalidType(f"rows[{n!r}] must be a slice, got {type(sel).__name__}")
         spec[n] = (sel.start, sel.stop, sel.step)

@@ -16,6 +16,7 @@ from typing import Any
 
 from cnrstore.core.lineage import commit_check
 from cnrstore.core.options import ensure_stored
+from cnrstore.core.put import marking_failed
 from cnrstore.core.snapshot import TablePlan
 from cnrstore.core.tablestate import BlockSlot, TableState
 from cnrstore.core.writer import StepInfo, write_blocks, write_nodes
@@ -53,6 +54,7 @@ class Step:
     metadata: dict
     state: dict | None
     stall: float
+    damaged: frozenset[bytes] = frozenset()  # unreadable records of the seeded bases
 
 
 
@@ -60,10 +62,11 @@ class _Collector:
     """Stands in for an engine Writer while a rank encodes its blocks: objects are kept
     (with their ids) until the coordinator says which the store lacks."""
 
-    def __init__(self, known: set[bytes]):
+    def __init__(self, known: set[bytes], damaged: frozenset[bytes] = frozenset()):
         self.objects: dict[bytes, tuple[int, bytes, tuple[bytes, ...]]] = {}
         self.bases: set[bytes] = set()
         self._known = known
+        self._damaged = damaged
 
     def put(self, kind: int, payload: Any, refs: Any = (), *, meta: bool = False) -> bytes:
         refs = tuple(bytes(r) for r in refs)
@@ -74,7 +77,14 @@ class _Collector:
         return oid
 
     def has(self, oid: bytes) -> bool:
-        return oid in self.objects or oid in self._known
+        return oid in self.objects or oid in self._known or oid in self._damaged
+
+    def get(self, oid: bytes) -> None:
+        """Whether a record the store has can be read, as write_blocks asks it of a block
+        whose base was damaged (it never writes onto an unreadable record of the same
+        id): this rank read the seeded bases, so it knows which records failed."""
+        if oid in self._damaged:
+            raise StoreError(f"object {oid.hex()} could not be read when the base was seeded")
 
 
 def _point(name: str) -> None:
@@ -97,11 +107,7 @@ def _local(err: BaseException | None, step: int) -> BaseException | None:
 
 def write(ds: DistributedStore, job: Step) -> StepInfo:
     """The writer round of one step, on every rank in step order (ds.wcomm)."""
-    try:
-        return _write_round(ds, job)
-    except BaseException:
-        ds.failed = True
-        raise
+    return marking_failed(ds, lambda: _write_round(ds, job))
 
 
 def _write_round(ds: DistributedStore, job: Step) -> StepInfo:
@@ -113,9 +119,9 @@ def _write_round(ds: DistributedStore, job: Step) -> StepInfo:
         known = {s.oid for _, _, p in job.plans for s in (p.base_slots or []) if s and s.oid}
         known |= {bw.base.oid for _, _, p in job.plans for bw in p.writes
                   if bw.base is not None and bw.base.oid}  # merged patches' full blocks
-        coll = _Collector(known)
+        coll = _Collector(known, job.damaged)
         for _, _, plan in job.plans:
-            write_blocks(coll, plan, None)
+            write_blocks(coll, plan, coll.get)
         ask = ([(o, len(v[1])) for o, v in coll.objects.items()], sorted(coll.bases))
         _point("dist.rank_after_encode")
     except BaseException as exc:
@@ -170,7 +176,7 @@ def _write_rest(ds: DistributedStore, job: Step, comm: Any, coll: Any, decide: A
         for n, _, p in job.plans:
             c, w = changed.get(n, (0, 0))
             changed[n] = (c + p.rows_changed, w + len(p.codes))
-        report = (sealed, slots, changed)
+        report = (sealed, slots, changed, sum(p.rewritten_blocks for _, _, p in job.plans))
     except BaseException as exc:
         err = exc
         if up is not None:
@@ -201,7 +207,7 @@ def _commit(ds: DistributedStore, job: Step, reports: list) -> StepInfo:
     slots: dict[str, dict[int, list]] = {}
     changed: dict[str, int] = {}
     written: dict[str, int] = {}
-    for _, sl, ch in reports:
+    for _, sl, ch, _ in reports:
         for (n, b0), s in sl.items():
             slots.setdefault(n, {})[b0] = s
         for n, (c, w) in ch.items():
@@ -255,6 +261,7 @@ def _commit(ds: DistributedStore, job: Step, reports: list) -> StepInfo:
         rows_written={n: written.get(n, 0) for n in job.tables},
         objects_new=commit.objects_new, objects_reused=commit.objects_reused,
         bytes_new=bytes_new, stall_seconds=job.stall,
+        rewritten_blocks=sum(r[3] for r in reports),
         write_seconds=time.perf_counter() - t0,
         tables={n: tid.hex() for n, tid in zip(job.tables, table_ids)},
     )

@@ -84,7 +84,10 @@ def local_tables(tables: Mapping, shard_leaf=None) -> dict[str, LocalTable]:
     out: dict[str, LocalTable] = {}
     for name, value in tables.items():
         check_name("table name", name)
-        shards = shard_leaf(value) if shard_leaf is not None else None
+        try:
+            shards = shard_leaf(value) if shard_leaf is not None else None
+        except InvalidInput as exc:  # name the table (a column-sharded one, say)
+            raise InvalidInput(f"table {name!r}: {exc}") from exc
         if shards is None and isinstance(value, Shard):
             shards = [value]
         elif shards is None and isinstance(value, (list, tuple)) and value and all(

@@ -3,7 +3,7 @@
 ``shard_leaf(x)`` names the rows THIS rank holds of a sharded leaf as ``cnrstore.Shard``s on
 the table's global row grid; ``fill_leaf(x, read)`` writes a restored table's rows into the
 leaf's local shards, in place. The distributed put_state/load_state call both for every
-tensor leaf of a state (DESIGN.md, "Next").
+tensor leaf of a state (docs/GUIDE.md, "Many ranks and object stores").
 
 Where the rows of a rank are recorded:
 - ShardedTensor: ``local_shards()``, each with ``metadata.shard_offsets``/``shard_sizes``.
@@ -16,8 +16,11 @@ Where the rows of a rank are recorded:
   filled on restore.
 
 A rank that holds no row of the table still gets one zero-row Shard: the table's name, row
-count, dtype and trailing shape are then known on every rank. A shard that does not span all
-columns (column-wise or grid sharding) is refused: the store's unit is the whole row.
+count, dtype and trailing shape are then known on every rank. A piece that does not span all
+columns (column-wise, table-column-wise, grid) is a column piece (``pieces``): the store's
+unit is the whole row, so a put first joins the column pieces of every rank into whole rows
+(cnrstore/distributed/columns.py) and ``shard_leaf`` refuses them; ``fill_leaf`` reads
+whole rows and takes each piece's columns.
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ from cnrstore.core.state import MAX_DEPTH, SEP
 from cnrstore.distributed.shard import Shard
 from cnrstore.errors import InvalidInput, InvalidType
 
-__all__ = ["shard_leaf", "fill_leaf", "is_sharded_leaf", "uniform"]
+__all__ = ["shard_leaf", "fill_leaf", "is_sharded_leaf", "is_column_leaf", "pieces",
+           "row_spans", "uniform"]
 
 
 def _types() -> tuple[Any, Any]:
@@ -66,42 +70,57 @@ def is_sharded_leaf(x) -> bool:
     return (st is not None and isinstance(x, st)) or (dt is not None and isinstance(x, dt))
 
 
-def _check_rows_only(what: str, offsets, sizes, gshape) -> None:
-    """Refuse a piece that does not hold whole rows of the global tensor."""
+def _check_piece(what: str, offsets, sizes, gshape) -> int:
+    """The column offset of a piece of the global tensor: whole rows (0), or a column
+    piece (column-wise, table-column-wise, grid: cut along dim 1 only, joined into whole
+    rows before a put, cnrstore/distributed/columns.py)."""
     if len(offsets) != len(gshape) or len(sizes) != len(gshape):
         raise InvalidInput(f"{what}: a shard of rank {len(sizes)} in a tensor of shape "
                            f"{tuple(gshape)}")
-    if any(int(o) != 0 for o in offsets[1:]) or tuple(int(s) for s in sizes[1:]) != tuple(
-            int(g) for g in gshape[1:]):
+    if any(int(o) != 0 for o in offsets[2:]) or tuple(int(s) for s in sizes[2:]) != tuple(
+            int(g) for g in gshape[2:]):
         raise InvalidInput(
-            f"{what} is sharded by columns (a shard at offset {tuple(int(o) for o in offsets)} "
-            f"of size {tuple(int(s) for s in sizes)} in a {tuple(int(g) for g in gshape)} "
-            "tensor); cnrstore stores whole rows: use a table-wise, row-wise or "
-            "table-row-wise plan for this table"
-        )
+            f"{what} is cut along a dim past the columns (a shard at offset "
+            f"{tuple(int(o) for o in offsets)} of size {tuple(int(s) for s in sizes)} in a "
+            f"{tuple(int(g) for g in gshape)} tensor); cnrstore joins row and column pieces "
+            "only")
+    return int(offsets[1]) if len(gshape) > 1 else 0
+
+
+def _partial(width: int, col: int, gshape) -> bool:
+    return len(gshape) > 1 and (col != 0 or width != int(gshape[1]))
+
+
+Piece = tuple[torch.Tensor, int, int]  # (local tensor, global row offset, column offset)
 
 
 def _pieces(x, *, for_fill: bool) -> list[tuple[torch.Tensor, int]] | None:
     """(local tensor, global row offset) of each piece of ``x`` on this rank, or None when
     ``x`` is not sharded. ``for_fill``: every replica counts (all must be restored);
     otherwise only one replica of a replicated piece does (it is stored once)."""
+    got = pieces(x, for_fill=for_fill)
+    return None if got is None else [(t, r) for t, r, _ in got]
+
+
+def pieces(x, *, for_fill: bool = False) -> list[Piece] | None:
+    """(local tensor, global row offset, column offset) of each piece of ``x`` on this
+    rank (column pieces included), or None when ``x`` is not sharded."""
     if isinstance(x, Shard):  # already named (a placeholder of a rank that holds no row)
-        return [(x.local, x.row_offset)]
+        return [(x.local, x.row_offset, 0)]
     st_cls, dt_cls = _types()
     if st_cls is not None and isinstance(x, st_cls):
         gshape = _global_shape(x)
-        # every shard of the table, so that every rank refuses a column-wise one alike
-        for md in x.metadata().shards_metadata:
-            _check_rows_only("ShardedTensor", md.shard_offsets, md.shard_sizes, gshape)
+        for md in x.metadata().shards_metadata:  # every shard: each rank judges alike
+            _check_piece("ShardedTensor", md.shard_offsets, md.shard_sizes, gshape)
         out = []
         for s in x.local_shards():
             md = s.metadata
-            _check_rows_only("ShardedTensor", md.shard_offsets, md.shard_sizes, gshape)
+            col = _check_piece("ShardedTensor", md.shard_offsets, md.shard_sizes, gshape)
             if tuple(s.tensor.shape) != tuple(md.shard_sizes):
                 raise InvalidInput(f"ShardedTensor: a local shard of shape "
                                    f"{tuple(s.tensor.shape)}, its metadata says "
                                    f"{tuple(md.shard_sizes)}")
-            out.append((s.tensor, int(md.shard_offsets[0])))
+            out.append((s.tensor, int(md.shard_offsets[0]), col))
         return out
     if dt_cls is not None and isinstance(x, dt_cls):
         gshape = tuple(x.shape)
@@ -110,11 +129,27 @@ def _pieces(x, *, for_fill: bool) -> list[tuple[torch.Tensor, int]] | None:
             # TorchRec's LocalShardsWrapper (torchrec's copy or torch's own)
             out = []
             for t, off in zip(local.local_shards(), local.local_offsets()):
-                _check_rows_only("DTensor", tuple(off), tuple(t.shape), gshape)
-                out.append((t, int(off[0])))
+                col = _check_piece("DTensor", tuple(off), tuple(t.shape), gshape)
+                out.append((t, int(off[0]), col))
             return out
         return _placed_piece(x, local, gshape, for_fill=for_fill)
     return None
+
+
+def is_column_leaf(x) -> bool:
+    """Whether this rank's pieces of ``x`` (or, for a ShardedTensor, any rank's) are
+    column pieces: part of every row they hold."""
+    st_cls, _ = _types()
+    if st_cls is not None and isinstance(x, st_cls):
+        gshape = _global_shape(x)
+        return len(gshape) > 1 and any(
+            _partial(int(md.shard_sizes[1]), int(md.shard_offsets[1]), gshape)
+            for md in x.metadata().shards_metadata)
+    got = pieces(x) if is_sharded_leaf(x) else None
+    if not got:
+        return False
+    gshape = _global_shape(x)
+    return len(gshape) > 1 and any(_partial(int(t.shape[1]), c, gshape) for t, _, c in got)
 
 
 def _placed_piece(x, local: torch.Tensor, gshape, *, for_fill: bool):
@@ -134,11 +169,19 @@ def _placed_piece(x, local: torch.Tensor, gshape, *, for_fill: bool):
             raise InvalidInput(f"DTensor with placement {type(p).__name__} {p} (mesh dimension "
                                f"{dim}): only Shard and Replicate placements hold plain rows")
     shape, offset = compute_local_shape_and_global_offset(gshape, mesh, placements)
-    _check_rows_only("DTensor", tuple(offset), tuple(shape), gshape)
+    col = _check_piece("DTensor", tuple(offset), tuple(shape), gshape)
     if tuple(local.shape) != tuple(shape):
         raise InvalidInput(f"DTensor: local tensor of shape {tuple(local.shape)}, its "
                            f"placements give {tuple(shape)}")
-    return [(local, int(offset[0]))]
+    return [(local, int(offset[0]), col)]
+
+
+def row_spans(x) -> list[tuple[int, int]]:
+    """The distinct (first row, row count) of this rank's pieces of ``x``, in row order:
+    where TorchRec's shard-local row ids count (the column pieces of one row range share
+    their row ids)."""
+    got = pieces(x) or []
+    return sorted({(r, int(t.shape[0])) for t, r, _ in got if t.shape[0]})
 
 
 def _dtype(x) -> torch.dtype:
@@ -149,6 +192,8 @@ def _dtype(x) -> torch.dtype:
 
 
 def _global_shape(x) -> tuple[int, ...]:
+    if isinstance(x, Shard):
+        return (x.rows, *map(int, x.local.shape[1:]))
     md = getattr(x, "metadata", None)  # ShardedTensor.size() warns that it is deprecated
     if callable(md) and not hasattr(x, "placements"):
         return tuple(int(d) for d in md().size)
@@ -160,15 +205,23 @@ def shard_leaf(x) -> list[Shard] | None:
     a ShardedTensor, DTensor or Shard. Raises InvalidInput for a column-wise layout or a scalar."""
     if isinstance(x, Shard):
         return [x]
-    pieces = _pieces(x, for_fill=False)
-    if pieces is None:
+    got = pieces(x, for_fill=False)
+    if got is None:
         return None
     gshape = _global_shape(x)
     if len(gshape) == 0:
         raise InvalidInput("a sharded tensor of ndim 0 has no rows")
+    if is_column_leaf(x):
+        held = ", ".join(f"rows {r}..{r + t.shape[0]} cols {c}..{c + t.shape[1]}"
+                         for t, r, c in got[:8]) or "none"
+        raise InvalidInput(
+            f"a {type(x).__name__} of shape {tuple(gshape)} is sharded by columns (this "
+            f"rank's pieces: {held}); put_state and the DCP writer join column pieces into "
+            "whole rows (cnrstore/distributed/columns.py), put_tables does not: put it "
+            "with put_state")
     rows = gshape[0]
     shards = sorted((Shard(t.detach(), row_offset=off, rows=rows)
-                     for t, off in pieces if t.shape[0] > 0), key=lambda s: s.row_offset)
+                     for t, off, _ in got if t.shape[0] > 0), key=lambda s: s.row_offset)
     if not shards:  # name the table on every rank, with its dtype and trailing shape
         empty = torch.empty((0, *gshape[1:]), dtype=_dtype(x))
         shards = [Shard(empty, row_offset=0, rows=rows)]
@@ -177,19 +230,34 @@ def shard_leaf(x) -> list[Shard] | None:
 
 def fill_leaf(x, read: Callable[[int, int], torch.Tensor]) -> None:
     """Fill ``x``'s local rows in place: each local piece holding global rows [lo, hi) gets
-    ``read(lo, hi)``. A plain tensor is filled whole (rows [0, len)). Shapes are checked
-    for every piece before anything is written."""
-    pieces = _pieces(x, for_fill=True)
-    if pieces is None:
+    ``read(lo, hi)`` (whole rows; a column piece takes its columns of them, and the
+    column pieces of one row range read it once). A plain tensor is filled whole (rows
+    [0, len)). Shapes are checked for every piece before anything is written."""
+    got = pieces(x, for_fill=True)
+    if got is None:
         if not isinstance(x, torch.Tensor):
             raise InvalidType(f"fill_leaf: a tensor is needed, got {type(x).__name__}")
-        pieces = [(x, 0)] if x.ndim > 0 else [(x.reshape(1), 0)]
-    todo = [(t, off) for t, off in pieces if t.shape[0] > 0]
+        got = [(x, 0, 0)] if x.ndim > 0 else [(x.reshape(1), 0, 0)]
+        gshape: tuple = tuple(got[0][0].shape)
+    else:
+        gshape = _global_shape(x)
+    todo = [(t, off, col) for t, off, col in got if t.shape[0] > 0]
     data = []
-    for t, off in todo:
-        rows = read(off, off + int(t.shape[0]))
+    cache: dict[tuple[int, int], torch.Tensor] = {}
+    for t, off, col in todo:
+        span = (off, off + int(t.shape[0]))
+        rows = cache.get(span)
+        if rows is None:
+            rows = cache[span] = read(*span)
         if not isinstance(rows, torch.Tensor):
             raise InvalidType(f"fill_leaf: read returned a {type(rows).__name__}")
+        if len(gshape) > 1 and _partial(int(t.shape[1]), col, gshape):
+            if rows.ndim < 2 or rows.shape[1] < col + t.shape[1]:
+                raise InvalidInput(f"fill_leaf: rows {off}..{off + t.shape[0]} read as "
+                                   f"{tuple(rows.shape)}, too narrow for the columns "
+                                   f"{col}..{col + t.shape[1]} of the local shard; nothing "
+                                   "was written")
+            rows = rows[:, col:col + t.shape[1]]
         if tuple(rows.shape) != tuple(t.shape):
             if rows.numel() != t.numel() or rows.shape[0] != t.shape[0]:
                 raise InvalidInput(f"fill_leaf: rows {off}..{off + t.shape[0]} read as "
@@ -198,7 +266,7 @@ def fill_leaf(x, read: Callable[[int, int], torch.Tensor]) -> None:
             rows = rows.reshape(t.shape)  # a [rows, 1] state read into a 1-D shard, or back
         data.append(rows)
     with torch.no_grad():
-        for (t, _), rows in zip(todo, data):
+        for (t, _, _), rows in zip(todo, data):
             t.copy_(rows)
 
 

@@ -20,23 +20,26 @@ import msgpack
 import torch
 
 from cnrstore.codec.quantize import row_nbytes
+from cnrstore.core.put import check_new_step, forget_failed, queued
+from cnrstore.core.seed import seed_blocks
 from cnrstore.core.snapshot import TablePlan, plan_table
 from cnrstore.core.tablestate import TableState
-from cnrstore.core.validate import check_step, pack_metadata, resolve_quant
+from cnrstore.core.validate import (
+    check_step,
+    check_touched,
+    check_writable,
+    pack_metadata,
+    resolve_quant,
+)
 from cnrstore.core.writer import StepInfo
 from cnrstore.distributed import layout, seed
 from cnrstore.distributed.commit import Step, write
 from cnrstore.errors import (
     InvalidInput,
-    InvalidType,
     NonFiniteValues,
-    ReadOnlyStore,
     StepExists,
-    StepOrderError,
     ValueOutOfRange,
 )
-from cnrstore.format.load import list_steps
-from cnrstore.format.manifest import root_name
 
 # The DistributedStore (cnrstore/distributed/store.py, which imports this module): typed loosely
 # so the layers test sees no import cycle.
@@ -44,31 +47,6 @@ DistributedStore = Any
 
 __all__ = ["put"]
 
-
-
-def _touched(touched: Mapping | None, local: dict[str, layout.LocalTable]
-             ) -> dict[str, torch.Tensor]:
-    """Touched rows per table, global row ids within this rank's own rows."""
-    if touched is None:
-        return {}
-    if not isinstance(touched, Mapping):
-        raise InvalidType(f"touched must be a mapping name -> row ids, got {type(touched)}")
-    out = {}
-    for name, ids in touched.items():
-        if name not in local:
-            raise InvalidInput(f"touched names table {name!r} that is not in this rank's put")
-        try:
-            t = torch.as_tensor(ids).flatten().to("cpu", torch.int64)
-        except (TypeError, ValueError, RuntimeError) as exc:
-            raise InvalidType(f"touched[{name!r}] is not a sequence of row ids: {exc}") from exc
-        inside = torch.zeros(t.shape, dtype=torch.bool)
-        for lo, piece in local[name].pieces:
-            inside |= (t >= lo) & (t < lo + piece.shape[0])
-        if not bool(inside.all()):
-            raise InvalidInput(f"touched[{name!r}] has row ids outside this rank's rows "
-                               "(touched takes global row ids of the rank's own shards)")
-        out[name] = t
-    return out
 
 
 def _quant_key(quant: Any) -> Any:
@@ -90,18 +68,13 @@ def put(ds: DistributedStore, step: int, tables: Mapping, *, quant: Any,
             check_step(step)
             local = layout.local_tables(tables, ds.shard_leaf)
             meta_doc = pack_metadata(metadata)
-            rows_touched = _touched(touched, local)
+            rows_touched = check_touched(touched, local, owned={
+                n: [(lo, lo + p.shape[0]) for lo, p in t.pieces] for n, t in local.items()})
             if step in ds.pending:
                 raise StepExists(step)
-            if ds.local is not None:
-                if getattr(ds.local.objects, "readonly", False):
-                    raise ReadOnlyStore("put_tables: the store was opened with readonly=True")
-                if ds.local.objects.root(root_name(step)) is not None:
-                    raise StepExists(step)
-                known = list_steps(ds.local.objects)
-                highest = max([*known[-1:], *ds.pending], default=None)
-                if highest is not None and step < highest:
-                    raise StepOrderError(step, highest)
+            if ds.local is not None:  # the coordinator: the store's index is here
+                check_writable(ds.local.objects, "put_tables")
+                check_new_step(ds.local.objects, ds.pending, step)
             args = msgpack.packb([step, repr(_quant_key(quant)), meta_doc], use_bin_type=True)
             mine = ({n: t.spec() for n, t in local.items()}, args, sorted(rows_touched))
         except BaseException as exc:
@@ -114,9 +87,7 @@ def put(ds: DistributedStore, step: int, tables: Mapping, *, quant: Any,
         schemes = resolve_quant(quant, {n: t.meta() for n, t in gtables.items()},
                                 expected_restores=opt.expected_restores)
         gave_touched = [set(g[2]) for g in got]
-        if ds.failed:  # a background put failed: the diff bases cannot be trusted
-            ds.states.clear()
-            ds.failed = False
+        forget_failed(ds)
 
         # Rows of blocks owned by another rank move to it (shards need not align). The
         # agreed round says which rows go where; the rows themselves go point to point.
@@ -198,7 +169,8 @@ def put(ds: DistributedStore, step: int, tables: Mapping, *, quant: Any,
                 raise
 
         job = Step(step, plans, gtables, schemes, agreed, pack_metadata(metadata)
-                   if comm.coordinator else {}, state, time.perf_counter() - t0)
+                   if comm.coordinator else {}, state, time.perf_counter() - t0,
+                   frozenset().union(*(b.damaged_ids for b in bases.values())))
         fut: Future = Future()
         try:
             ds.writer.submit(lambda: write(ds, job), cleanup=lambda: _release(plans),
@@ -207,13 +179,7 @@ def put(ds: DistributedStore, step: int, tables: Mapping, *, quant: Any,
             if ds.writer.queued(fut):
                 # Queued (also when interrupted just after): the next put diffs against
                 # it; blocks no longer owned by this rank are forgotten.
-                for n in gtables:
-                    for key in [k for k in ds.states if k[0] == n]:
-                        del ds.states[key]
-                for n, b0, p in plans:
-                    ds.states[(n, b0)] = p.state
-                ds.pending[step] = fut
-                fut.add_done_callback(lambda _: ds.pending.pop(step, None))
+                queued(ds, step, fut, {(n, b0): p.state for n, b0, p in plans}, gtables)
             else:  # not queued: as a refused put, the bases stay those of the last put
                 _release(plans)
     if not blocking:
@@ -243,7 +209,8 @@ def _receive(comm: Any, got: list, buf: torch.Tensor | None, sizes: list[int],
 
 def _seed(ds: DistributedStore, needs: list[list], gtables: dict, schemes: dict
           ) -> dict[tuple[str, int], TableState]:
-    """Diff bases from the store for the runs that have none (cnrstore/distributed/seed.py).
+    """Diff bases from the store for the runs that have none (cnrstore/core/seed.py; the
+    coordinator says where: cnrstore/distributed/seed.py).
     A damaged or unreadable store never stops a checkpoint: those runs get no base."""
     if not any(needs):
         return {}
@@ -256,9 +223,10 @@ def _seed(ds: DistributedStore, needs: list[list], gtables: dict, schemes: dict
             continue  # no stored version, or none of these blocks in it
         try:
             objects = ds.local.objects if ds.is_coordinator else ds.readers.source(got[2])
-            base = seed.build(objects, got, b0=b0, b1=b1, shape=gtables[name].shape,
-                              dtype=gtables[name].torch_dtype, scheme=schemes[name],
-                              block_rows=opt.rows, fanout=opt.segment_fanout)
+            base = seed_blocks(objects, got[0], got[1], shape=gtables[name].shape,
+                               dtype=gtables[name].torch_dtype, scheme=schemes[name],
+                               block_rows=opt.rows, fanout=opt.segment_fanout,
+                               pool=ds.pool, blocks=(b0, b1))
         except Exception:  # noqa: BLE001 - outside a round: a rank must never diverge here
             base = None  # written full instead; the put still stores the same content
         if base is not None:

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from cnrstore.core.restore import read_into, read_table, read_tables
+from cnrstore.core.restore import read_tables
 from cnrstore.core.state import (
     MAX_DEPTH,
     SEP,
@@ -32,7 +32,7 @@ from cnrstore.core.stateselect import (
 )
 from cnrstore.core.validate import check_destination, check_device
 from cnrstore.distributed import put as dput
-from cnrstore.distributed.read import collective_read, fill_dest, finish_read
+from cnrstore.distributed.read import collective_read, dest_hints, fill_dest, finish_read
 from cnrstore.distributed.shard import Shard
 from cnrstore.errors import InvalidInput, InvalidType, StepNotFound
 from cnrstore.format.load import list_steps, load_step
@@ -108,6 +108,11 @@ def _uniform(ds: DistributedStore, state: Any, what: str) -> Any:
 def put_state(ds: DistributedStore, step: Any, state: Any, *, quant: Any, metadata: Any,
               blocking: bool, touched: Any) -> Any:
     state = _uniform(ds, state, "put_state: structure")
+    # Column pieces become whole rows, and a tracker's touched rows with them
+    # (cnrstore/distributed/columns.py; touched= may be TorchRec's ModelDeltaTracker)
+    from cnrstore.distributed.columns import join_state
+
+    state, touched, done = join_state(ds, state, touched, "put_state: columns")
     err = None
     try:  # local checks: a rank that fails here must still enter the put's rounds
         plain, sharded = _sharded(state, ds.shard_leaf)
@@ -118,10 +123,6 @@ def put_state(ds: DistributedStore, step: Any, state: Any, *, quant: Any, metada
             quant = "exact"
         elif isinstance(quant, str) and quant != "exact":
             quant = {"*": quant}
-        # touched= may be TorchRec's ModelDeltaTracker (cnrstore/distributed/torchrec.py)
-        from cnrstore.distributed.torchrec import resolve_touched
-
-        touched, done = resolve_touched(touched, state)
     except BaseException as exc:
         err = exc
     ds.comm.agree(err, "put_state: flatten", None)
@@ -179,7 +180,7 @@ def load_state(ds: DistributedStore, step: Any, state: Any, *, strict: bool,
     box: dict[str, Any] = {}
 
     def make() -> dict:
-        plain, sharded = _sharded(state, ds.shard_leaf)
+        plain, sharded = _sharded(state, _load_leaf(ds))
         flat = flatten(plain)
         box["flat"], box["sharded"] = flat, sharded
         if strict and not sel.everything:  # fill checks only the entries it is given
@@ -198,9 +199,10 @@ def load_state(ds: DistributedStore, step: Any, state: Any, *, strict: bool,
             if leaf is None:
                 req[n] = ("whole", tuple(t.shape), str(t.dtype).removeprefix("torch."))
             else:
-                req[n] = ("shards", [(off, off + int(t.shape[0]), tuple(t.shape[1:]),
-                                      str(t.dtype).removeprefix("torch."))
-                                     for t, off in _fill_pieces(leaf)])
+                # whole rows of the table (a column piece takes its columns of them)
+                req[n] = ("shards", [(off, off + int(p.shape[0]), tuple(t.shape[1:]),
+                                      str(p.dtype).removeprefix("torch."))
+                                     for p, off in _fill_pieces(leaf)])
         box["req"] = req
         return req
 
@@ -218,8 +220,7 @@ def load_state(ds: DistributedStore, step: Any, state: Any, *, strict: bool,
     result = state
 
     def is_tensor(v: Any) -> bool:
-        return isinstance(v, Shard) or (ds.shard_leaf is not None
-                                        and ds.shard_leaf(v) is not None)
+        return isinstance(v, Shard) or _load_leaf(ds)(v) is not None
 
     lazy: dict[str, tuple[int, ...]] = {}
     try:
@@ -228,19 +229,23 @@ def load_state(ds: DistributedStore, step: Any, state: Any, *, strict: bool,
             doc = prune(doc, sel, KEEP_HOLE)
             result = fill(state, doc, strict=strict and sel.everything, is_tensor=is_tensor)
             lazy = lazy_tables(state, doc, is_tensor=is_tensor)
+        # Each local piece of a sharded leaf is decoded in place where it can be
+        # (fill_dest): a read into fresh memory and a copy cost a cold restore its page
+        # faults twice. The pieces were checked against the stored table by the request.
+        # One read-ahead over every destination, in the order they are filled.
+        dests: list[tuple[Any, Any, Any]] = []
         for n, (tm, ranges) in tables.items():
             leaf = sharded.get(n)
             if leaf is None:
-                read_into(objects, tm, ds.pool, flat.tables[n].detach())
+                dests.append((tm, ranges, flat.tables[n].detach()))
             elif isinstance(leaf, Shard):
-                fill_dest(ds, objects, tm, ranges, leaf)
+                dests.append((tm, ranges, leaf))
             else:
-                from cnrstore.distributed.leaves import fill_leaf
-
-                def rows(lo: int, hi: int, tm: Any = tm) -> torch.Tensor:
-                    return read_table(objects, tm, ds.pool, rows=slice(lo, hi))[0]
-
-                fill_leaf(leaf, rows)
+                dests += [(tm, ranges, Shard(piece, row_offset=off, rows=tm.node.rows))
+                          for piece, off in _fill_pieces(leaf)]
+        hints = dest_hints(objects, [(tm, d) for tm, _, d in dests])
+        for (tm, ranges, dest), hint in zip(dests, hints):
+            fill_dest(ds, objects, tm, ranges, dest, started=hint)
     except BaseException as exc:
         err = exc
     finish_read(ds, err, "load_state: read")
@@ -290,6 +295,21 @@ def _fill_pieces(leaf: Any) -> list[tuple[torch.Tensor, int]]:
     from cnrstore.distributed.leaves import _pieces
 
     return _pieces(leaf, for_fill=True) or []
+
+
+def _load_leaf(ds: DistributedStore) -> Any:
+    """``ds.shard_leaf`` for a load: a column-sharded leaf is a sharded leaf too (fill_leaf
+    reads whole rows for it), where a put joins it first (columns.py)."""
+    if ds.shard_leaf is None:
+        return None
+    from cnrstore.distributed.leaves import is_column_leaf
+
+    def leaf(v: Any) -> Any:
+        if not isinstance(v, (Shard, Mapping, list, tuple, str, bytes)) and is_column_leaf(v):
+            return []
+        return ds.shard_leaf(v)
+
+    return leaf
 
 
 def _table_names(ds: DistributedStore, step: Any) -> list[str]:

@@ -1,5 +1,5 @@
 """DistributedStore: one checkpoint store written and read by every rank of a process group
-(DESIGN.md, "Next"; docs/ARCHITECTURE.md, "Many ranks").
+(docs/GUIDE.md, "Many ranks and object stores"; docs/ARCHITECTURE.md, "Many ranks").
 
 The group's first rank is the coordinator: it alone opens the store's index (a plain
 CheckpointStore at ``path``, with ``cache_dir`` for a bucket or a shared directory). The
@@ -19,7 +19,7 @@ import os
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
@@ -97,7 +97,7 @@ class DistributedStore:
             self.comm.close()
             self.wcomm.close()
             raise
-        self.options: Options = got[0][0]
+        self._options: Options = got[0][0]
         assert self.options.decode_threads is not None
         self.lock = threading.RLock()
         self.writer = BackgroundWriter(max_inflight=self.options.max_inflight)
@@ -115,6 +115,11 @@ class DistributedStore:
         close_at_exit(self)  # after the coordinator's plain store: closed before it
 
     # -- plumbing ------------------------------------------------------------------------
+    @property
+    def options(self) -> Options:
+        """The store's options, as the coordinator resolved them (the same on every rank)."""
+        return self._options
+
     @property
     def rank(self) -> int:
         return self.comm.rank
@@ -317,6 +322,14 @@ class DistributedStore:
     def __repr__(self) -> str:
         return (f"DistributedStore({self.path!r}, rank={self.rank}/{self.world_size}, "
                 f"block_rows={self.options.rows})")
+
+
+if TYPE_CHECKING:
+    from cnrstore.core.api import StoreAPI
+
+    def _is_store_api(store: DistributedStore) -> StoreAPI:
+        """mypy checks here that DistributedStore has the shared store API (core/api.py)."""
+        return store
 
 
 def _shard_leaf() -> Callable[[Any], Any] | None:

@@ -12,7 +12,10 @@ put_state/load_state make the nesting the same on every rank (cnrstore.distribut
 a rank holding no row of a table names it by a zero-row ``cnrstore.Shard``), so the raw
 ``{"model": dmp.state_dict(), "optim": dmp.fused_optimizer.state_dict()}`` works; these
 helpers build it, load it back, and map the tracker. The sharded leaves go through
-cnrstore.distributed.leaves, which reads TorchRec's real offsets in both output modes.
+cnrstore.distributed.leaves, which reads TorchRec's real offsets in both output modes, and
+every sharding type works: column pieces (column-wise, table-column-wise, grid) are joined
+into whole rows by the put (cnrstore/distributed/columns.py), and ``load`` maps a
+row-wise accumulator kept per column piece onto another plan's pieces.
 
 TorchRec is imported by nobody here: a DMP and a tracker are used through their methods
 (``state_dict``, ``fused_optimizer``, ``get_unique_ids``), so cnrstore imports without it.
@@ -20,17 +23,18 @@ TorchRec is imported by nobody here: a DMP and a tracker are used through their 
 
 from __future__ import annotations
 
+import re
 import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
-from cnrstore.distributed.leaves import is_sharded_leaf, shard_leaf, uniform
+from cnrstore.distributed.leaves import is_sharded_leaf, row_spans, uniform
 from cnrstore.distributed.shard import Shard
-from cnrstore.errors import InvalidInput, InvalidType
+from cnrstore.errors import CheckpointError, InvalidInput, InvalidType
 
-__all__ = ["state_dict", "load", "load_unsharded", "touched_rows",
+__all__ = ["state_dict", "load", "load_unsharded", "touched_rows", "plan_note",
            "is_tracker", "resolve_touched"]
 
 _SEP = "/"
@@ -55,11 +59,127 @@ def state_dict(dmp, *, optim: bool = True, group=None) -> dict:
     return uniform(state, group if group is not None else _group_of(dmp))
 
 
-def load(store, step, dmp, *, optim: bool = True, strict: bool = True, group=None) -> dict:
+def load(store, step, dmp, *, optim: bool = True, strict: bool = True, group=None,
+         at: str = "") -> dict:
     """Restore ``step`` into a DistributedModelParallel in place (collective on a store
-    opened with ``group=``): any plan and world size the tables were saved under."""
+    opened with ``group=``): any plan and world size the tables were saved under.
+    ``at``: where ``state_dict(dmp)`` lies in the stored state ("" for the top). A
+    row-wise accumulator TorchRec keeps per column piece (k pieces: k * rows entries) saved
+    under k pieces and loaded under k' != k is mapped through the whole row: the mean of
+    the row's k saved entries, given to each of its k' pieces; a table saved data-parallel
+    (no fused optimizer state) keeps the fresh state of this plan (docs/TORCHREC.md)."""
+    try:
+        return _load(store, step, dmp, optim=optim, strict=strict, group=group, at=at)
+    except CheckpointError as exc:
+        note = plan_note(dmp, str(exc))
+        if note:
+            exc.args = (f"{exc} ({note})",)
+        raise
+
+
+def plan_note(dmp, message: str) -> str:
+    """The sharding of each table of ``dmp``'s plan that ``message`` names, as text
+    ("t3: column_wise on ranks [0, 1]"), or ""."""
+    plan = getattr(getattr(dmp, "plan", None), "plan", None)
+    said = []
+    for mp in (plan.values() if isinstance(plan, Mapping) else ()):
+        for table, ps in (mp.items() if hasattr(mp, "items") else ()):
+            if re.search(rf"(^|[./'\s]){re.escape(str(table))}([.'\s]|$)", message):
+                said.append(f"{table}: {getattr(ps, 'sharding_type', '?')} on ranks "
+                            f"{getattr(ps, 'ranks', '?')}")
+    return "this DMP's plan: " + "; ".join(said) if said else ""
+
+
+def _load(store, step, dmp, *, optim: bool, strict: bool, group, at: str) -> dict:
     state = state_dict(dmp, optim=optim, group=group)
-    return store.load_state(step, state, strict=strict)
+    prefix = f"{at}{_SEP}" if at else ""
+    remap, fresh = _per_piece(store, step, state, prefix) if optim else ({}, set())
+    nest: dict = _drop(state, set(remap) | fresh)
+    for key in reversed(at.split(_SEP)) if at else ():
+        nest = {key: nest}
+    got = store.load_state(step, nest, strict=strict)
+    if remap:
+        stored = store.get_tables(step, names=sorted(prefix + p for p in remap))
+        from cnrstore.distributed.leaves import fill_leaf
+
+        for path, (leaf, rows, k_saved, k_now) in remap.items():
+            saved = stored[prefix + path]
+            row = saved.reshape(k_saved, rows).mean(0, dtype=torch.float64)
+            mapped = row.to(saved.dtype).repeat(k_now)
+
+            def rows_of(lo: int, hi: int, m: torch.Tensor = mapped) -> torch.Tensor:
+                return m[lo:hi]
+
+            fill_leaf(leaf, rows_of)
+    return got
+
+
+def _stored_shapes(store, step) -> dict[str, tuple[int, ...]]:
+    from cnrstore.format.load import list_steps, load_step, load_table
+
+    def shapes(st) -> dict:
+        s = step
+        if s is None:
+            known = list_steps(st.objects)
+            s = known[-1] if known else None
+        if s is None:
+            return {}
+        node = load_step(st.objects, s)[1]
+        return {n: tuple(load_table(st.objects, oid).shape)
+                for n, oid in zip(node.tables, node.table_ids)}
+
+    coordinated = getattr(store, "coordinated", None)
+    return coordinated("torchrec load: shapes", shapes) if callable(coordinated) else {}
+
+
+def _per_piece(store, step, state, prefix: str) -> tuple[dict[str, tuple], set[str]]:
+    """(path -> (leaf, table rows, pieces saved, pieces now) of each optimizer state kept
+    per column piece whose piece count differs between the step and this plan; the fused
+    optimizer states of tables the step holds without one, saved data-parallel, which
+    keep the state TorchRec gave them)."""
+    leaves = dict(_leaf_paths(state))
+    weights = {p.split(_SEP)[-1]: leaf for p, leaf in leaves.items()
+               if p.startswith(f"model{_SEP}") and p.endswith(".weight")}
+    stored = {k.removeprefix(prefix): v for k, v in _stored_shapes(store, step).items()
+              if k.startswith(prefix)}
+    out, fresh = {}, set()
+    for path, leaf in leaves.items():
+        parts = path.split(_SEP)
+        if len(parts) < 3 or parts[0] != "optim" or parts[-2] not in weights:
+            continue
+        if path not in stored:
+            if f"model{_SEP}{parts[-2]}" in stored:
+                fresh.add(path)
+            continue
+        shape = (leaf.rows, *map(int, leaf.local.shape[1:])) if isinstance(leaf, Shard) else tuple(
+            int(d) for d in leaf.shape)
+        w = weights[parts[-2]]
+        rows = w.rows if isinstance(w, Shard) else int(w.shape[0])
+        saved = stored[path]
+        if shape == saved or len(shape) != 1 or len(saved) != 1 or rows == 0:
+            continue
+        if shape[0] % rows or saved[0] % rows:
+            raise InvalidInput(
+                f"{path!r}: the step holds {saved[0]} entries, this plan {shape[0]}, and the "
+                f"table {parts[-2]!r} has {rows} rows: not a row-wise state per column piece; "
+                "load with optim=False, or under the plan it was saved with")
+        out[path] = (leaf, rows, saved[0] // rows, shape[0] // rows)
+    return out, fresh
+
+
+def _drop(state, paths: set[str], path: str = ""):
+    if not paths or not isinstance(state, Mapping):
+        return state
+    out = {}
+    for k, v in state.items():
+        p = f"{path}{_SEP}{k}" if path else str(k)
+        if p in paths:
+            continue
+        kept = _drop(v, paths, p)
+        if isinstance(v, Mapping) and v and not kept:
+            continue  # every entry dropped: the step holds none of it
+        out[k] = kept
+    return out
 
 
 def load_unsharded(store, step, module: torch.nn.Module, *, prefix: str = "",
@@ -114,16 +234,18 @@ def _leaf_paths(state, path: str = "") -> list[tuple[str, Any]]:
     return [(path, state)]
 
 
-def _tables_of(module_fqn: str, leaves: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+def _tables_of(module_fqn: str, leaves: list[tuple[str, Any]], *, plain: bool = False
+               ) -> list[tuple[str, Any]]:
     """The sharded leaves holding rows of the table TorchRec calls ``module_fqn``
     (``sparse.embedding_bags.t0``; older trackers say ``....t0.weight`` or only ``t0``):
-    its weight and every optimizer state of that weight."""
+    its weight and every optimizer state of that weight (``plain``: the plain tensors,
+    a data-parallel table's)."""
     fqn = module_fqn.removesuffix(".weight")
     weight = fqn + ".weight"
     out = []
     for path, leaf in leaves:
         parts = path.split(_SEP)
-        if not (isinstance(leaf, Shard) or is_sharded_leaf(leaf)):
+        if plain != (not (isinstance(leaf, Shard) or is_sharded_leaf(leaf))):
             continue
         if any(p == weight or (("." not in fqn) and p.endswith(f".{weight}")) for p in parts):
             out.append((path, leaf))
@@ -145,23 +267,57 @@ def touched_rows(tracker, state, *, consumer: str | None = None) -> dict[str, to
     out: dict[str, torch.Tensor] = {}
     for fqn, local in ids.items():
         matched = _tables_of(fqn, leaves)
+        if not matched and _tables_of(fqn, leaves, plain=True):
+            continue  # a data-parallel table: a plain tensor, diffed by its fingerprints
         if not matched and local.numel():
             raise InvalidInput(f"the tracker names {fqn!r}, which no sharded entry of the "
                                "state holds")
+        weight = [(p, lf) for p, lf in matched if p.split(_SEP)[-1].endswith(".weight")]
+        base = None
+        if weight:  # the table's own rows: its optimizer states follow them
+            base = (_rows_of(weight[0][1]), _to_global(weight[0][0], weight[0][1], local))
         for path, leaf in matched:
-            out[path] = _to_global(path, leaf, local)
+            out[path] = _follow(path, leaf, local, base)
     return out
 
 
+def _rows_of(leaf) -> int:
+    return leaf.rows if isinstance(leaf, Shard) else int(leaf.shape[0])
+
+
+def _follow(path: str, leaf, local: torch.Tensor, base) -> torch.Tensor:
+    """Global ids of ``leaf`` for the tracker's ``local`` ids of its table. A state of the
+    table's row count has the table's rows; a row-wise accumulator kept per column piece
+    (k pieces: k * rows entries, piece j's rows at j * rows + row) has every piece's
+    entry of each touched row, those this rank holds."""
+    if base is None:
+        return _to_global(path, leaf, local)
+    rows, ids = base
+    n = _rows_of(leaf)
+    if n == rows:
+        return ids
+    if rows == 0 or n % rows:
+        return _to_global(path, leaf, local)
+    every = (torch.arange(n // rows, dtype=torch.int64)[:, None] * rows + ids[None, :]).flatten()
+    spans = row_spans(leaf) if not isinstance(leaf, Shard) else (
+        [(leaf.row_offset, int(leaf.local.shape[0]))] if leaf.local.shape[0] else [])
+    keep = torch.zeros(every.shape, dtype=torch.bool)
+    for r, k in spans:
+        keep |= (every >= r) & (every < r + k)
+    return torch.unique(every[keep])
+
+
 def _to_global(path: str, leaf, local: torch.Tensor) -> torch.Tensor:
-    shards = [s for s in (shard_leaf(leaf) or []) if s.local.shape[0]]
-    held = sum(int(s.local.shape[0]) for s in shards)
+    # a rank's local rows are its pieces' row ranges in row order, one after another (the
+    # column pieces of one row range share their ids: TorchRec looks each id up in all)
+    spans = row_spans(leaf) if not isinstance(leaf, Shard) else (
+        [(leaf.row_offset, int(leaf.local.shape[0]))] if leaf.local.shape[0] else [])
+    held = sum(n for _, n in spans)
     if local.numel() and (int(local.min()) < 0 or int(local.max()) >= held):
         raise InvalidInput(f"tracked ids of {path!r} reach {int(local.max())}; this rank "
                            f"holds {held} rows of it")
-    # a rank's local rows are its shards in row order, one after another
-    starts = torch.tensor([0] + [int(s.local.shape[0]) for s in shards]).cumsum(0)
-    offsets = torch.tensor([s.row_offset for s in shards] or [0])
+    starts = torch.tensor([0] + [n for _, n in spans]).cumsum(0)
+    offsets = torch.tensor([r for r, _ in spans] or [0])
     piece = torch.searchsorted(starts[1:], local, right=True)
     return torch.unique(local - starts[piece] + offsets[piece])
 

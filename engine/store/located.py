@@ -39,7 +39,7 @@ from ..format.location import RecordLocation
 from ..packs.pack import PackReaders, as_storage, pack_name
 from ..packs.storage import PackStorage
 from ..storage import ObjectBackend
-from .core import read_checked
+from .core import advise, read_checked, read_raw_into
 
 
 class LocatedReader:
@@ -81,6 +81,28 @@ class LocatedReader:
         for loc in locs:
             yield self.read(loc)
 
+    def read_into(self, loc: RecordLocation, kind: int, prefix: int, out: memoryview, *,
+                  id_check: bool = True, fallback: bool = False) -> bytes | Object | None:
+        """``ObjectStore.get_into`` at ``loc``: a raw record lands in ``out`` with one
+        preadv, checked as the store's own direct read (a rank restoring into fresh memory
+        otherwise paid a payload-sized buffer and a copy per block)."""
+        if self._closed:
+            raise StoreClosed(f"located reader of {self.path} is closed")
+        try:
+            got = read_raw_into(self._readers, loc.oid, loc, kind, prefix, out,
+                                id_check=id_check)
+        except FileNotFoundError:
+            self._readers.forget(loc.pack)
+            raise PackMoved(f"object {hexid(loc.oid)}: pack {pack_name(loc.pack)} is gone "
+                            "(gc moved its records); locate it again", oid=loc.oid) from None
+        if got is None and fallback:
+            return self.read(loc)
+        return got
+
+    def advise(self, locs: Iterable[RecordLocation]) -> None:
+        """Read-ahead hint for the records at ``locs``."""
+        advise(self._readers, locs, lambda: self._closed)
+
     def close(self) -> None:
         self._closed = True
         self._readers.close()
@@ -120,6 +142,37 @@ class LocatedObjects(ObjectStore):
     def get_many(self, oids: Iterable[bytes]) -> Iterator[Object]:
         for oid in oids:
             yield self._reader.read(self._loc(oid))
+
+    def get_into(self, oid: bytes, kind: int, prefix: int, out: memoryview, *,
+                 id_check: bool = True, fallback: bool = False) -> bytes | Object | None:
+        return self._reader.read_into(self._loc(oid), kind, prefix, out, id_check=id_check,
+                                      fallback=fallback)
+
+    def locate(self, oids: Iterable[bytes]) -> dict[bytes, RecordLocation]:
+        if self._closed:
+            raise StoreClosed("located objects view is closed")
+        return {bytes(o): self._locs[bytes(o)] for o in oids if bytes(o) in self._locs}
+
+    def locate_closure(self, oids: Iterable[bytes]) -> dict[bytes, RecordLocation]:
+        """``locate`` of ``oids`` and all they reach, among the located objects."""
+        found = self.locate(oids)
+        todo = list(found.values())
+        while todo:
+            for ref in todo.pop().refs:
+                loc = self._locs.get(ref)
+                if loc is not None and ref not in found:
+                    found[ref] = loc
+                    todo.append(loc)
+        return found
+
+    def prefetch(self, oids: Iterable[bytes]) -> None:
+        """Read ahead the records of ``oids`` and all they reach (a rank's cold restore
+        otherwise read each block as the decode asked for it)."""
+        self.prefetch_at(self.locate_closure(oids).values())
+
+    def prefetch_at(self, locs: Iterable[RecordLocation]) -> None:
+        if not self._closed:
+            self._reader.advise(locs)
 
     def info(self, oid: bytes) -> ObjectInfo:
         loc = self._loc(oid)

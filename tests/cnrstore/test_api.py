@@ -1,4 +1,5 @@
-"""The public API of DESIGN.md, against the memory twin and the real pack store."""
+"""The public API (docs/GUIDE.md, "The API contract"), against the memory twin and the real
+pack store."""
 
 from __future__ import annotations
 
@@ -205,7 +206,7 @@ def test_lossy_keeps_dtype_and_shape(store):
 
 
 def test_auto_quant_picks_from_expected_restores():
-    from cnrstore.codec.quantize import auto_scheme
+    from cnrstore.codec.autopolicy import auto_scheme
     from cnrstore.format.load import load_manifest
 
     for restores in (0, 1, 100):
@@ -238,6 +239,24 @@ def test_host_buffers_are_reused_within_their_budget():
     assert pool.held_bytes() <= 1000  # over budget: the largest was dropped
     pool.give(torch.empty(5000, dtype=torch.uint8))
     assert pool.held_bytes() <= 1000
+
+
+def test_host_buffers_keep_one_per_table_of_a_put_within_their_budget():
+    """A put of more tables than ``keep`` takes a buffer per table: all are kept for the
+    next put (a freed one was first-touched afresh in the next put's stall, issue 27)."""
+    from cnrstore.core.snapshot import HostBuffers
+
+    pool = HostBuffers(keep=2, max_bytes=10_000)
+    sizes = (1000, 2000, 3000, 1500)
+    first = [pool.take(n, pinned=False) for n in sizes]
+    for b in first:
+        pool.give(b)
+    again = [pool.take(n, pinned=False) for n in sizes]
+    assert {b.data_ptr() for b in again} == {b.data_ptr() for b in first}
+    for b in again:
+        pool.give(b)
+    pool.give(torch.empty(9000, dtype=torch.uint8))
+    assert pool.held_bytes() <= 10_000  # the byte budget still holds
 
 
 def test_gc_keep_last_larger_than_the_number_of_steps(store):

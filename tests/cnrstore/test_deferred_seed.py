@@ -1,5 +1,5 @@
 """A restore returns before the diff base of the restored tables is computed (issue 14):
-restore.seed_later computes it from the stored step on a background thread, and the
+seed.seed_later computes it from the stored step on a background thread, and the
 table's next put waits for it. The base must be exactly what the restore returned, also
 when the caller changes the returned tensors at once (training resumes), the handle
 closes, or the step's blocks are swept before the put."""

@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cnrstore.codec import fingerprint as fp_mod
+from cnrstore.codec import native
 from cnrstore.codec.fingerprint import row_fingerprints
 
 ALL_DTYPES = [
@@ -30,6 +31,22 @@ ALL_DTYPES = [
 FLOAT_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.fixture(autouse=True, scope="module", params=["native", "numpy"])
+def kernel_path(request):
+    """Every test runs on both CPU paths: the compiled one-pass kernel (native.py) and the
+    numpy/torch loop used where no kernel can be built. Module-scoped (hypothesis refuses
+    function-scoped fixtures), so it patches by hand."""
+    real = native.kernel
+    if request.param == "numpy":
+        native.kernel = lambda **kw: None  # type: ignore[assignment]
+    elif real(wait=True) is None:
+        pytest.skip(f"no native kernel here: {native.status()['reason']}")
+    try:
+        yield request.param
+    finally:
+        native.kernel = real  # type: ignore[assignment]
 
 
 def _random_table(dtype, rows, width, seed):
@@ -312,7 +329,9 @@ def test_keys_make_two_top_bit_flips_detectable():
     assert not np.any(total == 0)
 
 
-def test_buffer_cache_is_bounded_per_device():
+def test_buffer_cache_is_bounded_per_device(kernel_path):
+    if kernel_path == "native":
+        pytest.skip("the kernel takes no buffers")
     for width in (3, 17, 64, 5, 130):
         row_fingerprints(torch.randn(300, width))
     cpu_sets = [k for k in fp_mod._buffer_cache if k[0] == "cpu"]
@@ -361,3 +380,51 @@ def test_forked_child_fingerprints_while_a_parent_thread_held_the_locks():
     finally:
         release.set()
         t.join()
+
+
+def test_the_kernel_is_used_for_dense_rows_at_any_offset(kernel_path, monkeypatch):
+    """Dense rows (any stride apart, any alignment, odd byte lengths) take the kernel when
+    it is loaded; rows whose elements are strided take the loop. Both give the reference."""
+    calls = []
+    real = fp_mod._native_rows
+
+    def spy(*args):
+        calls.append(real(*args))
+        return calls[-1]
+
+    monkeypatch.setattr(fp_mod, "_native_rows", spy)
+    raw = torch.randint(0, 256, (40 * 37 + 3,), dtype=torch.uint8)
+    cases = [raw[3:].view(40, 37), raw[:40 * 37].view(40, 37)[:, 1:30],
+             torch.randn(40, 16)[::3], torch.randn(8, 3, 5)]
+    for table in cases:
+        assert np.array_equal(row_fingerprints(table).numpy(),
+                              _reference(table.contiguous()))
+    assert calls == [kernel_path == "native"] * len(cases)
+    calls.clear()
+    strided = torch.randn(40, 16)[:, ::2]
+    assert np.array_equal(row_fingerprints(strided).numpy(), _reference(strided.contiguous()))
+    assert calls == [False]
+
+
+def test_kernel_builds_into_a_fresh_cache_and_can_be_disabled(kernel_path, tmp_path):
+    """A fresh cache is built (what `python -m cnrstore.codec.native` does at set-up), and
+    CNRSTORE_NATIVE=0 keeps the numpy path, saying why."""
+    import subprocess
+    import sys
+
+    if kernel_path == "numpy":
+        pytest.skip("runs once, in fresh processes")
+    if native.kernel(wait=True) is None:
+        pytest.skip(f"no native kernel here: {native.status()['reason']}")
+    env = dict(os.environ, CNRSTORE_CACHE_DIR=str(tmp_path))
+    probe = ("from cnrstore.codec import native\n"
+             "fn = native.kernel(wait=True)\nprint(native.status()['state'])")
+    run = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert run.stdout.strip() == "loaded", run.stderr
+    assert len(list((tmp_path / "native").glob("kernels-*.so"))) == 1
+    env["CNRSTORE_NATIVE"] = "0"
+    probe += "\nprint(native.status()['reason'])"
+    run = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert run.stdout.split("\n")[:2] == ["unavailable", "disabled by CNRSTORE_NATIVE=0"]

@@ -1,6 +1,6 @@
 """Seams instead of reach-ins (issue 9): no module but core/store.py touches a private
 field or method of a CheckpointStore; the modules that do the store's work receive its
-StoreCore. An AST scan of every module of cnrstore/, so a new reach-in fails here."""
+HandleState. An AST scan of every module of cnrstore/, so a new reach-in fails here."""
 
 from __future__ import annotations
 

@@ -49,12 +49,12 @@ def _sharded_tensor_worker(rank, world):
     return out
 
 
-def _both_worker(rank, world):
-    return _sharded_tensor_worker(rank, world), _dtensor_worker(rank, world)
+def _both_worker(rank, world, path):
+    return _sharded_tensor_worker(rank, world), _dtensor_worker(rank, world, path)
 
 
-def test_sharded_tensor_and_dtensor_rows_tile_and_fill():
-    both = trspawn.run(_both_worker, 2, timeout=TIMEOUT)  # one spawn for both kinds
+def test_sharded_tensor_and_dtensor_rows_tile_and_fill(tmp_path):
+    both = trspawn.run(_both_worker, 2, str(tmp_path / "s"), timeout=TIMEOUT)  # one spawn
     _check_dtensor([d for _, d in both])
     per_rank = [s for s, _ in both]
     check_tiling([r["rw"] for r in per_rank], (13, 3), "rw")
@@ -65,7 +65,7 @@ def test_sharded_tensor_and_dtensor_rows_tile_and_fill():
     assert [o for o, *_ in per_rank[0]["split"]] == [0, 4]
 
 
-def _dtensor_worker(rank, world):
+def _dtensor_worker(rank, world, path=None):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
     from torch.distributed.tensor import Shard as PShard
@@ -80,9 +80,21 @@ def _dtensor_worker(rank, world):
         fill_leaf(dt, lambda lo, hi, o=other: o[lo:hi])
         # every replica and every shard is filled: the whole tensor reads back as `other`
         torch.testing.assert_close(dt.full_tensor(), other)
-    col = distribute_tensor(torch.zeros(4, 4), mesh, [PShard(1)])
+    col = distribute_tensor(table("col", (5, 2 * world)), mesh, [PShard(1)])
     with pytest.raises(InvalidInput, match="columns"):
         shard_leaf(col)
+    if path is not None:  # put_state joins its column pieces; load_state fills them
+        import torch.distributed as dist
+
+        import cnrstore
+
+        with cnrstore.open(path, group=dist.group.WORLD) as store:
+            store.put_state(1, {"col": col})
+            back = distribute_tensor(torch.zeros(5, 2 * world), mesh, [PShard(1)])
+            store.load_state(1, {"col": back})
+            whole = store.get_state(1)["col"]
+        torch.testing.assert_close(back.full_tensor(), table("col", (5, 2 * world)))
+        torch.testing.assert_close(whole, table("col", (5, 2 * world)))
     part = DTensor.from_local(torch.zeros(4, 4), mesh, [Partial()])
     with pytest.raises(InvalidInput, match="Partial"):
         shard_leaf(part)

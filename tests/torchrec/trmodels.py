@@ -61,10 +61,51 @@ def plan_for(m, layout: dict, world: int):
     return ShardingPlan({"sparse": mp})
 
 
+TYPES = {"tw": "table_wise", "rw": "row_wise", "twrw": "table_row_wise", "cw": "column_wise",
+         "twcw": "table_column_wise", "grid": "grid_shard", "dp": "data_parallel"}
+
+
+def _sharder(kind: str):
+    """TorchRec's own sharder for the collection, offering every sharding type on CPU.
+    TorchRec's CPU list (embedding_types.py, sharding_types) leaves out row-wise,
+    table-row-wise and grid, which its CPU kernels run (the hand-made plans of the other
+    tests use them); the planner then plans them as it would on GPUs."""
+    from torchrec.distributed.embedding import EmbeddingCollectionSharder
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+
+    base = EmbeddingBagCollectionSharder if kind == "ebc" else EmbeddingCollectionSharder
+
+    class AnyTypeSharder(base):  # type: ignore[valid-type, misc]
+        def sharding_types(self, compute_device_type: str) -> list[str]:
+            return super().sharding_types("cuda")
+
+    return AnyTypeSharder()
+
+
+def planned(m, kind: str, types: dict, world: int, local: int | None = None):
+    """The plan TorchRec's EmbeddingShardingPlanner picks with ParameterConstraints forcing
+    table name -> sharding type ("cw", "grid", ...; fused kernel, column pieces of at
+    least 4 columns), on a CPU topology of ``world`` ranks, ``local`` per host."""
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
+    from torchrec.distributed.planner.types import ParameterConstraints
+
+    cons = {name: ParameterConstraints(
+        sharding_types=[TYPES[how]], min_partition=4,
+        compute_kernels=["dense" if how == "dp" else "fused"]) for name, how in types.items()}
+    topo = Topology(world_size=world, local_world_size=local or world, compute_device="cpu")
+    planner = EmbeddingShardingPlanner(topology=topo, constraints=cons, debug=False)
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return planner.collective_plan(m, [_sharder(kind)], dist.group.WORLD)
+    return planner.plan(m, [_sharder(kind)])
+
+
 def dmp(kind: str, layout: dict, world: int, *, dtensor: bool = False, optim: str = "rowwise",
-        seed: int = 0, **kw):
+        seed: int = 0, plan: str = "hand", local: int | None = None, **kw):
     """A DistributedModelParallel over a bare EBC/EC with a fused optimizer (row-wise or
-    full Adagrad), weights initialised from ``seed`` identically on every rank."""
+    full Adagrad, or SGD), weights initialised from ``seed`` identically on every rank.
+    ``plan="planner"``: TorchRec's planner picks it (``planned``; layout: name -> type)."""
     import torch.distributed as dist
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.types import ShardingEnv
@@ -77,7 +118,13 @@ def dmp(kind: str, layout: dict, world: int, *, dtensor: bool = False, optim: st
         apply_optimizer_in_backward(RowWiseAdagrad, m.sparse.parameters(), {"lr": 0.1})
     elif optim == "full_adagrad":  # FBGEMM's CPU kernels have no Adam; this state is 2-D
         apply_optimizer_in_backward(torch.optim.Adagrad, m.sparse.parameters(), {"lr": 0.05})
+    elif optim == "sgd":
+        apply_optimizer_in_backward(torch.optim.SGD, m.sparse.parameters(), {"lr": 0.1})
     env = ShardingEnv(world, dist.get_rank(), dist.group.WORLD, output_dtensor=dtensor)
+    if plan == "planner":
+        return DistributedModelParallel(m, env=env, device=torch.device("cpu"),
+                                        plan=planned(m, kind, layout, world, local),
+                                        sharders=[_sharder(kind)])
     return DistributedModelParallel(m, env=env, device=torch.device("cpu"),
                                     plan=plan_for(m, layout, world))
 
