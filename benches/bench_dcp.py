@@ -2,7 +2,7 @@
 same DTensors, with ``cnrstore.dcp.StorageWriter``/``StorageReader`` or with
 ``FileSystemWriter``/``FileSystemReader`` (issue 25; runs in benches/results/bench_dcp.md).
 
-    .venv/bin/python benches/bench_dcp.py --out /tmp/bench_dcp             # 4 ranks, 269 MB
+    .venv/bin/python benches/bench_dcp.py --out /tmp/bench_dcp             # 4 ranks, 269 MB, 3 runs
     .venv/bin/python benches/bench_dcp.py --quick --out /tmp/bench_dcp_q   # CI smoke
 
 The tables are benches/workload.py's (``--scale`` 0.25: 269 MB of fp32), rows sharded
@@ -30,6 +30,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -56,10 +57,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dir", default=None, help="where checkpoints go (default: a temp dir)")
     p.add_argument("--out", default=None, help="folder for results.json and results.md")
     p.add_argument("--timeout", type=float, default=1800.0)
+    p.add_argument("--repeat", type=int, default=3,
+                   help="runs of every system, interleaved; figures are their medians")
     p.add_argument("--quick", action="store_true", help="tiny run (CI smoke)")
     args = p.parse_args(argv)
     if args.quick:
         args.scale, args.world, args.restore_world, args.steps = 0.002, 2, 1, 2
+        args.repeat = 1
     return args
 
 
@@ -148,22 +152,39 @@ def run(args: argparse.Namespace) -> dict:
 
     root = args.dir or tempfile.mkdtemp(prefix="bench-dcp-")
     logical = sum(r * d * 4 for r, d in table_specs(scale=args.scale).values())
-    report: dict = {"args": dict(vars(args)), "logical_bytes": logical, "systems": {}}
-    for system in args.systems.split(","):
-        where = os.path.join(root, system)
-        shutil.rmtree(where, ignore_errors=True)
-        os.makedirs(where)
-        steps = spawn(args.world, "benches.bench_dcp:save", args, where, system,
-                      timeout=args.timeout)[0]
-        loads = spawn(args.restore_world, "benches.bench_dcp:load", args, where, system,
-                      timeout=args.timeout)
-        report["systems"][system] = {
-            "steps": steps, "load_s": max(r["load_all_s"] for r in loads),
-            "exact": all(r["exact"] for r in loads), "evicted": loads[0]["evicted"]}
-        print(system, json.dumps(report["systems"][system]), flush=True)
-        shutil.rmtree(where, ignore_errors=True)
-    report["ratios"] = ratios(report)
+    report: dict = {"args": dict(vars(args)), "logical_bytes": logical, "runs": []}
+    systems = args.systems.split(",")
+    for _ in range(args.repeat):  # the systems interleaved: the machine's load hits all
+        runs: dict = {}
+        for system in systems:
+            where = os.path.join(root, system)
+            shutil.rmtree(where, ignore_errors=True)
+            os.makedirs(where)
+            steps = spawn(args.world, "benches.bench_dcp:save", args, where, system,
+                          timeout=args.timeout)[0]
+            loads = spawn(args.restore_world, "benches.bench_dcp:load", args, where, system,
+                          timeout=args.timeout)
+            runs[system] = {
+                "steps": steps, "load_s": max(r["load_all_s"] for r in loads),
+                "exact": all(r["exact"] for r in loads), "evicted": loads[0]["evicted"]}
+            print(system, json.dumps(runs[system]), flush=True)
+            shutil.rmtree(where, ignore_errors=True)
+        report["runs"].append({"systems": runs, "ratios": ratios({"systems": runs})})
+    report["systems"] = {s: _median_run([r["systems"][s] for r in report["runs"]])
+                         for s in systems}
+    report["ratios"] = {name: {k: statistics.median(r["ratios"][name][k]
+                                                    for r in report["runs"])
+                               for k in q} for name, q in report["runs"][0]["ratios"].items()}
     return report
+
+
+def _median_run(runs: list[dict]) -> dict:
+    """Each figure of a system's runs, the median over the runs."""
+    med = statistics.median
+    return {"steps": [{k: med(r["steps"][i][k] for r in runs) for k in runs[0]["steps"][i]}
+                      for i in range(len(runs[0]["steps"]))],
+            "load_s": med(r["load_s"] for r in runs), "exact": all(r["exact"] for r in runs),
+            "evicted": runs[0]["evicted"]}
 
 
 def _later(r: dict, key: str) -> float:
@@ -191,7 +212,8 @@ def markdown(report: dict) -> str:
         f"{a['world']} ranks save, {a['restore_world']} load; "
         f"{report['logical_bytes'] / 1e6:.1f} MB of fp32 tables as DTensor Shard(0); "
         f"{a['steps']} saves (1 full + {a['steps'] - 1} later), {a['fraction'] * 100:g}% "
-        f"{a['dist']} rows per interval.", "",
+        f"{a['dist']} rows per interval; medians of {a['repeat']} runs (ratios: the "
+        "median of each run's ratio).", "",
         "| system | full MB | later MB/save | full save s | later save s | cold load s "
         "(other world) | exact | later bytes / fs | later time / fs | load / fs |",
         "|---|---|---|---|---|---|---|---|---|---|",

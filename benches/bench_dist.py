@@ -269,7 +269,8 @@ def _restore(rank: int, world: int, args: argparse.Namespace, root: str, system:
     inplace = seconds  # dcp.load always fills the tensors it is given
     if cnr:
         # Like for like with dcp.load: into zeroed tensors made before the clock starts,
-        # from a cold cache again (DESIGN: get_tables(out=...) with Shards).
+        # from a cold cache again (get_tables(out=...) with Shards: docs/GUIDE.md, "Many ranks
+        # and object stores").
         import cnrstore
 
         del got

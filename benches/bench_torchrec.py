@@ -30,6 +30,7 @@ import json
 import os
 import shutil
 import socket
+import statistics
 import sys
 import tempfile
 import time
@@ -53,9 +54,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset")
     p.add_argument("--quick", action="store_true", help="small tables, 2 ranks")
     p.add_argument("--out", required=True)
+    p.add_argument("--overhead-steps", type=int, default=200,
+                   help="training steps of each overhead run (0: no overhead runs)")
+    p.add_argument("--every", default="10,100", help="checkpoint intervals, overhead runs")
+    p.add_argument("--repeat", type=int, default=3, help="overhead runs per system and "
+                   "interval (median), and restores per system")
     a = p.parse_args(argv)
     if a.quick:
         a.rows, a.dim, a.world, a.restore_world, a.checkpoints, a.train = 20_000, 16, 2, 3, 3, 3
+        a.overhead_steps, a.every, a.repeat = 20, "10", 1
     return a
 
 
@@ -173,6 +180,85 @@ def _restore(rank: int, world: int, a, root: str, system: str) -> dict:
     return {"restore_s": seconds, "restore_all_s": time.perf_counter() - t0}
 
 
+def _train(rank: int, world: int, a, root: str, system: str, every: int) -> dict:
+    """``a.overhead_steps`` training steps with a checkpoint every ``every`` (none for
+    ``none``) after one untimed checkpoint, timed from the first step to the last
+    checkpoint durable: ``cnr`` puts
+    non-blocking with TorchRec's tracker as ``touched=``, ``dcp_async`` is
+    dcp.async_save, each waiting for its previous save only when the next one starts
+    (DCP allows one in flight; cnrstore queues up to max_inflight)."""
+    import torch.distributed as dist
+
+    import cnrstore
+    from cnrstore.demo import torchrec_demo as d
+
+    dmp, trk = _dmp(a, world, rank, tracker=system == "cnr", dtensor=system == "dcp_async")
+    where = os.path.join(root, f"{system}_{every}")
+    data = d.batches(0, 0, _hash(a))
+    batches = [d.local_part(next(data), rank, world) for _ in range(a.overhead_steps)]
+    store = cnrstore.open(where, group=dist.group.WORLD) if system == "cnr" else None
+    # async_save's collectives run on a thread beside training's: a group of their own
+    ckpt_pg = dist.new_group(backend="gloo") if system == "dcp_async" else None
+    loss, _ = dmp(batches[0])  # the first step builds what TorchRec builds lazily
+    loss.backward()
+    # A job in its steady state has checkpointed before: one untimed checkpoint first
+    # (cnrstore's is the full one, whose blocks the timed ones diff against).
+    if store is not None:  # reading the tracker there: the warm-up's lookups are not timed
+        store.put_state(0, _state(dmp), touched=trk)
+    elif system == "dcp_async":
+        import torch.distributed.checkpoint as dcp
+
+        dcp.async_save(_state(dmp), process_group=ckpt_pg,
+                       checkpoint_id=os.path.join(where, "step0")).result()
+    dist.barrier()
+    t0 = time.perf_counter()
+    pending = None
+    saves = 0
+    for k, batch in enumerate(batches[1:], start=1):
+        loss, _ = dmp(batch)
+        loss.backward()
+        if system != "none" and k % every == 0:
+            saves += 1
+            if store is not None:
+                pending = store.put_state(k, _state(dmp), blocking=False, touched=trk)
+            else:
+                import torch.distributed.checkpoint as dcp
+
+                if pending is not None:
+                    pending.result()
+                pending = dcp.async_save(_state(dmp), process_group=ckpt_pg,
+                                         checkpoint_id=os.path.join(where, f"step{k}"))
+    if pending is not None:
+        pending.result()
+    seconds = time.perf_counter() - t0
+    dist.barrier()
+    if store is not None:
+        store.close()
+    if rank == 0:
+        shutil.rmtree(where, ignore_errors=True)
+    return {"seconds": seconds, "saves": saves}
+
+
+def overhead(a, root: str) -> dict:
+    """Wall time of each system's training run over the no-checkpoint run's, per
+    interval: the medians of ``a.repeat`` runs, the systems interleaved in each repeat so
+    that a change of the machine's load hits them alike."""
+    out: dict = {}
+    for every in [int(x) for x in a.every.split(",")]:
+        runs: dict[str, list[float]] = {s: [] for s in ("none", "cnr", "dcp_async")}
+        for _ in range(a.repeat):
+            for system in runs:
+                got = spawn(a.world, "_train", a, root, system, every)
+                runs[system].append(max(g["seconds"] for g in got))
+        med = {s: statistics.median(v) for s, v in runs.items()}
+        over = {s: med[s] / med["none"] - 1.0 for s in ("cnr", "dcp_async")}
+        out[str(every)] = {"runs": runs, "median_s": med, "overhead": over,
+                           "cnr_over_dcp": over["cnr"] / over["dcp_async"]
+                           if over["dcp_async"] > 0 else None}
+        print("overhead every", every, json.dumps(out[str(every)]), flush=True)
+    return out
+
+
 def _rank_main(rank: int, world: int, port: int, out: str, fn: str, fargs: tuple) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     import torch
@@ -222,12 +308,20 @@ def run(a) -> dict:
     report["table_bytes"] = total
     for system in a.systems.split(","):
         saves = spawn(a.world, "_save", a, root, system)[0]
-        restore = None
-        if system in ("cnr", "dcp"):
-            got = spawn(a.restore_world, "_restore", a, root, system)
-            restore = max(g["restore_all_s"] for g in got)
-        report["systems"][system] = {"saves": saves, "restore_s": restore}
+        report["systems"][system] = {"saves": saves, "restore_s": None}
         print(system, json.dumps(report["systems"][system]), flush=True)
+    # Restores interleaved, cnrstore and DCP in each repeat; the median of each.
+    restores: dict[str, list[float]] = {s: [] for s in ("cnr", "dcp")
+                                        if s in report["systems"]}
+    for _ in range(a.repeat):
+        for system in restores:
+            got = spawn(a.restore_world, "_restore", a, root, system)
+            restores[system].append(max(g["restore_all_s"] for g in got))
+    for system, times in restores.items():
+        report["systems"][system]["restore_s"] = statistics.median(times)
+        report["systems"][system]["restore_runs"] = times
+    if a.overhead_steps:
+        report["overhead"] = overhead(a, root)
     same = None
     if os.path.exists(os.path.join(root, "restored_dcp_0.pt")) and os.path.exists(
             os.path.join(root, "restored_cnr_0.pt")):
@@ -257,7 +351,23 @@ def markdown(report: dict) -> str:
         lines.append(f"| {name} | {s0['bytes'] / 1e6:.1f} MB, {s0['stall_s']:.2f} s, "
                      f"{s0['put_s']:.2f} s | {mean('bytes') / 1e6:.2f} MB, "
                      f"{mean('stall_s'):.2f} s, {mean('put_s'):.2f} s | {rest} |")
+    if "cnr" in report["systems"] and "dcp" in report["systems"]:
+        c, d = report["systems"]["cnr"], report["systems"]["dcp"]
+        lines.append(f"\nCold restore (median of {len(c['restore_runs'])}): cnrstore "
+                     f"{c['restore_s']:.2f} s, dcp.load {d['restore_s']:.2f} s: "
+                     f"{c['restore_s'] / d['restore_s']:.2f}x")
     lines.append(f"\nRestored rows of cnrstore and DCP identical: {report['restores_agree']}")
+    if report.get("overhead"):
+        lines += ["", f"Training overhead: {a['overhead_steps']} steps at {a['world']} ranks, "
+                  f"wall time over the no-checkpoint run (median of {a['repeat']}):", "",
+                  "| checkpoint every | no checkpoint s | cnrstore (tracker, non-blocking) | "
+                  "dcp.async_save | cnrstore / async_save |", "| --- | --- | --- | --- | --- |"]
+        for every, r in report["overhead"].items():
+            ratio = r["cnr_over_dcp"]
+            lines.append(f"| {every} steps | {r['median_s']['none']:.2f} | "
+                         f"{r['overhead']['cnr'] * 100:+.1f}% | "
+                         f"{r['overhead']['dcp_async'] * 100:+.1f}% | "
+                         f"{'–' if ratio is None else f'{ratio:.2f}'} |")
     return "\n".join(lines)
 
 

@@ -201,7 +201,7 @@ class DistributedCheckpoint(System):
 
 
 class CnrStore(System):
-    """cnrstore through its public API only (DESIGN.md "Public API")."""
+    """cnrstore through its public API only (docs/GUIDE.md, "The API contract")."""
 
     def __init__(self, root: Path, *, scheme: str, blocking: bool, use_touched: bool) -> None:
         super().__init__(root)

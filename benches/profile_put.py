@@ -70,7 +70,7 @@ STAGES = (
     ("engine.format.records", "_decompress", "decompress"),
     ("engine.format.records", "object_id", "hash: verify id on read"),
     ("engine.format.records", "check_record", "record checksum + header"),
-    ("engine.store.core", "StoreCore.lookup", "index lookup"),
+    ("engine.store.core", "PackStoreState.lookup", "index lookup"),
     ("cnrstore.core.restore", "decode_rows", "dequantize / decode rows"),
     ("cnrstore.format.blocks", "decode_full", "block decode"),
     ("cnrstore.format.blocks", "decode_patch", "block decode"),

@@ -1,220 +1,245 @@
-"""Model quality after restores from quantized checkpoints (Check-N-Run's accuracy question).
+"""Model quality after restores from quantized checkpoints (Check-N-Run's accuracy question),
+measured in paired runs fine enough to resolve its 0.01% budget.
 
-Trains the demo's DLRM (cnrstore.demo.dlrm) on its synthetic click-through task. For each
-number of simulated failures and each scheme, a run checkpoints every ``--every`` steps
-into a real store with that scheme (embedding tables quantized; row accumulators and the
-dense part exact), and at each failure point drops the model, the optimizer and the store
-handle, reopens the store, restores the latest step and trains on. Every run sees the same
-batches in the same order, so its final eval loss and AUC differ from the uninterrupted
-run's only through what the restores changed. Exact restores must reproduce the
-uninterrupted run bit for bit.
+For each task (benches/quality_tasks.py: the demo's synthetic CTR, MovieLens-100k) and seed,
+the seed is trained once without restores (the base run) and once per (scheme, number of
+restores) with them, on the same batches in the same order. A restore puts the whole
+training state into a real store (embedding tables with the scheme; row accumulators and
+the dense part exact), loads it back in place with ``load_state`` and trains on. Each
+run's final held-out loss and AUC are compared with its own seed's base run, and the
+per-seed relative changes are averaged with a 95% interval (benches/quality_report.py).
+An exact restore must leave every table bit-identical to the base run: the experiment
+stops if it does not, since the pairing would then be broken.
 
-    .venv/bin/python benches/quality.py                 # the table of docs/QUALITY.md
-    .venv/bin/python benches/quality.py --write docs/QUALITY.md --json out.json
+Runs of one seed share the base run's prefix: the base run keeps a copy of its state at
+every restore point, and a run with restores starts from the copy at its first one (the
+exact scheme checks that this forking changes nothing, too).
+
+    .venv/bin/python benches/quality.py --out docs/quality          # the full experiment
+    .venv/bin/python benches/quality.py --quick --out /tmp/q        # the smoke test (CI)
+    .venv/bin/python benches/quality.py --report docs/quality       # tables and plots only
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
+import shutil
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
+
+from quality_report import report  # noqa: E402
+from quality_tasks import TASKS, Task, make_task  # noqa: E402
 
 import cnrstore  # noqa: E402
-from cnrstore.demo.dlrm import DLRMConfig, Trainer, deterministic, evaluate  # noqa: E402
+from cnrstore.demo.dlrm import DLRM, deterministic, evaluate, make_optimizer, train_step  # noqa: E402
 from cnrstore.demo.driver import resolve_quant  # noqa: E402
 
-SCHEMES = ("exact", "fp16", "int8", "int4", "int3", "int2", "auto")
+SCHEMES = ("exact", "fp16", "int8", "int4")
 RESTORES = (1, 5, 20)
-BUDGET = 1e-4  # Check-N-Run: accuracy may drop by less than 0.01% (relative)
+SEEDS = 16
+QUICK = {"seeds": 2, "schemes": ("exact", "int8", "int2"), "restores": (1, 3)}
 
 
-@dataclass(frozen=True)
-class Outcome:
-    scheme: str         # as asked ("auto" stays "auto")
-    resolved: str       # the scheme the embedding tables were stored with
-    restores: int
-    loss: float
-    auc: float
-    mean_bytes: float   # bytes written per incremental checkpoint
-    seconds: float
-
-    def loss_rel(self, base: Outcome) -> float:
-        """Relative loss increase over ``base`` (positive: worse)."""
-        return (self.loss - base.loss) / base.loss
-
-    def auc_rel(self, base: Outcome) -> float:
-        """Relative AUC drop from ``base`` (positive: worse)."""
-        return (base.auc - self.auc) / base.auc
-
-    def within(self, base: Outcome, budget: float = BUDGET) -> bool:
-        return self.loss_rel(base) < budget and self.auc_rel(base) < budget
+class PairingBroken(AssertionError):
+    """An exact restore changed the run: the paired comparison would measure noise."""
 
 
-def failure_points(n: int, *, steps: int, every: int) -> list[int]:
-    """``n`` distinct steps spread over the run, none on a checkpoint (work is lost)."""
-    if n < 0 or n >= steps:
-        raise ValueError(f"cannot place {n} failures in {steps} steps")
-    points = []
-    for i in range(n):
-        f = max(1, (i + 1) * steps // (n + 1))
-        if f % every == 0:
-            f = f + 1 if f + 1 < steps else f - 1
-        points.append(f)
-    if len(set(points)) != n:
-        raise ValueError(f"{n} failures do not fit in {steps} steps at every={every}")
+def restore_points(n: int, steps: int) -> list[int]:
+    """``n`` distinct steps spread evenly over a run of ``steps``."""
+    points = sorted({round((i + 1) * steps / (n + 1)) for i in range(n)})
+    if len(points) != n or points[0] < 1 or points[-1] >= steps:
+        raise ValueError(f"cannot place {n} restores in {steps} steps")
     return points
 
 
-def run_case(config: DLRMConfig, *, steps: int, every: int, failures: list[int],
-             scheme: str, workdir: Path, n_eval: int = 32, device: str = "cpu",
-             keep_tables: bool = False) -> tuple[Outcome, dict[str, torch.Tensor] | None]:
-    """Train to ``steps``, failing and restoring at each of ``failures``; evaluate."""
-    quant = resolve_quant(scheme, config, expected_restores=max(1, len(failures)))
-    resolved = quant if isinstance(quant, str) else next(iter(quant.values()))
-    written: list[int] = []
+class _Run:
+    """A model and its optimizer at some step of a task's training."""
+
+    def __init__(self, task: Task, snapshot: tuple[int, dict, dict] | None = None) -> None:
+        self.task = task
+        self.model = DLRM(task.config)
+        self.opt = make_optimizer(self.model, task.config)
+        self.step = 0
+        if snapshot is not None:
+            self.step, model_state, opt_state = snapshot
+            self.model.load_state_dict(model_state)
+            self.opt.load_state_dict(opt_state)
+
+    def train(self, until: int) -> None:
+        config = self.task.config
+        while self.step < until:
+            scale = self.task.lr_scale(self.step)
+            self.opt.lr, self.opt.dense_lr = config.lr * scale, config.dense_lr * scale
+            train_step(self.model, self.opt, self.task.train.batch(self.step))
+            self.step += 1
+
+    def snapshot(self) -> tuple[int, dict, dict]:
+        return (self.step, copy.deepcopy(self.model.state_dict()),
+                copy.deepcopy(self.opt.state_dict()))
+
+    def state(self) -> dict:
+        return {"model": self.model.state_dict(), "optim": self.opt.state_dict()}
+
+    def restore(self, store, scheme: str, expected_restores: int) -> int:
+        """Put the state into ``store`` with ``scheme``, load it back in place; bytes written."""
+        quant = resolve_quant(scheme, self.task.config, expected_restores=expected_restores)
+        info = store.put_state(self.step, self.state(), quant=quant)
+        restored = store.load_state(self.step, self.state())
+        self.opt.load_state_dict(restored["optim"])  # its Python values (lr, eps)
+        return info.bytes_written
+
+    def tables(self) -> dict[str, torch.Tensor]:
+        from cnrstore.core.state import flatten
+
+        return flatten(self.state()).tables
+
+
+def run_seed(task: Task, *, schemes=SCHEMES, restores=RESTORES, workdir: Path) -> dict:
+    """The base run and one run per (restores, scheme) of one seed of ``task``."""
     t0 = time.perf_counter()
+    plans = {n: restore_points(n, task.steps) for n in restores}
+    forks = sorted({pts[0] for pts in plans.values()})
+    base, snaps = _Run(task), {}
+    for point in forks:
+        base.train(point)
+        snaps[point] = base.snapshot()
+    base.train(task.steps)
+    base_loss, base_auc = evaluate(base.model, task.eval)
+    base_tables = base.tables()
+    runs = []
+    for n, points in plans.items():
+        for scheme in schemes:
+            run, written = _Run(task, snaps[points[0]]), []
+            where = Path(tempfile.mkdtemp(prefix=f"{scheme}-{n}-", dir=workdir))
+            store = cnrstore.open(where)
+            try:
+                for point in points:
+                    run.train(point)
+                    written.append(run.restore(store, scheme, n))
+            finally:
+                store.close()
+                shutil.rmtree(where, ignore_errors=True)
+            run.train(task.steps)
+            loss, auc = evaluate(run.model, task.eval)
+            same = all(torch.equal(t, base_tables[k]) for k, t in run.tables().items())
+            if scheme == "exact" and not (same and (loss, auc) == (base_loss, base_auc)):
+                raise PairingBroken(f"{task.name} seed {task.config.seed}: {n} exact restores "
+                                    f"changed the run (loss {loss!r} vs {base_loss!r})")
+            runs.append({"scheme": scheme, "restores": n, "loss": loss, "auc": auc,
+                         "bytes": written[0], "identical": same})
+    return {"seed": task.config.seed, "loss": base_loss, "auc": base_auc, "runs": runs,
+            "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def experiment(tasks, *, seeds: int, schemes=SCHEMES, restores=RESTORES, quick=False,
+               out: Path | None = None, log=print) -> dict:
+    """Every seed of every task; with ``out``, results.json is rewritten after each seed,
+    so an interrupted run keeps what it finished."""
+    doc: dict = {"schemes": list(schemes), "restores": list(restores), "quick": quick,
+                 "tasks": {}}
+    with deterministic(), tempfile.TemporaryDirectory(prefix="cnrstore-quality-") as tmp:
+        for seed in range(seeds):  # seeds outermost: a cut-short run has all tasks
+            for name in tasks:
+                task = make_task(name, seed, quick=quick)
+                entry = doc["tasks"].setdefault(name, {
+                    "steps": task.steps, "eval_samples": task.eval_samples,
+                    "batch": task.config.batch_size, "dim": task.config.dim,
+                    "table_rows": list(task.config.table_rows), "seeds": []})
+                result = run_seed(task, schemes=schemes, restores=restores, workdir=Path(tmp))
+                entry["seeds"].append(result)
+                log(f"{name} seed {seed}: base loss {result['loss']:.6f} auc "
+                    f"{result['auc']:.6f} ({result['seconds']}s)")
+                if out is not None:
+                    out.mkdir(parents=True, exist_ok=True)
+                    (out / "results.json").write_text(json.dumps(doc, indent=1))
+    return doc
+
+
+def plateau(name: str, seed: int = 0, *, quick: bool = False, log=print) -> list[dict]:
+    """How close a task's base run ends to its plateau: held-out loss and AUC at a quarter,
+    half, three quarters and the end of the run, and at the end of a run twice as long
+    (its learning rates annealed over twice the steps)."""
+    rows = []
     with deterministic():
-        store = cnrstore.open(workdir) if failures else None
-        trainer = Trainer(config, store=store, every=every, quant=quant, device=device,
-                          on_checkpoint=lambda info, _stall: written.append(info.bytes_written))
-        if store is not None:
-            trainer.checkpoint()
-        for point in failures:
-            trainer.run(point)
-            trainer.wait()
-            # The failure: model, optimizer and store handle are gone; a new job reopens.
-            store.close()
-            del trainer
-            store = cnrstore.open(workdir)
-            trainer = Trainer(config, store=store, every=every, quant=quant, device=device,
-                              on_checkpoint=lambda info, _s: written.append(info.bytes_written))
-            trainer.restore_latest()
-        trainer.run(steps)
-        if store is not None:
-            trainer.wait()
-            store.close()
-        loss, auc = evaluate(trainer.model, trainer.data.eval_batches(n_eval))
-        tables = ({k: v.cpu().clone() for k, v in trainer.tables().items()}
-                  if keep_tables else None)
-    incremental = written[1:]  # the first checkpoint (step 0) is a full one
-    outcome = Outcome(scheme, resolved, len(failures), loss, auc,
-                      sum(incremental) / max(1, len(incremental)), time.perf_counter() - t0)
-    return outcome, tables
+        for factor in (1, 2):
+            task = make_task(name, seed, quick=quick)
+            task = replace(task, steps=task.steps * factor)
+            run = _Run(task)
+            marks = [task.steps * k // 4 for k in (1, 2, 3, 4)] if factor == 1 else [task.steps]
+            for mark in marks:
+                run.train(mark)
+                loss, auc = evaluate(run.model, task.eval)
+                rows.append({"task": name, "steps": mark, "of": task.steps, "loss": loss,
+                             "auc": auc})
+                log(f"{name} seed {seed}: step {mark} of {task.steps}: loss {loss:.6f} "
+                    f"auc {auc:.6f}")
+    return rows
 
 
-def experiment(config: DLRMConfig, *, steps: int, every: int, restores=RESTORES,
-               schemes=SCHEMES, n_eval: int = 32, device: str = "cpu",
-               log=None) -> tuple[Outcome, list[Outcome]]:
-    """The uninterrupted run and one run per (restores, scheme).
-
-    "auto" resolves to one of the other schemes; when that scheme is also measured, its
-    run is reused (the two runs would be identical)."""
-    with tempfile.TemporaryDirectory(prefix="cnrstore-quality-") as tmp:
-        base, _ = run_case(config, steps=steps, every=every, failures=[], scheme="exact",
-                           workdir=Path(tmp) / "base", n_eval=n_eval, device=device)
-        if log:
-            log(f"uninterrupted: loss {base.loss:.6f} auc {base.auc:.6f} ({base.seconds:.1f}s)")
-        out: list[Outcome] = []
-        for n in restores:
-            points = failure_points(n, steps=steps, every=every)
-            done: dict[str, Outcome] = {}
-            for scheme in sorted(schemes, key=lambda s: s == "auto"):
-                quant = resolve_quant(scheme, config, expected_restores=n)
-                resolved = quant if isinstance(quant, str) else next(iter(quant.values()))
-                if resolved in done:
-                    o = replace(done[resolved], scheme=scheme)
-                else:
-                    o, _ = run_case(config, steps=steps, every=every, failures=points,
-                                    scheme=scheme, workdir=Path(tmp) / f"{scheme}-{n}",
-                                    n_eval=n_eval, device=device)
-                    done[resolved] = o
-                out.append(o)
-                if log:
-                    log(f"{n:>3} restores {scheme:>5} ({o.resolved}): loss {o.loss:.6f} "
-                        f"({o.loss_rel(base):+.2e}) auc {o.auc:.6f} ({-o.auc_rel(base):+.2e}) "
-                        f"{o.seconds:.1f}s")
-    return base, out
-
-
-def markdown(runs: list[tuple[Outcome, list[Outcome]]], params: dict) -> str:
-    """One row per scheme, one column per restore count: relative loss increase and AUC
-    change against the uninterrupted run, averaged over the runs (seeds) given."""
-    restores = sorted({o.restores for _, outs in runs for o in outs})
-    schemes = list(dict.fromkeys(o.scheme for _, outs in runs for o in outs))
-    cells: dict[tuple[str, int], list[tuple[Outcome, Outcome]]] = {}
-    for base, outs in runs:
-        for o in outs:
-            cells.setdefault((o.scheme, o.restores), []).append((base, o))
-    head = "| scheme | bytes/ckpt | " + " | ".join(
-        f"{n} restore{'s' * (n > 1)}: loss / AUC" for n in restores) + " |"
-    lines = [head, "|" + "---|" * (2 + len(restores))]
-    for s in schemes:
-        first = cells[(s, restores[0])]
-        row = [s, f"{sum(o.mean_bytes for _, o in first) / len(first) / 1e3:,.0f} kB"]
-        for n in restores:
-            pairs = cells.get((s, n), [])
-            if not pairs:
-                row.append("")
-                continue
-            loss = sum(o.loss_rel(b) for b, o in pairs) / len(pairs)
-            auc = -sum(o.auc_rel(b) for b, o in pairs) / len(pairs)
-            mark = "" if loss < BUDGET and -auc < BUDGET else " ✗"
-            names = sorted({o.resolved for _, o in pairs})
-            name = f" [{'/'.join(names)}]" if s == "auto" else ""
-            row.append(f"{loss:+.1e} / {auc:+.1e}{mark}{name}")
-        lines.append("| " + " | ".join(row) + " |")
-    bases = ", ".join(f"{b.loss:.6f} / {b.auc:.6f}" for b, _ in runs)
-    lines += ["", f"Uninterrupted run(s), eval loss / AUC: {bases}.",
-              "Parameters: " + ", ".join(f"{k}={v}" for k, v in params.items()) + "."]
-    return "\n".join(lines)
-
-
-def _load(path: str) -> tuple[tuple[Outcome, list[Outcome]], dict]:
-    doc = json.loads(Path(path).read_text())
-    return (Outcome(**doc["base"]), [Outcome(**o) for o in doc["outcomes"]]), doc["params"]
+def merge(docs: list[dict]) -> dict:
+    """One results document from several runs of the same schemes and restores."""
+    doc = copy.deepcopy(docs[0])
+    for other in docs[1:]:
+        if (other["schemes"], other["restores"], other["quick"]) != (
+                doc["schemes"], doc["restores"], doc["quick"]):
+            raise ValueError("results of different schemes, restores or modes do not merge")
+        doc["tasks"].update(other["tasks"])
+        doc["wall_s"] = doc.get("wall_s", 0) + other.get("wall_s", 0)
+    return doc
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=1000)
-    parser.add_argument("--every", type=int, default=20)
-    parser.add_argument("--scale", type=float, default=0.02)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--restores", type=int, nargs="+", default=list(RESTORES))
-    parser.add_argument("--schemes", nargs="+", default=list(SCHEMES), choices=SCHEMES)
-    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
-    parser.add_argument("--json", metavar="PATH", help="write the outcomes as JSON")
-    parser.add_argument("--report", nargs="+", metavar="JSON",
-                        help="run nothing: print the table averaged over these JSON outputs")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"smoke test: short training, {QUICK['seeds']} seeds, "
+                        f"schemes {' '.join(QUICK['schemes'])}")
+    parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=TASKS)
+    parser.add_argument("--seeds", type=int, help=f"seeds per task (default {SEEDS})")
+    parser.add_argument("--schemes", nargs="+", choices=SCHEMES)
+    parser.add_argument("--restores", type=int, nargs="+")
+    parser.add_argument("--out", type=Path, help="write results.json, the plots and "
+                        "report.md into this folder")
+    parser.add_argument("--report", type=Path, nargs="+", metavar="DIR",
+                        help="run nothing: tables and plots from DIR/results.json (several: "
+                        "their tasks together, e.g. of one run per task; written to --out "
+                        "or the first DIR)")
+    parser.add_argument("--plateau", action="store_true",
+                        help="run nothing else: where each task's base run (seed 0) ends, "
+                        "against a run twice as long")
     args = parser.parse_args(argv)
-    if args.report:
-        loaded = [_load(p) for p in args.report]
-        params = {**loaded[0][1], "seeds": [p["seed"] for _, p in loaded]}
-        params.pop("seed", None)
-        print(markdown([r for r, _ in loaded], params))
+    if args.plateau:
+        rows = [r for name in args.tasks for r in plateau(name, quick=args.quick)]
+        if args.out is not None:
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / "plateau.json").write_text(json.dumps(rows, indent=1))
         return 0
-    config = DLRMConfig(seed=args.seed).scaled(args.scale)
+    if args.report:
+        doc = merge([json.loads((d / "results.json").read_text()) for d in args.report])
+        out = args.out or args.report[0]
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "results.json").write_text(json.dumps(doc, indent=1))
+        print(report(doc, out))
+        return 0
     t0 = time.perf_counter()
-    base, outcomes = experiment(config, steps=args.steps, every=args.every,
-                                restores=args.restores, schemes=args.schemes,
-                                device=args.device, log=lambda s: print(s, flush=True))
-    params = {"steps": args.steps, "every": args.every, "scale": args.scale,
-              "seed": args.seed, "table_rows": config.table_rows, "dim": config.dim,
-              "batch": config.batch_size, "device": args.device,
-              "eval_samples": 32 * config.batch_size, "wall_s": round(time.perf_counter() - t0)}
-    print(markdown([(base, outcomes)], params))
-    if args.json:
-        Path(args.json).write_text(json.dumps(
-            {"params": params, "base": asdict(base),
-             "outcomes": [asdict(o) for o in outcomes]}, indent=2, default=list))
+    doc = experiment(args.tasks, seeds=args.seeds or (QUICK["seeds"] if args.quick else SEEDS),
+                     schemes=tuple(args.schemes or (QUICK["schemes"] if args.quick else SCHEMES)),
+                     restores=tuple(args.restores or (QUICK["restores"] if args.quick
+                                                      else RESTORES)),
+                     quick=args.quick, out=args.out,
+                     log=lambda s: print(s, flush=True))
+    doc["wall_s"] = round(time.perf_counter() - t0)
+    if args.out is not None:
+        (args.out / "results.json").write_text(json.dumps(doc, indent=1))
+    print(report(doc, args.out))
     return 0
 
 

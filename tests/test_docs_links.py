@@ -121,3 +121,24 @@ def test_the_checker_fails_on_a_probe():
     ]
     assert slug("Many ranks: the distributed store") == "many-ranks-the-distributed-store"
     assert slug("`put_tables`, in short") == "put_tables-in-short"
+
+
+def _code_citations(text: str) -> list[int]:
+    return [n for n, line in enumerate(text.splitlines(), 1)
+            if re.search(r"\bDESIGN(\.md)?\b|DECISIONS\.md", line)]
+
+
+def test_no_code_cites_the_retired_contract():
+    # Docstrings and comments cite the contract too; they must name where it lives now.
+    own = Path(__file__).resolve()
+    found = [f"{p.relative_to(REPO)}:{n}"
+             for folder in ("cnrstore", "engine", "benches", "tests", "fuzz", "scripts")
+             for p in sorted((REPO / folder).rglob("*.py")) if p.resolve() != own
+             for n in _code_citations(p.read_text())]
+    assert not found, f"cite docs/ARCHITECTURE.md or docs/GUIDE.md instead: {found}"
+
+
+def test_the_code_check_sees_a_citation():
+    assert _code_citations('"""The handle (DESIGN.md, "Public API")."""\nx = 1  # DESIGN\n') \
+        == [1, 2]
+    assert _code_citations('"""docs/design/put-speed.md"""') == []

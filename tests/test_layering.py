@@ -1,4 +1,5 @@
-"""engine/ is bytes-only: it must never import torch, numpy or cnrstore (DESIGN.md)."""
+"""engine/ is bytes-only: it must never import torch, numpy or cnrstore (docs/ARCHITECTURE.md,
+"Layer rules")."""
 
 import ast
 import pathlib

@@ -51,7 +51,7 @@ from cnrstore.codec.qsearch import SEARCHES, choose_ranges, choose_row_ranges
 __all__ = [
     "SCHEMES", "LOSSY_DTYPES", "GREEDY_MAX_BITS", "check_scheme", "scheme_bits", "row_nbytes",
     "row_nbytes_options", "is_wide", "encode_rows", "decode_rows", "first_nonfinite_row",
-    "RangeError", "NeedsWideQparams", "auto_scheme",
+    "RangeError", "NeedsWideQparams",
 ]
 
 # SCHEMES, the header sizes and row sizes come from cnrstore.codec.layout (torch-free).
@@ -375,27 +375,3 @@ def first_nonfinite_row(rows: torch.Tensor) -> int | None:
             if hits.numel():
                 return start + int(hits[0])
     return None
-
-
-# "auto" policy (docs/QUANTIZATION.md, "The auto policy"): quantization error compounds
-# with every restore (each restore resumes training from the dequantized tables), so the
-# fewer restores a job expects, the fewer bits its checkpoints can afford. Calibrated by
-# benches/quality.py (docs/QUALITY.md): against Check-N-Run's 0.01% budget int4 was
-# indistinguishable from exact up to 5 restores and failed at 20; int8 held at 5; int2 and
-# int3 failed from 1 and 5 restores, so the policy never picks them.
-AUTO_INT4_MAX_RESTORES = 5.0
-AUTO_INT8_MAX_RESTORES = 10.0
-# Beyond AUTO_INT8_MAX_RESTORES: fp16 (at noise level after 20 restores in the same runs).
-
-
-def auto_scheme(expected_restores: float) -> str:
-    """The scheme the "auto" policy picks for a job expecting this many restores."""
-    if isinstance(expected_restores, bool) or not isinstance(expected_restores, (int, float)):
-        raise TypeError(f"expected_restores must be a number, got {expected_restores!r}")
-    if not expected_restores >= 0 or expected_restores == float("inf"):
-        raise ValueError(f"expected_restores must be finite and >= 0, got {expected_restores}")
-    if expected_restores <= AUTO_INT4_MAX_RESTORES:
-        return "int4"
-    if expected_restores <= AUTO_INT8_MAX_RESTORES:
-        return "int8"
-    return "fp16"

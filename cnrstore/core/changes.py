@@ -1,5 +1,5 @@
 """Changes between two kept steps: the rows a replica of step a needs to become step b
-(DESIGN.md, "Next": ``store.changes``; docs/GUIDE.md, "Publishing changes").
+(docs/GUIDE.md, "DCP, TorchRec, changes": ``store.changes``; docs/GUIDE.md, "Publishing changes").
 
 One walk over both steps' DAGs, top-down: an equal table or segment id ends the descent
 unread, and only blocks whose ids differ are looked at (cnrstore/core/blockdiff.py finds

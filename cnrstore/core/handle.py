@@ -117,8 +117,9 @@ class HandleState:
 
     def seed(self, name: str, tm: TableManifest, fps: Any, codes: Any,
              anchor: tuple[str, bytes], deferred: DeferredBase | None = None) -> None:
-        """Seed the diff base of a table this handle has no base of (DESIGN.md: a restarted
-        job's next put is incremental again; a table the handle put keeps its base).
+        """Seed the diff base of a table this handle has no base of (docs/ARCHITECTURE.md,
+        "A put and a get", Seeding: a restarted job's next put is incremental again; a table
+        the handle put keeps its base).
         ``deferred``: the diff data is still being computed (seed.seed_later)."""
         if deferred is not None:
             state = TableState.from_manifest(tm, anchor=anchor, deferred=deferred)

@@ -1,6 +1,6 @@
 """The host codes of the rows a put writes: gather them on the table's device, encode them,
-copy them to host memory the caller's table does not share (DESIGN.md, "Data flow of a
-put", step 2), now or, for a non-blocking put, on the writer thread.
+copy them to host memory the caller's table does not share (docs/ARCHITECTURE.md, "A put
+and a get", step 2), now or, for a non-blocking put, on the writer thread.
 
 A non-blocking put's stall is what runs on the caller's thread (issue 27: <= 0.05x
 torch.save). Of an incremental intN put, the encode of the changed rows was the largest

@@ -1,5 +1,6 @@
 """Lineage of a store: "latest" is the highest step, steps only grow, and going back to an
-older step is an explicit ``rollback`` (DESIGN.md, "Next"; docs/design/training-state.md).
+older step is an explicit ``rollback`` (docs/GUIDE.md, "Training state and lineage";
+docs/design/training-state.md).
 
 Resuming from step 100 while steps up to 300 exist used to add step 150 below 300: reads
 of "latest" still saw 300 and ``gc(keep_last=2)`` dropped the new step. Now a put below the

@@ -1,5 +1,5 @@
 """The put path of a store handle: validate, plan every table against its diff base, and
-queue the step on the handle's writer (DESIGN.md, "Public API"; docs/MANIFEST.md, "Write
+queue the step on the handle's writer (docs/GUIDE.md, "The API contract"; docs/MANIFEST.md, "Write
 rules"). ``put`` is CheckpointStore.put_tables and put_state.
 
 The step checks and the queued-put bookkeeping here are the distributed put's too

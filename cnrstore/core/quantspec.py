@@ -1,5 +1,6 @@
 """The ``quant`` argument of a put: a scheme per table from a scheme name or a mapping of
-fnmatch patterns (DESIGN.md, "Next": "A quant pattern that matches nothing is an error").
+fnmatch patterns (docs/GUIDE.md, "Training state and lineage": "A quant pattern that matches
+nothing is an error").
 
 Rules, in order:
 
@@ -24,7 +25,8 @@ from fnmatch import fnmatchcase
 
 import torch
 
-from cnrstore.codec.quantize import SCHEMES, auto_scheme, check_scheme
+from cnrstore.codec.autopolicy import auto_scheme
+from cnrstore.codec.quantize import SCHEMES, check_scheme
 from cnrstore.errors import InvalidInput, InvalidType, UnknownScheme
 
 __all__ = ["resolve_quant", "is_pattern"]
@@ -88,7 +90,8 @@ def resolve_quant(quant, tables: Mapping, *, expected_restores: int) -> dict[str
             scheme = auto_scheme(expected_restores) if table.dtype in _LOSSY_OK else "exact"
         if ckey is not None and explicit and is_pattern(ckey) and not eligible:
             scheme = "exact"  # a wildcard skips int tensors (e.g. BatchNorm's counters)
-        try:  # a lossy scheme named for an integer table is refused (DESIGN.md)
+        # a lossy scheme named for an integer table is refused (docs/GUIDE.md, "The API contract")
+        try:
             check_scheme(scheme, table.dtype, table=name)
         except ValueError as exc:
             raise UnknownScheme(str(exc)) from exc

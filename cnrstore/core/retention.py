@@ -2,7 +2,7 @@
 
 One rule for every caller (the API's gc, the CLI's gc and its dry run), so the two cannot
 drift apart again: the API once accepted ``keep_last=0`` and a ``keep`` naming a missing
-step, and deleted every step, while the CLI refused both (DESIGN.md, gc).
+step, and deleted every step, while the CLI refused both (docs/GUIDE.md, "The API contract", gc).
 """
 
 from __future__ import annotations

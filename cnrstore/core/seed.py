@@ -1,5 +1,6 @@
-"""Seeding a table's diff base from the store, for its first put in a handle (DESIGN.md:
-"the newest stored step holding it"; docs/MANIFEST.md, "Write rules").
+"""Seeding a table's diff base from the store, for its first put in a handle
+(docs/ARCHITECTURE.md, "A put and a get", Seeding: "the newest stored step holding it";
+docs/MANIFEST.md, "Write rules").
 
 A damaged store must never stop a checkpoint (issue 8): steps whose nodes cannot be read
 are passed over, and blocks of the base that cannot be read are left out of it (their

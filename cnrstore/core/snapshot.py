@@ -1,6 +1,6 @@
 """The on-device part of a put: find changed rows, plan blocks, gather + encode, copy to host.
 
-This is the training stall of a put (DESIGN.md, "Data flow of a put", steps 1-2). It runs on
+This is the training stall of a put (docs/ARCHITECTURE.md, "A put and a get", steps 1-2). It runs on
 the table's own device and changes nothing in the store or the handle: it returns a
 ``TablePlan`` (host codes of exactly the rows to write, plus the block plan and the new
 diff base), which the background writer turns into objects. A plan raises before anything

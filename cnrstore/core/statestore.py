@@ -1,6 +1,6 @@
 """Whole training state and in-place restore on a store handle: put_state, get_state,
-load_state and ``get_tables(out=...)`` (DESIGN.md, "Next"; cnrstore/core/state.py says how a
-state is split into tables and a structure).
+load_state and ``get_tables(out=...)`` (docs/GUIDE.md, "Training state and lineage";
+cnrstore/core/state.py says how a state is split into tables and a structure).
 
 Functions take the handle's HandleState, like get.py. Restores into existing tensors decode
 block by block into the destination rows (restore.read_into), so no second copy of a table

@@ -1,4 +1,4 @@
-"""CheckpointStore: the public API of cnrstore (DESIGN.md, "Public API").
+"""CheckpointStore: the public API of cnrstore (docs/GUIDE.md, "The API contract").
 
 A store handle owns one background writer thread (all engine writes go through it, so
 steps, deletes and gc happen in call order) and the diff base of every table it put or

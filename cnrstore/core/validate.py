@@ -1,5 +1,6 @@
 """Up-front validation of put arguments: everything a put can refuse is refused here, before
-any fingerprint is computed or any byte written (DESIGN.md, "Bad input gets a clear error").
+any fingerprint is computed or any byte written (docs/GUIDE.md, "The API contract": "Bad
+input gets a clear error").
 NaN/Inf under lossy schemes is checked where the rows are gathered (snapshot.py), still
 before anything changes."""
 

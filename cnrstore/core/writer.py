@@ -1,10 +1,10 @@
 """The background writer: turns table plans into engine objects and commits steps in order.
 
 One thread owns all engine writes of a store handle, so steps commit in the order they were
-put and each put's patches find their base blocks already written (DESIGN.md, "Data flow of
-a put", steps 3-5). At most ``max_inflight`` puts wait or run; a further put blocks in
-``submit`` (back-pressure, so host memory for pending codes stays bounded). One engine write
-transaction per step: objects, then the step root, then commit.
+put and each put's patches find their base blocks already written (docs/ARCHITECTURE.md,
+"A put and a get", steps 3-5). At most ``max_inflight`` puts wait or run; a further put
+blocks in ``submit`` (back-pressure, so host memory for pending codes stays bounded). One
+engine write transaction per step: objects, then the step root, then commit.
 """
 
 from __future__ import annotations

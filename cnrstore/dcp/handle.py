@@ -1,5 +1,6 @@
 """The store a DCP writer or reader works on: an open store used as it is, or a path
-opened (collectively, on every rank of the group) for one save or load and closed after.
+opened (collectively, on every rank of the group) for one save or load, and kept open
+for the next one of this process while nothing else changes the store (stores.py).
 
 DCP runs its steps on every rank, and a rank whose own part failed still reaches the
 next of cnrstore's rounds with its error (``agree``), so every rank raises the same error
@@ -14,6 +15,7 @@ from typing import Any
 import torch.distributed as dist
 
 from cnrstore.core.store import CheckpointStore
+from cnrstore.dcp import stores
 from cnrstore.distributed.opener import open as open_store
 from cnrstore.distributed.store import DistributedStore
 from cnrstore.errors import InvalidInput, InvalidType
@@ -67,17 +69,28 @@ class Target:
         return None
 
     def open(self) -> Any:
-        """The store, opened now if given as a path (collective with a group)."""
+        """The store, opened now if given as a path (collective with a group): the one
+        kept open from this process's last save or load of the path (stores.py)."""
         if self.store is None:
             assert self.path is not None
-            self.store = open_store(self.path, group=self._group(), **self.open_kwargs)
+            path, group, kwargs = self.path, self._group(), self.open_kwargs
+
+            def opener() -> Any:
+                return open_store(path, group=group, **kwargs)
+
+            self.store = (stores.checkout(path, group, kwargs, opener)
+                          if stores.cacheable(path, kwargs) else opener())
         return self.store
 
-    def done(self) -> None:
-        """After a save or load: close a store this target opened."""
+    def done(self, wrote: tuple[str, bytes] | None = None) -> None:
+        """After a save or load: give back (or close) a store this target opened;
+        ``wrote``: the root the save committed (name, id)."""
         if self.path is not None and self.store is not None:
             store, self.store = self.store, None
-            store.close()
+            if stores.cacheable(self.path, self.open_kwargs):
+                stores.checkin(store, wrote)
+            else:
+                store.close()
 
     def agree(self, err: BaseException | None, what: str, payload: Any = None) -> list[Any]:
         """Every rank's payload, or the lowest failed rank's error raised on every rank."""

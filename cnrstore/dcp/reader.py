@@ -143,14 +143,15 @@ class StorageReader(_DCPReader):
                 copied.append((item, dest))
         except BaseException as exc:
             err = exc
-        self.target.agree(err, "DCP load: plan")
+        copies = any(self.target.agree(err, "DCP load: plan", bool(spans)))
         store, doc = self.target.store, self.doc
         assert doc is not None
-        # Two collective reads, the same on every rank: pieces of whole rows decode
-        # straight into their destination, the others are read and copied.
+        # Collective reads, the same on every rank: pieces of whole rows decode straight
+        # into their destination; the others, where any rank has some, are read and copied.
         store.get_tables(self.read_step, out=direct)
-        got = store.get_tables(self.read_step, names=sorted(spans),
-                               rows={fqn: slice(lo, hi) for fqn, (lo, hi) in spans.items()})
+        got = {} if not copies else store.get_tables(
+            self.read_step, names=sorted(spans),
+            rows={fqn: slice(lo, hi) for fqn, (lo, hi) in spans.items()})
         for item, dest in copied:
             fqn = item.storage_index.fqn
             if fqn in spans:

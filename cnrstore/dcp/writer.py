@@ -44,6 +44,7 @@ from cnrstore.distributed import columns
 from cnrstore.distributed.shard import Shard
 from cnrstore.distributed.store import DistributedStore
 from cnrstore.errors import InvalidInput
+from cnrstore.format.manifest import root_name
 
 __all__ = ["StorageWriter"]
 
@@ -116,12 +117,15 @@ class StorageWriter(_DCPWriter):
         return [dataclasses.replace(p, storage_data=doc) for p in plans]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        self.info = None
         try:
             store = self.target.open()
             try:
                 self.info, results = self._write(store, plan, planner)
             finally:
-                self.target.done()
+                info = self.info
+                self.target.done(None if info is None else
+                                 (root_name(self.step), bytes.fromhex(info.root)))
         except BaseException:
             self.info = None
             raise

@@ -110,9 +110,9 @@ def resolve_quant(scheme: str, config: DLRMConfig, *,
     """
     if scheme == "auto":
         try:
-            from cnrstore.codec.quantize import auto_scheme
+            from cnrstore.codec.autopolicy import auto_scheme
         except ImportError as exc:
-            raise ValueError("scheme 'auto' needs cnrstore.codec.quantize.auto_scheme") from exc
+            raise ValueError("scheme 'auto' needs cnrstore.codec.autopolicy.auto_scheme") from exc
         scheme = auto_scheme(expected_restores)
     if scheme == "exact":
         return "exact"

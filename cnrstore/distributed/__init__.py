@@ -1,1 +1,2 @@
-"""Many ranks: the distributed store over torch.distributed (DESIGN.md, "Next")."""
+"""Many ranks: the distributed store over torch.distributed (docs/GUIDE.md, "Many ranks and
+object stores")."""

@@ -2,7 +2,7 @@
 
 Column-wise, table-column-wise and grid shardings give a rank part of the columns of a
 range of rows. The store's unit is the whole row, and a table's stored blocks must not
-depend on the plan (DESIGN.md "Next", "Determinism"), so a put first moves the pieces:
+depend on the plan (docs/ARCHITECTURE.md, "On-disk rules"), so a put first moves the pieces:
 rank r of W receives whole rows [r * n // W, (r + 1) * n // W) of an n-row table, every
 piece holder sends it the columns it holds of those rows (one ``all_to_all`` of bytes
 for all the tables of a put), and the put then sees an ordinary row-sharded table,

@@ -3,7 +3,7 @@
 ``shard_leaf(x)`` names the rows THIS rank holds of a sharded leaf as ``cnrstore.Shard``s on
 the table's global row grid; ``fill_leaf(x, read)`` writes a restored table's rows into the
 leaf's local shards, in place. The distributed put_state/load_state call both for every
-tensor leaf of a state (DESIGN.md, "Next").
+tensor leaf of a state (docs/GUIDE.md, "Many ranks and object stores").
 
 Where the rows of a rank are recorded:
 - ShardedTensor: ``local_shards()``, each with ``metadata.shard_offsets``/``shard_sizes``.

@@ -13,7 +13,14 @@ from typing import Any
 import torch
 
 from cnrstore.codec.layout import dtype_name
-from cnrstore.core.restore import check_slice, read_into, read_table, read_tables, row_range
+from cnrstore.core.restore import (
+    check_slice,
+    read_into,
+    read_table,
+    read_tables,
+    row_range,
+    table_hints,
+)
 from cnrstore.core.validate import check_destination, check_device, check_selection, check_step
 from cnrstore.distributed import transfer
 from cnrstore.distributed.comm import rebuild_error, wire_error
@@ -31,7 +38,7 @@ from cnrstore.format.load import list_steps, load_manifest, load_step
 # so the layers test sees no import cycle.
 DistributedStore = Any
 
-__all__ = ["get_tables", "collective_read", "finish_read", "fill_dest"]
+__all__ = ["get_tables", "collective_read", "finish_read", "fill_dest", "dest_hints"]
 
 Ranges = list[tuple[int, int]]
 _ALL = "\x00all"  # request key: every table of the step (never a table name: names are UTF-8)
@@ -162,8 +169,9 @@ def get_tables(ds: DistributedStore, step: Any, *, names: Any, rows: Any, device
     err = None
     try:
         if out is not None:
-            for n, (tm, ranges) in tables.items():
-                fill_dest(ds, objects, tm, ranges, out[n])
+            dests = [(tm, out[n]) for n, (tm, _) in tables.items()]
+            for (n, (tm, ranges)), hint in zip(tables.items(), dest_hints(objects, dests)):
+                fill_dest(ds, objects, tm, ranges, out[n], started=hint)
                 result[n] = out[n]
         else:
             wanted = [(tm, (rows or {}).get(n)) for n, (tm, _) in tables.items()]
@@ -187,7 +195,18 @@ def _out_spec(name: str, t: Any) -> Any:
     return ("whole", tuple(t.shape), str(t.dtype).removeprefix("torch."))
 
 
-def fill_dest(ds: DistributedStore, objects: Any, tm: Any, ranges: Ranges, dest: Any) -> None:
+def dest_hints(objects: Any, dests: list[tuple[Any, Any]]) -> list[Any]:
+    """The ``started`` of each (table manifest, destination) of a read that fills them in
+    this order: one read-ahead over all their blocks, so the disk goes on reading the next
+    table while the decode finishes one (one per table drained it between tables)."""
+    def rows(dest: Any) -> slice | None:
+        return slice(dest.row_offset, dest.row_end) if isinstance(dest, Shard) else None
+
+    return table_hints(objects, [(tm, rows(d)) for tm, d in dests])
+
+
+def fill_dest(ds: DistributedStore, objects: Any, tm: Any, ranges: Ranges, dest: Any, *,
+              started: Any = None) -> None:
     if isinstance(dest, Shard):
         if dest.local.shape[0]:
             local = dest.local.detach()
@@ -195,10 +214,10 @@ def fill_dest(ds: DistributedStore, objects: Any, tm: Any, ranges: Ranges, dest:
             if (local.is_contiguous() and local.device.type == "cpu"
                     and dtype_name(local.dtype) == tm.node.dtype):
                 # decoded in place (read_table fills rows x width): no second copy
-                read_table(objects, tm, ds.pool, rows=rows,
+                read_table(objects, tm, ds.pool, rows=rows, started=started,
                            into=local.view(local.shape[0], math.prod(local.shape[1:])))
             else:
-                t, _, _ = read_table(objects, tm, ds.pool, rows=rows)
+                t, _, _ = read_table(objects, tm, ds.pool, rows=rows, started=started)
                 local.copy_(t.view(local.shape))
         return
-    read_into(objects, tm, ds.pool, dest.detach())
+    read_into(objects, tm, ds.pool, dest.detach(), started=started)

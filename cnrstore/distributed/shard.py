@@ -1,4 +1,5 @@
-"""``Shard``: one rank's rows of a table in a distributed put (DESIGN.md, "Next").
+"""``Shard``: one rank's rows of a table in a distributed put (docs/GUIDE.md, "Many ranks
+and object stores").
 
 A table that lives on many ranks is given on each rank as the rows it holds:
 ``Shard(local, row_offset=lo, rows=n_total)`` says that ``local`` holds global rows

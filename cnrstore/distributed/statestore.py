@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from cnrstore.core.restore import read_into, read_table, read_tables
+from cnrstore.core.restore import read_tables
 from cnrstore.core.state import (
     MAX_DEPTH,
     SEP,
@@ -32,7 +32,7 @@ from cnrstore.core.stateselect import (
 )
 from cnrstore.core.validate import check_destination, check_device
 from cnrstore.distributed import put as dput
-from cnrstore.distributed.read import collective_read, fill_dest, finish_read
+from cnrstore.distributed.read import collective_read, dest_hints, fill_dest, finish_read
 from cnrstore.distributed.shard import Shard
 from cnrstore.errors import InvalidInput, InvalidType, StepNotFound
 from cnrstore.format.load import list_steps, load_step
@@ -229,19 +229,23 @@ def load_state(ds: DistributedStore, step: Any, state: Any, *, strict: bool,
             doc = prune(doc, sel, KEEP_HOLE)
             result = fill(state, doc, strict=strict and sel.everything, is_tensor=is_tensor)
             lazy = lazy_tables(state, doc, is_tensor=is_tensor)
+        # Each local piece of a sharded leaf is decoded in place where it can be
+        # (fill_dest): a read into fresh memory and a copy cost a cold restore its page
+        # faults twice. The pieces were checked against the stored table by the request.
+        # One read-ahead over every destination, in the order they are filled.
+        dests: list[tuple[Any, Any, Any]] = []
         for n, (tm, ranges) in tables.items():
             leaf = sharded.get(n)
             if leaf is None:
-                read_into(objects, tm, ds.pool, flat.tables[n].detach())
+                dests.append((tm, ranges, flat.tables[n].detach()))
             elif isinstance(leaf, Shard):
-                fill_dest(ds, objects, tm, ranges, leaf)
+                dests.append((tm, ranges, leaf))
             else:
-                from cnrstore.distributed.leaves import fill_leaf
-
-                def rows(lo: int, hi: int, tm: Any = tm) -> torch.Tensor:
-                    return read_table(objects, tm, ds.pool, rows=slice(lo, hi))[0]
-
-                fill_leaf(leaf, rows)
+                dests += [(tm, ranges, Shard(piece, row_offset=off, rows=tm.node.rows))
+                          for piece, off in _fill_pieces(leaf)]
+        hints = dest_hints(objects, [(tm, d) for tm, _, d in dests])
+        for (tm, ranges, dest), hint in zip(dests, hints):
+            fill_dest(ds, objects, tm, ranges, dest, started=hint)
     except BaseException as exc:
         err = exc
     finish_read(ds, err, "load_state: read")

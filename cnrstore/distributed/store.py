@@ -1,5 +1,5 @@
 """DistributedStore: one checkpoint store written and read by every rank of a process group
-(DESIGN.md, "Next"; docs/ARCHITECTURE.md, "Many ranks").
+(docs/GUIDE.md, "Many ranks and object stores"; docs/ARCHITECTURE.md, "Many ranks").
 
 The group's first rank is the coordinator: it alone opens the store's index (a plain
 CheckpointStore at ``path``, with ``cache_dir`` for a bucket or a shared directory). The

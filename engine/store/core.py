@@ -1,4 +1,4 @@
-"""``StoreCore``: what the maintenance and write phases of a ``PackStore`` work on.
+"""``PackStoreState``: what the maintenance and write phases of a ``PackStore`` work on.
 
 The store owns one and hands it to freshness, writer, gc, verify and repair, so none of
 them reaches into the store's private fields: the seam is this typed object (path,
@@ -28,7 +28,7 @@ from ..fs.fileio import store_error
 from ..fs.lock import WriterLock
 from ..index import db as ix
 from ..packs.pack import PackReaders, pack_name
-from ..storage import LocalStorage, PackStorage
+from ..packs.storage import PackStorage, as_storage
 
 
 class CommitLog(Protocol):
@@ -42,23 +42,23 @@ class CommitLog(Protocol):
     publishes: bool
     url: str
 
-    def attach(self, core: StoreCore, *, create: bool) -> RepairReport | None: ...
-    def seq(self, core: StoreCore) -> int: ...
-    def catch_up(self, core: StoreCore) -> int: ...
-    def refresh(self, core: StoreCore) -> None: ...
-    def rebuild(self, core: StoreCore) -> RepairReport: ...
-    def publish(self, core: StoreCore, base: int, doc: Callable[[], CommitDoc]) -> int | None:
+    def attach(self, core: PackStoreState, *, create: bool) -> RepairReport | None: ...
+    def seq(self, core: PackStoreState) -> int: ...
+    def catch_up(self, core: PackStoreState) -> int: ...
+    def refresh(self, core: PackStoreState) -> None: ...
+    def rebuild(self, core: PackStoreState) -> RepairReport: ...
+    def publish(self, core: PackStoreState, base: int, doc: Callable[[], CommitDoc]) -> int | None:
         ...
     def check_age(self, started: float) -> None: ...
-    def begin_gc(self, core: StoreCore) -> None: ...
-    def settle_gc(self, core: StoreCore, seq: int | None) -> None: ...
-    def delete_unlisted(self, core: StoreCore, live_packs: set[int]) -> int: ...
+    def begin_gc(self, core: PackStoreState) -> None: ...
+    def settle_gc(self, core: PackStoreState, seq: int | None) -> None: ...
+    def delete_unlisted(self, core: PackStoreState, live_packs: set[int]) -> int: ...
 
 
 _READ_RETRIES = 4
 
 
-class StoreCore:
+class PackStoreState:
     """One open store's state. ``index`` and ``readers`` exist once ``attach`` ran (the
     index is opened, checked and maybe rebuilt by engine/store/freshness.py)."""
 
@@ -67,7 +67,7 @@ class StoreCore:
                  log: CommitLog) -> None:
         self.path = path
         # Where the packs live; ``path`` always holds the index and the lock (local disk).
-        self.storage = storage if storage is not None else LocalStorage(path)
+        self.storage = storage if storage is not None else as_storage(path)
         # Where commits are published: the index itself, or a bucket it caches.
         self.log = log
         self.options = options
@@ -165,47 +165,25 @@ class StoreCore:
         for _ in range(_READ_RETRIES):
             if entry is None:
                 entry = self.lookup(oid)
-            head_len = fmt.RECORD_HEADER.size + ID_SIZE * len(entry.refs)
-            stored = entry.length - head_len - fmt.CHECKSUM.size
-            head = bytearray(head_len + prefix)
-            tail = bytearray(fmt.CHECKSUM.size)
             try:
-                if (entry.kind != kind or entry.raw_len != prefix + len(out)
-                        or stored != entry.raw_len or not self.readers.readv(
-                            entry.pack, entry.offset,
-                            [memoryview(head), out, memoryview(tail)])):
-                    if not fallback:
-                        return None
-                    obj = self.read_entry(oid, entry)
-                    if obj is None:
-                        raise FileNotFoundError
-                    return obj
+                prefix_bytes = read_raw_into(self.readers, oid, entry, kind, prefix, out,
+                                             id_check=id_check)
+                if prefix_bytes is not None:
+                    return prefix_bytes
+                if not fallback:
+                    return None
+                obj = self.read_entry(oid, entry)
+                if obj is None:
+                    raise FileNotFoundError
+                return obj
             except FileNotFoundError:
                 self.pack_missing(entry.pack)
                 entry = None
-                continue
-            except OSError as exc:
-                raise store_error(f"cannot read pack {pack_name(entry.pack)}", exc) from exc
-            except CorruptObject as exc:
-                raise CorruptObject(f"object {hexid(oid)}: {exc}", oid=oid,
-                                    pack=pack_name(entry.pack), offset=entry.offset) from exc
-            _check_raw(oid, kind, entry, head, head_len, out, tail, id_check)
-            return bytes(head[head_len:])
         raise CorruptObject(f"object {hexid(oid)}: its pack keeps vanishing", oid=oid)
 
     def advise(self, locs: Iterable[RecordLocation]) -> None:
         """Read-ahead hint for located records (adjacent ones merge into one range)."""
-        spans: dict[int, list[list[int]]] = {}
-        for loc in sorted(locs, key=lambda c: (c.pack, c.offset)):
-            runs = spans.setdefault(loc.pack, [])
-            if runs and loc.offset <= runs[-1][1] + (1 << 16):
-                runs[-1][1] = max(runs[-1][1], loc.offset + loc.length)
-            else:
-                runs.append([loc.offset, loc.offset + loc.length])
-        for pack, runs in spans.items():
-            if self.closed:  # closed meanwhile (a hint runs on its own thread)
-                return
-            self.readers.advise(pack, [(a, b - a) for a, b in runs])
+        advise(self.readers, locs, lambda: self.closed)
 
     def check(self, oid: bytes) -> None:
         """``read``'s checks without keeping the payload (deep verify: a record that
@@ -233,6 +211,49 @@ class StoreCore:
         name = pack_name(entry.pack)
         raise CorruptObject(f"object {hexid(oid)}: pack {name} is missing", oid=oid,
                             pack=name, offset=entry.offset)
+
+
+def advise(readers: PackReaders, locs: Iterable[RecordLocation],
+           closed: Callable[[], bool]) -> None:
+    """Ask the kernel to read the records at ``locs`` ahead (adjacent ones merge into one
+    range), pack by pack until ``closed()`` (a hint may run on a thread of its own)."""
+    spans: dict[int, list[list[int]]] = {}
+    for loc in sorted(locs, key=lambda c: (c.pack, c.offset)):
+        runs = spans.setdefault(loc.pack, [])
+        if runs and loc.offset <= runs[-1][1] + (1 << 16):
+            runs[-1][1] = max(runs[-1][1], loc.offset + loc.length)
+        else:
+            runs.append([loc.offset, loc.offset + loc.length])
+    for pack, runs in spans.items():
+        if closed():
+            return
+        readers.advise(pack, [(a, b - a) for a, b in runs])
+
+
+def read_raw_into(readers: PackReaders, oid: bytes, entry: ix.ObjectEntry | RecordLocation,
+                  kind: int, prefix: int, out: memoryview, *, id_check: bool) -> bytes | None:
+    """The direct read of ``PackStoreState.read_into`` at ``entry`` (also a rank's, reading by
+    location: engine/located.py): the record's first ``prefix`` payload bytes, the rest
+    in ``out``, checked; None (``out`` untouched) when the record is not stored raw, is of
+    another kind or size, or its pack is remote. FileNotFoundError when the pack is gone."""
+    head_len = fmt.RECORD_HEADER.size + ID_SIZE * len(entry.refs)
+    stored = entry.length - head_len - fmt.CHECKSUM.size
+    head = bytearray(head_len + prefix)
+    tail = bytearray(fmt.CHECKSUM.size)
+    try:
+        if (entry.kind != kind or entry.raw_len != prefix + len(out)
+                or stored != entry.raw_len or not readers.readv(
+                    entry.pack, entry.offset, [memoryview(head), out, memoryview(tail)])):
+            return None
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        raise store_error(f"cannot read pack {pack_name(entry.pack)}", exc) from exc
+    except CorruptObject as exc:
+        raise CorruptObject(f"object {hexid(oid)}: {exc}", oid=oid,
+                            pack=pack_name(entry.pack), offset=entry.offset) from exc
+    _check_raw(oid, kind, entry, head, head_len, out, tail, id_check)
+    return bytes(head[head_len:])
 
 
 def _check_raw(oid: bytes, kind: int, entry: ix.ObjectEntry | RecordLocation,

@@ -15,7 +15,6 @@ since the location was learnt) raises ``PackMoved``: ask the coordinator again.
 from __future__ import annotations
 
 import os
-import pathlib
 import threading
 from collections.abc import Iterable, Iterator, Mapping
 from typing import cast
@@ -23,7 +22,6 @@ from typing import cast
 import zstandard
 
 from ..api import (
-    GCReport,
     Object,
     ObjectInfo,
     ObjectStore,
@@ -31,24 +29,24 @@ from ..api import (
     ProgressFn,
     RepairReport,
     Stats,
-    VerifyReport,
+    StoreGCReport,
+    StoreVerifyReport,
     Writer,
 )
 from ..errors import CorruptObject, ObjectNotFound, PackMoved, ReadOnly, StoreClosed
 from ..format.ids import check_id, check_root_name, hexid
 from ..format.location import RecordLocation
 from ..packs.pack import PackReaders, as_storage, pack_name
-from ..storage import PackStorage
-from .core import read_checked
+from ..packs.storage import PackStorage
+from ..storage import ObjectBackend
+from .core import advise, read_checked, read_raw_into
 
 
 class LocatedReader:
     """Checked reads of records by location from ``storage`` (a PackStorage, or a store
     directory: its ``packs``). Thread-safe."""
 
-    def __init__(self, storage: str | os.PathLike | PackStorage) -> None:
-        if not isinstance(storage, PackStorage):
-            storage = pathlib.Path(storage).absolute()
+    def __init__(self, storage: str | os.PathLike | PackStorage | ObjectBackend) -> None:
         self.storage = as_storage(storage)
         self.path = self.storage.describe()
         self._readers = PackReaders(self.storage)
@@ -82,6 +80,28 @@ class LocatedReader:
     def get_many(self, locs: Iterable[RecordLocation]) -> Iterator[Object]:
         for loc in locs:
             yield self.read(loc)
+
+    def read_into(self, loc: RecordLocation, kind: int, prefix: int, out: memoryview, *,
+                  id_check: bool = True, fallback: bool = False) -> bytes | Object | None:
+        """``ObjectStore.get_into`` at ``loc``: a raw record lands in ``out`` with one
+        preadv, checked as the store's own direct read (a rank restoring into fresh memory
+        otherwise paid a payload-sized buffer and a copy per block)."""
+        if self._closed:
+            raise StoreClosed(f"located reader of {self.path} is closed")
+        try:
+            got = read_raw_into(self._readers, loc.oid, loc, kind, prefix, out,
+                                id_check=id_check)
+        except FileNotFoundError:
+            self._readers.forget(loc.pack)
+            raise PackMoved(f"object {hexid(loc.oid)}: pack {pack_name(loc.pack)} is gone "
+                            "(gc moved its records); locate it again", oid=loc.oid) from None
+        if got is None and fallback:
+            return self.read(loc)
+        return got
+
+    def advise(self, locs: Iterable[RecordLocation]) -> None:
+        """Read-ahead hint for the records at ``locs``."""
+        advise(self._readers, locs, lambda: self._closed)
 
     def close(self) -> None:
         self._closed = True
@@ -123,6 +143,37 @@ class LocatedObjects(ObjectStore):
         for oid in oids:
             yield self._reader.read(self._loc(oid))
 
+    def get_into(self, oid: bytes, kind: int, prefix: int, out: memoryview, *,
+                 id_check: bool = True, fallback: bool = False) -> bytes | Object | None:
+        return self._reader.read_into(self._loc(oid), kind, prefix, out, id_check=id_check,
+                                      fallback=fallback)
+
+    def locate(self, oids: Iterable[bytes]) -> dict[bytes, RecordLocation]:
+        if self._closed:
+            raise StoreClosed("located objects view is closed")
+        return {bytes(o): self._locs[bytes(o)] for o in oids if bytes(o) in self._locs}
+
+    def locate_closure(self, oids: Iterable[bytes]) -> dict[bytes, RecordLocation]:
+        """``locate`` of ``oids`` and all they reach, among the located objects."""
+        found = self.locate(oids)
+        todo = list(found.values())
+        while todo:
+            for ref in todo.pop().refs:
+                loc = self._locs.get(ref)
+                if loc is not None and ref not in found:
+                    found[ref] = loc
+                    todo.append(loc)
+        return found
+
+    def prefetch(self, oids: Iterable[bytes]) -> None:
+        """Read ahead the records of ``oids`` and all they reach (a rank's cold restore
+        otherwise read each block as the decode asked for it)."""
+        self.prefetch_at(self.locate_closure(oids).values())
+
+    def prefetch_at(self, locs: Iterable[RecordLocation]) -> None:
+        if not self._closed:
+            self._reader.advise(locs)
+
     def info(self, oid: bytes) -> ObjectInfo:
         loc = self._loc(oid)
         return ObjectInfo(loc.kind, loc.refs, loc.raw_len, loc.length, loc.meta)
@@ -146,14 +197,14 @@ class LocatedObjects(ObjectStore):
         raise ReadOnly("writer() on located objects (a rank's read-only view)")
 
     def gc(self, *, threshold: float = 0.25, timeout: float | None = 0.0,
-           progress: ProgressFn | None = None) -> GCReport:
+           progress: ProgressFn | None = None) -> StoreGCReport:
         raise ReadOnly("gc() on located objects (a rank's read-only view)")
 
     def repair(self, *, dry_run: bool = False) -> RepairReport:
         raise ReadOnly("repair() on located objects (a rank's read-only view)")
 
     def verify(self, *, deep: bool = False, roots: Iterable[str] | None = None,
-               progress: ProgressFn | None = None) -> VerifyReport:
+               progress: ProgressFn | None = None) -> StoreVerifyReport:
         """Structure: every ref of a located object is located too. Deep: read and
         id-check every located object. ``roots`` limits nothing here (all are checked)."""
         problems: list[Problem] = []
@@ -172,7 +223,7 @@ class LocatedObjects(ObjectStore):
                 except CorruptObject as exc:
                     problems.append(Problem("corrupt", str(exc), oid=loc.oid,
                                             pack=pack_name(loc.pack), offset=loc.offset))
-        return VerifyReport(not problems, tuple(problems), len(self._locs), nbytes)
+        return StoreVerifyReport(not problems, tuple(problems), len(self._locs), nbytes)
 
     def stats(self) -> Stats:
         logical = sum(loc.raw_len for loc in self._locs.values())

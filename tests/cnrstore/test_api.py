@@ -1,4 +1,5 @@
-"""The public API of DESIGN.md, against the memory twin and the real pack store."""
+"""The public API (docs/GUIDE.md, "The API contract"), against the memory twin and the real
+pack store."""
 
 from __future__ import annotations
 
@@ -205,7 +206,7 @@ def test_lossy_keeps_dtype_and_shape(store):
 
 
 def test_auto_quant_picks_from_expected_restores():
-    from cnrstore.codec.quantize import auto_scheme
+    from cnrstore.codec.autopolicy import auto_scheme
     from cnrstore.format.load import load_manifest
 
     for restores in (0, 1, 100):

@@ -101,7 +101,7 @@ def test_state_tables_are_named_by_path_and_small_tensors_stay_exact(tmp_path):
     assert sorted(info.rows_changed) == sorted(
         ["model/emb.weight", "model/bias", "optim/state/0/step", "optim/state/0/sum", "rng"])
     manifest = load_manifest(s.objects, 1)
-    assert info.tables == {n: tm.oid.hex() for n, tm in manifest.tables.items()}  # DESIGN
+    assert info.tables == {n: tm.oid.hex() for n, tm in manifest.tables.items()}  # GUIDE's contract
     schemes = {n: tm.node.scheme for n, tm in manifest.tables.items()}
     assert schemes == {"model/emb.weight": "int8", "model/bias": "exact", "rng": "exact",
                        "optim/state/0/step": "exact", "optim/state/0/sum": "fp16"}

@@ -1,5 +1,5 @@
 """Bad input gets a clear error before anything is written; the store and the diff base stay
-as they were (DESIGN.md, "Public API")."""
+as they were (docs/GUIDE.md, "The API contract")."""
 
 from __future__ import annotations
 

@@ -269,3 +269,40 @@ def _disk_full(rank: int, fn) -> None:
         fn()
     finally:
         os.environ.pop("CNRSTORE_DIST_FAIL_AT", None)
+
+
+def kept_store(rank: int, world: int, path: str) -> list:
+    """Path saves keep their store open between saves (the same handle on every rank),
+    until another handle changes the store: rank 0 deletes the last step and collects
+    it between two saves, and the next save opens the store afresh on every rank."""
+    from cnrstore.dcp import close_stores, stores
+
+    def kept() -> int:
+        (e,) = [e for e in stores._entries.values()]
+        return id(e.store)
+
+    out = []
+    s = state("dtensor", 1, rank, world)
+    for step in (1, 2):
+        w = StorageWriter(path, step=step, block_rows=32)
+        dcp.save(s, storage_writer=w)
+        out.append((kept(), dict(w.info.rows_changed)))
+        bump(s)
+    if rank == 0:
+        with cnrstore.open(path) as other:
+            other.delete_step(2)
+            other.gc(threshold=0.0)
+    dist.barrier()
+    w = StorageWriter(path, step=3, block_rows=32)
+    dcp.save(s, storage_writer=w)  # diffs against step 1, as a fresh open does
+    out.append((kept(), dict(w.info.rows_changed)))
+    target = zeroed(state("dtensor", 1, rank, world))
+    dcp.load(target, storage_reader=StorageReader(path, step=3))
+    got = gathered(target)["model"]["emb"]
+    want = full(1)["emb"]
+    want[:3] += 1.0  # twice, as bump added it (not 2.0: rounding)
+    want[:3] += 1.0
+    out.append(torch.equal(got, want))
+    close_stores()
+    out.append(len(stores._entries))
+    return out

@@ -92,3 +92,12 @@ def test_four_ranks_save_and_load_at_one_and_two(tmp_path):
     _ok(run(4, W.save, path, "sharded", [1], timeout=240))
     assert _ok(run(2, W.load, path, "dtensor", 1, 1)) == [True] * 2
     assert _ok(run(1, W.load, path, "dtensor", 1, 1)) == [True]
+
+
+def test_a_path_keeps_its_store_on_every_rank_until_another_handle_changes_it(tmp_path):
+    res = _ok(run(2, W.kept_store, str(tmp_path / "ckpt")))
+    for (a, _), (b, ch2), (c, ch3), same, left in res:
+        assert a == b != c            # kept for step 2, opened afresh for step 3
+        assert ch2["model.emb"] == 3 and ch2["optim.acc"] == 0
+        assert ch3["model.emb"] == 3  # step 1 + 2 bumps: the same 3 rows
+        assert same and left == 0

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import engine
-from engine.errors import OptionsMismatch, StoreError
+from engine.errors import EngineOptionsMismatch, StoreError
 from engine.format import options as eo
 from engine.store.repairroots import lost_under
 from engine.store.walk import walk
@@ -208,7 +208,7 @@ def test_a_conflicting_data_option_raises_options_mismatch():
     assert eo.DATA_OPTIONS == frozenset()
     stored = {"compression_level": 5}
     data = frozenset({"compression_level"})
-    with pytest.raises(OptionsMismatch) as info:
+    with pytest.raises(EngineOptionsMismatch) as info:
         eo.resolve({"compression_level": 6}, stored, data_options=data)
     assert isinstance(info.value, StoreError)
     assert (info.value.name, info.value.stored, info.value.asked) == ("compression_level",
@@ -238,7 +238,7 @@ def duplicate_class_names(folder: pathlib.Path) -> dict[str, list[str]]:
 
 def test_no_two_engine_classes_share_a_name():
     # There were two PackSinks: a rank's (engine.PackSink) and one pack being written
-    # to a storage (now storage/base.py WritablePack).
+    # to a storage (now storage/base.py KeyWriter).
     assert duplicate_class_names(ENGINE) == {}
 
 
@@ -247,3 +247,16 @@ def test_the_class_name_check_sees_a_duplicate_in_a_subpackage(tmp_path):
     (tmp_path / "sub" / "a.py").write_text("class Sink:\n    pass\n")
     (tmp_path / "b.py").write_text("class Sink:\n    pass\nclass Other:\n    pass\n")
     assert duplicate_class_names(tmp_path) == {"Sink": ["b.py", "sub/a.py"]}
+
+
+def test_no_class_is_named_alike_in_cnrstore_and_the_engine():
+    # cnrstore translates the engine's reports and errors at its boundary; one name for
+    # both (GCReport, VerifyReport, OptionsMismatch, ConcurrentCommit, StoreCore were)
+    # made a traceback or an import say the wrong layer's class.
+    assert sorted(_class_names(ENGINE) & _class_names(ROOT / "cnrstore")) == []
+
+
+def _class_names(folder: pathlib.Path) -> set[str]:
+    return {node.name for path in folder.rglob("*.py")
+            for node in ast.walk(ast.parse(path.read_text(), filename=str(path)))
+            if isinstance(node, ast.ClassDef)}
