@@ -119,7 +119,9 @@ static inline cnr_v4f cnr_pick(cnr_v4i m, cnr_v4f a, cnr_v4f b) {
  * +-Inf in the row, bit 1 its min/max beyond +-65504 (or NaN). Explicit 4-lane vectors:
  * gcc does not vectorize a float min/max reduction by itself (no reassociation), and the
  * scalar loop ran at a tenth of a copy. */
-static inline unsigned char row_flags(const float *p, int64_t width) {
+static inline int row_minmax(const float *p, int64_t width, float *lo_out, float *hi_out) {
+    /* The row's min and max (exact: which of -0.0 and +0.0 comes out of a tie is not
+     * fixed) and whether it holds a NaN (then lo/hi are unspecified). width >= 1. */
     cnr_v4f mn0, mx0, mn1, mx1;
     cnr_v4i bad = {0, 0, 0, 0};
     for (int l = 0; l < 4; l++) { mn0[l] = mx0[l] = mn1[l] = mx1[l] = p[0]; }
@@ -149,6 +151,14 @@ static inline unsigned char row_flags(const float *p, int64_t width) {
         lo = v < lo ? v : lo;
         hi = v > hi ? v : hi;
     }
+    *lo_out = lo;
+    *hi_out = hi;
+    return nan;
+}
+
+static inline unsigned char row_flags(const float *p, int64_t width) {
+    float lo, hi;
+    int nan = row_minmax(p, width, &lo, &hi);
     unsigned char flag = 0;
     if (nan || !__builtin_isfinite(lo) || !__builtin_isfinite(hi)) flag |= 1;
     if (nan || !(lo >= -65504.0f && hi <= 65504.0f)) flag |= 2;
@@ -251,33 +261,10 @@ void cnr_encode_int8(const float *x, int64_t rows, int64_t width, int64_t stride
     for (int64_t r = 0; r < rows; r++) {
         const float *p = x + r * stride;
         unsigned char *o = out + r * rnb;
-        /* min/max in 8 lanes (so gcc vectorizes it), reduced after; which of -0.0 and
-         * +0.0 comes out does not matter: offset and scale are made canonical below. */
-        float mn[8], mx[8];
-        int nl[8];
-        for (int l = 0; l < 8; l++) { mn[l] = mx[l] = p[0]; nl[l] = 0; }
-        int64_t j0 = 0;
-        for (; j0 + 8 <= width; j0 += 8) {
-            for (int l = 0; l < 8; l++) {
-                float v = p[j0 + l];
-                nl[l] |= v != v;
-                mn[l] = v < mn[l] ? v : mn[l];
-                mx[l] = v > mx[l] ? v : mx[l];
-            }
-        }
-        for (; j0 < width; j0++) {
-            float v = p[j0];
-            nl[0] |= v != v;
-            mn[0] = v < mn[0] ? v : mn[0];
-            mx[0] = v > mx[0] ? v : mx[0];
-        }
-        float lo = mn[0], hi = mx[0];
-        int nan = nl[0];
-        for (int l = 1; l < 8; l++) {
-            lo = mn[l] < lo ? mn[l] : lo;
-            hi = mx[l] > hi ? mx[l] : hi;
-            nan |= nl[l];
-        }  /* amin/amax propagate NaN: */
+        /* which of -0.0 and +0.0 comes out does not matter: offset and scale are made
+         * canonical below. amin/amax propagate NaN: */
+        float lo, hi;
+        int nan = row_minmax(p, width, &lo, &hi);
         unsigned char flag = 0;
         if (nan) { lo = hi = __builtin_nanf(""); }
         if (!(lo >= -CNR_FP16_MAX && hi <= CNR_FP16_MAX)) flag |= 2;
