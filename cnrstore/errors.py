@@ -314,7 +314,7 @@ def translate(exc: StoreError) -> CheckpointError:
         return StoreBusy(message)
     if isinstance(exc, e.ReadOnly):
         return ReadOnlyStore(message)
-    if isinstance(exc, e.ConcurrentCommit):
+    if isinstance(exc, e.CommitSequenceTaken):
         return ConcurrentCommit(message)
     if isinstance(exc, e.NoStore):
         return BadPath(message)

@@ -63,7 +63,7 @@ class Problem:
 
 
 @dataclass(frozen=True)
-class VerifyReport:
+class StoreVerifyReport:
     ok: bool
     problems: tuple[Problem, ...]
     objects_checked: int
@@ -71,7 +71,7 @@ class VerifyReport:
 
 
 @dataclass(frozen=True)
-class GCReport:
+class StoreGCReport:
     objects_live: int
     objects_freed: int
     bytes_freed: int          # bytes released on disk (allocated blocks), after compaction
@@ -274,7 +274,7 @@ class ObjectStore(abc.ABC):
         threshold: float = 0.25,
         timeout: float | None = 0.0,
         progress: ProgressFn | None = None,
-    ) -> GCReport:
+    ) -> StoreGCReport:
         """Mark from the roots, sweep the rest, and rewrite packs with more than
         ``threshold`` dead bytes. Takes the writer lock."""
 
@@ -285,7 +285,7 @@ class ObjectStore(abc.ABC):
         deep: bool = False,
         roots: Iterable[str] | None = None,
         progress: ProgressFn | None = None,
-    ) -> VerifyReport:
+    ) -> StoreVerifyReport:
         """Check what the roots (all, or those named) reach: structure always, and with
         ``deep=True`` re-read and re-hash every reachable object."""
 

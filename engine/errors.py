@@ -33,7 +33,7 @@ __all__ = [
     "NoStore",
     "RootExists",
     "ReadOnly",
-    "OptionsMismatch",
+    "EngineOptionsMismatch",
     "PackMoved",
     "NotSupported",
 ]
@@ -118,7 +118,7 @@ class RootExists(StoreError):
         self.name = name
 
 
-class ConcurrentCommit(StoreError):
+class CommitSequenceTaken(StoreError):
     """Another writer (on another cache of a bucket store) committed first: this commit's
     sequence number was taken, and nothing of it was published. Retry on a fresh writer."""
 
@@ -127,7 +127,7 @@ class ReadOnly(StoreError):
     """A write (writer, gc, repair) on a store opened with ``readonly=True``."""
 
 
-class OptionsMismatch(StoreError):
+class EngineOptionsMismatch(StoreError):
     """An open asked for a value of an option that describes stored data (engine/format/options.py)
     other than the one the store was created with."""
 

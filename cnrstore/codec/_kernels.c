@@ -5,7 +5,12 @@
  *   FINGERPRINT_VERSION 1) in one pass over each row (cnrstore/codec/fingerprint.py);
  * - cnr_encode_int8: int8 rows with fp16 scale/offset from the row's min/max
  *   (docs/QUANTIZATION.md, "Row encoding"; cnrstore/codec/quantize.py _encode_int and
- *   qparams.py), in one pass over each row.
+ *   qparams.py), in one pass over each row;
+ * - cnr_row_fingerprints_diff: the fingerprints, each compared with the previous put's as
+ *   it is made, emitting the ids of the rows that differ (core/snapshot.py's diff);
+ * - cnr_gather_check_f32: a non-blocking put's copy of its changed float32 rows with the
+ *   refusal flags of their min/max (core/hostcodes.py snapshot_rows), in one pass;
+ * - cnr_grow_union: a block's merge union after a put (core/chainpolicy.py), one merge.
  *
  * numpy takes five passes over every chunk (xor, multiply, shift, xor, multiply-sum) and ran
  * at a third of a plain uint64-multiply pass; here every word is read once, and gcc
@@ -22,7 +27,7 @@
 #define CNR_C 0x9E3779B97F4A7C15ULL
 
 /* Bumped with any change to the functions' signatures (native.py checks it). */
-int cnr_kernels_abi(void) { return 2; }
+int cnr_kernels_abi(void) { return 4; }
 
 static inline uint64_t avalanche(uint64_t h) {
     h ^= h >> 30;
@@ -60,6 +65,147 @@ void cnr_row_fingerprints(const unsigned char *base, int64_t rows, int64_t strid
         }
         out[r] = avalanche(h ^ len_mix);
     }
+}
+
+/* cnr_row_fingerprints, with rows [0, compare) checked against old[] as they are hashed:
+ * the ids (row offsets) of those that differ go to changed[] in ascending order, and their
+ * count is returned. The fingerprints are written to out[] as before (the next put's base). */
+#if defined(CNR_CLONES)
+__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#endif
+int64_t cnr_row_fingerprints_diff(const unsigned char *base, int64_t rows, int64_t stride,
+                                  int64_t nbytes, const uint64_t *a, const uint64_t *b,
+                                  uint64_t len_mix, uint64_t *out, const uint64_t *old,
+                                  int64_t compare, int64_t *changed) {
+    const int64_t full = nbytes / 8, tail = nbytes % 8;
+    int64_t k = 0;
+    for (int64_t r = 0; r < rows; r++) {
+        const unsigned char *p = base + r * stride;
+        uint64_t h = 0;
+        for (int64_t j = 0; j < full; j++) {
+            uint64_t w;
+            memcpy(&w, p + 8 * j, 8);
+            uint64_t x = (w ^ a[j]) * CNR_C;
+            x ^= x >> 32;
+            h += x * b[j];
+        }
+        if (tail) {
+            uint64_t w = 0;
+            memcpy(&w, p + 8 * full, (size_t)tail);
+            uint64_t x = (w ^ a[full]) * CNR_C;
+            x ^= x >> 32;
+            h += x * b[full];
+        }
+        h = avalanche(h ^ len_mix);
+        out[r] = h;
+        if (r < compare && h != old[r]) changed[k++] = r;
+    }
+    return k;
+}
+
+typedef float cnr_v4f __attribute__((vector_size(16)));
+typedef int32_t cnr_v4i __attribute__((vector_size(16)));
+
+static inline cnr_v4f cnr_pick(cnr_v4i m, cnr_v4f a, cnr_v4f b) {
+    cnr_v4i ai, bi, r;
+    cnr_v4f f;
+    memcpy(&ai, &a, 16); memcpy(&bi, &b, 16);
+    r = (ai & m) | (bi & ~m);
+    memcpy(&f, &r, 16);
+    return f;
+}
+
+/* cnr_encode_int8's flags of one float32 row (width >= 1) from its min/max: bit 0 a NaN or
+ * +-Inf in the row, bit 1 its min/max beyond +-65504 (or NaN). Explicit 4-lane vectors:
+ * gcc does not vectorize a float min/max reduction by itself (no reassociation), and the
+ * scalar loop ran at a tenth of a copy. */
+static inline int row_minmax(const float *p, int64_t width, float *lo_out, float *hi_out) {
+    /* The row's min and max (exact: which of -0.0 and +0.0 comes out of a tie is not
+     * fixed) and whether it holds a NaN (then lo/hi are unspecified). width >= 1. */
+    cnr_v4f mn0, mx0, mn1, mx1;
+    cnr_v4i bad = {0, 0, 0, 0};
+    for (int l = 0; l < 4; l++) { mn0[l] = mx0[l] = mn1[l] = mx1[l] = p[0]; }
+    int64_t j0 = 0;
+    for (; j0 + 8 <= width; j0 += 8) {
+        cnr_v4f v, w;
+        memcpy(&v, p + j0, 16);
+        memcpy(&w, p + j0 + 4, 16);
+        bad |= (v != v) | (w != w);
+        mn0 = cnr_pick(v < mn0, v, mn0);
+        mx0 = cnr_pick(v > mx0, v, mx0);
+        mn1 = cnr_pick(w < mn1, w, mn1);
+        mx1 = cnr_pick(w > mx1, w, mx1);
+    }
+    float lo = mn0[0], hi = mx0[0];
+    int nan = 0;
+    for (int l = 0; l < 4; l++) {
+        lo = mn0[l] < lo ? mn0[l] : lo;
+        lo = mn1[l] < lo ? mn1[l] : lo;
+        hi = mx0[l] > hi ? mx0[l] : hi;
+        hi = mx1[l] > hi ? mx1[l] : hi;
+        nan |= bad[l] != 0;
+    }
+    for (; j0 < width; j0++) {
+        float v = p[j0];
+        nan |= v != v;
+        lo = v < lo ? v : lo;
+        hi = v > hi ? v : hi;
+    }
+    *lo_out = lo;
+    *hi_out = hi;
+    return nan;
+}
+
+static inline unsigned char row_flags(const float *p, int64_t width) {
+    float lo, hi;
+    int nan = row_minmax(p, width, &lo, &hi);
+    unsigned char flag = 0;
+    if (nan || !__builtin_isfinite(lo) || !__builtin_isfinite(hi)) flag |= 1;
+    if (nan || !(lo >= -65504.0f && hi <= 65504.0f)) flag |= 2;
+    return flag;
+}
+
+/* Rows idx[0..n) of the float32 table x (rows `stride` floats apart, `width` >= 1 floats
+ * each) copied densely into out ([n, width]), with each row's row_flags in flags[r]. The
+ * rows are copied a few at a time before they are checked: a scattered row's cache misses
+ * then overlap those of the next rows (checked as it is read, each row waited for its own,
+ * at half the speed of the copy alone). */
+#if defined(CNR_CLONES)
+__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#endif
+void cnr_gather_check_f32(const float *x, int64_t stride, const int64_t *idx, int64_t n,
+                          int64_t width, float *out, unsigned char *flags) {
+    const int64_t B = 32;
+    for (int64_t r0 = 0; r0 < n; r0 += B) {
+        int64_t r1 = r0 + B < n ? r0 + B : n;
+        for (int64_t r = r0; r < r1; r++)
+            memcpy(out + r * width, x + idx[r] * stride, (size_t)width * 4);
+        for (int64_t r = r0; r < r1; r++)
+            flags[r] = row_flags(out + r * width, width);
+    }
+}
+
+/* A block's merge union after a put (core/chainpolicy.py _grow, its reference): the rows
+ * that differ from the full block, ascending, with their full-block fingerprints. u/fs: the
+ * union before (nu rows); rows/ofp/nfp: the rows that changed (nr, ascending) with their
+ * previous and new fingerprints. A changed row already in the union leaves it when its new
+ * fingerprint is its full-block one; a changed row not in it joins with its previous one.
+ * One merge pass into out_u/out_f (room for nu + nr); returns the new union's length. */
+int64_t cnr_grow_union(const int64_t *u, const int64_t *fs, int64_t nu, const int64_t *rows,
+                       const int64_t *ofp, const int64_t *nfp, int64_t nr, int64_t *out_u,
+                       int64_t *out_f) {
+    int64_t i = 0, j = 0, k = 0;
+    while (i < nu || j < nr) {
+        if (j >= nr || (i < nu && u[i] < rows[j])) {
+            out_u[k] = u[i]; out_f[k++] = fs[i++];
+        } else if (i >= nu || rows[j] < u[i]) {
+            out_u[k] = rows[j]; out_f[k++] = ofp[j++];
+        } else {
+            if (nfp[j] != fs[i]) { out_u[k] = u[i]; out_f[k++] = fs[i]; }
+            i++; j++;
+        }
+    }
+    return k;
 }
 
 /* ---- int8 encode: every step is the float32 op qparams.py does, in the same order; built
@@ -115,33 +261,10 @@ void cnr_encode_int8(const float *x, int64_t rows, int64_t width, int64_t stride
     for (int64_t r = 0; r < rows; r++) {
         const float *p = x + r * stride;
         unsigned char *o = out + r * rnb;
-        /* min/max in 8 lanes (so gcc vectorizes it), reduced after; which of -0.0 and
-         * +0.0 comes out does not matter: offset and scale are made canonical below. */
-        float mn[8], mx[8];
-        int nl[8];
-        for (int l = 0; l < 8; l++) { mn[l] = mx[l] = p[0]; nl[l] = 0; }
-        int64_t j0 = 0;
-        for (; j0 + 8 <= width; j0 += 8) {
-            for (int l = 0; l < 8; l++) {
-                float v = p[j0 + l];
-                nl[l] |= v != v;
-                mn[l] = v < mn[l] ? v : mn[l];
-                mx[l] = v > mx[l] ? v : mx[l];
-            }
-        }
-        for (; j0 < width; j0++) {
-            float v = p[j0];
-            nl[0] |= v != v;
-            mn[0] = v < mn[0] ? v : mn[0];
-            mx[0] = v > mx[0] ? v : mx[0];
-        }
-        float lo = mn[0], hi = mx[0];
-        int nan = nl[0];
-        for (int l = 1; l < 8; l++) {
-            lo = mn[l] < lo ? mn[l] : lo;
-            hi = mx[l] > hi ? mx[l] : hi;
-            nan |= nl[l];
-        }  /* amin/amax propagate NaN: */
+        /* which of -0.0 and +0.0 comes out does not matter: offset and scale are made
+         * canonical below. amin/amax propagate NaN: */
+        float lo, hi;
+        int nan = row_minmax(p, width, &lo, &hi);
         unsigned char flag = 0;
         if (nan) { lo = hi = __builtin_nanf(""); }
         if (!(lo >= -CNR_FP16_MAX && hi <= CNR_FP16_MAX)) flag |= 2;

@@ -1,5 +1,6 @@
-"""The codec's compiled kernels (_kernels.c): row fingerprints and the int8 encode, each in
-one pass over a row.
+"""The codec's compiled kernels (_kernels.c): row fingerprints (alone, or compared with the
+previous put's as they are made), the int8 encode, and a non-blocking put's copy of its
+changed rows with their range checks, each in one pass over a row.
 
 numpy computes the fingerprint in five passes over each chunk and ran at a third of a
 plain uint64-multiply pass, which made the fingerprint most of a put's stall (issue 27);
@@ -35,15 +36,21 @@ __all__ = ["Kernels", "kernel", "status", "build"]
 
 
 class Kernels:
-    """The loaded functions: ``fingerprint`` (cnr_row_fingerprints) and ``encode_int8``
-    (cnr_encode_int8, None where the compiler has no _Float16)."""
+    """The loaded functions: ``fingerprint`` (cnr_row_fingerprints), ``fingerprint_diff``
+    (cnr_row_fingerprints_diff), ``gather_check_f32`` (cnr_gather_check_f32) and
+    ``grow_union`` (cnr_grow_union) and ``encode_int8`` (cnr_encode_int8, None where the
+    compiler has no _Float16)."""
 
-    def __init__(self, fingerprint, encode_int8) -> None:
+    def __init__(self, fingerprint, encode_int8, fingerprint_diff=None,
+                 gather_check_f32=None, grow_union=None) -> None:
         self.fingerprint = fingerprint
         self.encode_int8 = encode_int8
+        self.fingerprint_diff = fingerprint_diff
+        self.gather_check_f32 = gather_check_f32
+        self.grow_union = grow_union
 
 _SRC = Path(__file__).with_name("_kernels.c")
-_ABI = 2
+_ABI = 4
 # -ffp-contract=off: no fused multiply-add, so the encode's float32 steps round as torch's.
 _FLAGS = ["-O3", "-shared", "-fPIC", "-std=gnu11", "-ffp-contract=off"]
 _COMPILE_TIMEOUT_S = 300
@@ -131,12 +138,21 @@ def _load(path: Path) -> Kernels:
     fp = lib.cnr_row_fingerprints
     fp.restype = None
     fp.argtypes = [ptr, i64, i64, i64, ptr, ptr, ctypes.c_uint64, ptr]
+    fd = lib.cnr_row_fingerprints_diff
+    fd.restype = i64
+    fd.argtypes = [ptr, i64, i64, i64, ptr, ptr, ctypes.c_uint64, ptr, ptr, i64, ptr]
+    gc = lib.cnr_gather_check_f32
+    gc.restype = None
+    gc.argtypes = [ptr, i64, ptr, i64, i64, ptr, ptr]
+    gu = lib.cnr_grow_union
+    gu.restype = i64
+    gu.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, i64, ptr, ptr]
     enc = None
     if lib.cnr_have_encode_int8():
         enc = lib.cnr_encode_int8
         enc.restype = None
         enc.argtypes = [ptr, i64, i64, i64, ptr, ptr]
-    return Kernels(fp, enc)
+    return Kernels(fp, enc, fd, gc, gu)
 
 
 def _build_and_load() -> None:

@@ -17,9 +17,9 @@ from cnrstore.core.verify import StepProblem, verify_objects
 from cnrstore.errors import InvalidInput, StepNotFound
 from cnrstore.format.load import list_steps, load_step
 from cnrstore.format.manifest import root_name
-from engine import GCReport as EngineGCReport
 from engine import Problem
-from engine import VerifyReport as EngineVerifyReport
+from engine import StoreGCReport as EngineGCReport
+from engine import StoreVerifyReport as EngineVerifyReport
 
 __all__ = ["GCReport", "VerifyReport", "StoreStats"]
 

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from cnrstore.codec.fingerprint import row_fingerprints
+from cnrstore.codec.fpdiff import fingerprints_and_changes
 from cnrstore.codec.quantize import (
     NeedsWideQparams,
     decode_rows,
@@ -109,23 +110,21 @@ def _changed_old_rows(
     name: str, x: torch.Tensor, fp: torch.Tensor, base: TableState, common: int, scheme: str,
     wide: bool,
 ) -> np.ndarray:
-    """Ascending ids of rows < common that differ from the diff base."""
-    if base.fingerprints is not None:
-        mask = fp[:common] != base.fingerprints[:common].to(fp.device)
-    else:  # seeded from stored codes: compare codes row by row
-        if scheme != "exact" and common:
-            bad = first_nonfinite_row(x[:common])
-            if bad is not None:
-                raise NonFiniteValues(name, bad, scheme)
-        codes = encode_checked(name, x[:common], scheme, wide, None)
-        assert base.seed_codes is not None  # a base has fingerprints or seed codes
-        seed = base.seed_codes[:common].to(codes.device)
-        if codes.shape[1]:
-            mask = (codes != seed).any(dim=1)
-        else:
-            mask = torch.zeros(common, dtype=torch.bool, device=fp.device)
-        if scheme != "exact":
-            _keep_restored_rows(mask, x, fp, seed, scheme)
+    """Ascending ids of rows < common that differ from a diff base seeded from stored
+    codes (a base with fingerprints is diffed by fingerprints_and_changes)."""
+    if scheme != "exact" and common:
+        bad = first_nonfinite_row(x[:common])
+        if bad is not None:
+            raise NonFiniteValues(name, bad, scheme)
+    codes = encode_checked(name, x[:common], scheme, wide, None)
+    assert base.seed_codes is not None  # a base has fingerprints or seed codes
+    seed = base.seed_codes[:common].to(codes.device)
+    if codes.shape[1]:
+        mask = (codes != seed).any(dim=1)
+    else:
+        mask = torch.zeros(common, dtype=torch.bool, device=fp.device)
+    if scheme != "exact":
+        _keep_restored_rows(mask, x, fp, seed, scheme)
     return torch.nonzero(mask).flatten().cpu().numpy()
 
 
@@ -220,6 +219,9 @@ def _plan_table(
         fp = None
         fp_future = _fp_pool().submit(row_fingerprints, x)
         changed = np.zeros(0, dtype=np.int64)
+    elif cbase is not None and cbase.fingerprints is not None:
+        # One pass: each row's fingerprint is compared with the base's as it is made.
+        fp, changed = fingerprints_and_changes(x, cbase.fingerprints[:common])
     else:
         fp = row_fingerprints(x)
         changed = (
@@ -243,6 +245,8 @@ def _plan_table(
     writes: list[BlockWrite] = []
     parts: list = []   # rows to encode, ascending: (start, stop) of a full block, or ids
     pos = 0
+    cuts = np.searchsorted(changed, np.arange(nblocks + 1, dtype=np.int64) * block_rows
+                           ).tolist() if len(changed) else None
     for i in range(nblocks):
         start = i * block_rows
         nr = min(start + block_rows, rows) - start
@@ -252,8 +256,8 @@ def _plan_table(
             if k == 0:
                 slots.append(old)
                 continue
-            lo, hi = np.searchsorted(changed, [start, start + block_rows])
-            assert new_fp is not None  # rows changed, so the put has fingerprints
+            assert new_fp is not None and cuts is not None  # rows changed: fingerprints
+            lo, hi = cuts[i], cuts[i + 1]
             slot, local, pbase = next_slot(
                 old, block_key(name, block_offset + i), changed[lo:hi] - start,
                 None if old_fp is None else old_fp[lo:hi], new_fp[lo:hi], rnb, max_chain)

@@ -4,7 +4,7 @@ Two kinds (docs/design/store-engine.md, "Engine options"):
 
 - data options describe bytes already stored: a store opened with another value would
   misread them. They are fixed when the store is created; an open that asks for another
-  value fails with OptionsMismatch. The engine has none today: every record says how it
+  value fails with EngineOptionsMismatch. The engine has none today: every record says how it
   is compressed and every pack how long it is, so nothing about stored bytes depends on
   an option (a change to the record or pack layout is a format_version change instead).
 - tuning options only shape what is written or mapped from now on (``compression_level``
@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from ..errors import OptionsMismatch
+from ..errors import EngineOptionsMismatch
 
 DEFAULTS: dict[str, int] = {
     "compression_level": 3,
@@ -79,7 +79,7 @@ def resolve(asked: Mapping[str, int | None], stored: Mapping[Any, Any] | None, *
     """The options of an open that asked for ``asked`` (None: not given) of a store whose
     index holds ``stored`` (None: a new store, or an index without the map).
 
-    A data option asked for with another value than the stored one raises OptionsMismatch;
+    A data option asked for with another value than the stored one raises EngineOptionsMismatch;
     a tuning option not asked for takes the stored value when it is valid. Stored keys this
     engine does not know are left alone: a newer engine's tuning, since anything that
     changes how stored bytes are read changes format_version."""
@@ -89,7 +89,7 @@ def resolve(asked: Mapping[str, int | None], stored: Mapping[Any, Any] | None, *
         value = asked.get(name)
         old = stored.get(name)
         if name in data_options and value is not None and old is not None and old != value:
-            raise OptionsMismatch(
+            raise EngineOptionsMismatch(
                 f"option {name}={value!r} conflicts with the store's {name}={old!r}, which "
                 "describes data already stored; open it without the option or with the "
                 "stored value", name=name, stored=old, asked=value)

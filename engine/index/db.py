@@ -30,6 +30,7 @@ from .lmdbcheck import (  # noqa: F401
     CORRUPTION,
     DamagedIndex,
     UnknownIndexVersion,
+    UnsafeIndexFile,
     data_file_problem,
 )
 from .meta import (  # noqa: F401 - meta helpers, re-exported for index users
@@ -136,7 +137,9 @@ class Index:
         data = self.path / "data.mdb"
         problem = data_file_problem(data)
         if problem is not None:
-            raise DamagedIndex(f"index {self.path} cannot be trusted: {problem}")
+            # The one walk of an open: freshness.py opens first and asks afterwards.
+            raise UnsafeIndexFile(f"index {self.path} cannot be trusted: {problem}",
+                                  problem=problem)
         if data.exists():
             map_size = max(map_size, data.stat().st_size)
         try:

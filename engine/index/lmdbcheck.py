@@ -32,6 +32,14 @@ class DamagedIndex(FormatError):
     index must be rebuilt from the packs (a writable open does so by itself)."""
 
 
+class UnsafeIndexFile(DamagedIndex):
+    """Plain reads found data.mdb unsafe to map (``problem`` says why): LMDB never saw it."""
+
+    def __init__(self, message: str, *, problem: str) -> None:
+        super().__init__(message)
+        self.problem = problem
+
+
 class UnknownIndexVersion(FormatError):
     """The index claims a format version this code does not read: a newer cnrstore's
     index, or a damaged value. An open rebuilds it from the packs when every pack is of

@@ -24,18 +24,13 @@ from ..format.names import (  # noqa: F401 - pack names, used with the packs
 )
 from ..fs.fileio import fsync_dir, pread_exact
 from ..fs.writeback import Writeback
-from ..storage import LocalStorage, PackStorage
+from .storage import PackStorage, as_storage
 
 
 def record_length(record: bytes | Sequence[bytes | memoryview]) -> int:
     if isinstance(record, (bytes, bytearray, memoryview)):
         return len(record)
     return sum(len(part) for part in record)
-
-
-def as_storage(root: pathlib.Path | PackStorage) -> PackStorage:
-    """``root`` as a PackStorage: a store directory means its local packs."""
-    return root if isinstance(root, PackStorage) else LocalStorage(pathlib.Path(root))
 
 
 class PackFile:
@@ -158,7 +153,7 @@ class PackSet:
                 pf.sync()
         for pf in self.files:
             pf.settle()  # uploads of rolled packs ran while later records were appended
-        for d in {pf.path.parent for pf in self.files}:
+        for d in {pf.path.parent for pf in self.files if pf.path is not None}:
             fsync_dir(d)
 
     def close(self) -> None:
@@ -188,7 +183,7 @@ class PackReaders:
         storage = as_storage(root)
         # Remote packs are read by ranged requests: no descriptors to cache.
         self._remote: PackStorage | None = storage if storage.remote else None
-        self._root = storage.root if isinstance(storage, LocalStorage) else pathlib.Path()
+        self._storage = storage
         self._max = max_open
         self._open: collections.OrderedDict[int, _OpenPack] = collections.OrderedDict()
         self._lock = threading.Lock()
@@ -201,7 +196,9 @@ class PackReaders:
                 self._open.move_to_end(n)
                 entry.users += 1
                 return entry
-        fd = os.open(pack_path(self._root, n), os.O_RDONLY)  # FileNotFoundError propagates
+        path = self._storage.path(n)
+        assert path is not None  # a storage without local files is remote
+        fd = os.open(path, os.O_RDONLY)  # FileNotFoundError propagates
         with self._lock:
             entry = self._open.get(n)
             if entry is None:

@@ -1,9 +1,10 @@
-"""Where pack files live: a local directory (``LocalStorage``), a directory every host
-reaches (``engine.storage.shared``) or an S3 bucket (``engine.storage.s3``, needs the
-optional ``obstore``; imported only when used).
-
-The engine reads and writes packs only through a ``PackStorage``; the LMDB index always
-stays on a local disk (docs/FORMAT.md "Object stores", "Shared directories")."""
+"""Where a store's objects live, as keys and bytes (engine/storage/base.py): a local
+directory (``DirectoryBackend``), a directory every host reaches
+(``engine.storage.shared``), an S3 bucket (``engine.storage.s3``, needs the optional
+``obstore``; imported only when used) or memory (``engine.storage.memory``). Backends know
+nothing of packs, the index or the store: engine/packs/storage.py maps pack numbers to
+keys. The LMDB index always stays on a local disk (docs/FORMAT.md "Object stores",
+"Shared directories")."""
 
 from __future__ import annotations
 
@@ -13,16 +14,17 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..errors import FormatError
-from .base import PackStorage, WritablePack
-from .local import LocalSink, LocalStorage
+from .base import KeyInfo, KeyWriter, ObjectBackend
+from .local import DirectoryBackend, FileWriter
 
-__all__ = ["LocalSink", "LocalStorage", "WritablePack", "PackStorage", "attach"]
+__all__ = ["DirectoryBackend", "FileWriter", "KeyWriter", "ObjectBackend", "KeyInfo",
+           "attach"]
 
 
 def attach(locator: tuple[str, str], *, staging: str | os.PathLike,
-           storage_options: Mapping[str, Any] | None = None) -> PackStorage:
-    """The packs a ``PackStorage.locator()`` names, reached from this process without an
-    index (a rank of a distributed put): packs it writes to a bucket are staged in
+           storage_options: Mapping[str, Any] | None = None) -> ObjectBackend:
+    """The backend an ``ObjectBackend.locator()`` names, reached from this process without
+    an index (a rank of a distributed put): objects it writes to a bucket are staged in
     ``staging`` (an existing directory of this process's own); the client is configured
     from this process's AWS_* environment and ``storage_options``."""
     try:
@@ -30,13 +32,13 @@ def attach(locator: tuple[str, str], *, staging: str | os.PathLike,
     except (TypeError, ValueError):
         raise FormatError(f"malformed storage locator {locator!r}") from None
     if kind == "dir":
-        return LocalStorage(pathlib.Path(where))
+        return DirectoryBackend(pathlib.Path(where))
     if kind == "shared":
-        from .shared import SharedStorage
+        from .shared import SharedBackend
 
-        return SharedStorage(pathlib.Path(where), pathlib.Path(staging))
+        return SharedBackend(pathlib.Path(where))
     if kind == "s3":
         from .s3 import attach_bucket
 
         return attach_bucket(where, pathlib.Path(staging), storage_options)[0]
-    raise FormatError(f"unknown kind of pack storage {kind!r}")
+    raise FormatError(f"unknown kind of storage {kind!r}")

@@ -1,10 +1,12 @@
-"""The pack-storage interface (docs/FORMAT.md "Pack files", "Object stores").
+"""The storage-backend protocol: keys and bytes, nothing of packs, the index or the store
+(docs/FORMAT.md "Object stores"; engine/packs/storage.py maps pack numbers to keys).
 
-Packs are immutable once sealed: a ``WritablePack`` writes one (append, then ``finish`` makes
-it durable where it lives: fsync for a directory, an upload for a bucket), and the
-``PackStorage`` reads byte ranges of finished packs back, lists and deletes them. Errors
-are OSError (FileNotFoundError for a pack that is not there, FileExistsError for a pack
-number that is taken) so the engine's callers translate them as before.
+A key is a ``/``-separated relative path (``packs/01/00000300.pack``, ``commits/...``).
+A backend gets, ranged-gets, puts, puts-if-absent, lists by prefix (with sizes) and
+deletes objects, and streams one large object in through a ``KeyWriter`` (a multi-GB pack
+never sits in memory). Errors are OSError: FileNotFoundError for a key that is not there,
+FileExistsError for a put-if-absent (or a writer, on a backend that refuses it) whose key
+is taken; callers translate them.
 """
 
 from __future__ import annotations
@@ -12,14 +14,26 @@ from __future__ import annotations
 import abc
 import pathlib
 from collections.abc import Sequence
+from typing import NamedTuple
 
-from ..format import trailer
+from ..errors import FormatError
 
 
-class WritablePack(abc.ABC):
-    """One pack being written. ``path`` is the local file that holds its bytes meanwhile."""
+class KeyInfo(NamedTuple):
+    """One listed object: its key, its size in bytes, when it was last written (Unix
+    time) and the bytes it occupies where it is stored (allocated blocks of a file)."""
 
-    path: pathlib.Path
+    key: str
+    size: int
+    modified: float
+    stored: int
+
+
+class KeyWriter(abc.ABC):
+    """One object being streamed in, appended to and then made durable (``finish``).
+    ``path`` is the local file that holds its bytes meanwhile (None: in memory)."""
+
+    path: pathlib.Path | None
 
     @abc.abstractmethod
     def write(self, data: bytes | bytearray | memoryview) -> None: ...
@@ -30,11 +44,12 @@ class WritablePack(abc.ABC):
 
     @abc.abstractmethod
     def finish(self) -> None:
-        """Make the written bytes durable where the pack lives (after its trailer)."""
+        """Make the written bytes durable under the key (fsync of a file; a bucket starts
+        its upload)."""
 
     def settle(self) -> None:
         """Wait until ``finish`` took effect (a bucket uploads in the background); raise
-        what it failed with. Local files are durable when ``finish`` returns."""
+        what it failed with. A file is durable when ``finish`` returns."""
         return None
 
     @property
@@ -43,63 +58,79 @@ class WritablePack(abc.ABC):
 
     @abc.abstractmethod
     def close(self) -> None:
-        """Release the local file (a finished pack stays readable through the storage)."""
+        """Release the local file (a finished object stays readable by its key)."""
 
     @abc.abstractmethod
     def discard(self) -> None:
-        """Delete the pack wherever it got to (abort, failed commit)."""
+        """Delete the object wherever it got to (abort, failed commit)."""
 
 
-class PackStorage(abc.ABC):
-    """The packs of one store."""
+class ObjectBackend(abc.ABC):
+    """Where the objects of one store live."""
 
-    #: True when packs live elsewhere than the index (ranged reads, no descriptors).
+    #: True when objects are reached by requests (ranged gets), not as local files.
     remote: bool = False
+    #: True when writers on other hosts write here too (numbers are claimed by key).
+    shared: bool = False
 
     @abc.abstractmethod
-    def create(self, n: int, *, meta: bool) -> WritablePack:
-        """A sink for pack ``n``; FileExistsError when that number is taken."""
+    def get(self, key: str, *, limit: int | None = None) -> bytes:
+        """The object ``key``; with ``limit``, at most ``limit + 1`` of its bytes (the
+        caller refuses more: a sparse file may claim any size)."""
 
     @abc.abstractmethod
-    def read(self, n: int, offset: int, length: int) -> bytes:
-        """``length`` bytes of pack ``n`` from ``offset`` (fewer only at its end)."""
+    def get_range(self, key: str, offset: int, length: int) -> bytes:
+        """``length`` bytes of ``key`` from ``offset`` (fewer only at its end)."""
 
     @abc.abstractmethod
-    def read_all(self, n: int) -> bytes: ...
+    def head(self, key: str) -> KeyInfo: ...
 
     @abc.abstractmethod
-    def size(self, n: int) -> int:
-        """Bytes of pack ``n``; FileNotFoundError when it is not there."""
+    def put(self, key: str, data: bytes) -> None:
+        """Write ``key`` durably and atomically (a reader sees the old or the new bytes)."""
 
     @abc.abstractmethod
-    def read_trailer(self, n: int) -> list[trailer.TrailerEntry]:
-        """Entries of sealed pack ``n`` (CorruptObject without a valid trailer)."""
+    def put_if_absent(self, key: str, data: bytes) -> None:
+        """Create ``key`` durably and atomically, only if absent; FileExistsError if not."""
 
     @abc.abstractmethod
-    def sizes(self) -> dict[int, int]:
-        """Every pack there is (indexed or not) and its size in bytes as stored."""
+    def list(self, prefix: str, *, after: str | None = None) -> list[KeyInfo]:
+        """Every object whose key starts with ``prefix`` (and sorts after ``after``), in
+        key order."""
 
     @abc.abstractmethod
-    def delete(self, n: int) -> bool:
-        """Delete pack ``n``; False when it was not there."""
+    def delete(self, key: str) -> bool:
+        """Delete ``key`` durably; False when it was not there (a bucket cannot tell:
+        True)."""
 
-    def modified(self, n: int) -> float:
-        """Unix time pack ``n`` was last written (gc's grace period counts from it)."""
-        raise NotImplementedError
+    @abc.abstractmethod
+    def open_writer(self, key: str) -> KeyWriter:
+        """Stream a new object ``key`` in."""
 
-    def sync_packs(self, ns: Sequence[int]) -> None:
-        """Make finished packs ``ns`` durable once more before a commit names them (a
-        directory: fsync them and their directories; a bucket holds what it acknowledged)."""
+    def sync(self, keys: Sequence[str]) -> None:
+        """Make finished objects ``keys`` durable once more (a directory: fsync them and
+        their directories; a bucket holds what it acknowledged)."""
+        return None
+
+    def local_path(self, key: str) -> pathlib.Path | None:
+        """The local file that holds ``key`` (None: reach it by requests)."""
         return None
 
     def locator(self) -> tuple[str, str]:
         """(kind, where): what another process passes to ``engine.storage.attach`` to reach
-        these packs (a rank of a distributed put; clients are never pickled)."""
+        this backend (clients are never pickled)."""
         raise NotImplementedError
 
     def close(self) -> None:
-        """Release what the storage holds (background upload threads)."""
+        """Release what the backend holds (background upload threads)."""
         return None
 
     def describe(self) -> str:
         return type(self).__name__
+
+
+def check_key(key: str) -> str:
+    """``key`` if it is a relative ``/`` path without ``..`` (no file outside the root)."""
+    if not key or key.startswith("/") or ".." in key.split("/") or "\\" in key:
+        raise FormatError(f"bad object key {key!r}")
+    return key

@@ -1,25 +1,26 @@
-"""Packs as files under ``<store>/packs/XX/NNNNNNNN.pack`` (docs/FORMAT.md "Directory
-tree"): exactly the bytes and the fsync discipline the engine always had."""
+"""Objects as files under a directory (docs/FORMAT.md "Directory tree"): the key is the
+path below the root, with exactly the bytes and the fsync discipline the engine always
+had (a pack file ``packs/XX/NNNNNNNN.pack`` is written in place, O_EXCL, fsync'ed)."""
 
 from __future__ import annotations
 
 import os
 import pathlib
+import uuid
 from collections.abc import Sequence
 
-from ..format import trailer
-from ..format.names import list_pack_files, pack_name, pack_path
-from ..format.trailer import read_trailer
-from ..fs.fileio import allocated_bytes, fsync_dir, makedirs_durable, write_all, writev_all
+from ..fs.fileio import fsync_dir, makedirs_durable, write_all, writev_all
 from ..fs.writeback import start_writeback
-from .base import PackStorage, WritablePack
+from .base import KeyInfo, KeyWriter, ObjectBackend, check_key
 
 
-class LocalSink(WritablePack):
+class FileWriter(KeyWriter):
+    """An object streamed into the file ``path``, created O_EXCL: a key is never written
+    twice while a file of that name exists."""
+
     def __init__(self, path: pathlib.Path) -> None:
-        self.path = path
+        self.path = self.file = path
         makedirs_durable(path.parent)
-        # O_EXCL: a number is never reused while a file of that name exists.
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
@@ -48,43 +49,97 @@ class LocalSink(WritablePack):
     def discard(self) -> None:
         self.close()
         try:
-            os.unlink(self.path)
+            os.unlink(self.file)
         except FileNotFoundError:
             pass
 
 
-class LocalStorage(PackStorage):
-    """The packs of the store directory ``root``."""
+class DirectoryBackend(ObjectBackend):
+    """The objects under the directory ``root`` (a store directory: its ``packs/``)."""
 
     def __init__(self, root: pathlib.Path) -> None:
         self.root = pathlib.Path(root)
 
-    def path(self, n: int) -> pathlib.Path:
-        return pack_path(self.root, n)
+    def file(self, key: str) -> pathlib.Path:
+        return self.root / check_key(key)
 
-    def create(self, n: int, *, meta: bool) -> WritablePack:
-        return LocalSink(self.path(n))
+    def get(self, key: str, *, limit: int | None = None) -> bytes:
+        with open(self.file(key), "rb") as f:
+            if limit is None:
+                return f.read()
+            # read(n) allocates n bytes up front: ask for no more than the file holds.
+            return f.read(min(os.fstat(f.fileno()).st_size, limit) + 1)
 
-    def read(self, n: int, offset: int, length: int) -> bytes:
-        with open(self.path(n), "rb") as f:
+    def get_range(self, key: str, offset: int, length: int) -> bytes:
+        with open(self.file(key), "rb") as f:
             f.seek(offset)
             return f.read(length)
 
-    def read_all(self, n: int) -> bytes:
-        return self.path(n).read_bytes()
+    def head(self, key: str) -> KeyInfo:
+        path = self.file(key)
+        st = os.stat(path)
+        return KeyInfo(key, st.st_size, st.st_mtime, st.st_blocks * 512)
 
-    def size(self, n: int) -> int:
-        return os.stat(self.path(n)).st_size
+    def _publish(self, key: str, data: bytes, *, replace: bool) -> None:
+        # Written whole to a temp file and fsync'ed first: a crash leaves the old object
+        # or the new one, plus at worst a dot-file that no listing reads.
+        path = self.file(key)
+        makedirs_durable(path.parent)
+        tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            try:
+                write_all(fd, data)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            if replace:
+                os.replace(tmp, path)
+            else:
+                try:
+                    # link is atomic and refuses an existing name (NFS and Lustre too).
+                    os.link(tmp, path)
+                except FileExistsError:
+                    raise FileExistsError(f"{key} already exists in {self.describe()}"
+                                          ) from None
+        finally:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+        fsync_dir(path.parent)
 
-    def read_trailer(self, n: int) -> list[trailer.TrailerEntry]:
-        return read_trailer(self.path(n), name=pack_name(n))
+    def put(self, key: str, data: bytes) -> None:
+        self._publish(key, data, replace=True)
 
-    def sizes(self) -> dict[int, int]:
-        """Allocated bytes (``st_blocks``), what a directory store reports as stored."""
-        return {n: allocated_bytes(p) for n, p in list_pack_files(self.root).items()}
+    def put_if_absent(self, key: str, data: bytes) -> None:
+        self._publish(key, data, replace=False)
 
-    def delete(self, n: int) -> bool:
-        path = self.path(n)
+    def list(self, prefix: str, *, after: str | None = None) -> list[KeyInfo]:
+        """Files whose key starts with ``prefix`` (dot-files of an unfinished put are not
+        objects), in key order; a file deleted meanwhile is skipped."""
+        head, _, _ = prefix.rpartition("/")
+        base = self.root / check_key(head) if head else self.root
+        out = []
+        for dirpath, subdirs, names in os.walk(base):
+            subdirs[:] = sorted(d for d in subdirs if not d.startswith("."))
+            rel = pathlib.Path(dirpath).relative_to(self.root).as_posix()
+            for name in names:
+                if name.startswith("."):
+                    continue
+                key = name if rel == "." else f"{rel}/{name}"
+                if not key.startswith(prefix) or (after is not None and key <= after):
+                    continue
+                path = os.path.join(dirpath, name)
+                try:
+                    st = os.stat(path)
+                except FileNotFoundError:
+                    continue
+                out.append(KeyInfo(key, st.st_size, st.st_mtime, st.st_blocks * 512))
+        return sorted(out)
+
+    def delete(self, key: str) -> bool:
+        path = self.file(key)
         try:
             path.unlink()
         except FileNotFoundError:
@@ -92,13 +147,14 @@ class LocalStorage(PackStorage):
         fsync_dir(path.parent)
         return True
 
-    def modified(self, n: int) -> float:
-        return os.stat(self.path(n)).st_mtime
+    def open_writer(self, key: str) -> KeyWriter:
+        """FileExistsError when ``key`` is there already."""
+        return FileWriter(self.file(key))
 
-    def sync_packs(self, ns: Sequence[int]) -> None:
+    def sync(self, keys: Sequence[str]) -> None:
         dirs = set()
-        for n in ns:
-            path = self.path(n)
+        for key in keys:
+            path = self.file(key)
             fd = os.open(path, os.O_RDONLY)
             try:
                 os.fsync(fd)
@@ -107,6 +163,9 @@ class LocalStorage(PackStorage):
             dirs.add(path.parent)
         for d in dirs:
             fsync_dir(d)
+
+    def local_path(self, key: str) -> pathlib.Path:
+        return self.file(key)
 
     def locator(self) -> tuple[str, str]:
         return ("dir", os.fspath(self.root))

@@ -1,4 +1,4 @@
-"""Packs in an S3 bucket through obstore (docs/FORMAT.md "Object stores").
+"""Objects in an S3 bucket through obstore (docs/FORMAT.md "Object stores").
 
 Layout under ``s3://bucket/prefix/``::
 
@@ -8,14 +8,13 @@ Layout under ``s3://bucket/prefix/``::
     commits/SSSSSSSSSSSSSSSSSSSS  one msgpack document per commit, created create-only
                              (engine/store/commit/bucket.py)
 
-A pack is staged in a local file while its writer appends to it and uploaded when it is
-sealed: multipart in ``chunk_size`` parts, at most ``max_concurrency`` in flight. Reads are
-ranged GETs of single records; trailers of recently read packs are cached.
+A large object (a pack) is staged in a local file while its writer appends to it and
+uploaded when it is finished: multipart in ``chunk_size`` parts, at most
+``max_concurrency`` in flight. Reads are ranged GETs.
 """
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures
 import ipaddress
 import os
@@ -24,15 +23,13 @@ import re
 import threading
 import urllib.parse
 from collections.abc import Mapping
-from datetime import datetime, timedelta
+from datetime import timedelta
 from typing import Any
 
 from ..errors import FormatError
-from ..format import trailer
-from ..format.names import pack_name
 from ..fs import crashpoints
-from .base import PackStorage, WritablePack
-from .local import LocalSink
+from .base import KeyInfo, KeyWriter, ObjectBackend, check_key
+from .local import FileWriter
 
 try:
     import obstore
@@ -47,7 +44,6 @@ TUNING = {"chunk_size": 8 << 20, "max_concurrency": 8, "gc_grace_s": 21600.0,
 _ENV = {"endpoint": "AWS_ENDPOINT_URL", "access_key_id": "AWS_ACCESS_KEY_ID",
         "secret_access_key": "AWS_SECRET_ACCESS_KEY", "region": "AWS_REGION",
         "session_token": "AWS_SESSION_TOKEN", "allow_http": "AWS_ALLOW_HTTP"}
-_TRAILERS = 64
 _UPLOADS = 2  # packs uploading at once (each with max_concurrency parts in flight)
 
 
@@ -137,8 +133,12 @@ def _io(what: str, exc: Exception, url: str | None = None) -> OSError:
     return RemoteError(f"{what}: {exc}".splitlines()[0])
 
 
-class S3Storage(PackStorage):
+class S3Backend(ObjectBackend):
+    """The objects under ``s3://bucket/prefix/``; large ones are staged in ``staging``
+    and uploaded in the background (``open_writer``)."""
+
     remote = True
+    shared = True
 
     def __init__(self, store: Any, staging: pathlib.Path, *, url: str,
                  chunk_size: int = 8 << 20, max_concurrency: int = 8) -> None:
@@ -147,75 +147,102 @@ class S3Storage(PackStorage):
         self.staging = staging
         self.chunk_size = int(chunk_size)
         self.max_concurrency = int(max_concurrency)
-        self._trailers: collections.OrderedDict[int, list[trailer.TrailerEntry]] = (
-            collections.OrderedDict())
         self._lock = threading.Lock()
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._pending: list[concurrent.futures.Future[None]] = []
 
-    @staticmethod
-    def key(n: int) -> str:
-        return f"packs/{pack_name(n)}"
-
-    # -- plain objects (claims, commits) --------------------------------------------------
     def get(self, key: str, *, limit: int | None = None) -> bytes:
         """The object ``key``; FileNotFoundError when there is none. ``limit`` is checked
         by the caller against the listed size (a bucket has no sparse objects)."""
         try:
-            return bytes(obstore.get(self.store, key).bytes())
+            return bytes(obstore.get(self.store, check_key(key)).bytes())
         except FileNotFoundError:
             raise
         except (BaseError, OSError) as exc:
             raise _io(f"GET {key}", exc) from exc
 
-    def put_create(self, key: str, data: bytes) -> None:
+    def get_range(self, key: str, offset: int, length: int) -> bytes:
+        if length <= 0:
+            return b""
+        try:
+            return bytes(obstore.get_range(self.store, check_key(key), start=offset,
+                                           length=length))
+        except FileNotFoundError:
+            raise
+        except (BaseError, OSError) as exc:
+            text = str(exc)
+            if "416" in text or "Range Not Satisfiable" in text or "InvalidRange" in text:
+                return b""  # from its end or past it: no bytes, as a file reads
+            raise _io(f"GET {key} bytes {offset}+{length}", exc) from exc
+
+    def head(self, key: str) -> KeyInfo:
+        try:
+            meta = obstore.head(self.store, check_key(key))
+        except FileNotFoundError:
+            raise
+        except (BaseError, OSError) as exc:
+            raise _io(f"HEAD {key}", exc) from exc
+        size = int(meta["size"])
+        return KeyInfo(key, size, meta["last_modified"].timestamp(), size)
+
+    def put(self, key: str, data: bytes) -> None:
+        try:
+            obstore.put(self.store, check_key(key), data)
+        except (BaseError, OSError) as exc:
+            raise _io(f"PUT {key}", exc) from exc
+
+    def put_if_absent(self, key: str, data: bytes) -> None:
         """Create ``key`` only if absent (If-None-Match: *); FileExistsError otherwise."""
         try:
-            obstore.put(self.store, key, data, mode="create")
+            obstore.put(self.store, check_key(key), data, mode="create")
         except (AlreadyExistsError, PreconditionError) as exc:
             raise FileExistsError(f"{key} already exists in {self.url}") from exc
         except (BaseError, OSError) as exc:
             raise _io(f"PUT {key}", exc) from exc
 
-    def listing(self, prefix: str, *, after: str | None = None) -> list[tuple[str, int, datetime]]:
-        """(key, size, last modified) of every object under ``prefix``, in key order."""
-        out: list[tuple[str, int, datetime]] = []
+    def list(self, prefix: str, *, after: str | None = None) -> list[KeyInfo]:
+        out: list[KeyInfo] = []
+        # obstore lists whole path segments: a prefix that ends inside one ("commits/0")
+        # is listed from its segment and filtered here.
+        segment = prefix if prefix.endswith("/") else prefix.rpartition("/")[0]
         try:
             kw = {"offset": after} if after is not None else {}
-            for batch in obstore.list(self.store, prefix, chunk_size=1000, **kw):
-                out.extend((m["path"], m["size"], m["last_modified"]) for m in batch)
+            for batch in obstore.list(self.store, segment or None, chunk_size=1000, **kw):
+                out.extend(KeyInfo(m["path"], m["size"], m["last_modified"].timestamp(),
+                                      m["size"]) for m in batch)
         except (BaseError, OSError) as exc:
             raise _io(f"LIST {prefix}", exc, self.url) from exc
-        return sorted(out)
+        return sorted(o for o in out if o.key.startswith(prefix))
 
-    def delete_key(self, key: str) -> None:
+    def delete(self, key: str) -> bool:
         try:
-            obstore.delete(self.store, key)
+            obstore.delete(self.store, check_key(key))
         except FileNotFoundError:
             pass
         except (BaseError, OSError) as exc:
             raise _io(f"DELETE {key}", exc) from exc
+        return True
 
-    # -- packs ----------------------------------------------------------------------------
-    def create(self, n: int, *, meta: bool) -> WritablePack:
-        return S3Sink(self, n)
+    def open_writer(self, key: str) -> KeyWriter:
+        return StagedUpload(self, key)
 
-    def upload(self, n: int, path: pathlib.Path) -> None:
+    def upload(self, key: str, path: pathlib.Path) -> None:
         size = path.stat().st_size
         try:
-            obstore.put(self.store, self.key(n), path, use_multipart=size > self.chunk_size,
+            obstore.put(self.store, key, path, use_multipart=size > self.chunk_size,
                         chunk_size=self.chunk_size, max_concurrency=self.max_concurrency)
         except (BaseError, OSError) as exc:
-            raise _io(f"upload of {self.key(n)}", exc) from exc
+            raise _io(f"upload of {key}", exc) from exc
         crashpoints.hit("s3.after_upload")
         try:
             path.unlink()  # the bucket holds it now
         except FileNotFoundError:
             pass
 
-    def upload_later(self, n: int, path: pathlib.Path) -> concurrent.futures.Future[None]:
-        """Upload sealed pack ``n`` in the background; at most ``_UPLOADS`` packs at once
-        and as many waiting (so staged packs never pile up on the cache's disk)."""
+    def upload_later(self, key: str, path: pathlib.Path) -> concurrent.futures.Future[None]:
+        """Upload the staged file ``path`` as ``key`` in the background; at most
+        ``_UPLOADS`` at once and as many waiting (so staged files never pile up on the
+        cache's disk)."""
         with self._lock:
             if self._pool is None:
                 self._pool = concurrent.futures.ThreadPoolExecutor(
@@ -224,7 +251,7 @@ class S3Storage(PackStorage):
             waiting = list(self._pending)
         if len(waiting) >= 2 * _UPLOADS:
             concurrent.futures.wait(waiting[: len(waiting) - 2 * _UPLOADS + 1])
-        future = self._pool.submit(self.upload, n, path)
+        future = self._pool.submit(self.upload, key, path)
         with self._lock:
             self._pending.append(future)
         return future
@@ -235,97 +262,35 @@ class S3Storage(PackStorage):
         if pool is not None:
             pool.shutdown(wait=True)
 
-    def read(self, n: int, offset: int, length: int) -> bytes:
-        if length <= 0:
-            return b""
-        try:
-            return bytes(obstore.get_range(self.store, self.key(n), start=offset,
-                                           length=length))
-        except FileNotFoundError:
-            raise
-        except (BaseError, OSError) as exc:
-            raise _io(f"GET {self.key(n)} bytes {offset}+{length}", exc) from exc
-
-    def read_all(self, n: int) -> bytes:
-        return self.get(self.key(n))
-
-    def size(self, n: int) -> int:
-        try:
-            return int(obstore.head(self.store, self.key(n))["size"])
-        except FileNotFoundError:
-            raise
-        except (BaseError, OSError) as exc:
-            raise _io(f"HEAD {self.key(n)}", exc) from exc
-
-    def read_trailer(self, n: int) -> list[trailer.TrailerEntry]:
-        with self._lock:
-            cached = self._trailers.get(n)
-            if cached is not None:
-                self._trailers.move_to_end(n)
-                return cached
-        entries = trailer.read_trailer_of(self.size(n), lambda off, ln: self.read(n, off, ln),
-                                          name=pack_name(n))
-        with self._lock:
-            self._trailers[n] = entries
-            while len(self._trailers) > _TRAILERS:
-                self._trailers.popitem(last=False)
-        return entries
-
-    def pack_listing(self) -> dict[int, tuple[int, datetime]]:
-        """Every pack object: number -> (size, last modified)."""
-        out = {}
-        for key, size, mtime in self.listing("packs/"):
-            name = key.rsplit("/", 1)[-1]
-            if len(name) == 13 and name.endswith(".pack") and name[:8].isdigit():
-                out[int(name[:8])] = (size, mtime)
-        return out
-
-    def sizes(self) -> dict[int, int]:
-        return {n: size for n, (size, _) in self.pack_listing().items()}
-
-    def modified(self, n: int) -> float:
-        try:
-            return obstore.head(self.store, self.key(n))["last_modified"].timestamp()
-        except FileNotFoundError:
-            raise
-        except (BaseError, OSError) as exc:
-            raise _io(f"HEAD {self.key(n)}", exc) from exc
-
     def locator(self) -> tuple[str, str]:
         return ("s3", self.url)
-
-    def delete(self, n: int) -> bool:
-        with self._lock:
-            self._trailers.pop(n, None)
-        self.delete_key(self.key(n))
-        return True
 
     def describe(self) -> str:
         return self.url
 
 
-class S3Sink(LocalSink):
-    """A pack staged in ``<cache>/staging`` and uploaded once sealed, in the background
-    (``settle`` waits), so a writer encodes its next pack while this one uploads. Its
-    number is claimed in the bucket first (create-only), so no other writer, on any
-    cache, can write a pack of that number."""
+class StagedUpload(FileWriter):
+    """An object staged in ``<staging>/<last part of its key>`` and uploaded once
+    finished, in the background (``settle`` waits), so a writer encodes its next pack
+    while this one uploads. The key is the caller's to keep unique (a claim by
+    put-if-absent): a staged file of that name is a leftover of this cache's own crash."""
 
-    def __init__(self, storage: S3Storage, n: int) -> None:
-        storage.put_create(f"claims/{n:08d}", b"")  # FileExistsError: pick another number
-        path = storage.staging / f"{n:08d}.pack"
+    def __init__(self, backend: S3Backend, key: str) -> None:
+        path = backend.staging / check_key(key).rsplit("/", 1)[-1]
         try:
-            path.unlink()  # a leftover of this process's own crash: the claim is ours now
+            path.unlink()
         except FileNotFoundError:
             pass
         super().__init__(path)
-        self._storage = storage
-        self._n = n
+        self.staged = path
+        self._backend = backend
+        self._key = key
         self._upload: concurrent.futures.Future[None] | None = None
 
     def finish(self) -> None:
         if self._upload is None:
             # From here a discard must delete the object too.
-            self._upload = self._storage.upload_later(self._n, self.path)
+            self._upload = self._backend.upload_later(self._key, self.staged)
 
     def settle(self) -> None:
         if self._upload is not None:
@@ -337,19 +302,19 @@ class S3Sink(LocalSink):
         super().discard()
         if self._upload is not None:
             try:
-                self._storage.delete(self._n)
+                self._backend.delete(self._key)
             except OSError:
                 pass  # never committed: gc deletes it once it is gc_grace_s old
 
 
 def attach_bucket(url: str, staging: pathlib.Path,
-                  storage_options: Mapping[str, Any] | None = None) -> tuple[S3Storage, dict]:
-    """The bucket at ``url`` as a PackStorage staging packs in the existing directory
+                  storage_options: Mapping[str, Any] | None = None) -> tuple[S3Backend, dict]:
+    """The bucket at ``url`` as a backend staging uploads in the existing directory
     ``staging``, and the tuning options; configuration as for ``open_bucket``."""
     bucket, prefix = parse_url(url)
     config, tuning = resolve_options(storage_options)
     store = make_store(bucket, prefix, config, tuning)
-    storage = S3Storage(store, staging, url=f"s3://{bucket}/{prefix}".rstrip("/"),
+    storage = S3Backend(store, staging, url=f"s3://{bucket}/{prefix}".rstrip("/"),
                         chunk_size=tuning["chunk_size"],
                         max_concurrency=tuning["max_concurrency"])
     return storage, tuning

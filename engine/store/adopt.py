@@ -34,14 +34,13 @@ from ..fs.fileio import store_error
 from ..index import db as ix
 from ..index.commits import pack_doc
 from ..packs.pack import pack_name
-from ..storage import LocalStorage
 
 _REMOTE_READS = 16  # ranged GETs of record headers in flight at once
 _BATCH_BYTES = 1 << 20  # one GET covers the headers of small records within 1 MiB,
 _GAP_BYTES = 64 << 10   # skipping at most this much payload between two of them
 
 if TYPE_CHECKING:
-    from .core import StoreCore
+    from .core import PackStoreState
 
 
 @dataclass
@@ -58,7 +57,7 @@ class _Pack:
 class Adoption:
     """The records one writer adopts; not thread-safe (the writer serializes calls)."""
 
-    def __init__(self, core: StoreCore) -> None:
+    def __init__(self, core: PackStoreState) -> None:
         self._core = core
         self.locs: dict[bytes, RecordLocation] = {}
         self.packs: dict[int, _Pack] = {}
@@ -166,8 +165,9 @@ class Adoption:
                                     f"pack's header says meta={info.meta}", oid=loc.oid,
                                     pack=name, offset=loc.offset)
         try:
-            if isinstance(storage, LocalStorage):
-                fd = os.open(storage.path(n), os.O_RDONLY)
+            path = storage.path(n)
+            if path is not None:
+                fd = os.open(path, os.O_RDONLY)
                 try:
                     for loc in group:
                         _check_header(name, loc, os.pread(fd, _header_size(loc), loc.offset))

@@ -1,4 +1,4 @@
-"""The coordinator's side of a distributed put, on an open store's ``StoreCore``
+"""The coordinator's side of a distributed put, on an open store's ``PackStoreState``
 (docs/FORMAT.md "Distributed commit"): reserve pack numbers for the ranks, tell them
 which objects the store lacks, and where the objects they must read lie.
 ``PackStore.reserve_packs`` / ``locate`` / ``locate_closure`` / ``missing`` call these.
@@ -17,12 +17,12 @@ from .lease import Leases
 from .walk import Via, walk
 
 if TYPE_CHECKING:
-    from .core import StoreCore
+    from .core import PackStoreState
 
 MAX_RESERVE = 1 << 20
 
 
-def reserve(core: StoreCore, leases: Leases, n: int) -> range:
+def reserve(core: PackStoreState, leases: Leases, n: int) -> range:
     """With the writer lock held: lease and durably reserve ``n`` pack numbers.
 
     The range starts above ``next_pack`` and above every pack file on disk (a dead
@@ -65,7 +65,7 @@ def _ids(oids: Iterable[bytes]) -> list[bytes]:
     return out
 
 
-def locate(core: StoreCore, oids: Iterable[bytes]) -> dict[bytes, RecordLocation]:
+def locate(core: PackStoreState, oids: Iterable[bytes]) -> dict[bytes, RecordLocation]:
     """Locations of those ``oids`` the index holds (one read transaction)."""
     wanted = _ids(oids)
     index = core.index
@@ -81,7 +81,7 @@ def locate(core: StoreCore, oids: Iterable[bytes]) -> dict[bytes, RecordLocation
     return index.read(read)
 
 
-def locate_closure(core: StoreCore, oids: Iterable[bytes]) -> dict[bytes, RecordLocation]:
+def locate_closure(core: PackStoreState, oids: Iterable[bytes]) -> dict[bytes, RecordLocation]:
     """Locations of ``oids`` and of everything they reach by refs (one read transaction):
     what a rank needs to read a block and its patch chain, or a manifest subtree. Ids
     the index lacks are absent (reading them then raises ObjectNotFound); an entry that
@@ -106,7 +106,7 @@ def locate_closure(core: StoreCore, oids: Iterable[bytes]) -> dict[bytes, Record
     return index.read(read)
 
 
-def missing(core: StoreCore, oids: Iterable[bytes]) -> set[bytes]:
+def missing(core: PackStoreState, oids: Iterable[bytes]) -> set[bytes]:
     """Those ``oids`` the index does not hold (one read transaction)."""
     wanted = _ids(oids)
     index = core.index

@@ -1,4 +1,4 @@
-"""``StoreCore``: what the maintenance and write phases of a ``PackStore`` work on.
+"""``PackStoreState``: what the maintenance and write phases of a ``PackStore`` work on.
 
 The store owns one and hands it to freshness, writer, gc, verify and repair, so none of
 them reaches into the store's private fields: the seam is this typed object (path,
@@ -28,7 +28,7 @@ from ..fs.fileio import store_error
 from ..fs.lock import WriterLock
 from ..index import db as ix
 from ..packs.pack import PackReaders, pack_name
-from ..storage import LocalStorage, PackStorage
+from ..packs.storage import PackStorage, as_storage
 
 
 class CommitLog(Protocol):
@@ -42,23 +42,23 @@ class CommitLog(Protocol):
     publishes: bool
     url: str
 
-    def attach(self, core: StoreCore, *, create: bool) -> RepairReport | None: ...
-    def seq(self, core: StoreCore) -> int: ...
-    def catch_up(self, core: StoreCore) -> int: ...
-    def refresh(self, core: StoreCore) -> None: ...
-    def rebuild(self, core: StoreCore) -> RepairReport: ...
-    def publish(self, core: StoreCore, base: int, doc: Callable[[], CommitDoc]) -> int | None:
+    def attach(self, core: PackStoreState, *, create: bool) -> RepairReport | None: ...
+    def seq(self, core: PackStoreState) -> int: ...
+    def catch_up(self, core: PackStoreState) -> int: ...
+    def refresh(self, core: PackStoreState) -> None: ...
+    def rebuild(self, core: PackStoreState) -> RepairReport: ...
+    def publish(self, core: PackStoreState, base: int, doc: Callable[[], CommitDoc]) -> int | None:
         ...
     def check_age(self, started: float) -> None: ...
-    def begin_gc(self, core: StoreCore) -> None: ...
-    def settle_gc(self, core: StoreCore, seq: int | None) -> None: ...
-    def delete_unlisted(self, core: StoreCore, live_packs: set[int]) -> int: ...
+    def begin_gc(self, core: PackStoreState) -> None: ...
+    def settle_gc(self, core: PackStoreState, seq: int | None) -> None: ...
+    def delete_unlisted(self, core: PackStoreState, live_packs: set[int]) -> int: ...
 
 
 _READ_RETRIES = 4
 
 
-class StoreCore:
+class PackStoreState:
     """One open store's state. ``index`` and ``readers`` exist once ``attach`` ran (the
     index is opened, checked and maybe rebuilt by engine/store/freshness.py)."""
 
@@ -67,7 +67,7 @@ class StoreCore:
                  log: CommitLog) -> None:
         self.path = path
         # Where the packs live; ``path`` always holds the index and the lock (local disk).
-        self.storage = storage if storage is not None else LocalStorage(path)
+        self.storage = storage if storage is not None else as_storage(path)
         # Where commits are published: the index itself, or a bucket it caches.
         self.log = log
         self.options = options
@@ -232,7 +232,7 @@ def advise(readers: PackReaders, locs: Iterable[RecordLocation],
 
 def read_raw_into(readers: PackReaders, oid: bytes, entry: ix.ObjectEntry | RecordLocation,
                   kind: int, prefix: int, out: memoryview, *, id_check: bool) -> bytes | None:
-    """The direct read of ``StoreCore.read_into`` at ``entry`` (also a rank's, reading by
+    """The direct read of ``PackStoreState.read_into`` at ``entry`` (also a rank's, reading by
     location: engine/located.py): the record's first ``prefix`` payload bytes, the rest
     in ``out``, checked; None (``out`` untouched) when the record is not stored raw, is of
     another kind or size, or its pack is remote. FileNotFoundError when the pack is gone."""

@@ -32,7 +32,7 @@ from ..packs.pack import list_pack_files, pack_name, pack_numbers, read_trailer
 from .repair import rebuild
 
 if TYPE_CHECKING:
-    from .core import StoreCore
+    from .core import PackStoreState
 
 
 def settle_index_swap(p: pathlib.Path) -> None:
@@ -53,7 +53,7 @@ def settle_index_swap(p: pathlib.Path) -> None:
 _CATCH_UP_WAIT_S = 60.0  # how long an opener waits for the writer lock to rebuild
 
 
-def open_index(store: StoreCore) -> RepairReport | None:
+def open_index(store: PackStoreState) -> RepairReport | None:
     """Open ``store``'s index, rebuilding it from the packs (under the writer lock) when it
     is missing, damaged (never handed to LMDB: a truncated map kills with SIGBUS) or
     behind its packs. Read-only handles refuse such an index (StaleIndex) instead.
@@ -87,7 +87,7 @@ def open_index(store: StoreCore) -> RepairReport | None:
         return _reported(_open_writable(store, damaged=True), f"{exc}: index rebuilt")
 
 
-def _refuse_newer(store: StoreCore, exc: FormatError) -> None:
+def _refuse_newer(store: PackStoreState, exc: FormatError) -> None:
     """Raise FormatError (upgrade cnrstore) when a pack of ``store`` is of a newer format
     version than this code reads: then the index is a newer cnrstore's, not damaged, and
     must not be rebuilt by this code (it would take the newer records for damage)."""
@@ -111,14 +111,18 @@ def _reported(report: RepairReport | None, why: str) -> RepairReport:
     return dataclasses.replace(report, damaged=(problem, *report.damaged))
 
 
-def _open_writable(store: StoreCore, *, damaged: bool) -> RepairReport | None:
+def _open_writable(store: PackStoreState, *, damaged: bool, unsafe: bool = False
+                   ) -> RepairReport | None:
+    """Open the index writable. Its file is walked once (engine/index/lmdbcheck.py), by
+    the open itself; a file found ``unsafe`` is opened again under the writer lock, which
+    walks it once more and, still unsafe, replaces it by a rebuild from the packs."""
     p = store.path
     lock = store.lock
     report = None
     data = p / "index" / "data.mdb"
     locked = False
     try:
-        if damaged or not data.exists() or ix.data_file_problem(data) is not None:
+        if damaged or unsafe or not data.exists():
             lock.acquire(None)  # a repair elsewhere may be between its renames
             locked = True
         elif (p / "index.new").exists() or (p / "index.old").exists():
@@ -135,27 +139,36 @@ def _open_writable(store: StoreCore, *, damaged: bool) -> RepairReport | None:
                 shutil.rmtree(p / "index")
                 fsync_dir(p)
         needs_repair = not (p / "index").exists() and bool(list_pack_files(p))
-        store.attach(ix.open_shared(p / "index", map_size=store.options.map_size,
-                                    options=store.options.persisted()))
         try:
-            if needs_repair:
-                report = _rebuild(store)
-            else:
-                report = _bring_up_to_date(store, locked)
-        except BaseException:
-            store.close_files()
-            raise
+            index = ix.open_shared(p / "index", map_size=store.options.map_size,
+                                   options=store.options.persisted())
+        except ix.UnsafeIndexFile:
+            if locked:
+                raise  # sound under the lock a moment ago: open_index rebuilds it
+            index = None
+        if index is not None:
+            store.attach(index)
+            try:
+                if needs_repair:
+                    report = _rebuild(store)
+                else:
+                    report = _bring_up_to_date(store, locked)
+            except BaseException:
+                store.close_files()
+                raise
     finally:
         if locked:
             lock.release()
+    if index is None:
+        return _open_writable(store, damaged=False, unsafe=True)
     return report
 
 
-def _rebuild(store: StoreCore) -> RepairReport:
+def _rebuild(store: PackStoreState) -> RepairReport:
     return rebuild(store)
 
 
-def _bring_up_to_date(store: StoreCore, locked: bool) -> RepairReport | None:
+def _bring_up_to_date(store: PackStoreState, locked: bool) -> RepairReport | None:
     problem = stale_problem(store)
     if problem is None and not store.index.legacy_entries and not _legacy_meta(store):
         return None
@@ -199,22 +212,24 @@ def _bring_up_to_date(store: StoreCore, locked: bool) -> RepairReport | None:
     return report
 
 
-def _legacy_meta(store: StoreCore) -> bool:
+def _legacy_meta(store: PackStoreState) -> bool:
     index = store.index
     return index.read(lambda t: t.get(ix.META_META_SUM, db=index.meta) is None)
 
 
-def _open_readonly(store: StoreCore) -> None:
+def _open_readonly(store: PackStoreState) -> None:
     p = store.path
     data = p / "index" / "data.mdb"
     if not data.exists():
         raise StaleIndex(f"store {p} has no index; open it writable once to rebuild it "
                          "from the packs")
-    problem = ix.data_file_problem(data)
-    if problem is not None:
-        raise StaleIndex(f"store {p}: {problem}; open it writable to rebuild the index")
-    store.attach(ix.open_shared(p / "index", map_size=store.options.map_size,
-                                options=store.options.persisted(), readonly=True))
+    try:
+        index = ix.open_shared(p / "index", map_size=store.options.map_size,
+                               options=store.options.persisted(), readonly=True)
+    except ix.UnsafeIndexFile as exc:  # the open's one walk of the file found it unsafe
+        raise StaleIndex(f"store {p}: {exc.problem}; open it writable to rebuild the "
+                         "index") from None
+    store.attach(index)
     try:
         problem = stale_problem(store)
     except BaseException:
@@ -226,7 +241,7 @@ def _open_readonly(store: StoreCore) -> None:
                          "to date")
 
 
-def stale_problem(store: StoreCore, *, full: bool = True) -> str | None:
+def stale_problem(store: PackStoreState, *, full: bool = True) -> str | None:
     """Why the index must not be trusted (behind its packs, empty beside sealed packs, or
     roots failing their checksum), or None. Reads no pack on a healthy store.
 
@@ -270,7 +285,7 @@ def stale_problem(store: StoreCore, *, full: bool = True) -> str | None:
     return None
 
 
-def _newest_seq(store: StoreCore, n: int) -> int | None:
+def _newest_seq(store: PackStoreState, n: int) -> int | None:
     """Highest roots-record sequence in sealed pack ``n`` (-1: sealed, none there), or
     None when the pack is not sealed or cannot be read."""
     path = store.path / "packs" / pack_name(n)

@@ -21,8 +21,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ..api import GCReport, Problem, ProgressFn
-from ..errors import ConcurrentCommit, CorruptObject, GCRefused
+from ..api import Problem, ProgressFn, StoreGCReport
+from ..errors import CommitSequenceTaken, CorruptObject, GCRefused
 from ..format import records as fmt
 from ..format import trailer
 from ..format.commitdoc import CommitDoc
@@ -37,7 +37,7 @@ from .lease import leased
 from .walk import Via, describe, walk
 
 if TYPE_CHECKING:
-    from .core import StoreCore
+    from .core import PackStoreState
 
 
 def mark(index: ix.Index) -> dict[bytes, int]:
@@ -122,7 +122,7 @@ class _Copied:
     snapshot_pack: int | None = None  # where the newest roots record went, if it moved
 
 
-def _copy_live(store: StoreCore, plan: Plan, out: PackSet, unreadable: list[Problem],
+def _copy_live(store: PackStoreState, plan: Plan, out: PackSet, unreadable: list[Problem],
                *, copy_chain: bool) -> _Copied:
     """Copy the live records of ``plan.rewrite`` into ``out`` and, with ``copy_chain``,
     the roots records of its packs in the roots chain (so a merge of small packs needs
@@ -192,7 +192,8 @@ def _live_entries(txn: Any, index: ix.Index, n: int, entries: list[trailer.Trail
     return live
 
 
-def collect(store: StoreCore, *, threshold: float, progress: ProgressFn | None) -> GCReport:
+def collect(store: PackStoreState, *, threshold: float, progress: ProgressFn | None
+            ) -> StoreGCReport:
     index = store.index
     damaged = index.trees_problem()
     if damaged is not None:
@@ -250,7 +251,7 @@ def collect(store: StoreCore, *, threshold: float, progress: ProgressFn | None) 
             keep_uploaded = log.publishes  # its document may exist from here (writer.commit)
             try:
                 remote_seq = _publish(store, base, moves, gone, out, swept)
-            except ConcurrentCommit:
+            except CommitSequenceTaken:
                 keep_uploaded = False
                 raise
         if gone or out.files:
@@ -274,7 +275,7 @@ def collect(store: StoreCore, *, threshold: float, progress: ProgressFn | None) 
     if progress:
         progress(3, 3)
     after = sum(store.storage.sizes().values())
-    return GCReport(
+    return StoreGCReport(
         objects_live=len(live),
         objects_freed=freed_objects,
         bytes_freed=max(0, sum(before.values()) - after),
@@ -284,12 +285,12 @@ def collect(store: StoreCore, *, threshold: float, progress: ProgressFn | None) 
     )
 
 
-def _publish(store: StoreCore, base: int, moves: dict[bytes, ix.ObjectEntry],
+def _publish(store: PackStoreState, base: int, moves: dict[bytes, ix.ObjectEntry],
                     gone: set[int], out: PackSet, swept: list[bytes]) -> int | None:
     """Publish this gc in the store's commit log (a bucket's: a local store has nothing to
     publish before its index transaction); on a lost race the swept cache is rebuilt
     from the bucket (another writer may have reused what this gc swept) and
-    ConcurrentCommit raised: nothing of this gc is visible, no pack was deleted."""
+    CommitSequenceTaken raised: nothing of this gc is visible, no pack was deleted."""
     def doc() -> CommitDoc:
         return CommitDoc(kind="gc", gone=tuple(sorted(gone)), swept=tuple(swept),
                          packs=tuple(pack_doc(pf.number, pf.size, pf.meta,

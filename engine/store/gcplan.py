@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from ..index import db as ix
 
 if TYPE_CHECKING:
-    from .core import StoreCore
+    from .core import PackStoreState
 
 
 # A pack smaller than pack_target_size / SMALL_PACK_DIVISOR is small: gc merges the small
@@ -34,7 +34,8 @@ class Plan:
     roots: dict[str, bytes] = field(default_factory=dict)
 
 
-def plan_packs(store: StoreCore, threshold: float, live_packs: set[int], held: set[int]) -> Plan:
+def plan_packs(store: PackStoreState, threshold: float, live_packs: set[int],
+               held: set[int]) -> Plan:
     """Which packs to drop or rewrite. A pack that a live object lives in is never
     dropped, whatever its (unchecksummed) counters say: at worst it is rewritten (and a
     size that lies only makes a pack merged or not: rewriting is always safe)."""

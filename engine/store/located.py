@@ -15,7 +15,6 @@ since the location was learnt) raises ``PackMoved``: ask the coordinator again.
 from __future__ import annotations
 
 import os
-import pathlib
 import threading
 from collections.abc import Iterable, Iterator, Mapping
 from typing import cast
@@ -23,7 +22,6 @@ from typing import cast
 import zstandard
 
 from ..api import (
-    GCReport,
     Object,
     ObjectInfo,
     ObjectStore,
@@ -31,14 +29,16 @@ from ..api import (
     ProgressFn,
     RepairReport,
     Stats,
-    VerifyReport,
+    StoreGCReport,
+    StoreVerifyReport,
     Writer,
 )
 from ..errors import CorruptObject, ObjectNotFound, PackMoved, ReadOnly, StoreClosed
 from ..format.ids import check_id, check_root_name, hexid
 from ..format.location import RecordLocation
 from ..packs.pack import PackReaders, as_storage, pack_name
-from ..storage import PackStorage
+from ..packs.storage import PackStorage
+from ..storage import ObjectBackend
 from .core import advise, read_checked, read_raw_into
 
 
@@ -46,9 +46,7 @@ class LocatedReader:
     """Checked reads of records by location from ``storage`` (a PackStorage, or a store
     directory: its ``packs``). Thread-safe."""
 
-    def __init__(self, storage: str | os.PathLike | PackStorage) -> None:
-        if not isinstance(storage, PackStorage):
-            storage = pathlib.Path(storage).absolute()
+    def __init__(self, storage: str | os.PathLike | PackStorage | ObjectBackend) -> None:
         self.storage = as_storage(storage)
         self.path = self.storage.describe()
         self._readers = PackReaders(self.storage)
@@ -199,14 +197,14 @@ class LocatedObjects(ObjectStore):
         raise ReadOnly("writer() on located objects (a rank's read-only view)")
 
     def gc(self, *, threshold: float = 0.25, timeout: float | None = 0.0,
-           progress: ProgressFn | None = None) -> GCReport:
+           progress: ProgressFn | None = None) -> StoreGCReport:
         raise ReadOnly("gc() on located objects (a rank's read-only view)")
 
     def repair(self, *, dry_run: bool = False) -> RepairReport:
         raise ReadOnly("repair() on located objects (a rank's read-only view)")
 
     def verify(self, *, deep: bool = False, roots: Iterable[str] | None = None,
-               progress: ProgressFn | None = None) -> VerifyReport:
+               progress: ProgressFn | None = None) -> StoreVerifyReport:
         """Structure: every ref of a located object is located too. Deep: read and
         id-check every located object. ``roots`` limits nothing here (all are checked)."""
         problems: list[Problem] = []
@@ -225,7 +223,7 @@ class LocatedObjects(ObjectStore):
                 except CorruptObject as exc:
                     problems.append(Problem("corrupt", str(exc), oid=loc.oid,
                                             pack=pack_name(loc.pack), offset=loc.offset))
-        return VerifyReport(not problems, tuple(problems), len(self._locs), nbytes)
+        return StoreVerifyReport(not problems, tuple(problems), len(self._locs), nbytes)
 
     def stats(self) -> Stats:
         logical = sum(loc.raw_len for loc in self._locs.values())

@@ -14,7 +14,6 @@ from collections.abc import Iterable, Sequence
 
 from ..api import (
     CommitInfo,
-    GCReport,
     Object,
     ObjectInfo,
     ObjectStore,
@@ -22,7 +21,8 @@ from ..api import (
     ProgressFn,
     RepairReport,
     Stats,
-    VerifyReport,
+    StoreGCReport,
+    StoreVerifyReport,
     Writer,
 )
 from ..errors import CorruptObject, ObjectNotFound, RootExists, StoreClosed, StoreLocked
@@ -111,7 +111,7 @@ class MemoryStore(ObjectStore):
         threshold: float = 0.25,
         timeout: float | None = 0.0,
         progress: ProgressFn | None = None,
-    ) -> GCReport:
+    ) -> StoreGCReport:
         w = self.writer(timeout=timeout)
         try:
             live, _ = self._reachable()
@@ -121,7 +121,7 @@ class MemoryStore(ObjectStore):
                 del self._objects[oid]
         finally:
             w.abort()
-        return GCReport(len(live & self._objects.keys()), len(dead), freed, 0, 0)
+        return StoreGCReport(len(live & self._objects.keys()), len(dead), freed, 0, 0)
 
     def verify(
         self,
@@ -129,7 +129,7 @@ class MemoryStore(ObjectStore):
         deep: bool = False,
         roots: Iterable[str] | None = None,
         progress: ProgressFn | None = None,
-    ) -> VerifyReport:
+    ) -> StoreVerifyReport:
         self._check_open()
         live, problems = self._reachable(roots)
         nbytes = 0
@@ -142,7 +142,7 @@ class MemoryStore(ObjectStore):
                 nbytes += len(obj.payload)
                 if object_id(obj.kind, obj.refs, obj.payload) != oid:
                     problems.append(Problem("corrupt", f"object {hexid(oid)} corrupt", oid=oid))
-        return VerifyReport(not problems, tuple(problems), len(live), nbytes)
+        return StoreVerifyReport(not problems, tuple(problems), len(live), nbytes)
 
     def repair(self, *, dry_run: bool = False) -> RepairReport:
         self._check_open()

@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..errors import FormatError
+from ..packs.storage import PackStorage
 from ..storage.s3 import attach_bucket, parse_url
 from ..storage.shared import attach_shared
 from .commit.bucket import Remote
@@ -29,8 +30,9 @@ def open_bucket(url: str, *, cache_dir: str | os.PathLike,
         raise FormatError(f"{url}: a bucket store needs a local cache_dir for its index")
     cache = pathlib.Path(cache_dir).absolute()
     parse_url(url)  # a bad location is refused before the cache is touched
-    storage, tuning = attach_bucket(url, cache / "staging", storage_options)
-    remote = Remote(storage, gc_grace_s=tuning["gc_grace_s"])
+    backend, tuning = attach_bucket(url, cache / "staging", storage_options)
+    storage = PackStorage(backend)
+    remote = Remote(storage, staging=backend.staging, gc_grace_s=tuning["gc_grace_s"])
     return PackStore(cache, create=create, compression_level=compression_level,
                      map_size=map_size, pack_target_size=pack_target_size,
                      readonly=readonly, storage=storage, log=remote)
@@ -45,9 +47,10 @@ def open_shared(path: str | os.PathLike, *, cache_dir: str | os.PathLike,
     if cache_dir is None:
         raise FormatError(f"{path}: a shared-directory store needs a local cache_dir")
     cache = pathlib.Path(cache_dir).absolute()
-    storage, tuning = attach_shared(pathlib.Path(path).absolute(), cache, storage_options,
+    backend, tuning = attach_shared(pathlib.Path(path).absolute(), cache, storage_options,
                                     create=create and not readonly)
-    remote = Remote(storage, gc_grace_s=tuning["gc_grace_s"])  # type: ignore[arg-type]
+    storage = PackStorage(backend)
+    remote = Remote(storage, staging=cache / "staging", gc_grace_s=tuning["gc_grace_s"])
     return PackStore(cache, create=create, compression_level=compression_level,
                      map_size=map_size, pack_target_size=pack_target_size,
                      readonly=readonly, storage=storage, log=remote)

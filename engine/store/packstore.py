@@ -22,7 +22,6 @@ from typing import Any, TypeVar
 import lmdb
 
 from ..api import (
-    GCReport,
     Object,
     ObjectInfo,
     ObjectStore,
@@ -30,7 +29,8 @@ from ..api import (
     ProgressFn,
     RepairReport,
     Stats,
-    VerifyReport,
+    StoreGCReport,
+    StoreVerifyReport,
     Writer,
 )
 from ..errors import CorruptObject, FormatError, NoStore, ReadOnly, StoreError, StoreLocked
@@ -41,10 +41,10 @@ from ..fs.fileio import makedirs_durable, store_error
 from ..fs.lock import WriterLock
 from ..index import db as ix
 from ..index.options import read_stored
-from ..storage import PackStorage
+from ..packs.storage import PackStorage
 from . import coordinator
 from .commit.local import LocalLog
-from .core import CommitLog, StoreCore
+from .core import CommitLog, PackStoreState
 from .freshness import open_index, stale_problem
 from .gc import collect
 from .lease import Leases
@@ -115,7 +115,7 @@ class PackStore(DirectReads, ObjectStore):
             log = log if log is not None else LocalLog(os.fspath(self.path))
             self._cache_only = log.publishes
             self._prepare_dir(log.publishes or (create and not self.readonly))
-            self._core = StoreCore(self.path, first, lock=WriterLock(self.path / "lock"),
+            self._core = PackStoreState(self.path, first, lock=WriterLock(self.path / "lock"),
                                    readonly=self.readonly and not log.publishes,
                                    storage=storage, log=log)
             self.opened_with_repair = open_index(self._core)
@@ -315,7 +315,7 @@ class PackStore(DirectReads, ObjectStore):
     # -- maintenance (phases live in gc.py, verify.py, repair.py) -------------------------
     @_translated
     def gc(self, *, threshold: float = 0.25, timeout: float | None = 0.0,
-           progress: ProgressFn | None = None) -> GCReport:
+           progress: ProgressFn | None = None) -> StoreGCReport:
         self._check_open()
         self._check_writable("gc()")
         if not isinstance(threshold, (int, float)) or not 0.0 <= threshold <= 1.0:
@@ -326,14 +326,14 @@ class PackStore(DirectReads, ObjectStore):
 
     @_translated
     def verify(self, *, deep: bool = False, roots: Iterable[str] | None = None,
-               progress: ProgressFn | None = None) -> VerifyReport:
+               progress: ProgressFn | None = None) -> StoreVerifyReport:
         self._check_open()
         try:
             return verify(self._core, deep=deep, roots=roots, progress=progress)
         except (CorruptObject, FormatError) as exc:
             # verify reports damage, it does not raise it: an index it cannot even walk
             # is one more problem.
-            return VerifyReport(False, (Problem("unreadable-index", str(exc)),), 0, 0)
+            return StoreVerifyReport(False, (Problem("unreadable-index", str(exc)),), 0, 0)
 
     @_translated
     def repair(self, *, dry_run: bool = False) -> RepairReport:

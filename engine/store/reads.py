@@ -1,5 +1,5 @@
 """``DirectReads``: the pack store's reads into caller memory and by location, and the
-read-ahead hints, on the store's ``StoreCore`` (engine/store/core.py). A mixin of
+read-ahead hints, on the store's ``PackStoreState`` (engine/store/core.py). A mixin of
 ``PackStore`` kept apart for module size."""
 
 from __future__ import annotations
@@ -10,14 +10,14 @@ from ..api import Object
 from ..format.ids import check_id
 from ..format.location import RecordLocation
 from .coordinator import locate_closure
-from .core import StoreCore
+from .core import PackStoreState
 
 
 class DirectReads:
-    """``ObjectStore.get_into`` and ``prefetch`` of a PackStore, over its StoreCore (here
+    """``ObjectStore.get_into`` and ``prefetch`` of a PackStore, over its PackStoreState (here
     because engine/store/packstore.py is at its module size limit)."""
 
-    _core: StoreCore
+    _core: PackStoreState
 
     def get_into(self, oid: bytes, kind: int, prefix: int, out: memoryview, *,
                  id_check: bool = True, fallback: bool = False) -> bytes | Object | None:

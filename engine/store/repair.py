@@ -29,12 +29,12 @@ from ..fs.fileio import fsync_dir, store_error
 from ..index import db as ix
 from ..index.options import read_stored
 from ..packs.pack import list_pack_files, pack_name, read_trailer, scan_records
-from ..storage import PackStorage
+from ..packs.storage import PackStorage
 from .lease import live_ranges
 from .repairroots import ChosenRoots, Snapshot, choose_roots
 
 if TYPE_CHECKING:
-    from .core import StoreCore
+    from .core import PackStoreState
 
 
 @dataclass
@@ -271,7 +271,7 @@ def plan_at(path: str | os.PathLike) -> RepairReport:
     return _plan(p, _old_meta_at(p)).report(dry_run=True)
 
 
-def rebuild(store: StoreCore, *, dry_run: bool = False, from_packs: bool = False,
+def rebuild(store: PackStoreState, *, dry_run: bool = False, from_packs: bool = False,
             exclude: Container[int] = (),
             extra_meta: Mapping[bytes, bytes] | None = None) -> RepairReport:
     """Called by ``PackStore.repair`` with the writer lock held.
@@ -329,7 +329,7 @@ def rebuild(store: StoreCore, *, dry_run: bool = False, from_packs: bool = False
     return plan.report(dry_run=False)
 
 
-def rebuild_beside(store: StoreCore, fill: Callable[[ix.Index, Any], None]) -> None:
+def rebuild_beside(store: PackStoreState, fill: Callable[[ix.Index, Any], None]) -> None:
     """Fill a fresh environment ``index.new`` and swap it in for the store's index."""
     old = store.index
     new_path = store.path / "index.new"

@@ -32,7 +32,8 @@ from ..format.records import checked_object
 from ..fs import crashpoints
 from ..fs.fileio import fsync_dir, store_error
 from ..packs import pack as pk
-from ..storage import PackStorage
+from ..packs.storage import PackStorage
+from ..storage import ObjectBackend
 
 
 class PacksExhausted(StoreError):
@@ -68,14 +69,12 @@ class PackSink:
     """Writes records into packs numbered from ``packs`` in ``storage`` (a PackStorage,
     or a store directory: its local packs)."""
 
-    def __init__(self, storage: str | pathlib.Path | PackStorage, packs: range,
+    def __init__(self, storage: str | pathlib.Path | PackStorage | ObjectBackend, packs: range,
                  options: EngineOptions) -> None:
         if not isinstance(packs, range) or packs.step != 1:
             raise TypeError(f"packs must be a range with step 1, got {packs!r}")
         if not isinstance(options, EngineOptions):
             raise TypeError(f"options must be EngineOptions, got {type(options).__name__}")
-        if not isinstance(storage, PackStorage):
-            storage = pathlib.Path(storage).absolute()
         self.storage = pk.as_storage(storage)
         self.packs = packs
         self.options = options
@@ -175,7 +174,7 @@ class PackSink:
             for pf in self._files:
                 pf.settle()  # a bucket's uploads: every pack is there before it is named
             if not self.storage.remote:
-                for d in {pf.path.parent for pf in self._files}:
+                for d in {pf.path.parent for pf in self._files if pf.path is not None}:
                     fsync_dir(d)
         except OSError as exc:
             self._broken = exc
@@ -199,7 +198,7 @@ class PackSink:
             except OSError as exc:
                 raise store_error("cannot delete a sink's pack (gc reclaims it)",
                                   exc) from exc
-            if not self.storage.remote:
+            if not self.storage.remote and pf.path is not None:
                 dirs.add(pf.path.parent)
         for d in dirs:
             try:

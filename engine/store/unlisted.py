@@ -12,14 +12,14 @@ from ..fs.fileio import store_error
 from ..index import db as ix
 
 if TYPE_CHECKING:
-    from .core import StoreCore
+    from .core import PackStoreState
 
 
 def listed_packs(txn: ix.Txn, index: ix.Index) -> set[int]:
     return {ix.unpack_pack_key(k) for k in txn.cursor(db=index.packs).iternext(values=False)}
 
 
-def delete_unlisted(core: StoreCore, live_packs: set[int], present: Iterable[int], *,
+def delete_unlisted(core: PackStoreState, live_packs: set[int], present: Iterable[int], *,
                     listed: set[int] | None = None,
                     keep: Callable[[int], bool] = lambda n: False) -> list[int]:
     """Delete each pack of ``present`` that the index does not list (``listed``, read now

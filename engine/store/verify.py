@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from ..api import Problem, ProgressFn, VerifyReport
+from ..api import Problem, ProgressFn, StoreVerifyReport
 from ..errors import CorruptObject, ObjectNotFound, StoreError
 from ..format.ids import ID_SIZE, check_root_name, hexid
 from ..index import db as ix
@@ -18,10 +18,10 @@ from ..packs.pack import pack_name
 from .walk import Via, describe, walk
 
 if TYPE_CHECKING:
-    from .core import StoreCore
+    from .core import PackStoreState
 
 
-def _walk(store: StoreCore, names: list[str] | None
+def _walk(store: PackStoreState, names: list[str] | None
           ) -> tuple[dict[bytes, ix.ObjectEntry], list[Problem], set[int]]:
     """Reachable entries and the structural problems met on the way (one read txn)."""
     index = store.index
@@ -75,7 +75,7 @@ def _walk(store: StoreCore, names: list[str] | None
     return index.read(read)
 
 
-def _pack_problem(store: StoreCore, oid: bytes, e: ix.ObjectEntry, packs: set[int],
+def _pack_problem(store: PackStoreState, oid: bytes, e: ix.ObjectEntry, packs: set[int],
                   sizes: dict[int, int]) -> Problem | None:
     name = pack_name(e.pack)
     if e.pack not in packs:
@@ -96,8 +96,8 @@ def _pack_problem(store: StoreCore, oid: bytes, e: ix.ObjectEntry, packs: set[in
     return None
 
 
-def verify(store: StoreCore, *, deep: bool, roots: Iterable[str] | None,
-           progress: ProgressFn | None) -> VerifyReport:
+def verify(store: PackStoreState, *, deep: bool, roots: Iterable[str] | None,
+           progress: ProgressFn | None) -> StoreVerifyReport:
     names = None
     if roots is not None:
         if isinstance(roots, str):
@@ -107,7 +107,7 @@ def verify(store: StoreCore, *, deep: bool, roots: Iterable[str] | None,
             check_root_name(n)
     damaged = store.index.trees_problem()
     if damaged is not None:  # reading objects would run LMDB off the file's end
-        return VerifyReport(False, (Problem("damaged-index", f"index {store.index.path}: "
+        return StoreVerifyReport(False, (Problem("damaged-index", f"index {store.index.path}: "
                                             f"{damaged} (repair rebuilds it from the packs)"),),
                             0, 0)
     found, problems, packs = _walk(store, names)
@@ -126,10 +126,10 @@ def verify(store: StoreCore, *, deep: bool, roots: Iterable[str] | None,
             problems.append(problem)
         if progress:
             progress(done, total)
-    return VerifyReport(not problems, tuple(problems), total, nbytes)
+    return StoreVerifyReport(not problems, tuple(problems), total, nbytes)
 
 
-def _recheck(store: StoreCore, oid: bytes, problem: Problem) -> Problem | None:
+def _recheck(store: PackStoreState, oid: bytes, problem: Problem) -> Problem | None:
     try:
         entry = store.lookup(oid)
     except ObjectNotFound:
@@ -142,12 +142,12 @@ def _recheck(store: StoreCore, oid: bytes, problem: Problem) -> Problem | None:
     return _pack_problem(store, oid, entry, _listed(store), {})
 
 
-def _listed(store: StoreCore) -> set[int]:
+def _listed(store: PackStoreState) -> set[int]:
     index = store.index
     return set(index.read(lambda t: [ix.unpack_pack_key(k) for k, _ in t.cursor(db=index.packs)]))
 
 
-def _deep_check(store: StoreCore, oid: bytes) -> Problem | None:
+def _deep_check(store: PackStoreState, oid: bytes) -> Problem | None:
     try:
         store.check(oid)
     except CorruptObject as exc:

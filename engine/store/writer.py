@@ -18,7 +18,7 @@ import zstandard
 
 from ..api import CommitInfo, ObjectStore, Writer
 from ..errors import (
-    ConcurrentCommit,
+    CommitSequenceTaken,
     CorruptObject,
     ObjectNotFound,
     RootExists,
@@ -39,7 +39,7 @@ from ..packs.pack import PackSet
 from .adopt import Adoption
 
 if TYPE_CHECKING:
-    from .core import StoreCore
+    from .core import PackStoreState
 
 
 
@@ -49,7 +49,7 @@ class PackWriter(Writer):
     it when the writer commits or aborts. ``owner`` answers ``has`` and ``root`` for what
     is already published."""
 
-    def __init__(self, core: StoreCore, owner: ObjectStore,
+    def __init__(self, core: PackStoreState, owner: ObjectStore,
                  done: Callable[[Writer], None]) -> None:
         self._core = core
         self._store = owner
@@ -227,7 +227,7 @@ class PackWriter(Writer):
             keep_uploaded = log.publishes
             try:
                 self._remote_seq = log.publish(self._core, self._base, self._commit_doc)
-            except (RootExists, ConcurrentCommit):
+            except (RootExists, CommitSequenceTaken):
                 keep_uploaded = False  # another writer's document holds the number
                 raise
             if log.publishes:

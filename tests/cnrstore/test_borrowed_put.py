@@ -73,6 +73,7 @@ print("ok", k, k in steps, flush=True)
 """
 
 
+@pytest.mark.slow  # a crash test; test_interrupt.py keeps a SIGINT case in the default run
 def test_sigint_during_borrowed_puts_then_a_changed_table(tmp_path):
     rng = random.Random(4)
     env = dict(os.environ, PYTHONPATH=str(ROOT))

@@ -14,7 +14,8 @@ from ckpt_util import assert_identical, make_store, random_table
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cnrstore.core.chainpolicy import chain_budget, depth_cap, stagger
+from cnrstore.codec import native
+from cnrstore.core.chainpolicy import _grow, chain_budget, depth_cap, stagger
 from cnrstore.format.blocks import decode_patch, resolve
 from cnrstore.format.load import load_manifest
 from cnrstore.format.manifest import KIND_BLOCK_PATCH
@@ -204,3 +205,33 @@ def test_any_change_sequence_restores_every_step(max_chain, steps):
     for step, want in enumerate(keep):
         assert_identical(s.get_tables(step)["t"], want)
     _check_patches(s.objects, range(len(keep)))
+
+
+
+def _grow_numpy(*args):
+    saved = native.kernel
+    native.kernel = lambda **kw: None  # type: ignore[assignment]
+    try:
+        return _grow(*args)
+    finally:
+        native.kernel = saved  # type: ignore[assignment]
+
+
+@settings(max_examples=80, deadline=None)
+@given(nrows=st.integers(1, 40), seed=st.integers(0, 2**31 - 1),
+       p_union=st.sampled_from([0.0, 0.3, 0.9]), p_rows=st.sampled_from([0.05, 0.5, 1.0]))
+def test_the_compiled_union_growth_matches_the_numpy_one(nrows, seed, p_union, p_rows):
+    """cnr_grow_union (one merge) gives the arrays of the numpy _grow, including rows
+    changed back to their full-block value (which leave the union) and new rows."""
+    if native.kernel(wait=True) is None:
+        pytest.skip(f"no native kernel here: {native.status()['reason']}")
+    rng = np.random.default_rng(seed)
+    union = np.flatnonzero(rng.random(nrows) < p_union).astype(np.int64)
+    fsig = rng.integers(0, 3, len(union)).astype(np.int64)
+    rows = np.flatnonzero(rng.random(nrows) < p_rows).astype(np.int64)
+    old_fp = rng.integers(0, 3, len(rows)).astype(np.int64)
+    new_fp = rng.integers(0, 3, len(rows)).astype(np.int64)
+    got = _grow(union, fsig, rows, old_fp, new_fp)
+    want = _grow_numpy(union, fsig, rows, old_fp, new_fp)
+    for g, w in zip(got, want):
+        assert g.dtype == np.int64 and np.array_equal(g, w)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pathlib
 
 import _importgraph as ig
+import pytest
 
 PKG = pathlib.Path(__file__).resolve().parents[2] / "cnrstore"
 
@@ -87,6 +88,7 @@ def test_the_cycle_check_sees_a_cycle(monkeypatch):
         raise AssertionError("a cycle went unseen")
 
 
+@pytest.mark.slow  # a cold mypy run over cnrstore takes ~30 s; the engine's runs by default
 def test_the_type_checker_passes_on_the_checkpoint_layer(tmp_path):
     # mypy is in the test extra (CI installs it); configured in pyproject.toml [tool.mypy].
     import subprocess

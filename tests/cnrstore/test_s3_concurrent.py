@@ -49,7 +49,7 @@ def test_loser_of_a_put_race_fails_whole_and_recovers(moto, tmp_path):
     _interleave(b, lambda: a.put_tables(2, {"t": t + 2}))
     with pytest.raises(cnrstore.WriteFailed) as info:
         b.put_tables(3, {"t": t + 3})
-    assert isinstance(info.value.__cause__, engine.ConcurrentCommit)
+    assert isinstance(info.value.__cause__, engine.CommitSequenceTaken)
     assert b.steps() == [1, 2]  # caught up; nothing of step 3
     b.put_tables(3, {"t": t + 3})  # the handle recovers
     _interleave(a, lambda: b.put_tables(4, {"t": t + 4}))

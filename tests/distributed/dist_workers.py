@@ -313,8 +313,8 @@ def count_listings(rank: int, world: int, path: str, seed: int) -> int:
     from engine.storage import s3, shared
 
     calls = [0]
-    for cls in (s3.S3Storage, shared.SharedStorage):
-        for name in ("listing", "pack_listing", "sizes"):
+    for cls in (s3.S3Backend, shared.SharedBackend):
+        for name in ("list",):
             real = getattr(cls, name)
 
             def counted(self, *a, _real=real, **kw):

@@ -69,6 +69,9 @@ def test_distributed_put_equals_a_single_process_put_and_a_fresh_cache_rebuilds(
             assert torch.equal(expect[step][name], t), name
 
 
+# moto under -m slow: the other tests of this file run the bucket path on moto by default.
+@pytest.mark.parametrize("where", ["shared", pytest.param("moto", marks=pytest.mark.slow)],
+                         indirect=True)
 def test_restore_at_another_world_size(where, tmp_path):
     res = run(2, save_layouts, where, timeout=120)
     assert all(r is True for r in res), res

@@ -4,7 +4,7 @@
 
 cmd "put": put ``count`` objects of ``size`` random bytes under root ``root``; with
 ``go`` (a file path), wait until that file exists before committing, so two workers
-commit at the same moment. Prints one line: ok, RootExists or ConcurrentCommit.
+commit at the same moment. Prints one line: ok, RootExists or CommitSequenceTaken.
 cmd "gc": delete root ``root`` (if given) and gc. Prints ok.
 """
 
@@ -48,8 +48,8 @@ def main() -> None:
     except engine.RootExists:
         print("RootExists", flush=True)
         return
-    except engine.ConcurrentCommit:
-        print("ConcurrentCommit", flush=True)
+    except engine.CommitSequenceTaken:
+        print("CommitSequenceTaken", flush=True)
         return
     except engine.StoreError as exc:  # a failed upload: the put fails whole
         w.abort()

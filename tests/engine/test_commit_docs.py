@@ -20,7 +20,7 @@ pytest.importorskip("moto")
 
 import engine  # noqa: E402
 from engine.format import commitdoc  # noqa: E402
-from engine.storage.shared import SharedStorage  # noqa: E402
+from engine.storage.shared import SharedBackend  # noqa: E402
 from engine.store.commit import chain
 
 GOLDEN = pathlib.Path(__file__).parent / "golden"
@@ -34,7 +34,7 @@ def _dag(w, name: str, n: int = 3, size: int = 2000) -> bytes:
 
 
 def _storage(store):
-    return store._core.storage
+    return store._core.storage.backend
 
 
 def _key(seq: int) -> str:
@@ -44,7 +44,7 @@ def _key(seq: int) -> str:
 def _write(store, key: str, data: bytes) -> None:
     """Overwrite (or create) the object ``key`` as a user or a bit flip would."""
     storage = _storage(store)
-    if isinstance(storage, SharedStorage):
+    if isinstance(storage, SharedBackend):
         path = storage.root / key
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(data)
@@ -55,7 +55,7 @@ def _write(store, key: str, data: bytes) -> None:
 
 
 def _delete(store, key: str) -> None:
-    _storage(store).delete_key(key)
+    _storage(store).delete(key)
 
 
 def _body(data: bytes) -> dict:
@@ -409,7 +409,7 @@ def test_an_oversized_document_is_refused_by_its_listed_size(bucket, tmp_path):
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    if isinstance(_storage(a), SharedStorage):  # moto serves from this process's memory
+    if isinstance(_storage(a), SharedBackend):  # moto serves from this process's memory
         assert peak < commitdoc.MAX_COMMIT_BYTES // 4, peak
     a.close()
 

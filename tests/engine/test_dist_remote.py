@@ -1,7 +1,7 @@
 """The rank side of a distributed put over the pack-storage interface, on a bucket (moto)
 and on a shared directory (the ``bucket`` fixture runs each test on both): a rank reaches
 the packs from the coordinator's locator alone (no index, no cache), writes through
-``PackStorage.create`` sinks, the coordinator adopts by reading trailers and record
+``PackStorage.create`` writers, the coordinator adopts by reading trailers and record
 headers through the storage, and its commit document lists the adopted packs, so a cache
 elsewhere (or an empty one) learns them."""
 
@@ -15,12 +15,14 @@ from _helpers import make_payload
 import engine
 from engine import LocatedReader, PackMoved, PackSink
 from engine.format.ids import object_id
+from engine.packs.storage import PackStorage
 from engine.storage import attach
 
 
 def rank_storage(bucket, store, staging):
-    """What a rank builds: the storage the coordinator's locator names."""
-    return attach(store.storage.locator(), staging=staging, storage_options=bucket.options)
+    """What a rank builds: the packs of the backend the coordinator's locator names."""
+    return PackStorage(attach(store.storage.locator(), staging=staging,
+                              storage_options=bucket.options))
 
 
 def objects(seed: int, n: int = 5) -> list[tuple[int, bytes, tuple]]:
@@ -156,8 +158,8 @@ def test_adopt_on_a_bucket_reads_record_headers_in_parallel(moto_s3, tmp_path):
 
     with moto_s3.store(tmp_path / "a", moto_s3.url()) as store, \
             tempfile.TemporaryDirectory() as staging:
-        storage = attach(store.storage.locator(), staging=staging,
-                         storage_options=moto_s3.options)
+        storage = PackStorage(attach(store.storage.locator(), staging=staging,
+                                     storage_options=moto_s3.options))
         objs = [(1, make_payload(k, 200), ()) for k in range(300)]
         _, locs = rank_put(storage, store.reserve_packs(4), store.options, objs)
         t0 = time.perf_counter()
@@ -178,8 +180,8 @@ def test_adopt_on_a_bucket_fetches_headers_not_payloads(moto_s3, tmp_path, monke
     only header bytes (adoption never downloads what the ranks uploaded)."""
     with moto_s3.store(tmp_path / "a", moto_s3.url(), pack_target_size=8 << 20) as store, \
             tempfile.TemporaryDirectory() as staging:
-        storage = attach(store.storage.locator(), staging=staging,
-                         storage_options=moto_s3.options)
+        storage = PackStorage(attach(store.storage.locator(), staging=staging,
+                                     storage_options=moto_s3.options))
         n = 300 if size < 1000 else 12
         objs = [(1, make_payload(k, size), ()) for k in range(n)]
         _, locs = rank_put(storage, store.reserve_packs(4), store.options, objs)

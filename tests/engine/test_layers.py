@@ -13,14 +13,15 @@ RANK = {
     "format": 1,     # byte layouts: ids, records, roots, trailers, names of packs, commit docs
     "fs": 1,         # durable file writes, writeback hints, the writer lock, crash points
     "api": 2,        # engine/api.py: the ObjectStore contract and its reports
-    "storage": 3,    # where pack bytes live: a directory, a shared directory, a bucket
+    "storage": 3,    # where bytes live, by key: a directory, a shared one, a bucket, memory
     "packs": 4,      # pack files: append, seal, read, scan
     "index": 5,      # the LMDB index: schema, checks, applying a commit document
     "store": 6,      # PackStore, writer, gc, verify, repair, adoption, commit logs, the twin
     "testing": 7,    # engine/testing: the suites a new backend or store runs
     "__init__": 8,   # the public facade
 }
-STORAGE_MAY_USE = {"errors", "format", "fs", "storage"}
+# Keys and bytes only: not even format/ (pack names, trailers, records are packs/' business).
+STORAGE_MAY_USE = {"errors", "fs", "storage"}
 
 
 def _layer(module: str) -> str:
@@ -81,6 +82,7 @@ def test_the_storage_check_refuses_packs_index_and_store():
              "engine.packs.pack": {"engine.storage.base"}}
     assert _storage_reaches_up(graph) == [
         "engine.storage.local imports engine.index.db",
+        "engine.storage.s3 imports engine.format.trailer",
         "engine.storage.s3 imports engine.store.packstore",
         "engine.storage.shared imports engine.packs.pack",
     ]

@@ -163,7 +163,7 @@ def test_two_writers_of_different_roots_one_gets_concurrent_commit(bucket, tmp_p
         assert p.stdout.readline().strip() == "ready", p.stderr.read()
     go.touch()
     results = sorted(p.communicate(timeout=60)[0].strip() for p in procs)
-    assert results == ["ConcurrentCommit", "ok"], results
+    assert results == ["CommitSequenceTaken", "ok"], results
     with bucket.store(tmp_path / "check", url) as s:
         assert len(s.roots()) == 1
         assert s.verify(deep=True).ok
@@ -181,7 +181,7 @@ def test_pack_numbers_are_claimed_across_caches(bucket, tmp_path):
     numbers = {pf.number for pf in wa._packs.files} | {pf.number for pf in wb._packs.files}
     assert len(numbers) == 2
     wa.commit()
-    with pytest.raises(engine.ConcurrentCommit):
+    with pytest.raises(engine.CommitSequenceTaken):
         wb.commit()
     assert b.roots() == {"a": xa}  # the loser's cache caught up
     with b.writer() as w:  # and its next writer commits on top

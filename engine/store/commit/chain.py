@@ -41,7 +41,7 @@ class ChainDamaged(CorruptObject):
 def listed(storage: Any, after: int = 0) -> list[tuple[int, str, int]]:
     """(seq, key, size) of every commit after ``after``, in order."""
     out = []
-    for key, size, _ in storage.listing(COMMITS, after=commit_key(after)):
+    for key, size, _, _ in storage.list(COMMITS, after=commit_key(after)):
         seq = seq_of_key(key)
         if seq is not None and seq > after:
             out.append((seq, key, int(size)))
@@ -107,8 +107,9 @@ def documents(storage: Any, after: int) -> Iterator[CommitDoc]:
     for expect, item in _gaps(items, after):
         if item is None:
             nxt = next(i[0] for i in items if i[0] > expect)
-            raise ChainDamaged(f"{storage.url}: commit document {commit_key(expect)} is "
-                               f"missing (the next is {nxt}): the commit chain is broken",
+            raise ChainDamaged(f"{storage.describe()}: commit document "
+                               f"{commit_key(expect)} is missing (the next is {nxt}): the "
+                               "commit chain is broken",
                                key=commit_key(expect))
     for _, _, doc in _fetched(storage, items):
         if isinstance(doc, ChainDamaged):
@@ -134,8 +135,9 @@ def survey(storage: Any, upto: int | None = None) -> Survey:
     for expect, item in _gaps(items, 0):
         if item is None:
             out.problems.append(Problem(
-                "missing-commit", f"{storage.url}: commit document {commit_key(expect)} is "
-                "missing: the commit chain is broken", pack=commit_key(expect)))
+                "missing-commit", f"{storage.describe()}: commit document "
+                f"{commit_key(expect)} is missing: the commit chain is broken",
+                pack=commit_key(expect)))
     for _, key, doc in _fetched(storage, items):
         if isinstance(doc, ChainDamaged):
             out.problems.append(Problem("damaged-commit", str(doc), pack=key))

@@ -4,6 +4,7 @@ cache, and an unlisted pack's own trailer shows nothing the index still needs.""
 
 from __future__ import annotations
 
+from collections.abc import Container
 from typing import TYPE_CHECKING
 
 from ...errors import CorruptObject, GCRefused
@@ -14,16 +15,16 @@ from ...index.commits import META_REMOTE_SEQ
 from . import chain
 
 if TYPE_CHECKING:
-    from ...storage.s3 import S3Storage
-    from ..core import StoreCore
+    from ...packs.storage import PackStorage
+    from ..core import PackStoreState
 
 
-def check_chain(storage: S3Storage, damage: list[str], core: StoreCore) -> None:
+def check_chain(storage: PackStorage, damage: list[str], core: PackStoreState) -> None:
     """gc deletes only what it can prove dead: refuse (GCRefused, nothing changed)
     when a commit document is damaged (``damage``: why the cache was rebuilt from the
     packs), or the cache and the documents disagree on the newest commit or on the packs
     that hold the store."""
-    where = storage.url
+    where = storage.describe()
     if damage:
         raise GCRefused(f"gc refused on {where}: this cache was rebuilt from the packs "
                         f"because {damage[0]}; put the document back (or repair once "
@@ -37,8 +38,8 @@ def check_chain(storage: S3Storage, damage: list[str], core: StoreCore) -> None:
 
     seq, packs = index.read(view)
     # Up to the cache's commit: one another writer made since is this gc's lost race
-    # (ConcurrentCommit at its publish), not a disagreement.
-    found = chain.survey(storage, upto=seq)
+    # (CommitSequenceTaken at its publish), not a disagreement.
+    found = chain.survey(storage.backend, upto=seq)
     if found.problems:
         raise GCRefused(f"gc refused on {where}: {found.problems[0].message} "
                         f"({len(found.problems)} problems); nothing was deleted")
@@ -50,8 +51,8 @@ def check_chain(storage: S3Storage, damage: list[str], core: StoreCore) -> None:
                         "or repair")
 
 
-def still_needed(storage: S3Storage, core: StoreCore, n: int,
-                  present: dict[int, tuple]) -> str | None:
+def still_needed(storage: PackStorage, core: PackStoreState, n: int,
+                  present: Container[int]) -> str | None:
     """Why unlisted pack ``n`` must stay, by its own trailer: an object in it is indexed
     there, or indexed in a pack that is not there or does not hold it at that offset (a
     damaged commit document named the wrong pack). None when every object in it is dead

@@ -12,7 +12,7 @@ from ..unlisted import delete_unlisted
 if TYPE_CHECKING:
     from ...api import RepairReport
     from ...format.commitdoc import CommitDoc
-    from ..core import StoreCore
+    from ..core import PackStoreState
 
 
 class LocalLog:
@@ -21,32 +21,32 @@ class LocalLog:
     def __init__(self, url: str) -> None:
         self.url = url
 
-    def attach(self, core: StoreCore, *, create: bool) -> RepairReport | None:
+    def attach(self, core: PackStoreState, *, create: bool) -> RepairReport | None:
         return None
 
-    def seq(self, core: StoreCore) -> int:
+    def seq(self, core: PackStoreState) -> int:
         return 0
 
-    def catch_up(self, core: StoreCore) -> int:
+    def catch_up(self, core: PackStoreState) -> int:
         return 0
 
-    def refresh(self, core: StoreCore) -> None:
+    def refresh(self, core: PackStoreState) -> None:
         return None
 
-    def rebuild(self, core: StoreCore) -> RepairReport:
+    def rebuild(self, core: PackStoreState) -> RepairReport:
         raise AssertionError("a local store's index is rebuilt from its packs (repair)")
 
-    def publish(self, core: StoreCore, base: int, doc: Callable[[], CommitDoc]) -> int | None:
+    def publish(self, core: PackStoreState, base: int, doc: Callable[[], CommitDoc]) -> int | None:
         return None  # the index transaction is the commit
 
     def check_age(self, started: float) -> None:
         return None  # no other cache deletes this store's unlisted packs
 
-    def begin_gc(self, core: StoreCore) -> None:
+    def begin_gc(self, core: PackStoreState) -> None:
         return None
 
-    def settle_gc(self, core: StoreCore, seq: int | None) -> None:
+    def settle_gc(self, core: PackStoreState, seq: int | None) -> None:
         return None
 
-    def delete_unlisted(self, core: StoreCore, live_packs: set[int]) -> int:
+    def delete_unlisted(self, core: PackStoreState, live_packs: set[int]) -> int:
         return len(delete_unlisted(core, live_packs, core.storage.sizes()))
