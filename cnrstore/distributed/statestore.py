@@ -12,7 +12,7 @@ import torch
 
 from cnrstore.core.get import out_bytes
 from cnrstore.core.progress import check_progress
-from cnrstore.core.restore import read_tables
+from cnrstore.core.restore import read_table, read_tables
 from cnrstore.core.state import (
     MAX_DEPTH,
     SEP,
@@ -255,13 +255,20 @@ def load_state(ds: DistributedStore, step: Any, state: Any, *, strict: bool,
         # (fill_dest): a read into fresh memory and a copy cost a cold restore its page
         # faults twice. The pieces were checked against the stored table by the request.
         # One read-ahead over every destination, in the order they are filled.
+        from cnrstore.distributed.leaves import fill_leaf, is_column_leaf
+
         dests: list[tuple[Any, Any, Any]] = []
+        columns: list[tuple[Any, Any]] = []
         for n, (tm, ranges) in tables.items():
             leaf = sharded.get(n)
             if leaf is None:
                 dests.append((tm, ranges, flat.tables[n].detach()))
             elif isinstance(leaf, Shard):
                 dests.append((tm, ranges, leaf))
+            elif is_column_leaf(leaf):
+                # A column piece is narrower than the stored rows: it takes its columns
+                # of whole rows, read once per row range for all of its pieces.
+                columns.append((tm, leaf))
             else:
                 dests += [(tm, ranges, Shard(piece, row_offset=off, rows=tm.node.rows))
                           for piece, off in _fill_pieces(leaf)]
@@ -270,6 +277,12 @@ def load_state(ds: DistributedStore, step: Any, state: Any, *, strict: bool,
             fill_dest(ds, objects, tm, ranges, dest, started=hint)
             report.add(out_bytes(tm, None) if not isinstance(dest, Shard) else out_bytes(
                 tm, slice(dest.row_offset, dest.row_offset + int(dest.local.shape[0]))))
+        for tm, leaf in columns:
+            def rows(lo: int, hi: int, tm: Any = tm) -> torch.Tensor:
+                report.add(out_bytes(tm, slice(lo, hi)))
+                return read_table(objects, tm, ds.pool, rows=slice(lo, hi))[0]
+
+            fill_leaf(leaf, rows)
     except BaseException as exc:
         err = exc
     finish_read(ds, err, "load_state: read")
