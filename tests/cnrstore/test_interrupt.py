@@ -88,6 +88,7 @@ def _trial(tmp_path: pathlib.Path, delay: float, scheme: str) -> str:
     return out
 
 
+@pytest.mark.slow  # a crash test (SIGINT into a subprocess), with the crash suites
 def test_sigint_during_blocking_puts_leaves_steps_whole_and_the_handle_usable(tmp_path):
     rng = random.Random(8)
     outcomes = []

@@ -35,6 +35,8 @@ def _single(where, tmp_path):
                          fanout=FANOUT)
 
 
+@pytest.mark.parametrize("where", ["dir", "shared", pytest.param("moto", marks=pytest.mark.slow)],
+                         indirect=True)
 def test_each_rank_gets_the_changes_of_its_rows(where, tmp_path):
     res = run(2, served_changes, where, timeout=120)
     for r in res:

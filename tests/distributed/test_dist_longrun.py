@@ -11,7 +11,7 @@ import cnrstore
 from cnrstore.format.load import load_manifest
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_merged_chains_give_single_process_ids(tmp_path, world):
     with cnrstore.open(tmp_path / "o", **OPTS) as o:
         want = [o.put_tables(step, {"t": longrun_tables(step)}).tables
