@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 
+import pytest
 import torch
 
 import cnrstore
 import engine
+from cnrstore.codec import native
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
@@ -82,3 +85,28 @@ def checkpoint_machine(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.OPTS, module.CheckpointMachine
+
+
+@contextlib.contextmanager
+def without_native_kernels():
+    """The numpy/torch path of the codec, as where no kernel can be built."""
+    real = native.kernel
+    native.kernel = lambda **kw: None  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        native.kernel = real  # type: ignore[assignment]
+
+
+def on_kernel_path(path: str, fallback: str):
+    """The body of a module-scoped fixture that runs a module's tests on the compiled
+    kernels and again on the fallback (``path == fallback``); skips the compiled run where
+    no kernel can be built. Module scope, patched by hand: hypothesis refuses
+    function-scoped fixtures."""
+    if path == fallback:
+        with without_native_kernels():
+            yield path
+        return
+    if native.kernel(wait=True) is None:
+        pytest.skip(f"no native kernel here: {native.status()['reason']}")
+    yield path

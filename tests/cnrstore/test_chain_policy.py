@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from ckpt_util import assert_identical, make_store, random_table
+from ckpt_util import assert_identical, make_store, random_table, without_native_kernels
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -209,12 +209,8 @@ def test_any_change_sequence_restores_every_step(max_chain, steps):
 
 
 def _grow_numpy(*args):
-    saved = native.kernel
-    native.kernel = lambda **kw: None  # type: ignore[assignment]
-    try:
+    with without_native_kernels():
         return _grow(*args)
-    finally:
-        native.kernel = saved  # type: ignore[assignment]
 
 
 @settings(max_examples=80, deadline=None)

@@ -9,6 +9,7 @@ import time
 import numpy as np
 import pytest
 import torch
+from ckpt_util import on_kernel_path
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -38,15 +39,7 @@ def kernel_path(request):
     """Every test runs on both CPU paths: the compiled one-pass kernel (native.py) and the
     numpy/torch loop used where no kernel can be built. Module-scoped (hypothesis refuses
     function-scoped fixtures), so it patches by hand."""
-    real = native.kernel
-    if request.param == "numpy":
-        native.kernel = lambda **kw: None  # type: ignore[assignment]
-    elif real(wait=True) is None:
-        pytest.skip(f"no native kernel here: {native.status()['reason']}")
-    try:
-        yield request.param
-    finally:
-        native.kernel = real  # type: ignore[assignment]
+    yield from on_kernel_path(request.param, fallback="numpy")
 
 
 def _random_table(dtype, rows, width, seed):

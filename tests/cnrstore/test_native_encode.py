@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from ckpt_util import without_native_kernels
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -45,12 +46,8 @@ def _both(rows: torch.Tensor):
         fast = run()
     finally:
         quantize._encode_int8_native = real
-    saved = native.kernel
-    native.kernel = lambda **kw: None  # type: ignore[assignment]
-    try:
+    with without_native_kernels():
         ref = run()
-    finally:
-        native.kernel = saved  # type: ignore[assignment]
     return fast, ref, calls
 
 

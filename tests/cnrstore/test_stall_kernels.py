@@ -10,6 +10,7 @@ import contextlib
 import numpy as np
 import pytest
 import torch
+from ckpt_util import on_kernel_path
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -23,16 +24,7 @@ from cnrstore.core import hostcodes
 
 @pytest.fixture(autouse=True, scope="module", params=["native", "fallback"])
 def kernel_path(request):
-    """Module-scoped (hypothesis refuses function-scoped fixtures), so it patches by hand."""
-    real = native.kernel
-    if request.param == "fallback":
-        native.kernel = lambda **kw: None  # type: ignore[assignment]
-    elif real(wait=True) is None:
-        pytest.skip(f"no native kernel here: {native.status()['reason']}")
-    try:
-        yield request.param
-    finally:
-        native.kernel = real  # type: ignore[assignment]
+    yield from on_kernel_path(request.param, fallback="fallback")
 
 
 def _reference(x, old):
