@@ -15,7 +15,7 @@ Runs of one seed share the base run's prefix: the base run keeps a copy of its s
 every restore point, and a run with restores starts from the copy at its first one (the
 exact scheme checks that this forking changes nothing, too).
 
-    .venv/bin/python benches/quality.py --out docs/quality          # the full experiment
+    .venv/bin/python benches/quality.py --jobs 2 --out docs/quality # the full experiment
     .venv/bin/python benches/quality.py --quick --out /tmp/q        # the smoke test (CI)
     .venv/bin/python benches/quality.py --report docs/quality       # tables and plots only
 """
@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import multiprocessing
 import shutil
 import sys
 import tempfile
@@ -140,60 +141,116 @@ def run_seed(task: Task, *, schemes=SCHEMES, restores=RESTORES, workdir: Path) -
             "seconds": round(time.perf_counter() - t0, 1)}
 
 
+def _header(task: Task) -> dict:
+    return {"steps": task.steps, "eval_samples": task.eval_samples,
+            "batch": task.config.batch_size, "dim": task.config.dim,
+            "table_rows": list(task.config.table_rows), "lr": task.config.lr,
+            "dense_lr": task.config.dense_lr, "anneal": task.anneal, "seeds": []}
+
+
+def _one_seed(job: tuple) -> tuple[str, dict, dict]:
+    """One (task, seed) of the experiment, in this process (a worker of ``--jobs``)."""
+    name, seed, quick, schemes, restores = job
+    with deterministic(), tempfile.TemporaryDirectory(prefix="cnrstore-quality-") as tmp:
+        task = make_task(name, seed, quick=quick)
+        return name, _header(task), run_seed(task, schemes=schemes, restores=restores,
+                                             workdir=Path(tmp))
+
+
 def experiment(tasks, *, seeds: int, schemes=SCHEMES, restores=RESTORES, quick=False,
-               out: Path | None = None, log=print) -> dict:
+               out: Path | None = None, jobs: int = 1, log=print) -> dict:
     """Every seed of every task; with ``out``, results.json is rewritten after each seed,
-    so an interrupted run keeps what it finished."""
+    so an interrupted run keeps what it finished. ``jobs`` > 1 runs that many seeds at
+    once in worker processes (each single-threaded, so the figures do not depend on it)."""
     doc: dict = {"schemes": list(schemes), "restores": list(restores), "quick": quick,
                  "tasks": {}}
-    with deterministic(), tempfile.TemporaryDirectory(prefix="cnrstore-quality-") as tmp:
-        for seed in range(seeds):  # seeds outermost: a cut-short run has all tasks
-            for name in tasks:
-                task = make_task(name, seed, quick=quick)
-                entry = doc["tasks"].setdefault(name, {
-                    "steps": task.steps, "eval_samples": task.eval_samples,
-                    "batch": task.config.batch_size, "dim": task.config.dim,
-                    "table_rows": list(task.config.table_rows), "seeds": []})
-                result = run_seed(task, schemes=schemes, restores=restores, workdir=Path(tmp))
-                entry["seeds"].append(result)
-                log(f"{name} seed {seed}: base loss {result['loss']:.6f} auc "
-                    f"{result['auc']:.6f} ({result['seconds']}s)")
-                if out is not None:
-                    out.mkdir(parents=True, exist_ok=True)
-                    (out / "results.json").write_text(json.dumps(doc, indent=1))
+    work = [(name, seed, quick, tuple(schemes), tuple(restores))
+            for seed in range(seeds) for name in tasks]  # seeds outermost: a cut-short
+    pool = None                                          # run has all tasks
+    if jobs > 1:
+        pool = multiprocessing.get_context("spawn").Pool(jobs, maxtasksperchild=1)
+        done = pool.imap(_one_seed, work)
+    else:
+        done = map(_one_seed, work)
+    try:
+        for name, header, result in done:
+            entry = doc["tasks"].setdefault(name, header)
+            entry["seeds"].append(result)
+            log(f"{name} seed {result['seed']}: base loss {result['loss']:.6f} auc "
+                f"{result['auc']:.6f} ({result['seconds']}s)")
+            if out is not None:
+                out.mkdir(parents=True, exist_ok=True)
+                (out / "results.json").write_text(json.dumps(doc, indent=1))
+    finally:
+        if pool is not None:
+            pool.terminate()
     return doc
 
 
 def plateau(name: str, seed: int = 0, *, quick: bool = False, log=print) -> list[dict]:
-    """How close a task's base run ends to its plateau: held-out loss and AUC at a quarter,
-    half, three quarters and the end of the run, and at the end of a run twice as long
-    (its learning rates annealed over twice the steps)."""
+    """How close a task's base run ends to its plateau: held-out loss and AUC after every
+    tenth of the run, and at the end of a run twice as long (its learning rates decayed
+    over twice the steps). ``last_tenth``: the relative change of the held-out loss over
+    the last 10% of the run."""
     rows = []
     with deterministic():
         for factor in (1, 2):
             task = make_task(name, seed, quick=quick)
             task = replace(task, steps=task.steps * factor)
-            run = _Run(task)
-            marks = [task.steps * k // 4 for k in (1, 2, 3, 4)] if factor == 1 else [task.steps]
+            run, curve = _Run(task), []
+            marks = [task.steps * k // 10 for k in range(1, 11)] if factor == 1 else [task.steps]
             for mark in marks:
                 run.train(mark)
                 loss, auc = evaluate(run.model, task.eval)
+                curve.append(loss)
                 rows.append({"task": name, "steps": mark, "of": task.steps, "loss": loss,
                              "auc": auc})
                 log(f"{name} seed {seed}: step {mark} of {task.steps}: loss {loss:.6f} "
                     f"auc {auc:.6f}")
+            if factor == 1:
+                rows[-1]["last_tenth"] = (curve[-1] - curve[-2]) / curve[-2]
+                log(f"{name} seed {seed}: the last tenth changes the loss by "
+                    f"{rows[-1]['last_tenth']:+.2e}")
     return rows
 
 
 def merge(docs: list[dict]) -> dict:
-    """One results document from several runs of the same schemes and restores."""
+    """One results document from several runs (e.g. one per task, or more schemes for the
+    same seeds). Runs of the same task and seed are joined: their base runs must be the
+    same (same setup, deterministic training), and a cell measured twice must agree."""
     doc = copy.deepcopy(docs[0])
     for other in docs[1:]:
-        if (other["schemes"], other["restores"], other["quick"]) != (
-                doc["schemes"], doc["restores"], doc["quick"]):
-            raise ValueError("results of different schemes, restores or modes do not merge")
-        doc["tasks"].update(other["tasks"])
-        doc["wall_s"] = doc.get("wall_s", 0) + other.get("wall_s", 0)
+        if other["quick"] != doc["quick"]:
+            raise ValueError("results of the quick mode and of the full run do not merge")
+        for name, task in other["tasks"].items():
+            mine = doc["tasks"].setdefault(name, copy.deepcopy({**task, "seeds": []}))
+            if any(mine[k] != v for k, v in task.items() if k != "seeds" and k in mine):
+                raise ValueError(f"{name}: the runs to merge differ in setup")
+            seeds = {s["seed"]: s for s in mine["seeds"]}
+            for seed in task["seeds"]:
+                have = seeds.get(seed["seed"])
+                if have is None:
+                    mine["seeds"].append(copy.deepcopy(seed))
+                    continue
+                if (have["loss"], have["auc"]) != (seed["loss"], seed["auc"]):
+                    raise ValueError(f"{name} seed {seed['seed']}: base runs differ")
+                runs = {(r["scheme"], r["restores"]): r for r in have["runs"]}
+                for run in seed["runs"]:
+                    key = (run["scheme"], run["restores"])
+                    if key in runs and runs[key] != run:
+                        raise ValueError(f"{name} seed {seed['seed']}: {key} differs")
+                    if key not in runs:
+                        have["runs"].append(copy.deepcopy(run))
+                if "seconds" in seed:
+                    have["seconds"] = have.get("seconds", 0) + seed["seconds"]
+            mine["seeds"].sort(key=lambda s: s["seed"])
+        order = list(SCHEMES) + [s for s in doc["schemes"] + other["schemes"]
+                                 if s not in SCHEMES]
+        doc["schemes"] = [s for s in dict.fromkeys(order)
+                          if s in doc["schemes"] or s in other["schemes"]]
+        doc["restores"] = sorted(set(doc["restores"]) | set(other["restores"]))
+        if "wall_s" in other:
+            doc["wall_s"] = doc.get("wall_s", 0) + other["wall_s"]
     return doc
 
 
@@ -206,6 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, help=f"seeds per task (default {SEEDS})")
     parser.add_argument("--schemes", nargs="+", choices=SCHEMES)
     parser.add_argument("--restores", type=int, nargs="+")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="seeds run at once, in worker processes (the machine's cores)")
     parser.add_argument("--out", type=Path, help="write results.json, the plots and "
                         "report.md into this folder")
     parser.add_argument("--report", type=Path, nargs="+", metavar="DIR",
@@ -213,8 +272,8 @@ def main(argv: list[str] | None = None) -> int:
                         "their tasks together, e.g. of one run per task; written to --out "
                         "or the first DIR)")
     parser.add_argument("--plateau", action="store_true",
-                        help="run nothing else: where each task's base run (seed 0) ends, "
-                        "against a run twice as long")
+                        help="run nothing else: each task's held-out loss (seed 0) after "
+                        "every tenth of its run, and after a run twice as long")
     args = parser.parse_args(argv)
     if args.plateau:
         rows = [r for name in args.tasks for r in plateau(name, quick=args.quick)]
@@ -234,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
                      schemes=tuple(args.schemes or (QUICK["schemes"] if args.quick else SCHEMES)),
                      restores=tuple(args.restores or (QUICK["restores"] if args.quick
                                                       else RESTORES)),
-                     quick=args.quick, out=args.out,
+                     quick=args.quick, out=args.out, jobs=args.jobs,
                      log=lambda s: print(s, flush=True))
     doc["wall_s"] = round(time.perf_counter() - t0)
     if args.out is not None:

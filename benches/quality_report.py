@@ -72,12 +72,14 @@ def derive_policy(doc: dict) -> list[tuple[int, str]]:
     tasks = [cells(t) for t in doc["tasks"].values()]
     restores = sorted(doc["restores"])
 
-    def ok(scheme: str, n: int) -> bool:
+    def ok(scheme: str, n: int) -> bool:  # a cell not measured on a task is not trusted
         return scheme == "exact" or all(
-            c[(scheme, m)]["within"] for c in tasks for m in restores if m <= n)
+            (scheme, m) in c and c[(scheme, m)]["within"]
+            for c in tasks for m in restores if m <= n)
 
     def cost(scheme: str) -> float:
-        return max(c[(scheme, restores[0])]["bytes"] for c in tasks)
+        return max((c[(scheme, m)]["bytes"] for c in tasks for m in restores
+                    if (scheme, m) in c), default=math.inf)
 
     policy: list[tuple[int, str]] = []
     for n in restores:
@@ -102,16 +104,18 @@ def markdown(doc: dict) -> str:
         lines += [f"### {name}: {len(task['seeds'])} seeds, {task['steps']} steps of "
                   f"{task['batch']}, {task['eval_samples']:,} held-out samples; base run "
                   f"loss {base_loss:.4f}, AUC {base_auc:.4f} (mean over seeds)", "",
-                  "| scheme | restores | loss change | AUC change | within 0.01% | "
-                  "bytes/ckpt |", "|---|---|---|---|---|---|"]
+                  "| scheme | restores | seeds | loss change | AUC change | within 0.01% | "
+                  "bytes/ckpt |", "|---|---|---|---|---|---|---|"]
         for scheme in doc["schemes"]:
             for n in doc["restores"]:
+                if (scheme, n) not in c:
+                    continue
                 x = c[(scheme, n)]
                 within = "yes" if x["within"] else "**no**"
                 if x["identical"]:
                     within += " (bit-identical)"
-                lines.append(f"| {scheme} | {n} | {_fmt(x['loss'])} | {_fmt(x['auc'])} | "
-                             f"{within} | {x['bytes'] / 1e3:,.1f} kB |")
+                lines.append(f"| {scheme} | {n} | {x['n']} | {_fmt(x['loss'])} | "
+                             f"{_fmt(x['auc'])} | {within} | {x['bytes'] / 1e3:,.1f} kB |")
         lines.append("")
     policy = derive_policy(doc)
     lines += ["### auto thresholds the measurement supports", "",
@@ -139,8 +143,9 @@ def plots(doc: dict, out: Path) -> list[Path]:
         for row, metric in enumerate(("loss", "auc")):
             ax = axes[row][col]
             for k, scheme in enumerate(doc["schemes"]):
-                ns = doc["restores"]
-                xs = [n * (1 + 0.04 * (k - 2)) for n in ns]  # side by side, bars visible
+                ns = [n for n in doc["restores"] if (scheme, n) in c]
+                shift = 0.04 * (k - (len(doc["schemes"]) - 1) / 2)
+                xs = [n * (1 + shift) for n in ns]  # side by side, bars visible
                 ax.errorbar(xs, [c[(scheme, n)][metric][0] for n in ns],
                             yerr=[c[(scheme, n)][metric][1] for n in ns],
                             marker="o", capsize=3, label=scheme)
@@ -163,11 +168,13 @@ def plots(doc: dict, out: Path) -> list[Path]:
     for col, name in enumerate(names):
         c, ax = cells(doc["tasks"][name]), axes[0][col]
         for n in doc["restores"]:
-            xs = [c[(s, n)]["bytes"] / 1e3 for s in doc["schemes"]]
-            ax.errorbar(xs, [c[(s, n)]["loss"][0] for s in doc["schemes"]],
-                        yerr=[c[(s, n)]["loss"][1] for s in doc["schemes"]],
+            schemes = sorted((s for s in doc["schemes"] if (s, n) in c),
+                             key=lambda s: c[(s, n)]["bytes"])
+            xs = [c[(s, n)]["bytes"] / 1e3 for s in schemes]
+            ax.errorbar(xs, [c[(s, n)]["loss"][0] for s in schemes],
+                        yerr=[c[(s, n)]["loss"][1] for s in schemes],
                         marker="o", capsize=3, label=f"{n} restores")
-            for x, s in zip(xs, doc["schemes"]):
+            for x, s in zip(xs, schemes):
                 ax.annotate(s, (x, c[(s, n)]["loss"][0]), fontsize=7)
         ax.axhline(BUDGET, color="red", ls="--", lw=1, label="0.01% budget")
         ax.set_xscale("log")

@@ -108,7 +108,8 @@ def _doc(changes: dict[tuple[str, int], tuple[float, float]], *, spread=1e-6) ->
     restores = sorted({n for _, n in changes})
     task = {"steps": 1, "eval_samples": 1, "batch": 1, "dim": 1, "table_rows": [1],
             "seeds": seeds}
-    return {"schemes": schemes, "restores": restores, "tasks": {"a": task, "b": task}}
+    return {"schemes": schemes, "restores": restores, "quick": False,
+            "tasks": {"a": task, "b": task}}
 
 
 def test_budget_judges_the_worse_end_of_both_intervals():
@@ -134,6 +135,41 @@ def test_policy_takes_the_cheapest_scheme_within_budget_up_to_each_count():
     doc = _doc({("exact", 1): (0, 0), ("exact", 5): (0, 0), ("int4", 1): bad,
                 ("int4", 5): ok})
     assert rep.derive_policy(doc) == [(5, "exact")]
+
+
+def test_merge_joins_the_runs_of_a_seed_and_refuses_a_different_setup():
+    one = _doc({("exact", 1): (0, 0), ("int8", 1): (1e-5, -1e-5)})
+    more = _doc({("exact", 1): (0, 0), ("int2", 1): (5e-4, -5e-4), ("int2", 5): (9e-4, 0)})
+    merged = quality.merge([one, more])
+    assert merged["schemes"] == ["exact", "int8", "int2"] and merged["restores"] == [1, 5]
+    c = rep.cells(merged["tasks"]["a"])
+    assert set(c) == {("exact", 1), ("int8", 1), ("int2", 1), ("int2", 5)}
+    assert all(x["n"] == 6 for x in c.values())
+    assert rep.derive_policy(merged) == [(1, "int8"), (5, "exact")]  # int8 unmeasured at 5
+    changed = _doc({("exact", 1): (0, 0), ("int8", 1): (2e-5, -1e-5)})
+    with pytest.raises(ValueError, match="differs"):
+        quality.merge([one, changed])
+    other = json.loads(json.dumps(more))
+    other["tasks"]["a"]["seeds"][0]["loss"] = 0.4  # not the same base run
+    with pytest.raises(ValueError, match="base runs differ"):
+        quality.merge([one, other])
+    other = json.loads(json.dumps(more))
+    other["tasks"]["a"]["steps"] = 2
+    with pytest.raises(ValueError, match="setup"):
+        quality.merge([one, other])
+
+
+@pytest.mark.slow
+def test_seeds_in_worker_processes_give_the_same_results(tmp_path):
+    kw = {"seeds": 2, "schemes": ("exact", "int4"), "restores": (2,), "quick": True,
+          "log": lambda s: None}
+    alone = quality.experiment(["synthetic"], jobs=1, **kw)
+    workers = quality.experiment(["synthetic"], jobs=2, out=tmp_path, **kw)
+    for doc in (alone, workers):
+        for seed in doc["tasks"]["synthetic"]["seeds"]:
+            seed.pop("seconds")
+    assert alone == workers == quality.merge([alone, workers])
+    assert json.loads((tmp_path / "results.json").read_text())["tasks"] == workers["tasks"]
 
 
 def test_movielens_is_read_as_a_ctr_task():
