@@ -158,14 +158,16 @@ def _one_seed(job: tuple) -> tuple[str, dict, dict]:
 
 
 def experiment(tasks, *, seeds: int, schemes=SCHEMES, restores=RESTORES, quick=False,
-               out: Path | None = None, jobs: int = 1, log=print) -> dict:
+               out: Path | None = None, jobs: int = 1, first_seed: int = 0,
+               log=print) -> dict:
     """Every seed of every task; with ``out``, results.json is rewritten after each seed,
-    so an interrupted run keeps what it finished. ``jobs`` > 1 runs that many seeds at
-    once in worker processes (each single-threaded, so the figures do not depend on it)."""
+    so an interrupted run keeps what it finished (``first_seed`` goes on from there; merge
+    the two with ``--report``). ``jobs`` > 1 runs that many seeds at once in worker
+    processes (each single-threaded, so the figures do not depend on it)."""
     doc: dict = {"schemes": list(schemes), "restores": list(restores), "quick": quick,
                  "tasks": {}}
     work = [(name, seed, quick, tuple(schemes), tuple(restores))
-            for seed in range(seeds) for name in tasks]  # seeds outermost: a cut-short
+            for seed in range(first_seed, seeds) for name in tasks]  # seeds outermost: a cut-short
     pool = None                                          # run has all tasks
     if jobs > 1:
         pool = multiprocessing.get_context("spawn").Pool(jobs, maxtasksperchild=1)
@@ -261,6 +263,8 @@ def main(argv: list[str] | None = None) -> int:
                         f"schemes {' '.join(QUICK['schemes'])}")
     parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=TASKS)
     parser.add_argument("--seeds", type=int, help=f"seeds per task (default {SEEDS})")
+    parser.add_argument("--first-seed", type=int, default=0, help="skip the seeds below "
+                        "this one (to finish a cut-short run; merge them with --report)")
     parser.add_argument("--schemes", nargs="+", choices=SCHEMES)
     parser.add_argument("--restores", type=int, nargs="+")
     parser.add_argument("--jobs", type=int, default=1,
@@ -294,6 +298,7 @@ def main(argv: list[str] | None = None) -> int:
                      restores=tuple(args.restores or (QUICK["restores"] if args.quick
                                                       else RESTORES)),
                      quick=args.quick, out=args.out, jobs=args.jobs,
+                     first_seed=args.first_seed,
                      log=lambda s: print(s, flush=True))
     doc["wall_s"] = round(time.perf_counter() - t0)
     if args.out is not None:
