@@ -1,7 +1,7 @@
 """A model of what a long run must write (issue 27): union growth, a lower bound, and the
 chain policy replayed on the bench's rows, in seconds instead of bench_longrun's hours.
 
-Three parts, all on the rows benches/workload.py changes (Zipf s=1.05, the bench's two
+Parts, all on the rows benches/workload.py changes (Zipf s=1.05, the bench's two
 500 K-row tables, 32768-row blocks of 256-byte rows):
 
 - ``union``: the share of a table's rows changed at least once in t steps. Each row r
@@ -19,6 +19,12 @@ Three parts, all on the rows benches/workload.py changes (Zipf s=1.05, the bench
   patch of the union since it and the patches above: a full rewrite every T steps, a
   merge every m, each merge writing u(t) and the patches f per step; minimized over T and
   m with the chain averaging <= 0.5 of a block (the read target, blocks staggered).
+- ``collapse_bound``: the least write of ANY chain on whole-block bases (full block
+  rewritten every T steps, every row version since read), each row free to be collapsed
+  (rewritten, its older versions dropped) at its own period: looser than a ref chain.
+- ``hot_policy``: the policy with a patch H of the block's hot rows (change rate by an
+  exponential average) on top of the chain, rewritten every step; ``family(hot=)`` its
+  family bound.
 - ``policy``: cnrstore's chain policy (core/chainpolicy.py: per-block budget over
   BUDGET_RANGE of the block's bytes, merged patch of the union since the full block when
   <= MERGE_SHARE of the budget, else a full block; depth caps of max_chain 64) replayed
@@ -28,6 +34,8 @@ Three parts, all on the rows benches/workload.py changes (Zipf s=1.05, the bench
 
     .venv/bin/python benches/model_longrun.py                # all three, 200 steps
     .venv/bin/python benches/model_longrun.py --steps 60 --budget 0.5:1 0.3:0.6
+    .venv/bin/python benches/model_longrun.py --steps 150 --budget 0.5:1 0.4:0.9 0.6:1.2 \
+        --hot 0.2:0.7:0.5 0.05:0.5:0.3                      # issue 27, hot patch (~10 min)
 """
 
 from __future__ import annotations
