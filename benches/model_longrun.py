@@ -35,7 +35,7 @@ Parts, all on the rows benches/workload.py changes (Zipf s=1.05, the bench's two
     .venv/bin/python benches/model_longrun.py                # all three, 200 steps
     .venv/bin/python benches/model_longrun.py --steps 60 --budget 0.5:1 0.3:0.6
     .venv/bin/python benches/model_longrun.py --steps 150 --budget 0.5:1 0.4:0.9 0.6:1.2 \
-        --hot 0.2:0.7:0.5 0.05:0.5:0.3                      # issue 27, hot patch (~10 min)
+        --hot 0.2:0.7:0.5 0.05:0.5:0.3                      # issue 27, hot patch (~1 CPU min)
 """
 
 from __future__ import annotations
