@@ -3,6 +3,11 @@
 
     .venv/bin/python benches/bench_torchrec.py --out /tmp/bench_tr          # 4 ranks
     .venv/bin/python benches/bench_torchrec.py --quick --out /tmp/bench_trq # smoke, ~1 min
+    # one part alone, on checkpoints kept from an earlier run's save part:
+    .venv/bin/python benches/bench_torchrec.py --parts save --root /tmp/trk --out /tmp/tr
+    .venv/bin/python benches/bench_torchrec.py --parts restore --root /tmp/trk --out /tmp/tr \
+        --profile /tmp/trp        # + per-rank cProfile, CPU time and page faults
+    .venv/bin/python benches/bench_torchrec.py --parts overhead --every 100 --out /tmp/tr
 
 A DistributedModelParallel DLRMTrain (cnrstore/demo/torchrec_demo.py: tables row-wise,
 table-wise and table-row-wise, row-wise Adagrad fused into backward) trains at ``--world``
@@ -27,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import socket
@@ -53,6 +59,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--train", type=int, default=10, help="training steps between them")
     p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset")
     p.add_argument("--quick", action="store_true", help="small tables, 2 ranks")
+    p.add_argument("--parts", default="save,restore,overhead",
+                   help="comma-separated subset: save, restore (of a saved run), overhead")
+    p.add_argument("--root", default=None, help="keep the checkpoints here (a restore "
+                   "part alone reads those of an earlier save part with the same sizes)")
+    p.add_argument("--overhead-systems", default="none,cnr,dcp_async",
+                   help="comma-separated subset of the overhead runs ('none' is needed)")
+    p.add_argument("--profile", default=None, help="directory: each rank's cProfile of "
+                   "its timed restore / training loop (.prof and a .txt of the top)")
     p.add_argument("--out", required=True)
     p.add_argument("--overhead-steps", type=int, default=200,
                    help="training steps of each overhead run (0: no overhead runs)")
@@ -149,7 +163,7 @@ def _restore(rank: int, world: int, a, root: str, system: str) -> dict:
     import torch
     import torch.distributed as dist
 
-    from benches.measure import evict_page_cache
+    from benches.measure import Measured, evict_page_cache
     from cnrstore.distributed.leaves import shard_leaf
     from cnrstore.distributed.torchrec import _leaf_paths
 
@@ -159,17 +173,18 @@ def _restore(rank: int, world: int, a, root: str, system: str) -> dict:
         evict_page_cache(os.path.join(root, system))
     dist.barrier()
     t0 = time.perf_counter()
-    if system == "cnr":
-        import cnrstore
-        from cnrstore.distributed import torchrec as ctr
+    with Measured(a.profile, f"restore_{system}", rank) as m:
+        if system == "cnr":
+            import cnrstore
+            from cnrstore.distributed import torchrec as ctr
 
-        store = cnrstore.open(os.path.join(root, system), group=dist.group.WORLD)
-        ctr.load(store, last, dmp)
-        store.close()
-    else:
-        import torch.distributed.checkpoint as dcp
+            store = cnrstore.open(os.path.join(root, system), group=dist.group.WORLD)
+            ctr.load(store, last, dmp)
+            store.close()
+        else:
+            import torch.distributed.checkpoint as dcp
 
-        dcp.load(_state(dmp), checkpoint_id=os.path.join(root, system, f"step{last}"))
+            dcp.load(_state(dmp), checkpoint_id=os.path.join(root, system, f"step{last}"))
     seconds = time.perf_counter() - t0
     dist.barrier()
     rows = {}
@@ -177,7 +192,7 @@ def _restore(rank: int, world: int, a, root: str, system: str) -> dict:
         for s in shard_leaf(leaf) or []:
             rows[(path, s.row_offset)] = s.local.clone()
     torch.save(rows, os.path.join(root, f"restored_{system}_{rank}.pt"))
-    return {"restore_s": seconds, "restore_all_s": time.perf_counter() - t0}
+    return {"restore_s": seconds, "restore_all_s": time.perf_counter() - t0, **m.got}
 
 
 def _train(rank: int, world: int, a, root: str, system: str, every: int) -> dict:
@@ -190,6 +205,7 @@ def _train(rank: int, world: int, a, root: str, system: str, every: int) -> dict
     import torch.distributed as dist
 
     import cnrstore
+    from benches.measure import Measured
     from cnrstore.demo import torchrec_demo as d
 
     dmp, trk = _dmp(a, world, rank, tracker=system == "cnr", dtensor=system == "dcp_async")
@@ -214,29 +230,36 @@ def _train(rank: int, world: int, a, root: str, system: str, every: int) -> dict
     t0 = time.perf_counter()
     pending = None
     saves = 0
-    for k, batch in enumerate(batches[1:], start=1):
-        loss, _ = dmp(batch)
-        loss.backward()
-        if system != "none" and k % every == 0:
-            saves += 1
-            if store is not None:
-                pending = store.put_state(k, _state(dmp), blocking=False, touched=trk)
-            else:
-                import torch.distributed.checkpoint as dcp
+    stalls = []
+    with Measured(a.profile, f"train_{system}_{every}", rank) as m:
+        for k, batch in enumerate(batches[1:], start=1):
+            loss, _ = dmp(batch)
+            loss.backward()
+            if system != "none" and k % every == 0:
+                saves += 1
+                t1 = time.perf_counter()
+                if store is not None:
+                    pending = store.put_state(k, _state(dmp), blocking=False, touched=trk)
+                else:
+                    import torch.distributed.checkpoint as dcp
 
-                if pending is not None:
-                    pending.result()
-                pending = dcp.async_save(_state(dmp), process_group=ckpt_pg,
-                                         checkpoint_id=os.path.join(where, f"step{k}"))
-    if pending is not None:
-        pending.result()
+                    if pending is not None:
+                        pending.result()
+                    pending = dcp.async_save(_state(dmp), process_group=ckpt_pg,
+                                             checkpoint_id=os.path.join(where, f"step{k}"))
+                stalls.append(time.perf_counter() - t1)
+        t1 = time.perf_counter()
+        if pending is not None:
+            pending.result()
+        tail = time.perf_counter() - t1
     seconds = time.perf_counter() - t0
     dist.barrier()
     if store is not None:
         store.close()
     if rank == 0:
         shutil.rmtree(where, ignore_errors=True)
-    return {"seconds": seconds, "saves": saves}
+    return {"seconds": seconds, "saves": saves, "stall_s": sum(stalls), "tail_s": tail,
+            **m.got}
 
 
 def overhead(a, root: str) -> dict:
@@ -245,16 +268,20 @@ def overhead(a, root: str) -> dict:
     that a change of the machine's load hits them alike."""
     out: dict = {}
     for every in [int(x) for x in a.every.split(",")]:
-        runs: dict[str, list[float]] = {s: [] for s in ("none", "cnr", "dcp_async")}
+        systems = a.overhead_systems.split(",")
+        runs: dict[str, list[float]] = {s: [] for s in systems}
+        ranks: dict[str, list] = {s: [] for s in systems}
         for _ in range(a.repeat):
             for system in runs:
                 got = spawn(a.world, "_train", a, root, system, every)
                 runs[system].append(max(g["seconds"] for g in got))
+                ranks[system].append(got)
         med = {s: statistics.median(v) for s, v in runs.items()}
-        over = {s: med[s] / med["none"] - 1.0 for s in ("cnr", "dcp_async")}
+        over = {s: med[s] / med["none"] - 1.0 for s in systems if s != "none"}
         out[str(every)] = {"runs": runs, "median_s": med, "overhead": over,
                            "cnr_over_dcp": over["cnr"] / over["dcp_async"]
-                           if over["dcp_async"] > 0 else None}
+                           if over.get("dcp_async", 0) > 0 and "cnr" in over else None,
+                           "ranks": ranks}
         print("overhead every", every, json.dumps(out[str(every)]), flush=True)
     return out
 
@@ -302,25 +329,40 @@ def spawn(world: int, fn: str, *fargs: Any, timeout: float = 1800) -> Any:
 def run(a) -> dict:
     import torch
 
-    root = tempfile.mkdtemp(prefix="bench_tr_", dir=a.out)
+    parts = set(a.parts.split(","))
+    root = a.root or tempfile.mkdtemp(prefix="bench_tr_", dir=a.out)
+    os.makedirs(root, exist_ok=True)
     report: dict[str, Any] = {"args": vars(a), "systems": {}}
     total = sum(_hash(a)) * a.dim * 4
     report["table_bytes"] = total
-    for system in a.systems.split(","):
-        saves = spawn(a.world, "_save", a, root, system)[0]
-        report["systems"][system] = {"saves": saves, "restore_s": None}
-        print(system, json.dumps(report["systems"][system]), flush=True)
+    saved = os.path.join(root, "saves.json")
+    if "save" in parts:
+        for system in a.systems.split(","):
+            saves = spawn(a.world, "_save", a, root, system)[0]
+            report["systems"][system] = {"saves": saves, "restore_s": None}
+            print(system, json.dumps(report["systems"][system]), flush=True)
+        with open(saved, "w") as f:
+            json.dump({"args": vars(a), "systems": report["systems"]}, f)
+    elif os.path.exists(saved):
+        with open(saved) as f:
+            got = json.load(f)
+        if any(got["args"][k] != getattr(a, k) for k in ("rows", "dim", "world", "checkpoints",
+                                                         "train")):
+            raise SystemExit(f"{root} holds checkpoints of other sizes: {got['args']}")
+        report["systems"] = got["systems"]
     # Restores interleaved, cnrstore and DCP in each repeat; the median of each.
     restores: dict[str, list[float]] = {s: [] for s in ("cnr", "dcp")
-                                        if s in report["systems"]}
+                                        if s in report["systems"] and "restore" in parts}
     for _ in range(a.repeat):
         for system in restores:
             got = spawn(a.restore_world, "_restore", a, root, system)
             restores[system].append(max(g["restore_all_s"] for g in got))
+            report["systems"][system].setdefault("restore_ranks", []).append(got)
+            print("restore", system, json.dumps(got), flush=True)
     for system, times in restores.items():
         report["systems"][system]["restore_s"] = statistics.median(times)
         report["systems"][system]["restore_runs"] = times
-    if a.overhead_steps:
+    if a.overhead_steps and "overhead" in parts:
         report["overhead"] = overhead(a, root)
     same = None
     if os.path.exists(os.path.join(root, "restored_dcp_0.pt")) and os.path.exists(
@@ -330,7 +372,8 @@ def run(a) -> dict:
                 for k, v in torch.load(os.path.join(root, f"restored_cnr_{r}.pt")).items())
             for r in range(a.restore_world))
     report["restores_agree"] = same
-    shutil.rmtree(root, ignore_errors=True)
+    if a.root is None:
+        shutil.rmtree(root, ignore_errors=True)
     return report
 
 
@@ -351,8 +394,8 @@ def markdown(report: dict) -> str:
         lines.append(f"| {name} | {s0['bytes'] / 1e6:.1f} MB, {s0['stall_s']:.2f} s, "
                      f"{s0['put_s']:.2f} s | {mean('bytes') / 1e6:.2f} MB, "
                      f"{mean('stall_s'):.2f} s, {mean('put_s'):.2f} s | {rest} |")
-    if "cnr" in report["systems"] and "dcp" in report["systems"]:
-        c, d = report["systems"]["cnr"], report["systems"]["dcp"]
+    c, d = report["systems"].get("cnr"), report["systems"].get("dcp")
+    if c and d and c["restore_s"] is not None and d["restore_s"] is not None:
         lines.append(f"\nCold restore (median of {len(c['restore_runs'])}): cnrstore "
                      f"{c['restore_s']:.2f} s, dcp.load {d['restore_s']:.2f} s: "
                      f"{c['restore_s'] / d['restore_s']:.2f}x")
@@ -365,8 +408,8 @@ def markdown(report: dict) -> str:
         for every, r in report["overhead"].items():
             ratio = r["cnr_over_dcp"]
             lines.append(f"| {every} steps | {r['median_s']['none']:.2f} | "
-                         f"{r['overhead']['cnr'] * 100:+.1f}% | "
-                         f"{r['overhead']['dcp_async'] * 100:+.1f}% | "
+                         f"{r['overhead'].get('cnr', math.nan) * 100:+.1f}% | "
+                         f"{r['overhead'].get('dcp_async', math.nan) * 100:+.1f}% | "
                          f"{'–' if ratio is None else f'{ratio:.2f}'} |")
     return "\n".join(lines)
 
