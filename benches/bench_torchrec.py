@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import shutil
 import socket
@@ -63,7 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="comma-separated subset: save, restore (of a saved run), overhead")
     p.add_argument("--root", default=None, help="keep the checkpoints here (a restore "
                    "part alone reads those of an earlier save part with the same sizes)")
-    p.add_argument("--overhead-systems", default="none,cnr,dcp_async",
+    p.add_argument("--overhead-systems", default="none,cnr,dcp_async,tracker,cnr_fp",
                    help="comma-separated subset of the overhead runs ('none' is needed)")
     p.add_argument("--profile", default=None, help="directory: each rank's cProfile of "
                    "its timed restore / training loop (.prof and a .txt of the top)")
@@ -187,12 +186,13 @@ def _restore(rank: int, world: int, a, root: str, system: str) -> dict:
             dcp.load(_state(dmp), checkpoint_id=os.path.join(root, system, f"step{last}"))
     seconds = time.perf_counter() - t0
     dist.barrier()
+    every_rank = time.perf_counter() - t0  # the job waits for its slowest rank
     rows = {}
     for path, leaf in _leaf_paths(_state(dmp)):
         for s in shard_leaf(leaf) or []:
             rows[(path, s.row_offset)] = s.local.clone()
     torch.save(rows, os.path.join(root, f"restored_{system}_{rank}.pt"))
-    return {"restore_s": seconds, "restore_all_s": time.perf_counter() - t0, **m.got}
+    return {"restore_s": seconds, "restore_all_s": every_rank, **m.got}
 
 
 def _train(rank: int, world: int, a, root: str, system: str, every: int) -> dict:
@@ -201,18 +201,22 @@ def _train(rank: int, world: int, a, root: str, system: str, every: int) -> dict
     checkpoint durable: ``cnr`` puts
     non-blocking with TorchRec's tracker as ``touched=``, ``dcp_async`` is
     dcp.async_save, each waiting for its previous save only when the next one starts
-    (DCP allows one in flight; cnrstore queues up to max_inflight)."""
+    (DCP allows one in flight; cnrstore queues up to max_inflight). Two runs split
+    cnrstore's figure: ``tracker`` trains with the tracker on and only reads it at each
+    checkpoint (its cost is TorchRec's lookup hook), ``cnr_fp`` puts without a tracker
+    (fingerprints find the changed rows)."""
     import torch.distributed as dist
 
     import cnrstore
     from benches.measure import Measured
     from cnrstore.demo import torchrec_demo as d
 
-    dmp, trk = _dmp(a, world, rank, tracker=system == "cnr", dtensor=system == "dcp_async")
+    dmp, trk = _dmp(a, world, rank, tracker=system in ("cnr", "tracker"),
+                    dtensor=system == "dcp_async")
     where = os.path.join(root, f"{system}_{every}")
     data = d.batches(0, 0, _hash(a))
     batches = [d.local_part(next(data), rank, world) for _ in range(a.overhead_steps)]
-    store = cnrstore.open(where, group=dist.group.WORLD) if system == "cnr" else None
+    store = cnrstore.open(where, group=dist.group.WORLD) if system.startswith("cnr") else None
     # async_save's collectives run on a thread beside training's: a group of their own
     ckpt_pg = dist.new_group(backend="gloo") if system == "dcp_async" else None
     loss, _ = dmp(batches[0])  # the first step builds what TorchRec builds lazily
@@ -221,6 +225,8 @@ def _train(rank: int, world: int, a, root: str, system: str, every: int) -> dict
     # (cnrstore's is the full one, whose blocks the timed ones diff against).
     if store is not None:  # reading the tracker there: the warm-up's lookups are not timed
         store.put_state(0, _state(dmp), touched=trk)
+    elif trk is not None:
+        trk.get_unique_ids()
     elif system == "dcp_async":
         import torch.distributed.checkpoint as dcp
 
@@ -240,6 +246,8 @@ def _train(rank: int, world: int, a, root: str, system: str, every: int) -> dict
                 t1 = time.perf_counter()
                 if store is not None:
                     pending = store.put_state(k, _state(dmp), blocking=False, touched=trk)
+                elif trk is not None:
+                    trk.get_unique_ids()
                 else:
                     import torch.distributed.checkpoint as dcp
 
@@ -299,6 +307,22 @@ def _rank_main(rank: int, world: int, port: int, out: str, fn: str, fargs: tuple
     dist.destroy_process_group()
 
 
+def _bytecode() -> None:
+    """Compiled bytecode of cnrstore for the ranks, as an installed package has it (torch's
+    and TorchRec's are compiled in site-packages): where PYTHONDONTWRITEBYTECODE is set
+    (this machine), each rank would otherwise compile cnrstore's modules from source
+    inside its timed restore (0.14 s a rank, measured), which dcp.load does not pay."""
+    if os.environ.get("PYTHONPYCACHEPREFIX"):
+        return
+    import compileall
+
+    prefix = os.path.join(tempfile.gettempdir(), f"cnr-bench-pyc-{os.getuid()}")
+    sys.pycache_prefix = prefix
+    for pkg in ("cnrstore", "engine"):
+        compileall.compile_dir(os.path.join(REPO, pkg), quiet=1)
+    os.environ["PYTHONPYCACHEPREFIX"] = prefix
+
+
 def spawn(world: int, fn: str, *fargs: Any, timeout: float = 1800) -> Any:
     import torch.multiprocessing as mp
 
@@ -306,6 +330,7 @@ def spawn(world: int, fn: str, *fargs: Any, timeout: float = 1800) -> Any:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     os.environ["OMP_NUM_THREADS"] = "1"
+    _bytecode()
     out = tempfile.mktemp()
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_rank_main, args=(r, world, port, out, fn, fargs))
@@ -404,13 +429,17 @@ def markdown(report: dict) -> str:
         lines += ["", f"Training overhead: {a['overhead_steps']} steps at {a['world']} ranks, "
                   f"wall time over the no-checkpoint run (median of {a['repeat']}):", "",
                   "| checkpoint every | no checkpoint s | cnrstore (tracker, non-blocking) | "
-                  "dcp.async_save | cnrstore / async_save |", "| --- | --- | --- | --- | --- |"]
+                  "dcp.async_save | cnrstore / async_save | tracker alone | cnrstore, no "
+                  "tracker |", "| --- | --- | --- | --- | --- | --- | --- |"]
+
+        def pct(o: dict, k: str) -> str:
+            return f"{o[k] * 100:+.1f}%" if k in o else "–"
+
         for every, r in report["overhead"].items():
-            ratio = r["cnr_over_dcp"]
-            lines.append(f"| {every} steps | {r['median_s']['none']:.2f} | "
-                         f"{r['overhead'].get('cnr', math.nan) * 100:+.1f}% | "
-                         f"{r['overhead'].get('dcp_async', math.nan) * 100:+.1f}% | "
-                         f"{'–' if ratio is None else f'{ratio:.2f}'} |")
+            ratio, o = r["cnr_over_dcp"], r["overhead"]
+            lines.append(f"| {every} steps | {r['median_s']['none']:.2f} | {pct(o, 'cnr')} | "
+                         f"{pct(o, 'dcp_async')} | {'–' if ratio is None else f'{ratio:.2f}'}"
+                         f" | {pct(o, 'tracker')} | {pct(o, 'cnr_fp')} |")
     return "\n".join(lines)
 
 
