@@ -148,8 +148,9 @@ class PeakMemory:
 
 class Measured:
     """CPU seconds (the whole process, and its main thread: the rest is background threads
-    such as a non-blocking put's writer), page faults and wall time of a timed region of a
-    rank; with ``--profile``, the main thread's cProfile too."""
+    such as a non-blocking put's writer), page faults, bytes read (from storage, and
+    through read calls) and wall time of a timed region of a rank; with ``profile`` (a
+    directory), the main thread's cProfile too."""
 
     def __init__(self, profile: str | None, name: str, rank: int):
         self.path = os.path.join(profile, f"{name}_{rank}") if profile else None
@@ -160,8 +161,15 @@ class Measured:
     def _now() -> tuple:
         s, t = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(
             resource.RUSAGE_THREAD)
+        io = {}
+        try:  # bytes this process had fetched from storage (not the page cache), Linux
+            with open("/proc/self/io") as f:
+                io = dict(line.split(": ") for line in f.read().splitlines())
+        except OSError:
+            pass
         return (time.perf_counter(), s.ru_utime + s.ru_stime, t.ru_utime + t.ru_stime,
-                s.ru_minflt, s.ru_majflt)
+                s.ru_minflt, s.ru_majflt, int(io.get("read_bytes", 0)),
+                int(io.get("rchar", 0)))
 
     def __enter__(self) -> Measured:
         if self.path:
@@ -176,7 +184,8 @@ class Measured:
         t1 = self._now()
         if self.prof is not None:
             self.prof.disable()
-        keys = ("wall_s", "cpu_s", "main_cpu_s", "minflt", "majflt")
+        keys = ("wall_s", "cpu_s", "main_cpu_s", "minflt", "majflt", "disk_read_bytes",
+                "read_chars")
         self.got = {k: y - x for k, x, y in zip(keys, self.t0, t1)}
         self.got["bg_cpu_s"] = self.got["cpu_s"] - self.got["main_cpu_s"]
         if self.prof is not None and self.path:
