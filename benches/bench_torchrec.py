@@ -158,7 +158,23 @@ def _save(rank: int, world: int, a, root: str, system: str) -> list:
     return out
 
 
-def _restore(rank: int, world: int, a, root: str, system: str) -> dict:
+def _restores(rank: int, world: int, a, root: str, systems: list[str]) -> dict:
+    """``a.repeat`` cold restores of each system, interleaved (their order alternates), in
+    one set of ranks: each into a new DMP, after the page cache of the system's files is
+    evicted. A set of ranks per restore spent most of a bench lock's hold starting
+    processes (0.5 s restores, ~40 s starts on a loaded 2-core machine)."""
+    import gc
+
+    out: dict[str, list] = {s: [] for s in systems}
+    for i in range(a.repeat):
+        for system in systems if i % 2 == 0 else systems[::-1]:
+            out[system].append(_restore(rank, world, a, root, system,
+                                        last_repeat=i == a.repeat - 1))
+            gc.collect()
+    return out
+
+
+def _restore(rank: int, world: int, a, root: str, system: str, last_repeat: bool) -> dict:
     import torch
     import torch.distributed as dist
 
@@ -187,11 +203,12 @@ def _restore(rank: int, world: int, a, root: str, system: str) -> dict:
     seconds = time.perf_counter() - t0
     dist.barrier()
     every_rank = time.perf_counter() - t0  # the job waits for its slowest rank
-    rows = {}
-    for path, leaf in _leaf_paths(_state(dmp)):
-        for s in shard_leaf(leaf) or []:
-            rows[(path, s.row_offset)] = s.local.clone()
-    torch.save(rows, os.path.join(root, f"restored_{system}_{rank}.pt"))
+    if last_repeat:
+        rows = {}
+        for path, leaf in _leaf_paths(_state(dmp)):
+            for s in shard_leaf(leaf) or []:
+                rows[(path, s.row_offset)] = s.local.clone()
+        torch.save(rows, os.path.join(root, f"restored_{system}_{rank}.pt"))
     return {"restore_s": seconds, "restore_all_s": every_rank, **m.got}
 
 
@@ -284,6 +301,8 @@ def overhead(a, root: str) -> dict:
                 got = spawn(a.world, "_train", a, root, system, every)
                 runs[system].append(max(g["seconds"] for g in got))
                 ranks[system].append(got)
+                # each run as it ends: a hold of the bench lock cut short keeps its runs
+                print("overhead run", every, system, json.dumps(got), flush=True)
         med = {s: statistics.median(v) for s, v in runs.items()}
         over = {s: med[s] / med["none"] - 1.0 for s in systems if s != "none"}
         out[str(every)] = {"runs": runs, "median_s": med, "overhead": over,
@@ -378,12 +397,14 @@ def run(a) -> dict:
     # Restores interleaved, cnrstore and DCP in each repeat; the median of each.
     restores: dict[str, list[float]] = {s: [] for s in ("cnr", "dcp")
                                         if s in report["systems"] and "restore" in parts}
-    for _ in range(a.repeat):
+    if restores:
+        got = spawn(a.restore_world, "_restores", a, root, list(restores))
         for system in restores:
-            got = spawn(a.restore_world, "_restore", a, root, system)
-            restores[system].append(max(g["restore_all_s"] for g in got))
-            report["systems"][system].setdefault("restore_ranks", []).append(got)
-            print("restore", system, json.dumps(got), flush=True)
+            for i in range(a.repeat):
+                ranks = [g[system][i] for g in got]
+                restores[system].append(max(r["restore_all_s"] for r in ranks))
+                report["systems"][system].setdefault("restore_ranks", []).append(ranks)
+                print("restore", system, json.dumps(ranks), flush=True)
     for system, times in restores.items():
         report["systems"][system]["restore_s"] = statistics.median(times)
         report["systems"][system]["restore_runs"] = times
