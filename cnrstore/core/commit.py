@@ -30,8 +30,8 @@ __all__ = ["EngineCommit"]
 class EngineCommit:
     """The step written by this process's engine writer."""
 
-    def plan_options(self, h: Any, *, blocking: bool, keep_full: bool
-                     ) -> Callable[[TableState | None], dict]:
+    def plan_options(self, h: Any, req: Request, *, blocking: bool, keep_full: bool
+                     ) -> list[dict]:
         newest: list[str] = []
 
         def at_risk(base: TableState | None) -> bool:
@@ -50,8 +50,8 @@ class EngineCommit:
                 newest.append(root_name(max(steps)) if steps else "")
             return anchor != newest[0]
 
-        return lambda base: {"keep_full": at_risk(base), "borrow": blocking,
-                             "defer_encode": not blocking}
+        return [{"keep_full": at_risk(req.bases.get(w.key)), "borrow": blocking,
+                 "defer_encode": not blocking} for w in req.works]
 
     def job(self, h: Any, step: int, req: Request, plans: Plans, widths: dict[str, int],
             stall: float, state: dict | None) -> Callable[[], StepInfo]:

@@ -11,10 +11,8 @@ the table (core/seed.py).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
-
-import torch
 
 from cnrstore.core.progress import check_progress
 from cnrstore.core.put import Request, Work, check_new_step, forget_failed
@@ -33,12 +31,9 @@ from cnrstore.format.manifest import check_step_fits
 __all__ = ["WholeTables"]
 
 
-def _given(table: torch.Tensor) -> Callable[[], torch.Tensor]:
-    return lambda: table  # the caller's table itself: planned (or borrowed) with no copy
-
-
 class WholeTables:
-    """Each table one run of all its blocks, keyed by its name."""
+    """Each table one run of all its blocks, keyed by its name; the run's rows are the
+    caller's tensor itself (planned, or borrowed by a blocking put, with no copy)."""
 
     def prepare(self, h: Any, step: int, tables: Mapping, *, quant: Any,
                 metadata: Mapping | None, touched: Mapping | None, state: dict | None,
@@ -54,13 +49,10 @@ class WholeTables:
         forget_failed(h)
         check_new_step(h.objects, h.pending, step)
         rows = h.options.rows
-        works = [Work(name, 0, -(-int(t.shape[0]) // rows), 0, t.numel() * t.element_size(),
-                      _given(t), rows_touched.get(name))
+        works = [Work(name, name, 0, -(-int(t.shape[0]) // rows), 0,
+                      t.numel() * t.element_size(), t, None, rows_touched.get(name))
                  for name, t in tables.items()]
         return Request(works, schemes, meta_doc, dict(tables), time.perf_counter())
-
-    def key(self, name: str, b0: int) -> str:
-        return name
 
     def bases(self, h: Any, req: Request) -> dict[Any, TableState | None]:
         roots: dict[str, bytes | None] = {}

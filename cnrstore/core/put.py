@@ -17,7 +17,7 @@ put_tables and put_state; docs/ARCHITECTURE.md, "A put and a get"; docs/MANIFEST
 
 The rounds among ranks are the handle's ``group`` (core/group.py). The queued-put
 bookkeeping is kept here for both: a handle keeps ``pending`` (each queued step's Future),
-``states`` (the diff bases the queued puts leave, keyed by ``placement.key``: a table name,
+``states`` (the diff bases the queued puts leave, keyed by ``Work.key``: a table name,
 or (table, first block) on a rank) and ``failed`` (a background put failed, so the bases
 cannot be trusted). A new step must be neither pending nor stored, and not below the
 highest stored or pending step (lineage.py)."""
@@ -51,16 +51,26 @@ Plans = list[tuple[str, int, TablePlan]]   # (table, first block, plan)
 @dataclass
 class Work:
     """One run of blocks this rank plans: blocks ``[b0, b1)`` of table ``name``, from
-    global row ``lo``; ``rows()`` gives them (a copy assembled from a rank's parts, made
-    when planned), ``touched`` the changed rows relative to ``lo`` (None: unknown)."""
+    global row ``lo``, its diff base kept under ``key`` in the handle's ``states``. The
+    rows are ``table`` (the caller's tensor), or ``assemble()`` (a copy assembled from a
+    rank's parts, made when planned); ``touched`` the changed rows relative to ``lo``
+    (None: unknown)."""
 
     name: str
+    key: Any
     b0: int
     b1: int
     lo: int
     nbytes: int
-    rows: Callable[[], torch.Tensor]
+    table: torch.Tensor | None
+    assemble: Callable[[], torch.Tensor] | None = None
     touched: torch.Tensor | None = None
+
+    def rows(self) -> torch.Tensor:
+        if self.table is not None:
+            return self.table
+        assert self.assemble is not None
+        return self.assemble()
 
 
 @dataclass
@@ -86,21 +96,20 @@ class Placement(Protocol):
                 metadata: Mapping | None, touched: Mapping | None, state: dict | None,
                 progress: Any) -> Request: ...
 
-    def key(self, name: str, b0: int) -> Any:
-        """The key of a run's diff base in the handle's ``states``."""
-        ...
-
     def bases(self, h: Any, req: Request) -> dict[Any, TableState | None]:
-        """The diff base of every run: the handle's own, else (``seed_from_store``) the
-        newest stored version's (core/seed.py), else None (written full)."""
+        """The diff base of every run, by its key: the handle's own, else
+        (``seed_from_store``) the newest stored version's (core/seed.py), else None
+        (written full)."""
         ...
 
 
 class Commit(Protocol):
     """How a planned step reaches the store (core/commit.py, distributed/commit.py)."""
 
-    def plan_options(self, h: Any, *, blocking: bool, keep_full: bool
-                     ) -> Callable[[TableState | None], dict]: ...
+    def plan_options(self, h: Any, req: Request, *, blocking: bool, keep_full: bool
+                     ) -> list[dict]:
+        """plan_table's options for each run of ``req`` (its base in ``req.bases``)."""
+        ...
 
     def job(self, h: Any, step: int, req: Request, plans: Plans, widths: dict[str, int],
             stall: float, state: dict | None) -> Callable[[], StepInfo]: ...
@@ -123,7 +132,8 @@ def put(h: Any, step: int, tables: Mapping, *, quant: Any, metadata: Mapping | N
             # the step committed.
             report = Reporter(progress, sum(w.nbytes for w in req.works),
                               min_total=h.options.progress_min_bytes)
-        plans = _plan_all(h, req, commit.plan_options(h, blocking=blocking,
+        req.bases = place.bases(h, req)
+        plans = _plan_all(h, req, commit.plan_options(h, req, blocking=blocking,
                                                       keep_full=keep_full), report)
         widths = _agree_widths(h, req, plans)
         job = commit.job(h, step, req, plans, widths, time.perf_counter() - req.t0, state)
@@ -169,17 +179,14 @@ def put(h: Any, step: int, tables: Mapping, *, quant: Any, metadata: Mapping | N
                touched=None, state=state, keep_full=True, report=report)
 
 
-def _plan_all(h: Any, req: Request, options: Callable[[TableState | None], dict],
-              report: Reporter) -> Plans:
+def _plan_all(h: Any, req: Request, options: list[dict], report: Reporter) -> Plans:
     """Plan every run against its diff base; a rank whose planning failed enters the
     ranks' width round with its error, so every rank raises it."""
-    req.bases = h.placement.bases(h, req)
     plans: Plans = []
     try:
-        for w in req.works:
-            base = req.bases.get(h.placement.key(w.name, w.b0))
-            plans.append((w.name, w.b0, _plan(h, req, w, w.rows(), base, w.touched, None,
-                                              options(base))))
+        for w, kwargs in zip(req.works, options):
+            plans.append((w.name, w.b0, _plan(h, req, w, w.rows(), req.bases.get(w.key),
+                                              w.touched, None, kwargs)))
             report.add(w.nbytes)
     except BaseException as exc:
         _release(plans)
@@ -227,8 +234,8 @@ def _agree_widths(h: Any, req: Request, plans: Plans) -> dict[str, int]:
                         p.release()
                         p.release = None
                     w = works[(n, b0)]
-                    base = req.bases.get(h.placement.key(n, b0))
-                    plans[i] = (n, b0, _plan(h, req, w, w.rows(), base, None, True, {}))
+                    plans[i] = (n, b0, _plan(h, req, w, w.rows(), req.bases.get(w.key),
+                                             None, True, {}))
         except BaseException as exc:
             err = exc
         try:
@@ -255,7 +262,7 @@ def _queued(h: Any, step: int, req: Request, plans: Plans, fut: Future) -> None:
     # caller waits leaves it to finish; steps() tells whether it committed. A diff base
     # left on an older committed step stays correct (its blocks exist), only larger.
     h.last_root = root_name(step)
-    queued(h, step, fut, {h.placement.key(n, b0): p.state for n, b0, p in plans},
+    queued(h, step, fut, {w.key: p.state for w, (_, _, p) in zip(req.works, plans)},
            req.tables)
 
 

@@ -96,9 +96,9 @@ class CoordinatorCommit:
     and commits the step. A rank cannot read the store, so it keeps no full codes and
     borrows no table (its runs are planned in full before the put returns)."""
 
-    def plan_options(self, ds: DistributedStore, *, blocking: bool, keep_full: bool
-                     ) -> Callable[[TableState | None], dict]:
-        return lambda base: {}
+    def plan_options(self, ds: DistributedStore, req: Request, *, blocking: bool,
+                     keep_full: bool) -> list[dict]:
+        return [{} for _ in req.works]
 
     def job(self, ds: DistributedStore, step: int, req: Request, plans: Plans,
             widths: dict[str, int], stall: float, state: dict | None

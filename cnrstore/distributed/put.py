@@ -127,22 +127,18 @@ class RowGrid:
                 tids = torch.cat([t for t in tl if t is not None] or
                                  [torch.zeros(0, dtype=torch.int64)]) - run.lo
             works.append(Work(
-                run.name, run.b0, run.b1, run.lo,
+                run.name, (run.name, run.b0), run.b0, run.b1, run.lo,
                 (run.hi - run.lo) * layout.width(gt.row_shape) * gt.torch_dtype.itemsize,
-                _assembler(run, parts, gt), tids))
+                None, _assembler(run, parts, gt), tids))
         return Request(works, schemes, meta_doc, gtables, t0,
                        extra=[g[1] for g in got])
-
-    def key(self, name: str, b0: int) -> tuple[str, int]:
-        return (name, b0)
 
     def bases(self, ds: DistributedStore, req: Request) -> dict[Any, TableState | None]:
         seeded = _seed(ds, req.extra, req.tables, req.schemes)
         # A rank cannot read the store while it writes: its collector is told which
         # records of the seeded bases were unreadable (distributed/commit.py).
         req.damaged = frozenset().union(*(b.damaged_ids for b in seeded.values()))
-        return {(w.name, w.b0): ds.states.get((w.name, w.b0)) or seeded.get((w.name, w.b0))
-                for w in req.works}
+        return {w.key: ds.states.get(w.key) or seeded.get(w.key) for w in req.works}
 
 
 def _receive(comm: Any, got: list, buf: torch.Tensor | None, sizes: list[int],

@@ -6,7 +6,7 @@ round as the gloo implementation does on one rank, so the steps are the same."""
 from __future__ import annotations
 
 from dist_util import Failed, run
-from seam_workers import plain_pipeline_functions, pipeline_functions, world_of_one
+from seam_workers import pipeline_functions, plain_pipeline_functions, world_of_one
 
 
 def test_the_world_of_one_answers_as_gloo_and_writes_the_same_steps(tmp_path):
