@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 import cnrstore
+import cnrstore.distributed.store  # noqa: F401 - imported before any trace: bodies of calls only
 from cnrstore.core.group import Solo
 from cnrstore.errors import InvalidInput, StepNotFound
 
