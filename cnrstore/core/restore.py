@@ -26,7 +26,7 @@ from cnrstore.format.manifest import TableManifest
 from engine import ObjectStore
 
 __all__ = ["block_span", "check_slice", "new_output", "row_range", "read_table", "read_tables",
-           "read_into", "read_many_into", "run_all", "table_hints"]
+           "read_into", "read_many_into", "read_rows_into", "run_all", "table_hints"]
 
 
 def row_range(sel: slice | None, rows: int) -> tuple[int, int, np.ndarray | None]:
@@ -206,13 +206,35 @@ def read_tables(objects: ObjectStore, pool: Executor,
                 done(out[-1].nbytes)
         return out
     fresh = [new_output(tm, rows) for tm, rows in wanted]
-    reads = [_table_read(objects, tm, rows, False, False, hint, dest)
-             for (tm, rows), hint, dest in zip(wanted, started, fresh)]
-    tasks = [(one, i) for blocks, one, _ in reads for i in blocks]
     faults = Prefault(fresh)
+    try:
+        return _one_pass(objects, pool, [(tm, rows, dest) for (tm, rows), dest
+                                         in zip(wanted, fresh)], started, done)
+    finally:
+        faults.stop()
+
+
+def read_rows_into(objects: ObjectStore, pool: Executor,
+                   wanted: list[tuple[TableManifest, slice | None, torch.Tensor]]
+                   ) -> list[torch.Tensor]:
+    """``read_table(tm, rows=rows, into=into)`` of several (tm, rows, into) as one restore:
+    one read-ahead and one pass of the pool over all their blocks (a rank's pieces of a
+    sharded load were read table by table, the pool drained at the end of each)."""
+    return _one_pass(objects, pool, wanted,
+                     table_hints(objects, [(tm, rows) for tm, rows, _ in wanted]), None)
+
+
+def _one_pass(objects: ObjectStore, pool: Executor,
+              wanted: list[tuple[TableManifest, slice | None, torch.Tensor]],
+              started: list[Started], done: Callable[[int], None] | None
+              ) -> list[torch.Tensor]:
+    """The blocks of every (tm, rows, into) decoded into ``into`` in one pool pass."""
+    reads = [_table_read(objects, tm, rows, False, False, hint, dest)
+             for (tm, rows, dest), hint in zip(wanted, started)]
+    tasks = [(one, i) for blocks, one, _ in reads for i in blocks]
     if done is not None:  # each table's output bytes spread over its blocks
         share = {}
-        for (blocks, one, _), dest in zip(reads, fresh):
+        for (blocks, one, _), (_, _, dest) in zip(reads, wanted):
             n = len(blocks)
             for j, i in enumerate(blocks):
                 share[(id(one), i)] = dest.nbytes // n + (dest.nbytes % n if j == n - 1 else 0)
@@ -224,10 +246,7 @@ def read_tables(objects: ObjectStore, pool: Executor,
     else:
         def task_done(task: tuple) -> None:
             task[0](task[1])
-    try:
-        run_all(pool, task_done, tasks)
-    finally:
-        faults.stop()
+    run_all(pool, task_done, tasks)
     return [finish()[0] for _, _, finish in reads]
 
 
