@@ -12,7 +12,16 @@ scheme (rows x row bytes).
 
     .venv/bin/python benches/bench_longrun.py --out /tmp/longrun             # 1 M rows, 60 steps
     .venv/bin/python benches/bench_longrun.py --quick --out /tmp/quick        # smoke
+    .venv/bin/python benches/bench_longrun.py --steps 150 --budget 0.3:0.6 0.5:1 0.7:1.4 \
+        --fractions 0.05 --quant exact --out /tmp/sweep    # the trade-off, steady state
     .venv/bin/python benches/bench_longrun.py --plot docs/longrun.png A.json B.json
+
+The first steps after the full put rewrite no block (every block starts fresh), so the
+amortized figure of a short run is below what a long run settles at: the "last 45" columns
+measure the final 45 steps of the run alone (a steady state once ``--steps`` is well past
+the blocks' rewrite period, ~100 steps at 1%). ``--budget LO:HI`` sets the range the
+blocks' chain budgets spread over (core/chainpolicy.py ``BUDGET_RANGE``, a what-if: not a
+store option), ``--merge-share`` the share of it a merged patch may take.
 
 Writes ``bench_longrun.json`` and ``bench_longrun.md`` under ``--out``; ``--plot`` draws
 write cost against restore read for every result of the given JSON files.
@@ -34,6 +43,7 @@ if str(REPO) not in sys.path:
 import cnrstore  # noqa: E402
 from benches.measure import disk_bytes  # noqa: E402
 from benches.workload import Workload, apply_update, make_tables  # noqa: E402
+from cnrstore.core import chainpolicy  # noqa: E402
 from cnrstore.format.load import load_step, load_table_manifest  # noqa: E402
 
 
@@ -49,6 +59,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-chain", type=int, nargs="+", default=[None],
                    help="max_chain settings (default: the store's default)")
     p.add_argument("--block-rows", type=int, default=None)
+    p.add_argument("--budget", nargs="+", default=[None], metavar="LO:HI",
+                   help="chain budget ranges, shares of a block's bytes (default: the policy's)")
+    p.add_argument("--merge-share", type=float, default=None,
+                   help="largest merged patch, share of the chain budget (default: the policy's)")
     p.add_argument("--reopen-every", type=int, default=0,
                    help="close and reopen the store every N steps (a restarted job)")
     p.add_argument("--label", default="", help="name of this code version in the plot")
@@ -63,6 +77,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("need --steps >= 1 and --rows >= --tables >= 1")
     if a.plot and not a.inputs:
         p.error("--plot needs bench_longrun.json files")
+    try:
+        a.budget = [None if b is None else tuple(float(v) for v in b.split(":"))
+                    for b in a.budget]
+    except ValueError:
+        p.error("--budget takes LO:HI, e.g. 0.5:1")
+    if any(b is not None and (len(b) != 2 or not 0 < b[0] <= b[1]) for b in a.budget):
+        p.error("--budget takes LO:HI with 0 < LO <= HI")
     return a
 
 
@@ -78,10 +99,23 @@ def restore_bytes(store, step: int) -> tuple[int, int]:
     return read, table
 
 
-def run_one(args: argparse.Namespace, fraction: float, quant: str, max_chain: int | None
-            ) -> dict:
+def run_one(args: argparse.Namespace, fraction: float, quant: str, max_chain: int | None,
+            budget: tuple[float, float] | None = None) -> dict:
+    saved = chainpolicy.BUDGET_RANGE, chainpolicy.MERGE_SHARE
+    if budget is not None:
+        chainpolicy.BUDGET_RANGE = budget
+    if args.merge_share is not None:
+        chainpolicy.MERGE_SHARE = args.merge_share
+    try:
+        return _run_one(args, fraction, quant, max_chain)
+    finally:
+        chainpolicy.BUDGET_RANGE, chainpolicy.MERGE_SHARE = saved
+
+
+def _run_one(args: argparse.Namespace, fraction: float, quant: str, max_chain: int | None
+             ) -> dict:
     work = Workload(fraction, "zipf")
-    path = Path(args.out) / f"store-{work.name}-{quant}-{max_chain}"
+    path = Path(args.out) / f"store-{work.name}-{quant}-{max_chain}-{chainpolicy.BUDGET_RANGE}"
     shutil.rmtree(path, ignore_errors=True)
     per = args.rows // args.tables
     tables = make_tables({f"t{i}": (per, args.dim) for i in range(args.tables)}, seed=args.seed)
@@ -114,30 +148,45 @@ def run_one(args: argparse.Namespace, fraction: float, quant: str, max_chain: in
     shutil.rmtree(path, ignore_errors=True)
     med = statistics.median(wrote)
     first = min(45, len(wrote))
+    tail_med = statistics.median(wrote[-first:])
     return {
         "label": args.label, "reopen_every": args.reopen_every, "workload": work.name,
         "quant": quant, "max_chain": used,
+        "budget": list(chainpolicy.BUDGET_RANGE), "merge_share": chainpolicy.MERGE_SHARE,
         "rows": per * args.tables, "steps": args.steps, "row_nbytes": rnb,
         "amortized": sum(wrote) / sum(raw),
         "amortized_45": sum(wrote[:first]) / sum(raw[:first]),
+        "amortized_last45": sum(wrote[-first:]) / sum(raw[-first:]),
         "max_over_median": max(wrote) / med if med else float("inf"),
+        "max_over_median_last45": max(wrote[-first:]) / tail_med if tail_med else float("inf"),
+        "max_restore_read_last45": max(reads[-first:]),
         "max_restore_read": max(reads), "last_restore_read": reads[-1],
         "step_bytes": wrote, "raw_bytes": raw, "restore_read": reads,
     }
 
 
 def markdown(results: list[dict]) -> str:
-    lines = ["| code | workload | scheme | max_chain | write/raw | write/raw (45 steps) "
-             "| max/median step | max restore read |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| code | workload | scheme | max_chain | budget | steps | write/raw "
+             "| write/raw (first 45) | write/raw (last 45) | max/median step "
+             "| max/median (last 45) | max restore read |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
+        budget = ":".join(f"{v:g}" for v in r.get("budget", (0.5, 1.0)))
+        if r.get("merge_share", 0.5) != 0.5:
+            budget += f" m{r['merge_share']:g}"
+        last = r.get("amortized_last45", float("nan"))
+        last_spike = r.get("max_over_median_last45", float("nan"))
         lines.append(
-            f"| {r['label']} | {r['workload']} | {r['quant']} | {r['max_chain']} "
-            f"| {r['amortized']:.2f}x | {r['amortized_45']:.2f}x "
-            f"| {r['max_over_median']:.1f}x | {r['max_restore_read']:.2f}x |")
+            f"| {r['label']} | {r['workload']} | {r['quant']} | {r['max_chain']} | {budget} "
+            f"| {r['steps']} | {r['amortized']:.2f}x | {r['amortized_45']:.2f}x | {last:.2f}x "
+            f"| {r['max_over_median']:.1f}x | {last_spike:.1f}x "
+            f"| {r['max_restore_read']:.2f}x |")
     return "\n".join(lines) + "\n"
 
 
 def plot(out: str, inputs: list[str]) -> None:
+    """Write cost (the last 45 steps where the JSON has them) against the largest restore
+    read, one line per workload and scheme through its budget settings."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -145,33 +194,35 @@ def plot(out: str, inputs: list[str]) -> None:
 
     results = [r for f in inputs for r in json.loads(Path(f).read_text())["results"]]
     fig, ax = plt.subplots(figsize=(8, 5.5))
-    marks = {("zipf-1pct", "exact"): "o", ("zipf-1pct", "int8"): "s",
-             ("zipf-5pct", "exact"): "^", ("zipf-5pct", "int8"): "D"}
-    palette = ["tab:red", "tab:orange", "tab:blue", "tab:green", "tab:purple", "tab:brown"]
-    colors: dict[str, str] = {}
+    marks = {"exact": "o", "int8": "s"}
+    colors = {"zipf-1pct": "tab:blue", "zipf-5pct": "tab:red"}
+    lines: dict[tuple[str, str], list[dict]] = {}
     for r in results:
-        label = r["label"] or "this tree"
-        color = colors.setdefault(label, palette[len(colors) % len(palette)])
-        ax.scatter(r["amortized"], r["max_restore_read"], color=color,
-                   marker=marks.get((r["workload"], r["quant"]), "x"))
-        ax.annotate(f"{r['max_chain']} ({r['max_over_median']:.0f}x)",
-                    (r["amortized"], r["max_restore_read"]), textcoords="offset points",
-                    xytext=(4, 3), fontsize=7, color=color)
-    for label, color in colors.items():
-        ax.scatter([], [], color=color, marker="o", label=label)
-    for (work, quant), m in marks.items():
-        ax.scatter([], [], color="black", marker=m, label=f"{work} {quant}")
-    ax.legend(fontsize=7, loc="upper right")
+        lines.setdefault((r["workload"], r["quant"]), []).append(r)
+    for (work, quant), rs in sorted(lines.items()):
+        rs.sort(key=lambda r: r.get("budget", (0.5, 1.0))[0])
+        xs = [r.get("amortized_last45", r["amortized"]) for r in rs]
+        ys = [r["max_restore_read"] for r in rs]
+        color = colors.get(work, "tab:grey")
+        ax.plot(xs, ys, color=color, lw=0.8, marker=marks.get(quant, "x"),
+                label=f"{work} {quant}", ls="-" if quant == "exact" else "--")
+        for r, x, y in zip(rs, xs, ys):
+            budget = ":".join(f"{v:g}" for v in r.get("budget", (0.5, 1.0)))
+            spike = r.get("max_over_median_last45", r["max_over_median"])
+            ax.annotate(f"{budget} ({spike:.1f}x)", (x, y), textcoords="offset points",
+                        xytext=(4, 3), fontsize=7, color=color)
     ax.axvline(1.5, color="grey", lw=0.5, ls="--")
     ax.axhline(1.5, color="grey", lw=0.5, ls="--")
-    ax.set_xscale("log")
-    ax.set_xticks([1, 1.5, 2, 3, 4, 6])
-    ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
-    ax.set_xlabel("bytes written on disk per step / changed rows' bytes (amortized)")
+    ax.fill_between([1.0, 1.5], 1.0, 1.5, color="tab:green", alpha=0.08, label="target")
+    ax.set_xlim(1.0, max(3.2, max(ax.get_xlim())))
+    ax.set_ylim(1.0, max(1.9, max(ax.get_ylim())))
+    ax.legend(fontsize=7, loc="upper right")
+    ax.set_xlabel("bytes written on disk per step / changed rows' bytes (last 45 steps)")
     ax.set_ylabel("largest restore read / table bytes (any kept step)")
     steps = sorted({r["steps"] for r in results})
-    ax.set_title(f"Long run: write vs restore read, {'/'.join(map(str, steps))} steps "
-                 "(labels: max_chain (largest step / median step))", fontsize=9)
+    ax.set_title(f"Long run, {'/'.join(map(str, steps))} steps: write vs restore read over "
+                 "chain budget ranges\n(labels: budget share of a block (largest / median "
+                 "step, last 45))", fontsize=9)
     fig.tight_layout()
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
@@ -188,9 +239,10 @@ def main(argv: list[str] | None = None) -> int:
     for fraction in args.fractions:
         for quant in args.quant:
             for mc in args.max_chain:
-                r = run_one(args, fraction, quant, mc)
-                results.append(r)
-                print(markdown([r]).splitlines()[-1], flush=True)
+                for budget in args.budget:
+                    r = run_one(args, fraction, quant, mc, budget)
+                    results.append(r)
+                    print(markdown([r]).splitlines()[-1], flush=True)
     (out / "bench_longrun.json").write_text(json.dumps({"results": results}, indent=1))
     (out / "bench_longrun.md").write_text(markdown(results))
     return 0

@@ -50,3 +50,44 @@ def test_quick_run_reports_write_and_restore_read_and_plots(tmp_path):
 def test_bad_arguments_are_refused(argv, tmp_path):
     with pytest.raises(SystemExit):
         bench_longrun.parse_args(["--out", str(tmp_path), *argv])
+
+
+def test_budget_setting_reaches_the_policy_and_is_restored(tmp_path):
+    """--budget runs each setting under its own chain budget range (a tighter one holds
+    restores lower), reports the last-45 figures, and leaves the policy's range as it was."""
+    from cnrstore.core import chainpolicy
+
+    out = tmp_path / "out"
+    argv = ["--quick", "--fractions", "0.05", "--quant", "exact", "--budget", "0.2:0.3",
+            "0.5:1", "--out", str(out)]
+    assert bench_longrun.main(argv) == 0
+    assert chainpolicy.BUDGET_RANGE == (0.5, 1.0)
+    tight, wide = json.loads((out / "bench_longrun.json").read_text())["results"]
+    assert (tight["budget"], wide["budget"]) == ([0.2, 0.3], [0.5, 1.0])
+    assert tight["max_restore_read"] < wide["max_restore_read"]
+    assert tight["amortized"] > wide["amortized"]
+    k = min(45, tight["steps"])
+    assert tight["amortized_last45"] == pytest.approx(
+        sum(tight["step_bytes"][-k:]) / sum(tight["raw_bytes"][-k:]))
+    assert "| 0.2:0.3 | 12 |" in (out / "bench_longrun.md").read_text()
+
+
+@pytest.mark.parametrize("budget", ["1", "0.6:0.3", "a:b", "0:1"])
+def test_bad_budget_is_refused(budget, tmp_path):
+    with pytest.raises(SystemExit):
+        bench_longrun.parse_args(["--out", str(tmp_path), "--budget", budget])
+
+
+@pytest.mark.slow  # ~20 s: the bounds search every rewrite period
+def test_model_prints_its_bounds(capsys):
+    """benches/model_longrun.py: the per-row bound is below the block family's, both above
+    the floor (1x), and the replayed policy reports every figure."""
+    from benches import model_longrun
+
+    assert model_longrun.main(["--steps", "3", "--fractions", "0.05"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    fam = next(x for x in lines if "full block + merged patch" in x)
+    rate = next(x for x in lines if "grouped by rate" in x)
+    value = lambda line: float(line.split("write >= ")[1].split("x")[0])  # noqa: E731
+    assert 1.0 < value(rate) < value(fam)
+    assert any("policy budget 0.5:1" in x and "max restore read" in x for x in lines)

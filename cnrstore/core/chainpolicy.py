@@ -28,11 +28,15 @@ from cnrstore.core.tablestate import BlockSlot
 from cnrstore.format.blocks import KIND_BLOCK_PATCH, decode_full, decode_patch, patch_nbytes
 
 __all__ = ["block_key", "stagger", "chain_budget", "depth_cap", "next_slot", "rebuild",
-           "MERGE_SHARE"]
+           "MERGE_SHARE", "BUDGET_RANGE"]
 
 _PHI = (5 ** 0.5 - 1) / 2
 # A merged patch is written when it is at most this share of the block's chain budget.
 MERGE_SHARE = 0.5
+# The chain budgets of a table's blocks spread over this range of a block's bytes. Not a
+# store option: benches/bench_longrun.py sets both to draw the write / restore-read
+# trade-off (docs/design/diff-base.md, "Long runs"); a store keeps the defaults.
+BUDGET_RANGE = (0.5, 1.0)
 
 
 def block_key(table: str, block: int) -> int:
@@ -49,7 +53,8 @@ def stagger(index: int) -> float:
 
 def chain_budget(index: int, nrows: int, row_nbytes: int) -> int:
     """Patch bytes block ``index`` may hold above its full block."""
-    return int(stagger(index) * nrows * row_nbytes)
+    lo, hi = BUDGET_RANGE
+    return int((lo + (hi - lo) * ((index * _PHI) % 1.0)) * nrows * row_nbytes)
 
 
 def depth_cap(index: int, max_chain: int) -> int:

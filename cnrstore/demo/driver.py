@@ -239,7 +239,16 @@ def _report(args, run1, run2, ref, gc_line, floor, store_bytes) -> str:
             "",
             f"{'step':>6} {'emb rows chg':>13} {'written':>12} {'torch.save':>12} "
             f"{'ratio':>7} {'stall ms':>9}"]
-    for e in ckpts:
+    # A checkpoint the kill came before is a row too: either its put committed but the
+    # killed trainer never printed it (the resumed process restored it), or it was still
+    # in flight and is absent from the store. Leaving it out read as a step never taken.
+    unreported = {restored["restored"]} - done - {e["ckpt"] for e in ckpts}
+    marks = {s: "committed; its report died with the killed trainer" for s in unreported}
+    marks.update({s: "lost in flight: the kill came before its commit" for s in lost})
+    for e in sorted(ckpts + [{"ckpt": s} for s in marks], key=lambda e: e["ckpt"]):
+        if "rows" not in e:
+            rows.append(f"{e['ckpt']:>6}   ({marks[e['ckpt']]})")
+            continue
         by = "resumed" if any(e is r for r in run2) else ""
         rows.append(f"{e['ckpt']:>6} {e['rows']:>13,} {_mb(e['bytes']):>12} "
                     f"{_mb(save_bytes):>12} {save_bytes / max(1, e['bytes']):>6.1f}x "

@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cnrstore.codec import native
+from cnrstore.core import chainpolicy
 from cnrstore.core.chainpolicy import _grow, chain_budget, depth_cap, stagger
 from cnrstore.format.blocks import decode_patch, resolve
 from cnrstore.format.load import load_manifest
@@ -97,6 +98,18 @@ def test_bounds_are_staggered_and_deterministic():
     assert chain_budget(3, 32768, 256) == int(stagger(3) * 32768 * 256)
     assert [depth_cap(i, 64) for i in range(5)] == [32, 52, 40, 59, 47]  # ids depend on them
     assert depth_cap(7, 0) == 0 and all(depth_cap(i, 1) == 1 for i in range(20))
+
+
+def test_budget_range_spreads_budgets_over_it(monkeypatch):
+    """bench_longrun's --budget sets chainpolicy.BUDGET_RANGE: every block's budget falls
+    in that range of its bytes, spread like the default's, and the depth caps (which ids
+    depend on) do not move."""
+    caps = [depth_cap(i, 64) for i in range(200)]
+    monkeypatch.setattr(chainpolicy, "BUDGET_RANGE", (0.3, 0.6))
+    shares = [chain_budget(i, 1000, 100) / 100_000 for i in range(1000)]
+    assert 0.3 <= min(shares) < 0.31 and 0.59 < max(shares) < 0.6
+    assert np.histogram(shares, bins=10, range=(0.3, 0.6))[0].min() >= 90
+    assert [depth_cap(i, 64) for i in range(200)] == caps
 
 
 @pytest.mark.parametrize("fraction", [0.01, 0.05])

@@ -3,11 +3,11 @@ found, each with real processes and a deterministic interleaving."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import threading
 import time
 
 import torch
+from rankserver import context
 
 import cnrstore
 import engine
@@ -33,7 +33,7 @@ def test_gc_decides_what_to_drop_under_the_writer_lock(tmp_path):
     with cnrstore.open(path) as store:
         for step in (1, 2, 3):
             store.put_tables(step, {"t": torch.full((4, 2), float(step))})
-    ctx = mp.get_context("spawn")
+    ctx = context()
     started, out = ctx.Event(), ctx.Queue()
     objects = engine.open(path)
     try:
@@ -83,7 +83,7 @@ def test_put_diffing_on_its_own_last_step_survives_gc_after_another_process_put(
     handle's writer is held back (its queue, not the engine lock) while the other process
     puts step 2 and gcs step 1 away; the put must then write the lost blocks in full."""
     path = str(tmp_path / "ckpt")
-    ctx = mp.get_context("spawn")
+    ctx = context()
     with cnrstore.open(path, block_rows=8) as store:
         store.put_tables(1, _tables(1, seed=1))
         _in_child(ctx, path, "put2")
@@ -132,7 +132,7 @@ def test_get_of_a_step_deleted_and_swept_meanwhile_is_step_not_found(tmp_path):
         while reader._core.pool._work_queue.qsize() == 0:  # manifest loaded, blocks queued
             assert time.monotonic() < deadline
             time.sleep(0.01)
-        p = mp.get_context("spawn").Process(target=_delete_and_gc_child, args=(path,))
+        p = context().Process(target=_delete_and_gc_child, args=(path,))
         p.start()
         p.join(120)
         assert p.exitcode == 0
@@ -179,7 +179,7 @@ def test_blocking_put_survives_gc_dropping_the_newest_step_it_diffs_against(tmp_
         while 2 not in store._core.pending:  # planned on step 1, queued behind the gate
             assert time.monotonic() < deadline
             time.sleep(0.01)
-        p = mp.get_context("spawn").Process(target=_gc_keep_child, args=(path, 0))
+        p = context().Process(target=_gc_keep_child, args=(path, 0))
         p.start()
         p.join(120)
         assert p.exitcode == 0
@@ -210,7 +210,7 @@ def test_non_blocking_put_whose_base_was_swept_fails_whole_and_the_handle_recove
         gate = threading.Event()
         held = store._core.writer.submit(lambda: gate.wait(120))
         fut = store.put_tables(2, {"t": t2}, blocking=False)
-        p = mp.get_context("spawn").Process(target=_gc_keep_child, args=(path, 0))
+        p = context().Process(target=_gc_keep_child, args=(path, 0))
         p.start()
         p.join(120)
         assert p.exitcode == 0

@@ -13,7 +13,6 @@ restores. The processes live for the whole test; each example gets a fresh store
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import random
 import time
 
@@ -23,6 +22,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, rule, run_state_machine_as_test
 from mp_model_worker import quant, serve, tables
+from rankserver import context
 
 W0, W1, READER = 0, 1, 2
 SEEDS = {W0: 1, W1: 2}
@@ -33,7 +33,7 @@ class Procs:
     """The three store processes and their pipes."""
 
     def __init__(self):
-        ctx = mp.get_context("spawn")
+        ctx = context()
         self.conns, self.procs = [], []
         for _ in range(3):
             here, there = ctx.Pipe()

@@ -5,10 +5,9 @@ settle the race."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
-
 import pytest
 import torch
+from rankserver import context
 
 import cnrstore
 from cnrstore.errors import StepExists
@@ -41,7 +40,7 @@ def _racer(path: str, seed: int, barrier, out) -> None:
 def test_two_processes_putting_one_step_exactly_one_wins(tmp_path, trial):
     path = str(tmp_path / "ckpt")
     cnrstore.open(path).close()
-    ctx = mp.get_context("spawn")
+    ctx = context()
     barrier, out = ctx.Barrier(2), ctx.Queue()
     procs = [ctx.Process(target=_racer, args=(path, seed, barrier, out))
              for seed in (100 + trial, 200 + trial)]

@@ -6,6 +6,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from tiny_model import TinyNet, train_steps
 
 import cnrstore
 
@@ -54,26 +55,6 @@ def missing_rank_at_open(rank: int, world: int, path: str):
     return err, time.monotonic() - t0
 
 
-class _Net(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.emb = torch.nn.Embedding(40, 4)
-        self.out = torch.nn.Linear(4, 1)
-
-    def forward(self, ids):
-        return self.out(self.emb(ids).sum(1)).squeeze(1)
-
-
-def _train(model, opt, steps) -> None:
-    for step in steps:
-        g = torch.Generator().manual_seed(step)
-        ids, y = torch.randint(0, 40, (8, 3), generator=g), torch.randn(8, generator=g)
-        opt.zero_grad()
-        torch.nn.functional.mse_loss(model(ids), y).backward()
-        opt.step()
-
-
 def checked_input(rank: int, world: int, path: str):
     """Replicas that differ, too-deep states, destinations a restore cannot write, and
     the guide's resume pattern with a fresh Adam, on a distributed store."""
@@ -101,17 +82,17 @@ def checked_input(rank: int, world: int, path: str):
                 out[f"{how} {kind}"] = _err(call)
         out["untouched"] = torch.equal(first, torch.full((16, 2), -1.0))
 
-        model = _Net()
+        model = TinyNet()
         opt = torch.optim.Adam(model.parameters(), lr=0.01)
-        _train(model, opt, range(3))
+        train_steps(model, opt, range(3))
         s.put_state(4, {"model": model.state_dict(), "optim": opt.state_dict(), "epoch": 3})
-        _train(model, opt, range(3, 5))
-        fresh = _Net()
+        train_steps(model, opt, range(3, 5))
+        fresh = TinyNet()
         fopt = torch.optim.Adam(fresh.parameters(), lr=0.01)
         restored = s.load_state(None, {"model": fresh.state_dict(),
                                        "optim": fopt.state_dict(), "epoch": 0})
         fopt.load_state_dict(restored["optim"])
-        _train(fresh, fopt, range(3, 5))
+        train_steps(fresh, fopt, range(3, 5))
         out["resumed"] = all(torch.equal(a, b) for a, b in
                              zip(model.state_dict().values(), fresh.state_dict().values()))
         out["epoch"] = restored["epoch"]

@@ -8,7 +8,6 @@ still alive then are killed and the test fails, so nothing hangs the suite.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import pickle
 import socket
@@ -17,6 +16,8 @@ import time
 import traceback
 from dataclasses import dataclass
 from typing import Any
+
+from rankserver import context
 
 
 @dataclass
@@ -60,7 +61,7 @@ def _main(rank: int, world: int, port: int, out: str, env: dict, fn, args,
 
 def run(world: int, fn, *args, timeout: float = 90.0, env: dict | None = None,
         expect_dead: tuple[int, ...] = ()) -> list[Any]:
-    ctx = mp.get_context("spawn")
+    ctx = context()
     port = free_port()
     tmp = tempfile.mkdtemp(prefix="cnr-dist-")
     outs = [os.path.join(tmp, f"rank{r}.pkl") for r in range(world)]

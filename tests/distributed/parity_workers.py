@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 from dist_util import BLOCK_ROWS, FANOUT
+from tiny_model import TinyNet, train_steps
 
 import cnrstore
 
@@ -114,26 +115,6 @@ def progress_per_rank(rank: int, world: int, path: str) -> dict:
     return out
 
 
-class _Net(torch.nn.Module):
-    def __init__(self, seed: int):
-        super().__init__()
-        torch.manual_seed(seed)
-        self.emb = torch.nn.Embedding(40, 4)
-        self.out = torch.nn.Linear(4, 1)
-
-    def forward(self, ids):
-        return self.out(self.emb(ids).sum(1)).squeeze(1)
-
-
-def _train(model, opt, steps) -> None:
-    for step in steps:
-        g = torch.Generator().manual_seed(step)
-        ids, y = torch.randint(0, 40, (8, 3), generator=g), torch.randn(8, generator=g)
-        opt.zero_grad()
-        torch.nn.functional.mse_loss(model(ids), y).backward()
-        opt.step()
-
-
 def _same(a, b) -> bool:
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and (
@@ -148,19 +129,19 @@ def _same(a, b) -> bool:
 def fresh_adam(rank: int, world: int, path: str) -> dict:
     """A model and Adam saved after 3 steps; a fresh model and a fresh Adam (no state)
     restored with load_state on every rank; then one more step on both."""
-    model = _Net(0)
+    model = TinyNet(0)
     opt = torch.optim.Adam(model.parameters(), lr=0.01, weight_decay=0.01)
-    _train(model, opt, range(3))
+    train_steps(model, opt, range(3))
     with _open(path) as s:
         s.put_state(3, {"model": model.state_dict(), "optim": opt.state_dict()})
-        fresh = _Net(1)
+        fresh = TinyNet(1)
         fopt = torch.optim.Adam(fresh.parameters(), lr=0.5)
         got = s.load_state(3, {"model": fresh.state_dict(), "optim": fopt.state_dict()})
     fopt.load_state_dict(got["optim"])
     out = {"restored": _same(fresh.state_dict(), model.state_dict())
            and _same(fopt.state_dict(), opt.state_dict())}
-    _train(model, opt, [3])
-    _train(fresh, fopt, [3])
+    train_steps(model, opt, [3])
+    train_steps(fresh, fopt, [3])
     out["stepped"] = (_same(fresh.state_dict(), model.state_dict())
                       and _same(fopt.state_dict(), opt.state_dict()))
     return out

@@ -10,7 +10,7 @@ import tempfile
 import time
 import traceback
 
-import torch.multiprocessing as mp
+from rankserver import context
 
 
 def free_port() -> int:
@@ -43,7 +43,7 @@ def _entry(rank, world, port, outdir, fn, args):
 def run(fn, world: int, *args, timeout: float = 120.0) -> list:
     """Run ``fn(rank, world, *args)`` on ``world`` spawned gloo ranks; return each rank's
     result (picklable). A rank that fails or runs past ``timeout`` fails the test."""
-    ctx = mp.get_context("spawn")
+    ctx = context()
     old = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = "1"  # read when the child's torch loads
     try:

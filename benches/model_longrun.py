@@ -1,0 +1,202 @@
+"""A model of what a long run must write (issue 27): union growth, a lower bound, and the
+chain policy replayed on the bench's rows, in seconds instead of bench_longrun's hours.
+
+Three parts, all on the rows benches/workload.py changes (Zipf s=1.05, the bench's two
+500 K-row tables, 32768-row blocks of 256-byte rows):
+
+- ``union``: the share of a table's rows changed at least once in t steps. Each row r
+  changes per step with probability p_r = 1 - exp(-c w_r) (w_r = 1/(r+1)^s, c such that
+  the p_r add up to the rows a step changes); u(t) = mean(1 - (1 - p_r)^t). Printed next
+  to the measured union of the workload's own rows.
+- ``bound``: the least write a store could reach if it grouped rows by their rate, each
+  group's base copy rewritten at its own period T (writing a row once per T steps: 1/T;
+  its base copy stale from its first change on, a share 1 - (1-(1-p)^T)/(T p') of the
+  time, p' = -ln(1-p)); minimized under "stale base copies <= 0.5 of the table" (the
+  restore-read target). It ignores the stale versions in patches, so a real store does
+  worse; and it needs objects that hold rows by rate, which blocks of consecutive rows
+  are not.
+- ``family``: the least extra write of any policy that keeps a full block, one merged
+  patch of the union since it and the patches above: a full rewrite every T steps, a
+  merge every m, each merge writing u(t) and the patches f per step; minimized over T and
+  m with the chain averaging <= 0.5 of a block (the read target, blocks staggered).
+- ``policy``: cnrstore's chain policy (core/chainpolicy.py: per-block budget over
+  BUDGET_RANGE of the block's bytes, merged patch of the union since the full block when
+  <= MERGE_SHARE of the budget, else a full block; depth caps of max_chain 64) replayed
+  per block, with the patch bytes optionally divided by a compression ratio. At 5% it
+  gives bench_longrun's measured figures to 0.01x (150 steps: 2.09x, first 45 1.92x,
+  last 45 2.17x, read 1.51x).
+
+    .venv/bin/python benches/model_longrun.py                # all three, 200 steps
+    .venv/bin/python benches/model_longrun.py --steps 60 --budget 0.5:1 0.3:0.6
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import zlib
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from benches.workload import ZIPF_S, Workload, changed_rows  # noqa: E402
+
+ROWS = 500_000
+TABLES = 2
+BLOCK = 32768
+RNB = 256
+PATCH_HEAD = 24  # blocks.py _PATCH.size
+INDEX = 2        # u16 row indices in a block of <= 65536 rows
+_PHI = (5 ** 0.5 - 1) / 2
+
+
+def rates(fraction: float, rows: int = ROWS) -> np.ndarray:
+    """Per-row change probability of one step of the Zipf workload (see the docstring)."""
+    w = 1.0 / np.arange(1, rows + 1, dtype=np.float64) ** ZIPF_S
+    k = fraction * rows
+    lo, hi = 1e-6, 1e15
+    for _ in range(200):  # bisect c in log space: sum(1 - exp(-c w)) = k
+        c = (lo * hi) ** 0.5
+        if (-np.expm1(-c * w)).sum() < k:
+            lo = c
+        else:
+            hi = c
+    return -np.expm1(-c * w)
+
+
+def union(fraction: float, steps: list[int], rows_of: list[np.ndarray]) -> list[str]:
+    p = rates(fraction)
+    seen = np.zeros(ROWS, dtype=bool)
+    got = {}
+    for t, ids in enumerate(rows_of, 1):
+        seen[ids] = True
+        got[t] = seen.mean()
+    return [f"u({t}) = {float((1 - (1 - p) ** t).mean()):.3f} (measured "
+            f"{got.get(t, float('nan')):.3f})" for t in steps]
+
+
+def bound(fraction: float, read: float = 0.5) -> tuple[float, float]:
+    """(least extra write / changed rows' bytes, stale share) with stale <= ``read``."""
+    p = rates(fraction)
+    edges = np.geomspace(p.min() * 0.999, 1.0, 300)
+    b = np.digitize(p, edges)
+    groups = np.unique(b)
+    P = np.array([p[b == g].mean() for g in groups])[:, None]
+    N = np.array([(b == g).sum() for g in groups])
+    T = np.unique(np.round(np.geomspace(1, 1e5, 400)))[None, :]
+    stale = 1 - (1 - (1 - P) ** T) / (T * -np.log1p(-np.minimum(P, 1 - 1e-12)))
+    extra = np.broadcast_to(1 / T, stale.shape)
+    floor = (N * P[:, 0]).sum()
+    best = (float("inf"), 0.0)
+    for lam in np.geomspace(1e-4, 1e2, 400):
+        j = np.argmin(extra + lam * stale, axis=1)
+        e = float((N * extra[np.arange(len(N)), j]).sum() / floor)
+        s = float((N * stale[np.arange(len(N)), j]).sum() / ROWS)
+        if s <= read and e < best[0]:
+            best = (e, s)
+    return best
+
+
+def family(fraction: float, read: float = 0.5, longest: int = 1000
+           ) -> tuple[float, int, int]:
+    """(least extra write / changed rows' bytes, T, m) of the family (see the docstring)."""
+    p = rates(fraction)
+    u = np.array([float((1 - (1 - p) ** t).mean()) for t in range(longest + 1)])
+    best = (float("inf"), 0, 0)
+    for T in range(5, longest, 5):
+        t = np.arange(T)
+        for m in range(1, T + 1):
+            last = (t // m) * m
+            chain = np.where(t >= m, u[last], 0.0) + fraction * (t - last)
+            if chain.mean() <= read:
+                extra = (1 + u[np.arange(m, T, m)].sum()) / (T * fraction)
+                if extra < best[0]:
+                    best = (float(extra), T, m)
+    return best
+
+
+def policy(rows_of: list[list[np.ndarray]], fraction: float, budget: tuple[float, float],
+           merge: float, ratio: float = 1.0, max_chain: int = 64) -> dict:
+    """Replay the chain policy; bytes per step written and read above the full blocks."""
+    steps = len(rows_of[0])
+    cost, raw, read = np.zeros(steps), np.zeros(steps), np.zeros(steps)
+    nb = -(-ROWS // BLOCK)
+    for t in range(TABLES):
+        key0 = zlib.crc32(f"t{t}".encode()) & 0xFFFF
+        for i in range(nb):
+            n = min(BLOCK, ROWS - i * BLOCK)
+            spread = ((key0 + i) * _PHI) % 1.0
+            cap = (budget[0] + (budget[1] - budget[0]) * spread) * n * RNB
+            depth_cap = max(1, round(max_chain * (0.5 + 0.5 * spread)))
+            changed, chain, depth = np.zeros(n, dtype=bool), 0.0, 0
+            for s in range(steps):
+                ids = rows_of[t][s]
+                a, z = np.searchsorted(ids, [i * BLOCK, (i + 1) * BLOCK])
+                r = ids[a:z] - i * BLOCK
+                if len(r):
+                    p = (PATCH_HEAD + len(r) * (RNB + INDEX)) / ratio
+                    changed[r] = True
+                    m = (PATCH_HEAD + changed.sum() * (RNB + INDEX)) / ratio
+                    if depth < depth_cap and chain + p <= cap:
+                        chain, depth = chain + p, depth + 1
+                        cost[s] += p
+                    elif m <= merge * cap:
+                        chain, depth = m, 1
+                        cost[s] += m
+                    else:
+                        chain, depth, changed[:] = 0.0, 0, False
+                        cost[s] += n * RNB
+                read[s] += chain
+    for t in range(TABLES):
+        for s in range(steps):
+            raw[s] += len(rows_of[t][s]) * RNB
+    k = min(45, steps)
+    tail = slice(steps - k, steps)
+    return {"first45": cost[:k].sum() / raw[:k].sum(), "all": cost.sum() / raw.sum(),
+            "last45": cost[tail].sum() / raw[tail].sum(),
+            "spike_last45": cost[tail].max() / np.median(cost[tail]),
+            "read": 1 + read.max() / (TABLES * ROWS * RNB)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    global BLOCK
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--fractions", type=float, nargs="+", default=[0.01, 0.05])
+    ap.add_argument("--budget", nargs="+", default=["0.5:1"], metavar="LO:HI")
+    ap.add_argument("--merge-share", type=float, default=0.5)
+    ap.add_argument("--block-rows", type=int, default=BLOCK)
+    ap.add_argument("--ratio", type=float, nargs="+", default=[1.0],
+                    help="compression ratio of patch bytes (1.18: exact rows in planes)")
+    a = ap.parse_args(argv)
+    BLOCK = a.block_rows
+    for frac in a.fractions:
+        work = Workload(frac, "zipf")
+        rows_of = [[changed_rows(ROWS, work, seed=0, step=s, table_index=t)
+                    for s in range(1, a.steps + 1)] for t in range(TABLES)]
+        print(f"{work.name}: " + "; ".join(union(frac, [10, 20, 40, 100], rows_of[0])))
+        e, T, m = family(frac)
+        print(f"{work.name}: bound, full block + merged patch + patches: write >= "
+              f"{1 + e:.2f}x the changed rows' bytes (rewrite every {T} steps, merge "
+              f"every {m})")
+        e, s = bound(frac)
+        print(f"{work.name}: bound, rows grouped by rate: write >= {1 + e:.2f}x the changed "
+              f"rows' bytes at stale base copies {s:.2f} of the table")
+        for b in a.budget:
+            lo, hi = (float(v) for v in b.split(":"))
+            for ratio in a.ratio:
+                r = policy(rows_of, frac, (lo, hi), a.merge_share, ratio)
+                print(f"{work.name}: policy budget {b} merge {a.merge_share:g} ratio "
+                      f"{ratio:g}: write/raw first 45 {r['first45']:.2f}x, all {a.steps} "
+                      f"{r['all']:.2f}x, last 45 {r['last45']:.2f}x; max/median step "
+                      f"(last 45) {r['spike_last45']:.1f}x; max restore read "
+                      f"{r['read']:.2f}x", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
