@@ -1,7 +1,7 @@
 """A model of what a long run must write (issue 27): union growth, a lower bound, and the
 chain policy replayed on the bench's rows, in seconds instead of bench_longrun's hours.
 
-Three parts, all on the rows benches/workload.py changes (Zipf s=1.05, the bench's two
+Parts, all on the rows benches/workload.py changes (Zipf s=1.05, the bench's two
 500 K-row tables, 32768-row blocks of 256-byte rows):
 
 - ``union``: the share of a table's rows changed at least once in t steps. Each row r
@@ -19,6 +19,12 @@ Three parts, all on the rows benches/workload.py changes (Zipf s=1.05, the bench
   patch of the union since it and the patches above: a full rewrite every T steps, a
   merge every m, each merge writing u(t) and the patches f per step; minimized over T and
   m with the chain averaging <= 0.5 of a block (the read target, blocks staggered).
+- ``collapse_bound``: the least write of ANY chain on whole-block bases (full block
+  rewritten every T steps, every row version since read), each row free to be collapsed
+  (rewritten, its older versions dropped) at its own period: looser than a ref chain.
+- ``hot_policy``: the policy with a patch H of the block's hot rows (change rate by an
+  exponential average) on top of the chain, rewritten every step; ``family(hot=)`` its
+  family bound.
 - ``policy``: cnrstore's chain policy (core/chainpolicy.py: per-block budget over
   BUDGET_RANGE of the block's bytes, merged patch of the union since the full block when
   <= MERGE_SHARE of the budget, else a full block; depth caps of max_chain 64) replayed
@@ -28,6 +34,8 @@ Three parts, all on the rows benches/workload.py changes (Zipf s=1.05, the bench
 
     .venv/bin/python benches/model_longrun.py                # all three, 200 steps
     .venv/bin/python benches/model_longrun.py --steps 60 --budget 0.5:1 0.3:0.6
+    .venv/bin/python benches/model_longrun.py --steps 150 --budget 0.5:1 0.4:0.9 0.6:1.2 \
+        --hot 0.2:0.7:0.5 0.05:0.5:0.3                      # issue 27, hot patch (~1 CPU min)
 """
 
 from __future__ import annotations
@@ -101,21 +109,59 @@ def bound(fraction: float, read: float = 0.5) -> tuple[float, float]:
     return best
 
 
-def family(fraction: float, read: float = 0.5, longest: int = 1000
+def family(fraction: float, read: float = 0.5, longest: int = 1000, hot: float = 2.0
            ) -> tuple[float, int, int]:
-    """(least extra write / changed rows' bytes, T, m) of the family (see the docstring)."""
+    """(least extra write / changed rows' bytes, T, m) of the family (see the docstring).
+    ``hot``: rows with p_r >= hot sit in a patch H on top of the chain, rewritten whole
+    every step (the hot set of ``hot_policy``): they leave the union and add their share
+    of the table to the chain and their unchanged share (1 - p_r) to every step."""
     p = rates(fraction)
+    h = p >= hot
+    share, waste = float(h.mean()), float((1 - p[h]).sum() / len(p))
+    cold, p = fraction - float(p[h].sum() / len(p)), np.where(h, 0.0, p)
     u = np.array([float((1 - (1 - p) ** t).mean()) for t in range(longest + 1)])
     best = (float("inf"), 0, 0)
     for T in range(5, longest, 5):
         t = np.arange(T)
         for m in range(1, T + 1):
             last = (t // m) * m
-            chain = np.where(t >= m, u[last], 0.0) + fraction * (t - last)
+            chain = np.where(t >= m, u[last], 0.0) + cold * (t - last) + share
             if chain.mean() <= read:
-                extra = (1 + u[np.arange(m, T, m)].sum()) / (T * fraction)
+                extra = (1 + u[np.arange(m, T, m)].sum()) / (T * fraction) + waste / fraction
                 if extra < best[0]:
                     best = (float(extra), T, m)
+    return best
+
+
+def collapse_bound(fraction: float, read: float = 0.5) -> tuple[float, int, float]:
+    """(least write / changed rows' bytes, T, read) of ANY chain whose base is the whole
+    block, rewritten every T steps: a restore reads every version of a row written since
+    the full block (one version per change), except that a row may be collapsed every k
+    steps (its current value written again, its older versions dropped; k per row, in
+    1..T). That is looser than a ref chain, where dropping an object rewrites every row
+    of the objects above it, so no policy on full blocks and patches writes less."""
+    p = rates(fraction)
+    edges = np.geomspace(p.min() * 0.999, 1.0, 200)
+    b = np.digitize(p, edges)
+    P = np.array([p[b == g].mean() for g in np.unique(b)])
+    N = np.array([(b == g).sum() for g in np.unique(b)])
+    best = (float("inf"), 0, 0.0)
+    for T in (10, 15, 20, 25, 30, 40, 50, 60, 80, 100, 130, 160, 200, 250, 300, 400):
+        t = np.arange(T)[None, :]
+        ws, rs = [], []
+        for k in np.unique(np.round(np.geomspace(1, T, 40)).astype(int)):
+            last = (t // k) * k
+            rs.append((np.where(last > 0, 1 - (1 - P[:, None]) ** last, 0)
+                       + P[:, None] * (t - last)).mean(axis=1))
+            at = np.arange(k, T, k)[None, :]  # a collapse there also writes its change
+            ws.append(((1 - (1 - P[:, None]) ** at).sum(axis=1) - P * at.shape[1]) / T)
+        W, R = np.array(ws).T, np.array(rs).T
+        for lam in np.geomspace(1e-3, 1e3, 300):
+            j = np.argmin(W + lam * R, axis=1)
+            r = float((N * R[np.arange(len(N)), j]).sum() / N.sum())
+            w = 1 + float((N * W[np.arange(len(N)), j]).sum() + N.sum() / T) / (N * P).sum()
+            if r <= read and w < best[0]:
+                best = (w, T, r)
     return best
 
 
@@ -123,7 +169,7 @@ def policy(rows_of: list[list[np.ndarray]], fraction: float, budget: tuple[float
            merge: float, ratio: float = 1.0, max_chain: int = 64) -> dict:
     """Replay the chain policy; bytes per step written and read above the full blocks."""
     steps = len(rows_of[0])
-    cost, raw, read = np.zeros(steps), np.zeros(steps), np.zeros(steps)
+    cost, read = np.zeros(steps), np.zeros(steps)
     nb = -(-ROWS // BLOCK)
     for t in range(TABLES):
         key0 = zlib.crc32(f"t{t}".encode()) & 0xFFFF
@@ -151,9 +197,73 @@ def policy(rows_of: list[list[np.ndarray]], fraction: float, budget: tuple[float
                         chain, depth, changed[:] = 0.0, 0, False
                         cost[s] += n * RNB
                 read[s] += chain
+    return _figures(rows_of, cost, read)
+
+
+def _patch(rows: int) -> float:
+    return float(PATCH_HEAD + rows * (RNB + INDEX)) if rows else 0.0
+
+
+def hot_policy(rows_of: list[list[np.ndarray]], budget: tuple[float, float], merge: float,
+               alpha: float, enter: float, leave: float, max_chain: int = 64) -> dict:
+    """Replay the chain F <- M <- P1 .. Pk <- H per block: H holds the current codes of
+    the block's hot rows and is rewritten every step (the new step's chain drops the old
+    H), P one step's changed rows outside the hot set plus the rows leaving it, M the
+    merged patch of the cold rows that differ from F. A row is hot while its change rate
+    (exponential average, weight ``alpha`` per step) is >= ``enter``, until it drops below
+    ``leave``. The budget, merge share and depth cap (counting M and the P, not H) are
+    the policy's, H counted in the chain's bytes. Also returns the objects written per
+    block per step (last 45 steps) and the deepest chain (H included)."""
+    steps = len(rows_of[0])
+    cost, raw, read, objs = (np.zeros(steps) for _ in range(4))
+    nb, deepest = -(-ROWS // BLOCK), 0
     for t in range(TABLES):
-        for s in range(steps):
-            raw[s] += len(rows_of[t][s]) * RNB
+        key0 = zlib.crc32(f"t{t}".encode()) & 0xFFFF
+        for i in range(nb):
+            n = min(BLOCK, ROWS - i * BLOCK)
+            spread = ((key0 + i) * _PHI) % 1.0
+            cap = (budget[0] + (budget[1] - budget[0]) * spread) * n * RNB
+            depth_cap = max(1, round(max_chain * (0.5 + 0.5 * spread)))
+            rate = np.zeros(n)
+            hot, differs = np.zeros(n, dtype=bool), np.zeros(n, dtype=bool)
+            low, depth, top = 0.0, 0, 0.0  # bytes of M + P, their count, bytes of H
+            for s in range(steps):
+                ids = rows_of[t][s]
+                a, z = np.searchsorted(ids, [i * BLOCK, (i + 1) * BLOCK])
+                changed = np.zeros(n, dtype=bool)
+                changed[ids[a:z] - i * BLOCK] = True
+                rate *= 1 - alpha
+                rate[changed] += alpha
+                now = (rate >= enter) | (hot & (rate >= leave))
+                differs |= changed
+                if changed.any():
+                    prow = int(((changed & ~now) | (hot & ~now & differs)).sum())
+                    p, h = _patch(prow), _patch(int((now & differs).sum()))
+                    if depth + (prow > 0) <= depth_cap and low + p + h <= cap:
+                        low, depth, top = low + p, depth + (prow > 0), h
+                        cost[s] += p + h
+                        objs[s] += (prow > 0) + (h > 0)
+                    elif _patch(int((differs & ~now).sum())) + h <= merge * cap:
+                        low, depth, top = _patch(int((differs & ~now).sum())), 1, h
+                        cost[s] += low + h
+                        objs[s] += 1 + (h > 0)
+                    else:
+                        low, depth, top = 0.0, 0, 0.0
+                        differs[:] = False
+                        cost[s] += n * RNB
+                        objs[s] += 1
+                    hot = now
+                    deepest = max(deepest, depth + (top > 0))
+                read[s] += low + top
+    r = _figures(rows_of, cost, read)
+    r.update(objects=float(objs[-min(45, steps):].mean() / (TABLES * nb)), depth=deepest)
+    return r
+
+
+def _figures(rows_of: list[list[np.ndarray]], cost: np.ndarray, read: np.ndarray) -> dict:
+    steps = len(cost)
+    raw = np.array([sum(len(rows_of[t][s]) for t in range(TABLES)) * RNB
+                    for s in range(steps)], dtype=np.float64)
     k = min(45, steps)
     tail = slice(steps - k, steps)
     return {"first45": cost[:k].sum() / raw[:k].sum(), "all": cost.sum() / raw.sum(),
@@ -172,6 +282,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block-rows", type=int, default=BLOCK)
     ap.add_argument("--ratio", type=float, nargs="+", default=[1.0],
                     help="compression ratio of patch bytes (1.18: exact rows in planes)")
+    ap.add_argument("--hot", nargs="*", default=[], metavar="ALPHA:ENTER:LEAVE",
+                    help="also replay hot_policy (a hot-row patch on top, per step)")
+    ap.add_argument("--no-bounds", action="store_true")
     a = ap.parse_args(argv)
     BLOCK = a.block_rows
     for frac in a.fractions:
@@ -179,13 +292,20 @@ def main(argv: list[str] | None = None) -> int:
         rows_of = [[changed_rows(ROWS, work, seed=0, step=s, table_index=t)
                     for s in range(1, a.steps + 1)] for t in range(TABLES)]
         print(f"{work.name}: " + "; ".join(union(frac, [10, 20, 40, 100], rows_of[0])))
-        e, T, m = family(frac)
-        print(f"{work.name}: bound, full block + merged patch + patches: write >= "
-              f"{1 + e:.2f}x the changed rows' bytes (rewrite every {T} steps, merge "
-              f"every {m})")
-        e, s = bound(frac)
-        print(f"{work.name}: bound, rows grouped by rate: write >= {1 + e:.2f}x the changed "
-              f"rows' bytes at stale base copies {s:.2f} of the table")
+        for hot in ([2.0] + [float(h.split(":")[1]) for h in a.hot]) * (not a.no_bounds):
+            e, T, m = family(frac, hot=hot)
+            print(f"{work.name}: bound, full block + merged patch + patches"
+                  + (f" + hot patch (p >= {hot:g})" if hot <= 1 else "") + f": write >= "
+                  f"{1 + e:.2f}x the changed rows' bytes (rewrite every {T} steps, merge "
+                  f"every {m})", flush=True)
+        if not a.no_bounds:
+            w, T, r = collapse_bound(frac)
+            print(f"{work.name}: bound, any chain on full blocks (rows collapsed at will): "
+                  f"write >= {w:.2f}x the changed rows' bytes (rewrite every {T} steps, "
+                  f"read {1 + r:.2f}x)", flush=True)
+            e, s = bound(frac)
+            print(f"{work.name}: bound, rows grouped by rate: write >= {1 + e:.2f}x the "
+                  f"changed rows' bytes at stale base copies {s:.2f} of the table")
         for b in a.budget:
             lo, hi = (float(v) for v in b.split(":"))
             for ratio in a.ratio:
@@ -195,6 +315,15 @@ def main(argv: list[str] | None = None) -> int:
                       f"{r['all']:.2f}x, last 45 {r['last45']:.2f}x; max/median step "
                       f"(last 45) {r['spike_last45']:.1f}x; max restore read "
                       f"{r['read']:.2f}x", flush=True)
+            for h in a.hot:
+                alpha, enter, leave = (float(v) for v in h.split(":"))
+                r = hot_policy(rows_of, (lo, hi), a.merge_share, alpha, enter, leave)
+                print(f"{work.name}: hot {h} budget {b}: write/raw first 45 "
+                      f"{r['first45']:.2f}x, all {a.steps} {r['all']:.2f}x, last 45 "
+                      f"{r['last45']:.2f}x; max/median step (last 45) "
+                      f"{r['spike_last45']:.1f}x; max restore read {r['read']:.2f}x; "
+                      f"{r['objects']:.2f} objects per block per step, chain depth <= "
+                      f"{r['depth']}", flush=True)
     return 0
 
 

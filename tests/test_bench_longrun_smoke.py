@@ -91,3 +91,41 @@ def test_model_prints_its_bounds(capsys):
     value = lambda line: float(line.split("write >= ")[1].split("x")[0])  # noqa: E731
     assert 1.0 < value(rate) < value(fam)
     assert any("policy budget 0.5:1" in x and "max restore read" in x for x in lines)
+
+
+def _model_rows(steps: int) -> list:
+    """Rows changing at Zipf-like rates min(1, 2000 / rank), ranks scattered over the
+    table (~2.5% a step)."""
+    import numpy as np
+
+    from benches import model_longrun
+
+    rng = np.random.default_rng(0)
+    p = rng.permutation(np.minimum(1.0, 2000.0 / np.arange(1, model_longrun.ROWS + 1)))
+    return [[np.flatnonzero(rng.random(len(p)) < p) for _ in range(steps)]
+            for _ in range(model_longrun.TABLES)]
+
+
+def test_hot_policy_without_hot_rows_is_the_policy():
+    """With no row ever hot, the hot-patch replay writes and reads what the policy does:
+    the two replays share budgets, depth caps and merge rule."""
+    from benches import model_longrun
+
+    rows = _model_rows(8)
+    plain = model_longrun.policy(rows, 0.05, (0.1, 0.2), 0.5)
+    hot = model_longrun.hot_policy(rows, (0.1, 0.2), 0.5, 0.2, 2.0, 2.0)
+    assert {k: hot[k] for k in plain} == plain
+    assert hot["objects"] == 1.0
+    some = model_longrun.hot_policy(rows, (0.1, 0.2), 0.5, 0.5, 0.5, 0.3)
+    assert 1.0 < some["objects"] <= 2.0 and some["depth"] >= 2
+
+
+@pytest.mark.slow  # ~30 s
+def test_collapse_bound_lies_between_the_others():
+    """Any chain on whole-block bases needs at least the collapse bound: above the bound
+    of rows grouped by rate (which has no whole-block base), below the block family's."""
+    from benches import model_longrun
+
+    w, _, r = model_longrun.collapse_bound(0.05)
+    assert r <= 0.5
+    assert 1 + model_longrun.bound(0.05)[0] < w < 1 + model_longrun.family(0.05)[0]
