@@ -3,6 +3,11 @@
 
     .venv/bin/python benches/bench_torchrec.py --out /tmp/bench_tr          # 4 ranks
     .venv/bin/python benches/bench_torchrec.py --quick --out /tmp/bench_trq # smoke, ~1 min
+    # one part alone, on checkpoints kept from an earlier run's save part:
+    .venv/bin/python benches/bench_torchrec.py --parts save --root /tmp/trk --out /tmp/tr
+    .venv/bin/python benches/bench_torchrec.py --parts restore --root /tmp/trk --out /tmp/tr \
+        --profile /tmp/trp        # + per-rank cProfile, CPU time and page faults
+    .venv/bin/python benches/bench_torchrec.py --parts overhead --every 100 --out /tmp/tr
 
 A DistributedModelParallel DLRMTrain (cnrstore/demo/torchrec_demo.py: tables row-wise,
 table-wise and table-row-wise, row-wise Adagrad fused into backward) trains at ``--world``
@@ -53,6 +58,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--train", type=int, default=10, help="training steps between them")
     p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset")
     p.add_argument("--quick", action="store_true", help="small tables, 2 ranks")
+    p.add_argument("--parts", default="save,restore,overhead",
+                   help="comma-separated subset: save, restore (of a saved run), overhead")
+    p.add_argument("--root", default=None, help="keep the checkpoints here (a restore "
+                   "part alone reads those of an earlier save part with the same sizes)")
+    p.add_argument("--overhead-systems", default="none,cnr,dcp_async,tracker,cnr_fp",
+                   help="comma-separated subset of the overhead runs ('none' is needed)")
+    p.add_argument("--profile", default=None, help="directory: each rank's cProfile of "
+                   "its timed restore / training loop (.prof and a .txt of the top)")
     p.add_argument("--out", required=True)
     p.add_argument("--overhead-steps", type=int, default=200,
                    help="training steps of each overhead run (0: no overhead runs)")
@@ -145,11 +158,27 @@ def _save(rank: int, world: int, a, root: str, system: str) -> list:
     return out
 
 
-def _restore(rank: int, world: int, a, root: str, system: str) -> dict:
+def _restores(rank: int, world: int, a, root: str, systems: list[str]) -> dict:
+    """``a.repeat`` cold restores of each system, interleaved (their order alternates), in
+    one set of ranks: each into a new DMP, after the page cache of the system's files is
+    evicted. A set of ranks per restore spent most of a bench lock's hold starting
+    processes (0.5 s restores, ~40 s starts on a loaded 2-core machine)."""
+    import gc
+
+    out: dict[str, list] = {s: [] for s in systems}
+    for i in range(a.repeat):
+        for system in systems if i % 2 == 0 else systems[::-1]:
+            out[system].append(_restore(rank, world, a, root, system,
+                                        last_repeat=i == a.repeat - 1))
+            gc.collect()
+    return out
+
+
+def _restore(rank: int, world: int, a, root: str, system: str, last_repeat: bool) -> dict:
     import torch
     import torch.distributed as dist
 
-    from benches.measure import evict_page_cache
+    from benches.measure import Measured, evict_page_cache
     from cnrstore.distributed.leaves import shard_leaf
     from cnrstore.distributed.torchrec import _leaf_paths
 
@@ -159,25 +188,28 @@ def _restore(rank: int, world: int, a, root: str, system: str) -> dict:
         evict_page_cache(os.path.join(root, system))
     dist.barrier()
     t0 = time.perf_counter()
-    if system == "cnr":
-        import cnrstore
-        from cnrstore.distributed import torchrec as ctr
+    with Measured(a.profile, f"restore_{system}", rank) as m:
+        if system == "cnr":
+            import cnrstore
+            from cnrstore.distributed import torchrec as ctr
 
-        store = cnrstore.open(os.path.join(root, system), group=dist.group.WORLD)
-        ctr.load(store, last, dmp)
-        store.close()
-    else:
-        import torch.distributed.checkpoint as dcp
+            store = cnrstore.open(os.path.join(root, system), group=dist.group.WORLD)
+            ctr.load(store, last, dmp)
+            store.close()
+        else:
+            import torch.distributed.checkpoint as dcp
 
-        dcp.load(_state(dmp), checkpoint_id=os.path.join(root, system, f"step{last}"))
+            dcp.load(_state(dmp), checkpoint_id=os.path.join(root, system, f"step{last}"))
     seconds = time.perf_counter() - t0
     dist.barrier()
-    rows = {}
-    for path, leaf in _leaf_paths(_state(dmp)):
-        for s in shard_leaf(leaf) or []:
-            rows[(path, s.row_offset)] = s.local.clone()
-    torch.save(rows, os.path.join(root, f"restored_{system}_{rank}.pt"))
-    return {"restore_s": seconds, "restore_all_s": time.perf_counter() - t0}
+    every_rank = time.perf_counter() - t0  # the job waits for its slowest rank
+    if last_repeat:
+        rows = {}
+        for path, leaf in _leaf_paths(_state(dmp)):
+            for s in shard_leaf(leaf) or []:
+                rows[(path, s.row_offset)] = s.local.clone()
+        torch.save(rows, os.path.join(root, f"restored_{system}_{rank}.pt"))
+    return {"restore_s": seconds, "restore_all_s": every_rank, **m.got}
 
 
 def _train(rank: int, world: int, a, root: str, system: str, every: int) -> dict:
@@ -186,17 +218,22 @@ def _train(rank: int, world: int, a, root: str, system: str, every: int) -> dict
     checkpoint durable: ``cnr`` puts
     non-blocking with TorchRec's tracker as ``touched=``, ``dcp_async`` is
     dcp.async_save, each waiting for its previous save only when the next one starts
-    (DCP allows one in flight; cnrstore queues up to max_inflight)."""
+    (DCP allows one in flight; cnrstore queues up to max_inflight). Two runs split
+    cnrstore's figure: ``tracker`` trains with the tracker on and only reads it at each
+    checkpoint (its cost is TorchRec's lookup hook), ``cnr_fp`` puts without a tracker
+    (fingerprints find the changed rows)."""
     import torch.distributed as dist
 
     import cnrstore
+    from benches.measure import Measured
     from cnrstore.demo import torchrec_demo as d
 
-    dmp, trk = _dmp(a, world, rank, tracker=system == "cnr", dtensor=system == "dcp_async")
+    dmp, trk = _dmp(a, world, rank, tracker=system in ("cnr", "tracker"),
+                    dtensor=system == "dcp_async")
     where = os.path.join(root, f"{system}_{every}")
     data = d.batches(0, 0, _hash(a))
     batches = [d.local_part(next(data), rank, world) for _ in range(a.overhead_steps)]
-    store = cnrstore.open(where, group=dist.group.WORLD) if system == "cnr" else None
+    store = cnrstore.open(where, group=dist.group.WORLD) if system.startswith("cnr") else None
     # async_save's collectives run on a thread beside training's: a group of their own
     ckpt_pg = dist.new_group(backend="gloo") if system == "dcp_async" else None
     loss, _ = dmp(batches[0])  # the first step builds what TorchRec builds lazily
@@ -205,6 +242,8 @@ def _train(rank: int, world: int, a, root: str, system: str, every: int) -> dict
     # (cnrstore's is the full one, whose blocks the timed ones diff against).
     if store is not None:  # reading the tracker there: the warm-up's lookups are not timed
         store.put_state(0, _state(dmp), touched=trk)
+    elif trk is not None:
+        trk.get_unique_ids()
     elif system == "dcp_async":
         import torch.distributed.checkpoint as dcp
 
@@ -214,29 +253,38 @@ def _train(rank: int, world: int, a, root: str, system: str, every: int) -> dict
     t0 = time.perf_counter()
     pending = None
     saves = 0
-    for k, batch in enumerate(batches[1:], start=1):
-        loss, _ = dmp(batch)
-        loss.backward()
-        if system != "none" and k % every == 0:
-            saves += 1
-            if store is not None:
-                pending = store.put_state(k, _state(dmp), blocking=False, touched=trk)
-            else:
-                import torch.distributed.checkpoint as dcp
+    stalls = []
+    with Measured(a.profile, f"train_{system}_{every}", rank) as m:
+        for k, batch in enumerate(batches[1:], start=1):
+            loss, _ = dmp(batch)
+            loss.backward()
+            if system != "none" and k % every == 0:
+                saves += 1
+                t1 = time.perf_counter()
+                if store is not None:
+                    pending = store.put_state(k, _state(dmp), blocking=False, touched=trk)
+                elif trk is not None:
+                    trk.get_unique_ids()
+                else:
+                    import torch.distributed.checkpoint as dcp
 
-                if pending is not None:
-                    pending.result()
-                pending = dcp.async_save(_state(dmp), process_group=ckpt_pg,
-                                         checkpoint_id=os.path.join(where, f"step{k}"))
-    if pending is not None:
-        pending.result()
+                    if pending is not None:
+                        pending.result()
+                    pending = dcp.async_save(_state(dmp), process_group=ckpt_pg,
+                                             checkpoint_id=os.path.join(where, f"step{k}"))
+                stalls.append(time.perf_counter() - t1)
+        t1 = time.perf_counter()
+        if pending is not None:
+            pending.result()
+        tail = time.perf_counter() - t1
     seconds = time.perf_counter() - t0
     dist.barrier()
     if store is not None:
         store.close()
     if rank == 0:
         shutil.rmtree(where, ignore_errors=True)
-    return {"seconds": seconds, "saves": saves}
+    return {"seconds": seconds, "saves": saves, "stall_s": sum(stalls), "tail_s": tail,
+            **m.got}
 
 
 def overhead(a, root: str) -> dict:
@@ -245,16 +293,22 @@ def overhead(a, root: str) -> dict:
     that a change of the machine's load hits them alike."""
     out: dict = {}
     for every in [int(x) for x in a.every.split(",")]:
-        runs: dict[str, list[float]] = {s: [] for s in ("none", "cnr", "dcp_async")}
+        systems = a.overhead_systems.split(",")
+        runs: dict[str, list[float]] = {s: [] for s in systems}
+        ranks: dict[str, list] = {s: [] for s in systems}
         for _ in range(a.repeat):
             for system in runs:
                 got = spawn(a.world, "_train", a, root, system, every)
                 runs[system].append(max(g["seconds"] for g in got))
+                ranks[system].append(got)
+                # each run as it ends: a hold of the bench lock cut short keeps its runs
+                print("overhead run", every, system, json.dumps(got), flush=True)
         med = {s: statistics.median(v) for s, v in runs.items()}
-        over = {s: med[s] / med["none"] - 1.0 for s in ("cnr", "dcp_async")}
+        over = {s: med[s] / med["none"] - 1.0 for s in systems if s != "none"}
         out[str(every)] = {"runs": runs, "median_s": med, "overhead": over,
                            "cnr_over_dcp": over["cnr"] / over["dcp_async"]
-                           if over["dcp_async"] > 0 else None}
+                           if over.get("dcp_async", 0) > 0 and "cnr" in over else None,
+                           "ranks": ranks}
         print("overhead every", every, json.dumps(out[str(every)]), flush=True)
     return out
 
@@ -272,6 +326,22 @@ def _rank_main(rank: int, world: int, port: int, out: str, fn: str, fargs: tuple
     dist.destroy_process_group()
 
 
+def _bytecode() -> None:
+    """Compiled bytecode of cnrstore for the ranks, as an installed package has it (torch's
+    and TorchRec's are compiled in site-packages): where PYTHONDONTWRITEBYTECODE is set
+    (this machine), each rank would otherwise compile cnrstore's modules from source
+    inside its timed restore (0.14 s a rank, measured), which dcp.load does not pay."""
+    if os.environ.get("PYTHONPYCACHEPREFIX"):
+        return
+    import compileall
+
+    prefix = os.path.join(tempfile.gettempdir(), f"cnr-bench-pyc-{os.getuid()}")
+    sys.pycache_prefix = prefix
+    for pkg in ("cnrstore", "engine"):
+        compileall.compile_dir(os.path.join(REPO, pkg), quiet=1)
+    os.environ["PYTHONPYCACHEPREFIX"] = prefix
+
+
 def spawn(world: int, fn: str, *fargs: Any, timeout: float = 1800) -> Any:
     import torch.multiprocessing as mp
 
@@ -279,6 +349,7 @@ def spawn(world: int, fn: str, *fargs: Any, timeout: float = 1800) -> Any:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     os.environ["OMP_NUM_THREADS"] = "1"
+    _bytecode()
     out = tempfile.mktemp()
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_rank_main, args=(r, world, port, out, fn, fargs))
@@ -302,25 +373,42 @@ def spawn(world: int, fn: str, *fargs: Any, timeout: float = 1800) -> Any:
 def run(a) -> dict:
     import torch
 
-    root = tempfile.mkdtemp(prefix="bench_tr_", dir=a.out)
+    parts = set(a.parts.split(","))
+    root = a.root or tempfile.mkdtemp(prefix="bench_tr_", dir=a.out)
+    os.makedirs(root, exist_ok=True)
     report: dict[str, Any] = {"args": vars(a), "systems": {}}
     total = sum(_hash(a)) * a.dim * 4
     report["table_bytes"] = total
-    for system in a.systems.split(","):
-        saves = spawn(a.world, "_save", a, root, system)[0]
-        report["systems"][system] = {"saves": saves, "restore_s": None}
-        print(system, json.dumps(report["systems"][system]), flush=True)
+    saved = os.path.join(root, "saves.json")
+    if "save" in parts:
+        for system in a.systems.split(","):
+            saves = spawn(a.world, "_save", a, root, system)[0]
+            report["systems"][system] = {"saves": saves, "restore_s": None}
+            print(system, json.dumps(report["systems"][system]), flush=True)
+        with open(saved, "w") as f:
+            json.dump({"args": vars(a), "systems": report["systems"]}, f)
+    elif os.path.exists(saved):
+        with open(saved) as f:
+            got = json.load(f)
+        if any(got["args"][k] != getattr(a, k) for k in ("rows", "dim", "world", "checkpoints",
+                                                         "train")):
+            raise SystemExit(f"{root} holds checkpoints of other sizes: {got['args']}")
+        report["systems"] = got["systems"]
     # Restores interleaved, cnrstore and DCP in each repeat; the median of each.
     restores: dict[str, list[float]] = {s: [] for s in ("cnr", "dcp")
-                                        if s in report["systems"]}
-    for _ in range(a.repeat):
+                                        if s in report["systems"] and "restore" in parts}
+    if restores:
+        got = spawn(a.restore_world, "_restores", a, root, list(restores))
         for system in restores:
-            got = spawn(a.restore_world, "_restore", a, root, system)
-            restores[system].append(max(g["restore_all_s"] for g in got))
+            for i in range(a.repeat):
+                ranks = [g[system][i] for g in got]
+                restores[system].append(max(r["restore_all_s"] for r in ranks))
+                report["systems"][system].setdefault("restore_ranks", []).append(ranks)
+                print("restore", system, json.dumps(ranks), flush=True)
     for system, times in restores.items():
         report["systems"][system]["restore_s"] = statistics.median(times)
         report["systems"][system]["restore_runs"] = times
-    if a.overhead_steps:
+    if a.overhead_steps and "overhead" in parts:
         report["overhead"] = overhead(a, root)
     same = None
     if os.path.exists(os.path.join(root, "restored_dcp_0.pt")) and os.path.exists(
@@ -330,7 +418,8 @@ def run(a) -> dict:
                 for k, v in torch.load(os.path.join(root, f"restored_cnr_{r}.pt")).items())
             for r in range(a.restore_world))
     report["restores_agree"] = same
-    shutil.rmtree(root, ignore_errors=True)
+    if a.root is None:
+        shutil.rmtree(root, ignore_errors=True)
     return report
 
 
@@ -351,8 +440,8 @@ def markdown(report: dict) -> str:
         lines.append(f"| {name} | {s0['bytes'] / 1e6:.1f} MB, {s0['stall_s']:.2f} s, "
                      f"{s0['put_s']:.2f} s | {mean('bytes') / 1e6:.2f} MB, "
                      f"{mean('stall_s'):.2f} s, {mean('put_s'):.2f} s | {rest} |")
-    if "cnr" in report["systems"] and "dcp" in report["systems"]:
-        c, d = report["systems"]["cnr"], report["systems"]["dcp"]
+    c, d = report["systems"].get("cnr"), report["systems"].get("dcp")
+    if c and d and c["restore_s"] is not None and d["restore_s"] is not None:
         lines.append(f"\nCold restore (median of {len(c['restore_runs'])}): cnrstore "
                      f"{c['restore_s']:.2f} s, dcp.load {d['restore_s']:.2f} s: "
                      f"{c['restore_s'] / d['restore_s']:.2f}x")
@@ -361,13 +450,17 @@ def markdown(report: dict) -> str:
         lines += ["", f"Training overhead: {a['overhead_steps']} steps at {a['world']} ranks, "
                   f"wall time over the no-checkpoint run (median of {a['repeat']}):", "",
                   "| checkpoint every | no checkpoint s | cnrstore (tracker, non-blocking) | "
-                  "dcp.async_save | cnrstore / async_save |", "| --- | --- | --- | --- | --- |"]
+                  "dcp.async_save | cnrstore / async_save | tracker alone | cnrstore, no "
+                  "tracker |", "| --- | --- | --- | --- | --- | --- | --- |"]
+
+        def pct(o: dict, k: str) -> str:
+            return f"{o[k] * 100:+.1f}%" if k in o else "–"
+
         for every, r in report["overhead"].items():
-            ratio = r["cnr_over_dcp"]
-            lines.append(f"| {every} steps | {r['median_s']['none']:.2f} | "
-                         f"{r['overhead']['cnr'] * 100:+.1f}% | "
-                         f"{r['overhead']['dcp_async'] * 100:+.1f}% | "
-                         f"{'–' if ratio is None else f'{ratio:.2f}'} |")
+            ratio, o = r["cnr_over_dcp"], r["overhead"]
+            lines.append(f"| {every} steps | {r['median_s']['none']:.2f} | {pct(o, 'cnr')} | "
+                         f"{pct(o, 'dcp_async')} | {'–' if ratio is None else f'{ratio:.2f}'}"
+                         f" | {pct(o, 'tracker')} | {pct(o, 'cnr_fp')} |")
     return "\n".join(lines)
 
 

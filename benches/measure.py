@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 __all__ = [
+    "Measured",
     "PeakMemory",
     "disk_bytes",
     "evict_page_cache",
@@ -143,3 +144,60 @@ class PeakMemory:
         else:
             peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         return {"peak_rss": peak, "peak_over_start": max(0, peak - self._base)}
+
+
+class Measured:
+    """CPU seconds (the whole process, and its main thread: the rest is background threads
+    such as a non-blocking put's writer), page faults, bytes read (from storage, and
+    through read calls) and wall time of a timed region of a rank; with ``profile`` (a
+    directory), the main thread's cProfile too."""
+
+    def __init__(self, profile: str | None, name: str, rank: int):
+        self.path = os.path.join(profile, f"{name}_{rank}") if profile else None
+        self.prof: Any = None
+        self.got: dict[str, float] = {}
+
+    @staticmethod
+    def _now() -> tuple:
+        s, t = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(
+            resource.RUSAGE_THREAD)
+        io = {}
+        try:  # bytes this process had fetched from storage (not the page cache), Linux
+            with open("/proc/self/io") as f:
+                io = dict(line.split(": ") for line in f.read().splitlines())
+        except OSError:
+            pass
+        return (time.perf_counter(), s.ru_utime + s.ru_stime, t.ru_utime + t.ru_stime,
+                s.ru_minflt, s.ru_majflt, int(io.get("read_bytes", 0)),
+                int(io.get("rchar", 0)))
+
+    def __enter__(self) -> Measured:
+        if self.path:
+            import cProfile
+
+            self.prof = cProfile.Profile()
+            self.prof.enable()
+        self.t0 = self._now()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        t1 = self._now()
+        if self.prof is not None:
+            self.prof.disable()
+        keys = ("wall_s", "cpu_s", "main_cpu_s", "minflt", "majflt", "disk_read_bytes",
+                "read_chars")
+        self.got = {k: y - x for k, x, y in zip(keys, self.t0, t1)}
+        self.got["bg_cpu_s"] = self.got["cpu_s"] - self.got["main_cpu_s"]
+        if self.prof is not None and self.path:
+            import io
+            import json
+            import pstats
+
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            self.prof.dump_stats(self.path + ".prof")
+            buf = io.StringIO()
+            st = pstats.Stats(self.prof, stream=buf)
+            st.sort_stats("cumulative").print_stats(45)
+            st.sort_stats("tottime").print_stats(30)
+            with open(self.path + ".txt", "w") as f:
+                f.write(json.dumps(self.got) + "\n" + buf.getvalue())

@@ -55,7 +55,7 @@ STAGES = (
     ("cnrstore.core.put", "queued", "queue the step (drops the old bases)"),
     ("cnrstore.core.writer", "encode_full", "block payload (full)"),
     ("cnrstore.core.writer", "encode_patch", "block payload (patch)"),
-    ("cnrstore.core.put", "write_step", "manifest + writer glue (other)"),
+    ("cnrstore.core.commit", "write_step", "manifest + writer glue (other)"),
     ("engine.store.writer", "object_id", "hash: object id (engine put)"),
     ("engine.store.writer", "PackWriter.has", "dedup lookups (has)"),
     ("engine.format.records", "encode_record", "record framing (other)"),
@@ -64,7 +64,7 @@ STAGES = (
     ("engine.packs.pack", "PackFile.sync", "fsync"),
     ("engine.packs.pack", "fsync_dir", "fsync"),
     ("engine.store.writer", "PackWriter.commit", "commit: index txn + roots (other)"),
-    ("cnrstore.core.put", "seed_state", "seed diff base from store"),
+    ("cnrstore.core.placement", "seed_state", "seed diff base from store"),
     # get
     ("engine.packs.pack", "pread_exact", "read (pread)"),
     ("engine.format.records", "_decompress", "decompress"),

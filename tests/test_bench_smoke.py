@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +25,7 @@ sys.path.insert(0, str(REPO))
 
 from benches import bench_checkpoint, report  # noqa: E402
 from benches.bench_checkpoint import parse_args  # noqa: E402
-from benches.measure import PeakMemory, disk_bytes, evict_page_cache  # noqa: E402
+from benches.measure import Measured, PeakMemory, disk_bytes, evict_page_cache  # noqa: E402
 from benches.workload import (  # noqa: E402
     Workload,
     apply_update,
@@ -123,6 +124,32 @@ def test_disk_bytes_counts_allocated_blocks_not_apparent_size(tmp_path):
     assert disk_bytes(tmp_path / "missing") == 0
     assert evict_page_cache(tmp_path) in ("fadvise", "none")
     assert dense.read_bytes()[:4] == dense.read_bytes()[:4]  # still readable after eviction
+
+
+def test_measured_splits_main_thread_and_background_cpu_and_counts_reads(tmp_path):
+    import threading
+
+    f = tmp_path / "f.bin"
+    f.write_bytes(os.urandom(1 << 20))
+
+    def spin(seconds: float) -> None:
+        end = time.thread_time() + seconds
+        while time.thread_time() < end:
+            pass
+
+    with Measured(str(tmp_path / "prof"), "region", 3) as m:
+        t = threading.Thread(target=spin, args=(0.15,))
+        t.start()
+        t.join()
+        spin(0.05)
+        f.read_bytes()
+    got = m.got
+    assert got["bg_cpu_s"] >= 0.12 and got["main_cpu_s"] >= 0.04
+    assert got["cpu_s"] == pytest.approx(got["main_cpu_s"] + got["bg_cpu_s"])
+    assert got["read_chars"] >= 1 << 20
+    assert got["wall_s"] >= 0.19
+    assert (tmp_path / "prof" / "region_3.prof").exists()
+    assert "spin" in (tmp_path / "prof" / "region_3.txt").read_text()
 
 
 def _cached(path) -> bool:

@@ -47,6 +47,11 @@ class HandleState:
     pending: dict[int, Future] = field(default_factory=dict)
     failed: bool = False  # a background put failed: its diff bases cannot be trusted
     last_root: str | None = None  # root of this handle's latest queued put
+    # The put pipeline (core/put.py): a world of one (core/group.py Solo,
+    # core/placement.py WholeTables, core/commit.py EngineCommit; set by CheckpointStore).
+    group: Any = None
+    placement: Any = None
+    commit: Any = None
     closed: bool = False
     pid: int = field(default_factory=os.getpid)
 

@@ -1,154 +1,162 @@
-"""The put path of a store handle: validate, plan every table against its diff base, and
-queue the step on the handle's writer (docs/GUIDE.md, "The API contract"; docs/MANIFEST.md, "Write
-rules"). ``put`` is CheckpointStore.put_tables and put_state.
+"""The put pipeline, the one both handles run (CheckpointStore and DistributedStore
+put_tables and put_state; docs/ARCHITECTURE.md, "A put and a get"; docs/MANIFEST.md,
+"Write rules"; docs/design/one-pipeline.md):
 
-The step checks and the queued-put bookkeeping here are the distributed put's too
-(cnrstore/distributed/put.py): a handle keeps ``pending`` (each queued step's Future),
-``states`` (the diff bases the queued puts leave, keyed by table name, or by (table,
-first block) on a rank, which holds the bases of its own blocks) and ``failed`` (a
-background put failed, so the bases cannot be trusted). A new step must be neither
-pending nor stored, and not below the highest stored or pending step (lineage.py)."""
+1. ``placement.prepare``: check the input and decide which block runs this rank plans
+   (a world of one: every table whole, core/placement.py; many ranks: the global row
+   grid, boundary rows moved to their owners, cnrstore/distributed/put.py);
+2. the diff base of each run: the handle's own, else seeded from the store
+   (``placement.seed``; the reading is core/seed.py's at any world size);
+3. ``plan_table`` on every run (the stall), then the ranks agree on each table's row
+   width (a world of one agrees with itself);
+4. ``commit.job``: the step, queued on the handle's writer thread (a world of one writes
+   through the engine writer, core/commit.py; many ranks through the coordinator,
+   cnrstore/distributed/commit.py);
+5. wait (a blocking put), and plan again keeping full codes when a gc in another process
+   swept the base under the writer lock (``BaseGone``, only the engine writer raises it).
+
+The rounds among ranks are the handle's ``group`` (core/group.py). The queued-put
+bookkeeping is kept here for both: a handle keeps ``pending`` (each queued step's Future),
+``states`` (the diff bases the queued puts leave, keyed by ``Work.key``: a table name,
+or (table, first block) on a rank) and ``failed`` (a background put failed, so the bases
+cannot be trusted). A new step must be neither pending nor stored, and not below the
+highest stored or pending step (lineage.py)."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future
+from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
-from cnrstore.core import lineage
-from cnrstore.core.handle import HandleState
-from cnrstore.core.options import ensure_stored
-from cnrstore.core.progress import Reporter, check_progress
-from cnrstore.core.seed import seed_state
+import torch
+
+from cnrstore.core.progress import Reporter
 from cnrstore.core.snapshot import TablePlan, plan_table
 from cnrstore.core.tablestate import TableState
-from cnrstore.core.validate import (
-    check_step,
-    check_tables,
-    check_touched,
-    check_writable,
-    pack_metadata,
-    resolve_quant,
-)
-from cnrstore.core.writer import BaseGone, StepInfo, write_step
-from cnrstore.errors import StepExists, StepOrderError, WriteFailed
+from cnrstore.core.writer import BaseGone, StepInfo
+from cnrstore.errors import NonFiniteValues, StepExists, StepOrderError, ValueOutOfRange
 from cnrstore.format.load import list_steps
-from cnrstore.format.manifest import check_step_fits, root_name
+from cnrstore.format.manifest import root_name
 from engine import ObjectStore
 
-__all__ = ["PutBook", "check_new_step", "forget_failed", "marking_failed", "put", "queued"]
+__all__ = ["Commit", "Placement", "PutBook", "Request", "Work", "check_new_step",
+           "forget_failed", "marking_failed", "put", "queued"]
 
 T = TypeVar("T")
+Plans = list[tuple[str, int, TablePlan]]   # (table, first block, plan)
 
 
-def put(core: HandleState, step: int, tables: Mapping, *, quant: Any, metadata: Mapping | None,
+@dataclass
+class Work:
+    """One run of blocks this rank plans: blocks ``[b0, b1)`` of table ``name``, from
+    global row ``lo``, its diff base kept under ``key`` in the handle's ``states``. The
+    rows are ``table`` (the caller's tensor), or ``assemble()`` (a copy assembled from a
+    rank's parts, made when planned); ``touched`` the changed rows relative to ``lo``
+    (None: unknown)."""
+
+    name: str
+    key: Any
+    b0: int
+    b1: int
+    lo: int
+    nbytes: int
+    table: torch.Tensor | None
+    assemble: Callable[[], torch.Tensor] | None = None
+    touched: torch.Tensor | None = None
+
+    def rows(self) -> torch.Tensor:
+        if self.table is not None:
+            return self.table
+        assert self.assemble is not None
+        return self.assemble()
+
+
+@dataclass
+class Request:
+    """A checked put: the runs this rank plans, each table's scheme, the metadata
+    document, ``tables`` (what the placement keeps of each table: the tensor, or a
+    rank's GlobalTable) and when the caller's stall began."""
+
+    works: list[Work]
+    schemes: dict[str, str]
+    meta_doc: dict
+    tables: dict[str, Any]
+    t0: float
+    extra: Any = None            # what else the placement keeps of the put
+    bases: dict[Any, TableState | None] = field(default_factory=dict)
+    damaged: frozenset[bytes] = frozenset()  # unreadable records of the bases seeded
+
+
+class Placement(Protocol):
+    """Where the rows of a put are planned (core/placement.py, distributed/put.py)."""
+
+    def prepare(self, h: Any, step: int, tables: Mapping, *, quant: Any,
+                metadata: Mapping | None, touched: Mapping | None, state: dict | None,
+                progress: Any) -> Request: ...
+
+    def bases(self, h: Any, req: Request) -> dict[Any, TableState | None]:
+        """The diff base of every run, by its key: the handle's own, else
+        (``seed_from_store``) the newest stored version's (core/seed.py), else None
+        (written full)."""
+        ...
+
+
+class Commit(Protocol):
+    """How a planned step reaches the store (core/commit.py, distributed/commit.py)."""
+
+    def plan_options(self, h: Any, req: Request, *, blocking: bool, keep_full: bool
+                     ) -> list[dict]:
+        """plan_table's options for each run of ``req`` (its base in ``req.bases``)."""
+        ...
+
+    def job(self, h: Any, step: int, req: Request, plans: Plans, widths: dict[str, int],
+            stall: float, state: dict | None) -> Callable[[], StepInfo]: ...
+
+
+def put(h: Any, step: int, tables: Mapping, *, quant: Any, metadata: Mapping | None,
         blocking: bool, touched: Mapping | None, state: dict | None = None,
         keep_full: bool = False, progress: Any = None,
         report: Reporter | None = None) -> StepInfo | Future:
-    core.check_open()
-    check_writable(core.objects, "put_tables")
-    check_step(step)
-    check_tables(tables)
-    check_progress(progress)
-    opt = core.options
-    schemes = resolve_quant(quant, tables, expected_restores=opt.expected_restores)
-    meta_doc = pack_metadata(metadata)
-    check_step_fits(step, list(tables), meta_doc, state)  # docs/MANIFEST.md "Memory caps"
-    rows_touched = check_touched(touched, tables)
-    with core.lock:
-        core.check_open()
-        forget_failed(core)
-        check_new_step(core.objects, core.pending, step)
-        # bytes of the tables planned; done == total once the step committed
+    """Put ``tables`` as ``step`` through handle ``h`` (its ``group``, ``placement`` and
+    ``commit``, its writer and the PutBook of its queued puts)."""
+    place: Placement = h.placement
+    commit: Commit = h.commit
+    with h.lock:
+        h.check_open()
+        req = place.prepare(h, step, tables, quant=quant, metadata=metadata,
+                            touched=touched, state=state, progress=progress)
         if report is None:  # a put planned again (below) goes on from where it was
-            report = Reporter(progress, sum(t.numel() * t.element_size()
-                                            for t in tables.values()),
-                              min_total=opt.progress_min_bytes)
-        t0 = time.perf_counter()
-        plans: list[TablePlan] = []
-        try:
-            roots: dict[str, bytes | None] = {}
-
-            def root(name: str) -> bytes | None:  # one lookup per anchor step per put
-                if name not in roots:
-                    roots[name] = core.objects.root(name)
-                return roots[name]
-
-            newest: list[str] = []
-
-            def at_risk(base: TableState | None) -> bool:
-                # A base on a step that will not be the newest when this put is written
-                # may be dropped by another process's gc before the writer holds the
-                # lock (issue 8); a base on a pending put has no anchor yet.
-                if base is None:
-                    return False
-                if keep_full:
-                    return True
-                anchor = base.anchor[0] if base.anchor else base.planned_root
-                # Even this handle's latest put is checked: another process may have put
-                # a newer step since, and a gc keeping that one drops ours (issue 8).
-                if not newest:
-                    steps = list_steps(core.objects) + list(core.pending)
-                    newest.append(root_name(max(steps)) if steps else "")
-                return anchor != newest[0]
-
-            for name, table in tables.items():
-                base = core.states.get(name)
-                if base is not None:
-                    base.revalidate(root, core.objects.has)
-                elif opt.seed_from_store:
-                    # Diff base of a table's first put in this handle: the newest stored
-                    # step that holds it with the same geometry and encoding.
-                    core.writer.drain()
-                    base = seed_state(core.objects, name, table, schemes[name],
-                                      block_rows=opt.rows, fanout=opt.segment_fanout,
-                                      pool=core.pool)
-                plans.append(
-                    plan_table(
-                        name,
-                        table,
-                        scheme=schemes[name],
-                        base=base,
-                        block_rows=opt.rows,
-                        fanout=opt.segment_fanout,
-                        max_chain=opt.max_chain,
-                        touched=rows_touched.get(name),
-                        buffers=core.buffers,
-                        keep_full=at_risk(base),
-                        borrow=blocking,
-                        defer_encode=not blocking,
-                    )
-                )
-                report.add(table.numel() * table.element_size())
-        except BaseException:
-            _release(plans)
-            raise
-        stall = time.perf_counter() - t0
+            # This rank's own work: the bytes of the runs it plans; done == total once
+            # the step committed.
+            report = Reporter(progress, sum(w.nbytes for w in req.works),
+                              min_total=h.options.progress_min_bytes)
+        req.bases = place.bases(h, req)
+        plans = _plan_all(h, req, commit.plan_options(h, req, blocking=blocking,
+                                                      keep_full=keep_full), report)
+        widths = _agree_widths(h, req, plans)
+        job = commit.job(h, step, req, plans, widths, time.perf_counter() - req.t0, state)
         fut: Future = Future()
         try:
-            core.writer.submit(
-                lambda: _write(core, step, plans, meta_doc, stall, state),
-                cleanup=lambda: _release(plans),
-                future=fut,
-            )
+            h.writer.submit(job, cleanup=lambda: _release(plans), future=fut)
         except BaseException:
-            for p in plans:  # the caller does not wait: a borrowed table is not read
+            for p in _plans(plans):  # the caller does not wait: a borrowed table is not read
                 if p.borrowed is not None:
                     p.borrowed.set()
-            if not core.writer.queued(fut):
+            if not h.writer.queued(fut):
                 # Not queued (e.g. Ctrl-C while waiting for a writer slot): as for a
                 # refused put, the diff bases stay those of the last put.
                 _release(plans)
                 raise
-            _queued(core, step, plans, fut)  # interrupted just after: it will be written
+            _queued(h, step, req, plans, fut)  # interrupted just after: it will be written
             raise
-        _queued(core, step, plans, fut)
+        _queued(h, step, req, plans, fut)
     if not blocking:
         fut.add_done_callback(lambda f: None if f.exception() else report.finish())
         return fut
     try:
-        for p in plans:  # on this thread, while the writer thread writes
+        for p in _plans(plans):  # on this thread, while the writer thread writes
             if p.fingerprint_later is not None:
                 p.fingerprint_later()
         info = fut.result()
@@ -160,51 +168,102 @@ def put(core: HandleState, step: int, tables: Mapping, *, quant: Any, metadata: 
     finally:
         # Plans that borrow the caller's tables: from here on the caller may change them
         # (an interrupted wait, too), so the writer must not commit what it reads now.
-        for p in plans:
+        for p in _plans(plans):
             if p.borrowed is not None:
                 p.borrowed.set()
     # A gc in another process swept the base this put diffed against. The caller's tables
     # are still as they were (the put blocks), so plan it again, keeping every row's codes:
     # blocks whose base is gone are then written in full. ``touched`` is dropped: the
     # failure cleared the bases it was relative to.
-    return put(core, step, tables, quant=quant, metadata=metadata, blocking=True,
+    return put(h, step, tables, quant=quant, metadata=metadata, blocking=True,
                touched=None, state=state, keep_full=True, report=report)
 
 
-def _release(plans: list[TablePlan]) -> None:
-    for p in plans:
+def _plan_all(h: Any, req: Request, options: list[dict], report: Reporter) -> Plans:
+    """Plan every run against its diff base; a rank whose planning failed enters the
+    ranks' width round with its error, so every rank raises it."""
+    plans: Plans = []
+    try:
+        for w, kwargs in zip(req.works, options):
+            plans.append((w.name, w.b0, _plan(h, req, w, w.rows(), req.bases.get(w.key),
+                                              w.touched, None, kwargs)))
+            report.add(w.nbytes)
+    except BaseException as exc:
+        _release(plans)
+        h.group.agree(exc, "put_tables: encode", {})
+        raise
+    return plans
+
+
+def _plan(h: Any, req: Request, w: Work, rows: torch.Tensor, base: TableState | None,
+          touched: torch.Tensor | None, wide: bool | None, kwargs: dict) -> TablePlan:
+    opt = h.options
+    try:
+        return plan_table(w.name, rows, scheme=req.schemes[w.name], base=base, wide=wide,
+                          block_rows=opt.rows, fanout=opt.segment_fanout,
+                          max_chain=opt.max_chain, block_offset=w.b0, touched=touched,
+                          buffers=h.buffers, **kwargs)
+    except (NonFiniteValues, ValueOutOfRange) as exc:
+        if not w.lo:
+            raise
+        raise type(exc)(exc.table, exc.row + w.lo, exc.scheme) from None  # the global row
+
+
+def _agree_widths(h: Any, req: Request, plans: Plans) -> dict[str, int]:
+    """Every table's row width on every rank: a rank's part of a table that needed wide
+    qparams makes the whole table wide, as in a single-process put (docs/QUANTIZATION.md
+    "Wide rows"); the parts planned narrow are planned again, locally."""
+    group = h.group
+    rnb = {n: p.state.row_nbytes for n, _, p in plans}
+    try:
+        got = group.agree(None, "put_tables: encode", rnb)
+    except BaseException:
+        _release(plans)
+        raise
+    if len(got) == 1:
+        return rnb  # a world of one agrees with itself
+    agreed = {n: max(g[n] for g in got if n in g) for n in req.tables
+              if any(n in g for g in got)}
+    if any(g[n] != agreed[n] for g in got for n in g):
+        err = None
+        try:
+            works = {(w.name, w.b0): w for w in req.works}
+            for i, (n, b0, p) in enumerate(plans):
+                if p.state.row_nbytes != agreed[n]:
+                    if p.release:
+                        p.release()
+                        p.release = None
+                    w = works[(n, b0)]
+                    plans[i] = (n, b0, _plan(h, req, w, w.rows(), req.bases.get(w.key),
+                                             None, True, {}))
+        except BaseException as exc:
+            err = exc
+        try:
+            group.agree(err, "put_tables: encode wide", None)
+        except BaseException:
+            _release(plans)
+            raise
+    return agreed
+
+
+def _plans(plans: Plans) -> Iterable[TablePlan]:
+    return (p for _, _, p in plans)
+
+
+def _release(plans: Plans) -> None:
+    for _, _, p in plans:
         if p.release:
             p.release()
+            p.release = None
 
 
-def _queued(core: HandleState, step: int, plans: list[TablePlan], fut: Future) -> None:
+def _queued(h: Any, step: int, req: Request, plans: Plans, fut: Future) -> None:
     # The step will be written, so the next put diffs against it. A Ctrl-C while the
     # caller waits leaves it to finish; steps() tells whether it committed. A diff base
     # left on an older committed step stays correct (its blocks exist), only larger.
-    core.last_root = root_name(step)
-    queued(core, step, fut, {p.name: p.state for p in plans})
-
-
-def _write(core: HandleState, step: int, plans: list[TablePlan], metadata: dict, stall: float,
-           state: dict | None) -> StepInfo:
-    order = lineage.commit_check(core.objects, step)
-
-    def check(w) -> None:  # under the engine's writer lock, in the step's transaction
-        order()
-        ensure_stored(core.objects, w, core.options)
-
-    try:
-        def write() -> StepInfo:
-            for p in plans:  # a non-blocking put's deferred encodes, before the writer lock
-                p.encoded()
-            return write_step(core.objects, step, plans, metadata=metadata,
-                              stall_seconds=stall, lock_timeout=core.options.lock_timeout,
-                              state=state, check=check)
-        return marking_failed(core, write)
-    except BaseException as exc:
-        if isinstance(exc, (WriteFailed, StepOrderError, StepExists)):
-            raise
-        raise WriteFailed(step, f"{type(exc).__name__}: {exc}") from exc
+    h.last_root = root_name(step)
+    queued(h, step, fut, {w.key: p.state for w, (_, _, p) in zip(req.works, plans)},
+           req.tables)
 
 
 class PutBook(Protocol):

@@ -27,7 +27,7 @@ from cnrstore.format.manifest import TableManifest
 from engine import ObjectStore
 
 __all__ = ["block_span", "check_slice", "new_output", "row_range", "read_table", "read_tables",
-           "read_into", "read_many_into", "run_all", "table_hints"]
+           "read_into", "read_many_into", "read_rows_into", "run_all", "table_hints"]
 
 
 def row_range(sel: slice | None, rows: int) -> tuple[int, int, np.ndarray | None]:
@@ -222,14 +222,36 @@ def read_tables(objects: ObjectStore, pool: Executor,
                 done(out[-1].nbytes)
         return out
     fresh = [new_output(tm, rows) for tm, rows in wanted]
-    # A store that locates records is read in windows, each file forwards (windowread.py);
-    # one that cannot (a rank's located view) block by block behind read-ahead hints.
+    faults = Prefault(fresh)
+    try:
+        return _one_pass(objects, pool, [(tm, rows, dest) for (tm, rows), dest
+                                         in zip(wanted, fresh)], done)
+    finally:
+        faults.stop()
+
+
+def read_rows_into(objects: ObjectStore, pool: Executor,
+                   wanted: list[tuple[TableManifest, slice | None, torch.Tensor]]
+                   ) -> list[torch.Tensor]:
+    """``read_table(tm, rows=rows, into=into)`` of several (tm, rows, into) as one restore:
+    one pass of the pool over all their blocks (a rank's pieces of a sharded load were
+    read table by table, the pool drained at the end of each)."""
+    return _one_pass(objects, pool, wanted, None)
+
+
+def _one_pass(objects: ObjectStore, pool: Executor,
+              wanted: list[tuple[TableManifest, slice | None, torch.Tensor]],
+              done: Callable[[int], None] | None) -> list[torch.Tensor]:
+    """The blocks of every (tm, rows, into) decoded into ``into`` in one pool pass. A store
+    that locates records is read in windows, each file forwards (windowread.py); one that
+    cannot (a rank's located view) block by block behind one read-ahead of all."""
     windowed = can_locate(objects)
-    started = ([_no_hint] * len(wanted) if windowed else table_hints(objects, wanted))
+    started = ([_no_hint] * len(wanted) if windowed
+               else table_hints(objects, [(tm, rows) for tm, rows, _ in wanted]))
     reads = [_table_read(objects, tm, rows, False, False, hint, dest)
-             for (tm, rows), hint, dest in zip(wanted, started, fresh)]
+             for (tm, rows, dest), hint in zip(wanted, started)]
     blocks: list[Block] = []
-    for (blocks_of, one, _), (tm, _), dest in zip(reads, wanted, fresh):
+    for (blocks_of, one, _), (tm, _, dest) in zip(reads, wanted):
         if done is not None:  # ``done`` after each block: its share of the table's bytes
             one = _ticking(one, done, dest.nbytes, blocks_of)
         blocks.extend((one, i, tm) for i in blocks_of)
@@ -241,11 +263,7 @@ def read_tables(objects: ObjectStore, pool: Executor,
             for one, i, _ in window:
                 one(i, None)
 
-    faults = Prefault(fresh)
-    try:
-        run_all(pool, window_done, windows(blocks) if windowed else [[b] for b in blocks])
-    finally:
-        faults.stop()
+    run_all(pool, window_done, windows(blocks) if windowed else [[b] for b in blocks])
     return [finish()[0] for _, _, finish in reads]
 
 

@@ -16,9 +16,12 @@ from typing import TYPE_CHECKING, Any
 
 from cnrstore.core import changes as step_changes
 from cnrstore.core import get, lineage, maintenance, statestore
+from cnrstore.core.commit import EngineCommit
+from cnrstore.core.group import Solo
 from cnrstore.core.handle import HandleState
 from cnrstore.core.lifetime import close_at_exit, forget
 from cnrstore.core.options import Options, make_options, resolve_stored
+from cnrstore.core.placement import WholeTables
 from cnrstore.core.put import put
 from cnrstore.core.snapshot import HostBuffers
 from cnrstore.core.writer import BackgroundWriter, StepInfo
@@ -52,6 +55,7 @@ class CheckpointStore:
             pool=ThreadPoolExecutor(opt.decode_threads, thread_name_prefix="cnr-decode"),
             writer=BackgroundWriter(max_inflight=opt.max_inflight),
             buffers=HostBuffers(keep=opt.max_inflight + 1, max_bytes=opt.host_buffer_bytes),
+            group=Solo(), placement=WholeTables(), commit=EngineCommit(),
         )
         close_at_exit(self)
 

@@ -3,9 +3,10 @@
 ``read_metadata`` gives DCP the step's document (docmeta.py) as its Metadata: each tensor
 one chunk, the whole table, so DCP's planner turns any target sharding into reads of row
 ranges (and, for a target cut along other dims, column ranges of those rows).
-``read_data`` reads, per table, the rows this rank's reads span, in ONE collective
-``get_tables`` (each rank reads only the blocks overlapping its rows), and copies each
-read's rectangle into the tensor DCP resolves for it.
+``read_data`` reads, per table, the rows this rank's reads span, in ONE collective read
+(each rank reads only the blocks overlapping its rows; its request round carries the
+rank's plan, or its error): a piece of whole rows decodes straight into the tensor DCP
+resolves for it, the rows of the others are read and each read's rectangle copied.
 """
 
 from __future__ import annotations
@@ -22,11 +23,15 @@ from torch.futures import Future
 
 import cnrstore.dcp.docmeta as docmeta
 from cnrstore.codec.layout import dtype_name
+from cnrstore.core.prefault import Prefault
+from cnrstore.core.restore import new_output, read_rows_into
 from cnrstore.core.validate import check_step
 from cnrstore.dcp.handle import Target
+from cnrstore.distributed import transfer
+from cnrstore.distributed.read import collective_read, finish_read
 from cnrstore.distributed.shard import Shard
 from cnrstore.distributed.store import DistributedStore
-from cnrstore.errors import InvalidInput, StepNotFound
+from cnrstore.errors import InvalidInput, StepNotFound, engine_errors
 
 __all__ = ["StorageReader"]
 
@@ -143,15 +148,20 @@ class StorageReader(_DCPReader):
                 copied.append((item, dest))
         except BaseException as exc:
             err = exc
-        copies = any(self.target.agree(err, "DCP load: plan", bool(spans)))
-        store, doc = self.target.store, self.doc
+        store = self.target.store
+        if isinstance(store, DistributedStore):
+            got = _read_pieces(store, self.read_step, direct, spans, err)
+        else:
+            if err is not None:
+                raise err
+            # Pieces of whole rows decode straight into their destination; the others
+            # are read and copied.
+            store.get_tables(self.read_step, out=direct)
+            got = {} if not spans else store.get_tables(
+                self.read_step, names=sorted(spans),
+                rows={fqn: slice(lo, hi) for fqn, (lo, hi) in spans.items()})
+        doc = self.doc
         assert doc is not None
-        # Collective reads, the same on every rank: pieces of whole rows decode straight
-        # into their destination; the others, where any rank has some, are read and copied.
-        store.get_tables(self.read_step, out=direct)
-        got = {} if not copies else store.get_tables(
-            self.read_step, names=sorted(spans),
-            rows={fqn: slice(lo, hi) for fqn, (lo, hi) in spans.items()})
         for item, dest in copied:
             fqn = item.storage_index.fqn
             if fqn in spans:
@@ -182,3 +192,54 @@ class StorageReader(_DCPReader):
         if isinstance(self.target.store, DistributedStore):
             return Shard(dest, row_offset=lo, rows=int(size[0]))
         return dest if (lo, hi) == (0, int(size[0])) else None
+
+
+def _read_pieces(ds: DistributedStore, step: int | None, direct: dict[str, Shard],
+                 spans: dict[str, tuple[int, int]], err: BaseException | None
+                 ) -> dict[str, torch.Tensor]:
+    """One collective read of a rank's pieces: the tables of ``direct`` decoded into their
+    Shards, the rows ``spans`` of the others into fresh tensors (returned), all blocks in
+    one read-ahead and one pass of the pool. ``err`` (this rank's plan failed) enters the
+    request round, so every rank raises it there. A plan round of its own, then a read for
+    each kind of piece, cost a cold load three rounds and a drained pool more."""
+    def request() -> dict[str, Any]:
+        if err is not None:
+            raise err
+        req: dict[str, Any] = {n: ("shards", [(d.row_offset, d.row_end,
+                                               tuple(d.local.shape[1:]),
+                                               dtype_name(d.local.dtype))])
+                               for n, d in direct.items()}
+        req.update({n: ("slice", (lo, hi, None)) for n, (lo, hi) in spans.items()})
+        return req
+
+    def once() -> dict[str, torch.Tensor]:
+        _, _, tables, objects = collective_read(ds, step, None, "DCP load", request)
+        failed: BaseException | None = None
+        got: dict[str, torch.Tensor] = {}
+        try:
+            wanted: list[tuple[Any, slice | None, torch.Tensor]] = []
+            copies: dict[str, int] = {}  # table -> its index in wanted
+            for n, (tm, _) in tables.items():
+                if n in direct:
+                    d = direct[n]
+                    if d.local.shape[0]:  # _direct: contiguous CPU rows of the stored dtype
+                        wanted.append((tm, slice(d.row_offset, d.row_end),
+                                       d.local.detach().view(d.local.shape[0], tm.node.width)))
+                else:
+                    rows = slice(*spans[n])
+                    copies[n] = len(wanted)
+                    wanted.append((tm, rows, new_output(tm, rows)))
+            # fresh memory: its page faults off the decode threads
+            faults = Prefault([wanted[i][2] for i in copies.values()])
+            try:
+                outs = read_rows_into(objects, ds.pool, wanted)
+            finally:
+                faults.stop()
+            got = {n: outs[i] for n, i in copies.items()}
+        except BaseException as exc:
+            failed = exc
+        finish_read(ds, failed, "DCP load: read")
+        return got
+
+    with engine_errors():
+        return transfer.again(ds, once)

@@ -16,42 +16,21 @@ one call's bytes for another's (or hanging until the timeout and blaming a dead 
 from __future__ import annotations
 
 import datetime
-import importlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from cnrstore.errors import CheckpointError, CollectiveMismatch, RankFailed
+from cnrstore.core.group import coordinator_box, rebuild_error, wire_error
+from cnrstore.errors import CollectiveMismatch, RankFailed
 
 __all__ = ["Comm", "wire_error", "rebuild_error"]
 
 
-def wire_error(exc: BaseException) -> tuple[str, str, str, dict]:
-    """A picklable description of ``exc`` (cnrstore's errors have custom constructors
-    that pickle cannot call back)."""
-    attrs = {k: v for k, v in vars(exc).items()
-             if isinstance(v, (int, str, float, bytes, type(None)))}
-    return type(exc).__module__, type(exc).__qualname__, str(exc), attrs
-
-
-def rebuild_error(wire: tuple[str, str, str, dict], rank: int) -> CheckpointError:
-    """The error of ``wire`` raised on rank ``rank``, as a CheckpointError naming it."""
-    module, name, message, attrs = wire
-    text = f"rank {rank}: {message}" if not message.startswith("rank ") else message
-    cls: Any = None
-    if module == "cnrstore.errors":
-        cls = getattr(importlib.import_module(module), name, None)
-    if isinstance(cls, type) and issubclass(cls, CheckpointError):
-        exc = cls.__new__(cls)
-        Exception.__init__(exc, text)
-        exc.__dict__.update(attrs)
-        return exc
-    return CheckpointError(f"rank {rank}: {name}: {message}")
-
-
 class Comm:
-    """One gloo process group over the ranks of the user's group, used by one thread."""
+    """One gloo process group over the ranks of the user's group, used by one thread: the
+    gloo implementation of the put pipeline's seam (core/group.py ``Group``)."""
 
     def __init__(self, ranks: list[int], timeout: float):
         self.ranks = ranks
@@ -140,6 +119,16 @@ class Comm:
         if sent != tag:
             raise self._mismatch([sent if r == 0 else tag if r == self.rank else ("?", -1)
                                   for r in range(self.world)])
+        return got[1]
+
+    def from_coordinator(self, what: str, fn: Callable[[], Any], *,
+                         scatter: bool = True) -> Any:
+        """``fn()`` run on the coordinator: a list with one answer per rank (``scatter``)
+        or one answer for all; its error is raised on every rank."""
+        box = coordinator_box(self.world, fn, scatter) if self.coordinator else None
+        got = self.scatter(box, what) if scatter else self.bcast(box, what)
+        if got[0] == "err":
+            raise rebuild_error(got[1], 0)
         return got[1]
 
     def exchange(self, buf: torch.Tensor, sizes: list[int], expect: list[int], what: str

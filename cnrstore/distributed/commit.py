@@ -12,11 +12,13 @@ import dataclasses
 import errno
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
+from cnrstore.codec.quantize import row_nbytes
 from cnrstore.core.lineage import commit_check
 from cnrstore.core.options import ensure_stored
-from cnrstore.core.put import marking_failed
+from cnrstore.core.put import Plans, Request, marking_failed
 from cnrstore.core.snapshot import TablePlan
 from cnrstore.core.tablestate import BlockSlot, TableState
 from cnrstore.core.writer import StepInfo, write_blocks, write_nodes
@@ -25,7 +27,7 @@ from cnrstore.errors import CheckpointError, StepExists, WriteFailed, translate
 from cnrstore.format.manifest import KIND_STEP, StepNode, root_name
 from engine import RootExists, StoreError, crashpoints, object_id
 
-__all__ = ["Step", "write", "CRASH_POINTS"]
+__all__ = ["CoordinatorCommit", "Step", "write", "CRASH_POINTS"]
 
 # The DistributedStore (cnrstore/distributed/store.py): typed loosely, no import cycle.
 DistributedStore = Any
@@ -85,6 +87,29 @@ class _Collector:
         id): this rank read the seeded bases, so it knows which records failed."""
         if oid in self._damaged:
             raise StoreError(f"object {oid.hex()} could not be read when the base was seeded")
+
+
+class CoordinatorCommit:
+    """The put pipeline's ``Commit`` for many ranks (core/put.py; a world of one's is
+    core/commit.py): every rank encodes its blocks into a collector on its writer thread,
+    writes those the store lacks into packs of its own, and the coordinator adopts them
+    and commits the step. A rank cannot read the store, so it keeps no full codes and
+    borrows no table (its runs are planned in full before the put returns)."""
+
+    def plan_options(self, ds: DistributedStore, req: Request, *, blocking: bool,
+                     keep_full: bool) -> list[dict]:
+        return [{} for _ in req.works]
+
+    def job(self, ds: DistributedStore, step: int, req: Request, plans: Plans,
+            widths: dict[str, int], stall: float, state: dict | None
+            ) -> Callable[[], StepInfo]:
+        widths = dict(widths)
+        for n, gt in req.tables.items():  # a table no rank holds a block of (no rows)
+            widths.setdefault(n, row_nbytes(req.schemes[n], gt.torch_dtype,
+                                            layout.width(gt.row_shape)))
+        job = Step(step, plans, req.tables, req.schemes, widths,
+                   req.meta_doc if ds.group.coordinator else {}, state, stall, req.damaged)
+        return lambda: write(ds, job)
 
 
 def _point(name: str) -> None:
@@ -159,7 +184,7 @@ def _write_round(ds: DistributedStore, job: Step) -> StepInfo:
 
 def _write_rest(ds: DistributedStore, job: Step, comm: Any, coll: Any, decide: Any
                 ) -> StepInfo:
-    assigned, grant = ds.from_coordinator(comm, "put: assign", decide)
+    assigned, grant = comm.from_coordinator("put: assign", decide)
     err, report, up = None, None, None
     try:
         assert coll is not None
@@ -191,7 +216,7 @@ def _write_rest(ds: DistributedStore, job: Step, comm: Any, coll: Any, decide: A
                 raise
             raise local from exc
 
-    info = ds.from_coordinator(comm, "put: commit", commit, scatter=False)
+    info = comm.from_coordinator("put: commit", commit, scatter=False)
     root = bytes.fromhex(info.root)
     for _, _, p in job.plans:
         p.state.anchor = (root_name(job.step), root)

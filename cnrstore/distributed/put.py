@@ -1,7 +1,8 @@
-"""A distributed put: check every rank's input together, move boundary rows to the block
-owners, plan and encode on each rank (the stall), then, in every rank's writer thread and
-in step order, write the new blocks and commit the step on the coordinator in one engine
-transaction (docs/ARCHITECTURE.md, "Many ranks"; docs/FORMAT.md, "Distributed commit").
+"""Where a distributed put plans its rows: the global row grid (the put pipeline's
+``Placement`` for DistributedStore; core/put.py runs the pipeline, core/placement.py is a
+world of one's). Check every rank's input together, move boundary rows to the block
+owners, and seed the runs that have no diff base through the coordinator
+(docs/ARCHITECTURE.md, "Many ranks"; docs/FORMAT.md, "Distributed commit").
 
 The objects are those a single-process put of the assembled tables writes: blocks lie on
 the global row grid and each is planned by its owner with core/snapshot.py, against the
@@ -12,18 +13,15 @@ step nodes with core/writer.py. So ``StepInfo.tables`` equals a single-process p
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
-from concurrent.futures import Future
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import msgpack
 import torch
 
-from cnrstore.codec.quantize import row_nbytes
-from cnrstore.core.progress import Reporter, check_progress
-from cnrstore.core.put import check_new_step, forget_failed, queued
+from cnrstore.core.progress import check_progress
+from cnrstore.core.put import Request, Work, check_new_step, forget_failed
 from cnrstore.core.seed import seed_blocks
-from cnrstore.core.snapshot import TablePlan, plan_table
 from cnrstore.core.tablestate import TableState
 from cnrstore.core.validate import (
     check_step,
@@ -32,39 +30,39 @@ from cnrstore.core.validate import (
     pack_metadata,
     resolve_quant,
 )
-from cnrstore.core.writer import StepInfo
 from cnrstore.distributed import layout, seed
-from cnrstore.distributed.commit import Step, write
-from cnrstore.errors import (
-    InvalidInput,
-    NonFiniteValues,
-    StepExists,
-    ValueOutOfRange,
-)
+from cnrstore.errors import InvalidInput, StepExists
 
 # The DistributedStore (cnrstore/distributed/store.py, which imports this module): typed loosely
 # so the layers test sees no import cycle.
 DistributedStore = Any
 
-__all__ = ["put"]
+__all__ = ["RowGrid"]
 
+
+def _assembler(run: layout.Run, parts: list, gt: layout.GlobalTable
+               ) -> Callable[[], torch.Tensor]:
+    """The rows of ``run``, assembled when planned (a view when one part holds them)."""
+    return lambda: layout.assemble(run, parts, gt.row_shape, gt.torch_dtype)
 
 
 def _quant_key(quant: Any) -> Any:
     return quant if isinstance(quant, str) else tuple((k, v) for k, v in dict(quant).items())
 
 
-def put(ds: DistributedStore, step: int, tables: Mapping, *, quant: Any,
-        metadata: Mapping | None, blocking: bool, touched: Mapping | None,
-        state: dict | None = None, progress: Any = None) -> StepInfo | Future:
-    comm = ds.comm
-    t0 = time.perf_counter()
-    opt = ds.options
-    R = opt.rows
-    err: BaseException | None = None
-    mine = None
-    with ds.lock:
-        ds.check_open()
+class RowGrid:
+    """Block b of a table is planned by the rank holding its first row; a run's diff base
+    is keyed by (table, first block)."""
+
+    def prepare(self, ds: DistributedStore, step: int, tables: Mapping, *, quant: Any,
+                metadata: Mapping | None, touched: Mapping | None, state: dict | None,
+                progress: Any) -> Request:
+        comm = ds.group
+        t0 = time.perf_counter()
+        opt = ds.options
+        R = opt.rows
+        err: BaseException | None = None
+        mine = None
         try:
             check_step(step)
             check_progress(progress)
@@ -118,85 +116,29 @@ def put(ds: DistributedStore, step: int, tables: Mapping, *, quant: Any,
             err = exc
         del rows_to
         got = comm.agree(err, "put_tables: rows", (outgoing, needs))
-        bases = _seed(ds, [g[1] for g in got], gtables, schemes)
         _receive(comm, got, buf, sizes, gtables, runs)
         del buf
-        # This rank's own work: the bytes of the block runs it plans (its rows and those
-        # sent to it); done == total once the step committed.
-        report = Reporter(progress, sum(
-            (run.hi - run.lo) * layout.width(gtables[run.name].row_shape)
-            * gtables[run.name].torch_dtype.itemsize for run, _, _ in runs),
-            min_total=opt.progress_min_bytes)
+        works = []
+        for run, parts, tl in runs:
+            gt = gtables[run.name]
+            contributors = {r for r, lo, hi in gt.pieces if lo < run.hi and hi > run.lo}
+            tids = None
+            if all(run.name in gave_touched[r] for r in contributors):
+                tids = torch.cat([t for t in tl if t is not None] or
+                                 [torch.zeros(0, dtype=torch.int64)]) - run.lo
+            works.append(Work(
+                run.name, (run.name, run.b0), run.b0, run.b1, run.lo,
+                (run.hi - run.lo) * layout.width(gt.row_shape) * gt.torch_dtype.itemsize,
+                None, _assembler(run, parts, gt), tids))
+        return Request(works, schemes, meta_doc, gtables, t0,
+                       extra=[g[1] for g in got])
 
-        plans: list[tuple[str, int, TablePlan]] = []
-        err = None
-        try:
-            for run, parts, tl in runs:
-                gt = gtables[run.name]
-                contributors = {r for r, lo, hi in gt.pieces if lo < run.hi and hi > run.lo}
-                tids = None
-                if all(run.name in gave_touched[r] for r in contributors):
-                    tids = torch.cat([t for t in tl if t is not None] or
-                                     [torch.zeros(0, dtype=torch.int64)]) - run.lo
-                sub = layout.assemble(run, parts, gt.row_shape, gt.torch_dtype)
-                plans.append((run.name, run.b0, _plan(ds, run, sub, schemes[run.name],
-                                                      tids, None, bases)))
-                report.add(sub.numel() * sub.element_size())
-            rnb = {n: p.state.row_nbytes for n, _, p in plans}
-        except BaseException as exc:
-            _release(plans)
-            err, rnb = exc, {}
-        try:
-            got = comm.agree(err, "put_tables: encode", rnb)
-        except BaseException:
-            _release(plans)
-            raise
-        agreed = {n: max(g[n] for g in got if n in g) for n in gtables
-                  if any(n in g for g in got)}
-        for n, gt in gtables.items():
-            agreed.setdefault(n, row_nbytes(schemes[n], gt.torch_dtype,
-                                            layout.width(gt.row_shape)))
-        if any(g[n] != agreed[n] for g in got for n in g):
-            # Another rank's part of a table needed wide qparams: the whole table is wide,
-            # as in a single-process put. Replanning is local; all ranks agree again.
-            err = None
-            try:
-                for i, (n, b0, p) in enumerate(plans):
-                    if p.state.row_nbytes != agreed[n]:
-                        run, parts, tl = next(x for x in runs if x[0].name == n and x[0].b0 == b0)
-                        if p.release:
-                            p.release()
-                        sub = layout.assemble(run, parts, gtables[n].row_shape,
-                                              gtables[n].torch_dtype)
-                        plans[i] = (n, b0, _plan(ds, run, sub, schemes[n], None, True, bases))
-            except BaseException as exc:
-                err = exc
-            try:
-                comm.agree(err, "put_tables: encode wide", None)
-            except BaseException:
-                _release(plans)
-                raise
-
-        job = Step(step, plans, gtables, schemes, agreed, pack_metadata(metadata)
-                   if comm.coordinator else {}, state, time.perf_counter() - t0,
-                   frozenset().union(*(b.damaged_ids for b in bases.values())))
-        fut: Future = Future()
-        try:
-            ds.writer.submit(lambda: write(ds, job), cleanup=lambda: _release(plans),
-                             future=fut)
-        finally:
-            if ds.writer.queued(fut):
-                # Queued (also when interrupted just after): the next put diffs against
-                # it; blocks no longer owned by this rank are forgotten.
-                queued(ds, step, fut, {(n, b0): p.state for n, b0, p in plans}, gtables)
-            else:  # not queued: as a refused put, the bases stay those of the last put
-                _release(plans)
-    if not blocking:
-        fut.add_done_callback(lambda f: None if f.exception() else report.finish())
-        return fut
-    info = fut.result()
-    report.finish()
-    return info
+    def bases(self, ds: DistributedStore, req: Request) -> dict[Any, TableState | None]:
+        seeded = _seed(ds, req.extra, req.tables, req.schemes)
+        # A rank cannot read the store while it writes: its collector is told which
+        # records of the seeded bases were unreadable (distributed/commit.py).
+        req.damaged = frozenset().union(*(b.damaged_ids for b in seeded.values()))
+        return {w.key: ds.states.get(w.key) or seeded.get(w.key) for w in req.works}
 
 
 def _receive(comm: Any, got: list, buf: torch.Tensor | None, sizes: list[int],
@@ -227,8 +169,8 @@ def _seed(ds: DistributedStore, needs: list[list], gtables: dict, schemes: dict
     if not any(needs):
         return {}
     opt = ds.options
-    answers = ds.from_coordinator(ds.comm, "put_tables: seed",
-                                  lambda: seed.answer(ds.local.objects, needs))
+    answers = ds.group.from_coordinator("put_tables: seed",
+                                        lambda: seed.answer(ds.local.objects, needs))
     out: dict[tuple[str, int], TableState] = {}
     for (name, b0, b1), got in zip(needs[ds.rank], answers):
         if got is None or (got[2] is None and not ds.is_coordinator):
@@ -244,25 +186,5 @@ def _seed(ds: DistributedStore, needs: list[list], gtables: dict, schemes: dict
         if base is not None:
             out[(name, b0)] = base
     return out
-
-
-def _plan(ds: DistributedStore, run: layout.Run, sub: torch.Tensor, scheme: str,
-          touched: torch.Tensor | None, wide: bool | None, seeded: dict) -> TablePlan:
-    opt = ds.options
-    base = ds.states.get((run.name, run.b0)) or seeded.get((run.name, run.b0))
-    try:
-        return plan_table(run.name, sub, scheme=scheme, base=base, wide=wide,
-                          block_rows=opt.rows, fanout=opt.segment_fanout,
-                          max_chain=opt.max_chain, block_offset=run.b0, touched=touched,
-                          buffers=ds.buffers)
-    except (NonFiniteValues, ValueOutOfRange) as exc:  # name the global row
-        raise type(exc)(exc.table, exc.row + run.lo, exc.scheme) from None
-
-
-def _release(plans: list[tuple[str, int, TablePlan]]) -> None:
-    for _, _, p in plans:
-        if p.release:
-            p.release()
-            p.release = None
 
 

@@ -12,6 +12,7 @@ import torch
 
 from cnrstore.core.get import out_bytes
 from cnrstore.core.progress import check_progress
+from cnrstore.core.put import put
 from cnrstore.core.restore import read_table, read_tables
 from cnrstore.core.state import (
     MAX_DEPTH,
@@ -34,7 +35,6 @@ from cnrstore.core.stateselect import (
     select,
 )
 from cnrstore.core.validate import check_destination, check_device
-from cnrstore.distributed import put as dput
 from cnrstore.distributed.read import (
     collective_read,
     dest_hints,
@@ -139,7 +139,7 @@ def put_state(ds: DistributedStore, step: Any, state: Any, *, quant: Any, metada
     # table) is stored, so it must be in the structure that get_state rebuilds.
     docs = ds.comm.agree(err, "put_state: flatten", None if err else flat.doc)
     doc = merge_structures(docs)  # the same on every rank, or the same error on every rank
-    info = dput.put(ds, step, tables, quant=quant, metadata=metadata, blocking=blocking,
+    info = put(ds, step, tables, quant=quant, metadata=metadata, blocking=blocking,
                     touched=touched, state=doc, progress=progress)
     done()
     return info

@@ -26,15 +26,17 @@ import torch.distributed as dist
 from cnrstore.core.lifetime import close_at_exit
 from cnrstore.core.options import Options, make_options
 from cnrstore.core.progress import check_progress
+from cnrstore.core.put import put
 from cnrstore.core.snapshot import HostBuffers
 from cnrstore.core.store import CheckpointStore
 from cnrstore.core.store import open as open_plain
 from cnrstore.core.writer import BackgroundWriter, StepInfo
-from cnrstore.distributed import put as dput
 from cnrstore.distributed import read, statestore, transfer
-from cnrstore.distributed.comm import Comm, rebuild_error, wire_error
-from cnrstore.errors import CheckpointError, InvalidInput, translate, translating
-from engine import ProgressFn, StoreError
+from cnrstore.distributed.comm import Comm
+from cnrstore.distributed.commit import CoordinatorCommit
+from cnrstore.distributed.put import RowGrid
+from cnrstore.errors import CheckpointError, InvalidInput, translating
+from engine import ProgressFn
 
 __all__ = ["DistributedStore", "open_distributed"]
 
@@ -110,7 +112,13 @@ class DistributedStore:
         self.segments: dict[str, list] = {}      # coordinator's segment id cache per table
         self.pending: dict[int, Future] = {}
         self.failed = False
+        self.last_root: str | None = None   # root of this rank's latest queued put
         self.closed = False
+        # The put pipeline (core/put.py): its rounds, where the rows are planned, and
+        # how the step is committed.
+        self.group = self.comm
+        self.placement = RowGrid()
+        self.commit = CoordinatorCommit()
         self.shard_leaf = _shard_leaf()
         self.readers = transfer.Readers(self.storage)  # packs this rank reads by location
         close_at_exit(self)  # after the coordinator's plain store: closed before it
@@ -139,22 +147,8 @@ class DistributedStore:
 
     def from_coordinator(self, comm: Comm, what: str, fn: Callable[[], Any], *,
                          scatter: bool = True) -> Any:
-        """``fn()`` run on the coordinator: a list with one answer per rank (``scatter``)
-        or one answer for all; its error is raised on every rank."""
-        box: Any = None
-        if comm.coordinator:
-            try:
-                value = fn()
-                box = [("ok", v) for v in value] if scatter else ("ok", value)
-            except BaseException as exc:
-                if isinstance(exc, StoreError):  # the coordinator's engine: cnrstore's tree
-                    exc = translate(exc)
-                wire = ("err", wire_error(exc))
-                box = [wire] * comm.world if scatter else wire
-        got = comm.scatter(box, what) if scatter else comm.bcast(box, what)
-        if got[0] == "err":
-            raise rebuild_error(got[1], 0)
-        return got[1]
+        """``fn()`` run on the coordinator (Comm.from_coordinator)."""
+        return comm.from_coordinator(what, fn, scatter=scatter)
 
     def coordinated(self, what: str, fn: Callable[[CheckpointStore], Any], *,
                     check: Callable[[], Any] | None = None) -> Any:
@@ -227,7 +221,7 @@ class DistributedStore:
         ``progress(done, total)`` on each rank hears of that rank's own work: the bytes
         of the blocks it encodes (its rows, with those other ranks sent it), the last call
         once the step committed (cnrstore/core/progress.py)."""
-        return dput.put(self, step, tables, quant=quant, metadata=metadata,
+        return put(self, step, tables, quant=quant, metadata=metadata,
                         blocking=blocking, touched=touched, progress=progress)
 
     @translating

@@ -306,3 +306,27 @@ def kept_store(rank: int, world: int, path: str) -> list:
     close_stores()
     out.append(len(stores._entries))
     return out
+
+
+def load_rounds(rank: int, world: int, path: str) -> list:
+    """Rounds of the store's own group in a dcp.load through an open store, beyond those
+    of the metadata read: pieces decoded in place (rows) and pieces copied (columns)
+    alike. The load must read both in one collective read (request, answer, closing
+    round), not a plan round then one read per kind of piece."""
+    from cnrstore.dcp import close_stores
+
+    dcp.save(state("dtensor", 1, rank, world),
+             storage_writer=StorageWriter(path, step=1, block_rows=32))
+    close_stores()
+    out = []
+    with cnrstore.open(path, group=dist.group.WORLD) as store:
+        r0 = store.comm.rounds
+        store.metadata(1)
+        meta = store.comm.rounds - r0
+        for kind in ("dtensor", "dtensor_col"):
+            target = zeroed(state(kind, 1, rank, world))
+            r0 = store.comm.rounds
+            dcp.load(target, storage_reader=StorageReader(store, step=1))
+            out.append(store.comm.rounds - r0 - meta)
+            check(target, 1)
+    return out

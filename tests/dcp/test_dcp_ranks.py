@@ -101,3 +101,10 @@ def test_a_path_keeps_its_store_on_every_rank_until_another_handle_changes_it(tm
         assert ch2["model.emb"] == 3 and ch2["optim.acc"] == 0
         assert ch3["model.emb"] == 3  # step 1 + 2 bumps: the same 3 rows
         assert same and left == 0
+
+
+def test_a_load_reads_every_kind_of_piece_in_one_collective_read(tmp_path):
+    # Rows decoded in place, columns (and the 0-d step counter) copied: three rounds of
+    # the store's group (the read's request, its answer, its closing round); a plan round
+    # of its own and a read per kind of piece made it seven (seen before the change).
+    assert _ok(run(2, W.load_rounds, str(tmp_path / "ckpt"))) == [[3, 3]] * 2
