@@ -30,3 +30,14 @@ def test_tiny_run_reports_every_target_from_its_own_repeat(tmp_path):
     if run["cold_exact_bytes"] > 0:
         assert run["cold_int8_bytes"] < run["cold_exact_bytes"]
     assert all(t["median"] > 0 for t in doc["targets"].values())
+
+
+def test_restore_io_tiny_run_reports_each_read_and_its_requests(tmp_path, capsys):
+    from benches import restore_io
+
+    argv = ["--scale", "0.002", "--steps", "1", "--repeat", "2", "--workdir", str(tmp_path)]
+    assert restore_io.main(argv) == 0
+    out = capsys.readouterr().out
+    for name in ("disk ", "get_tables ", "torch_load ", "get_tables / disk: median"):
+        assert name in out
+    assert "requests=" in out and "ms_reading=" in out

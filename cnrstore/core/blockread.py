@@ -20,16 +20,20 @@ from cnrstore.format.blocks import resolve
 from cnrstore.format.manifest import TableManifest
 from engine import CorruptObject, Object, ObjectNotFound, ObjectStore, StoreClosed, StoreError
 
-__all__ = ["block_codes", "codes_buffer"]
+__all__ = ["Located", "block_codes", "codes_buffer"]
 
 
 def block_codes(
-    objects: ObjectStore, tm: TableManifest, i: int, out: np.ndarray | None = None
+    objects: ObjectStore, tm: TableManifest, i: int, out: np.ndarray | None = None,
+    located: Located | None = None,
 ) -> np.ndarray:
+    """Block ``i`` of ``tm`` resolved (into ``out`` when given). ``located``: the
+    locations and the patches already read of the window this block is read in
+    (cnrstore/core/windowread.py); otherwise the block's chain is located here."""
     node = tm.node
     oid = tm.block_ids[i]
     start, stop = node.block_range(i)
-    reads = _chain_reads(objects, oid)
+    reads = _chain_reads(objects, oid, located)
     get, get_into, info = (reads if reads is not None
                            else (objects.get, objects.get_into, objects.info))
     try:
@@ -74,25 +78,42 @@ def codes_buffer(node, i: int) -> np.ndarray | None:
     return buf[:want].reshape(stop - start, node.row_nbytes)
 
 
-def _chain_reads(objects: ObjectStore, oid: bytes) -> tuple[Callable, Callable, Callable] | None:
+# (locations found in one index read, checked patch records already read by location)
+Located = tuple[dict[bytes, Any], dict[bytes, Object]]
+
+
+def _chain_reads(objects: ObjectStore, oid: bytes, located: Located | None = None
+                 ) -> tuple[Callable, Callable, Callable] | None:
     """(get, get_into, info) reading block ``oid`` and its patch chain at the locations one
     ``locate_closure`` (one read transaction) found when the block's read starts: a
     block and its ~3 patches otherwise cost an index lookup each. None where the store
-    cannot locate (then the reads look up as before). Located per block, not per table:
-    a step deleted and swept before a block's read begins still reads as gone."""
-    try:
-        found = objects.locate_closure([oid])
-    except StoreClosed:
-        raise
-    except StoreError:  # no locations here (or a damaged entry: the reads report it)
-        return None
+    cannot locate (then the reads look up as before). Located per block (or per window
+    of a few blocks), not per table: a step deleted and swept before a block's read
+    begins still reads as gone. A patch in ``located`` is the record read there, with
+    every check of ``get_at``."""
+    pre: dict[bytes, Object] = {}
+    if located is not None:
+        found, pre = located
+    else:
+        try:
+            found = objects.locate_closure([oid])
+        except StoreClosed:
+            raise
+        except StoreError:  # no locations here (or a damaged entry: the reads report it)
+            return None
 
     def get(oid: bytes) -> Object:
+        obj = pre.get(oid)
+        if obj is not None:
+            return obj
         loc = found.get(oid)
         return objects.get(oid) if loc is None else objects.get_at(loc)
 
     def get_into(oid: bytes, kind: int, prefix: int, out: memoryview, *,
                  id_check: bool = True, fallback: bool = False) -> bytes | Object | None:
+        obj = pre.get(oid)
+        if obj is not None and fallback:  # a patch: what the fallback read returns
+            return obj
         loc = found.get(oid)
         if loc is None:
             return objects.get_into(oid, kind, prefix, out, id_check=id_check,

@@ -17,10 +17,11 @@ import torch
 
 from cnrstore.codec.fingerprint import row_fingerprints
 from cnrstore.codec.quantize import decode_rows
-from cnrstore.core.blockread import block_codes, codes_buffer
+from cnrstore.core.blockread import Located, block_codes, codes_buffer
 from cnrstore.core.prefault import Prefault
 from cnrstore.core.readahead import Readahead, Started, table_blocks
 from cnrstore.core.tablestate import parse_dtype
+from cnrstore.core.windowread import Block, can_locate, read_windows, windows
 from cnrstore.errors import CheckpointError, InvalidInput, InvalidType
 from cnrstore.format.manifest import TableManifest
 from engine import ObjectStore
@@ -133,7 +134,7 @@ def read_table(
 
 def _table_read(objects: ObjectStore, tm: TableManifest, rows: slice | None, keep_codes: bool,
                 fingerprints: bool, started: Started | None, out: torch.Tensor
-                ) -> tuple[range, Callable[[int], None], Callable[[], tuple]]:
+                ) -> tuple[range, Callable[..., None], Callable[[], tuple]]:
     """(the blocks to decode, decode block i into ``out``, the result once all are) of
     ``read_table``."""
     node = tm.node
@@ -152,16 +153,16 @@ def _table_read(objects: ObjectStore, tm: TableManifest, rows: slice | None, kee
     # Exact rows are their own codes: whole blocks decode straight into the returned table.
     direct = node.scheme == "exact" and width > 0
 
-    def one(i: int) -> None:
+    def one(i: int, located: Located | None = None) -> None:
         hint(i - first)
         start, stop = node.block_range(i)
         a, b = max(start, lo), min(stop, hi)
         if direct and (a, b) == (start, stop):
             dest = out[a - lo:b - lo].view(torch.uint8).numpy()
-            codes = block_codes(objects, tm, i, out=dest)
+            codes = block_codes(objects, tm, i, out=dest, located=located)
             part = codes
         else:
-            codes = block_codes(objects, tm, i, out=codes_buffer(node, i))
+            codes = block_codes(objects, tm, i, out=codes_buffer(node, i), located=located)
             part = codes[a - start:b - start]
             if width and b > a:  # zero-width rows decode to nothing (and some codecs refuse)
                 decode_rows(torch.from_numpy(part), node.scheme, dtype, width,
@@ -178,6 +179,21 @@ def _table_read(objects: ObjectStore, tm: TableManifest, rows: slice | None, kee
     hint = started or Readahead(objects, tm.block_ids[first:last],
                                 node.block_rows * node.row_nbytes).started
     return range(first, last), one, finish
+
+
+def _ticking(one: Callable[..., None], done: Callable[[int], None], nbytes: int,
+             blocks: range) -> Callable[..., None]:
+    """``one`` calling ``done`` with block i's share of ``nbytes`` after block i."""
+    n, last = len(blocks), blocks[-1] if blocks else -1
+
+    def ticked(i: int, located: Located | None = None) -> None:
+        one(i, located)
+        done(nbytes // n + (nbytes % n if i == last else 0))
+    return ticked
+
+
+def _no_hint(k: int) -> None:
+    pass
 
 
 def table_hints(objects: ObjectStore, wanted: list[tuple[TableManifest, slice | None]]
@@ -197,8 +213,8 @@ def read_tables(objects: ObjectStore, pool: Executor,
     table, each started over: docs/design/restore-path.md, "One read-ahead and one prefault"). For
     another device each table is decoded into host memory of its own and moved before
     the next: the host never holds more than one table."""
-    started = table_hints(objects, wanted)
     if device.type != "cpu":
+        started = table_hints(objects, wanted)
         out = []
         for (tm, rows), hint in zip(wanted, started):
             out.append(read_table(objects, tm, pool, rows=rows, started=hint)[0].to(device))
@@ -209,7 +225,7 @@ def read_tables(objects: ObjectStore, pool: Executor,
     faults = Prefault(fresh)
     try:
         return _one_pass(objects, pool, [(tm, rows, dest) for (tm, rows), dest
-                                         in zip(wanted, fresh)], started, done)
+                                         in zip(wanted, fresh)], done)
     finally:
         faults.stop()
 
@@ -218,35 +234,36 @@ def read_rows_into(objects: ObjectStore, pool: Executor,
                    wanted: list[tuple[TableManifest, slice | None, torch.Tensor]]
                    ) -> list[torch.Tensor]:
     """``read_table(tm, rows=rows, into=into)`` of several (tm, rows, into) as one restore:
-    one read-ahead and one pass of the pool over all their blocks (a rank's pieces of a
-    sharded load were read table by table, the pool drained at the end of each)."""
-    return _one_pass(objects, pool, wanted,
-                     table_hints(objects, [(tm, rows) for tm, rows, _ in wanted]), None)
+    one pass of the pool over all their blocks (a rank's pieces of a sharded load were
+    read table by table, the pool drained at the end of each)."""
+    return _one_pass(objects, pool, wanted, None)
 
 
 def _one_pass(objects: ObjectStore, pool: Executor,
               wanted: list[tuple[TableManifest, slice | None, torch.Tensor]],
-              started: list[Started], done: Callable[[int], None] | None
-              ) -> list[torch.Tensor]:
-    """The blocks of every (tm, rows, into) decoded into ``into`` in one pool pass."""
+              done: Callable[[int], None] | None) -> list[torch.Tensor]:
+    """The blocks of every (tm, rows, into) decoded into ``into`` in one pool pass. A store
+    that locates records is read in windows, each file forwards (windowread.py); one that
+    cannot (a rank's located view) block by block behind one read-ahead of all."""
+    windowed = can_locate(objects)
+    started = ([_no_hint] * len(wanted) if windowed
+               else table_hints(objects, [(tm, rows) for tm, rows, _ in wanted]))
     reads = [_table_read(objects, tm, rows, False, False, hint, dest)
              for (tm, rows, dest), hint in zip(wanted, started)]
-    tasks = [(one, i) for blocks, one, _ in reads for i in blocks]
-    if done is not None:  # each table's output bytes spread over its blocks
-        share = {}
-        for (blocks, one, _), (_, _, dest) in zip(reads, wanted):
-            n = len(blocks)
-            for j, i in enumerate(blocks):
-                share[(id(one), i)] = dest.nbytes // n + (dest.nbytes % n if j == n - 1 else 0)
-        tick = done
+    blocks: list[Block] = []
+    for (blocks_of, one, _), (tm, _, dest) in zip(reads, wanted):
+        if done is not None:  # ``done`` after each block: its share of the table's bytes
+            one = _ticking(one, done, dest.nbytes, blocks_of)
+        blocks.extend((one, i, tm) for i in blocks_of)
 
-        def task_done(task: tuple) -> None:
-            task[0](task[1])
-            tick(share[(id(task[0]), task[1])])
-    else:
-        def task_done(task: tuple) -> None:
-            task[0](task[1])
-    run_all(pool, task_done, tasks)
+    def window_done(window: list[Block]) -> None:
+        if windowed:
+            read_windows(objects, window)
+        else:
+            for one, i, _ in window:
+                one(i, None)
+
+    run_all(pool, window_done, windows(blocks) if windowed else [[b] for b in blocks])
     return [finish()[0] for _, _, finish in reads]
 
 
