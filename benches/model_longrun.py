@@ -165,6 +165,16 @@ def collapse_bound(fraction: float, read: float = 0.5) -> tuple[float, int, floa
     return best
 
 
+def _block_bounds(table: int, block: int, budget: tuple[float, float],
+                  max_chain: int) -> tuple[int, float, int]:
+    """Block ``block`` of table ``table``: its rows, chain budget (bytes) and depth cap,
+    spread as chainpolicy spreads them."""
+    n = min(BLOCK, ROWS - block * BLOCK)
+    spread = (((zlib.crc32(f"t{table}".encode()) & 0xFFFF) + block) * _PHI) % 1.0
+    cap = (budget[0] + (budget[1] - budget[0]) * spread) * n * RNB
+    return n, cap, max(1, round(max_chain * (0.5 + 0.5 * spread)))
+
+
 def policy(rows_of: list[list[np.ndarray]], fraction: float, budget: tuple[float, float],
            merge: float, ratio: float = 1.0, max_chain: int = 64) -> dict:
     """Replay the chain policy; bytes per step written and read above the full blocks."""
@@ -172,12 +182,8 @@ def policy(rows_of: list[list[np.ndarray]], fraction: float, budget: tuple[float
     cost, read = np.zeros(steps), np.zeros(steps)
     nb = -(-ROWS // BLOCK)
     for t in range(TABLES):
-        key0 = zlib.crc32(f"t{t}".encode()) & 0xFFFF
         for i in range(nb):
-            n = min(BLOCK, ROWS - i * BLOCK)
-            spread = ((key0 + i) * _PHI) % 1.0
-            cap = (budget[0] + (budget[1] - budget[0]) * spread) * n * RNB
-            depth_cap = max(1, round(max_chain * (0.5 + 0.5 * spread)))
+            n, cap, depth_cap = _block_bounds(t, i, budget, max_chain)
             changed, chain, depth = np.zeros(n, dtype=bool), 0.0, 0
             for s in range(steps):
                 ids = rows_of[t][s]
@@ -218,12 +224,8 @@ def hot_policy(rows_of: list[list[np.ndarray]], budget: tuple[float, float], mer
     cost, raw, read, objs = (np.zeros(steps) for _ in range(4))
     nb, deepest = -(-ROWS // BLOCK), 0
     for t in range(TABLES):
-        key0 = zlib.crc32(f"t{t}".encode()) & 0xFFFF
         for i in range(nb):
-            n = min(BLOCK, ROWS - i * BLOCK)
-            spread = ((key0 + i) * _PHI) % 1.0
-            cap = (budget[0] + (budget[1] - budget[0]) * spread) * n * RNB
-            depth_cap = max(1, round(max_chain * (0.5 + 0.5 * spread)))
+            n, cap, depth_cap = _block_bounds(t, i, budget, max_chain)
             rate = np.zeros(n)
             hot, differs = np.zeros(n, dtype=bool), np.zeros(n, dtype=bool)
             low, depth, top = 0.0, 0, 0.0  # bytes of M + P, their count, bytes of H
