@@ -11,16 +11,12 @@ own value, and raise this process's own error as it is (not a copy naming a rank
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
 
-from cnrstore.errors import CheckpointError, translate
-from engine import StoreError
-
-__all__ = ["Group", "Solo", "rebuild_error", "wire_error"]
+__all__ = ["Group", "Solo"]
 
 
 class Group(Protocol):
@@ -80,39 +76,3 @@ class Solo:
     def exchange(self, buf: torch.Tensor, sizes: list[int], expect: list[int], what: str
                  ) -> list[torch.Tensor]:
         return [buf[:sizes[0]]]
-
-
-def wire_error(exc: BaseException) -> tuple[str, str, str, dict]:
-    """A picklable description of ``exc`` (cnrstore's errors have custom constructors
-    that pickle cannot call back)."""
-    attrs = {k: v for k, v in vars(exc).items()
-             if isinstance(v, (int, str, float, bytes, type(None)))}
-    return type(exc).__module__, type(exc).__qualname__, str(exc), attrs
-
-
-def rebuild_error(wire: tuple[str, str, str, dict], rank: int) -> CheckpointError:
-    """The error of ``wire`` raised on rank ``rank``, as a CheckpointError naming it."""
-    module, name, message, attrs = wire
-    text = f"rank {rank}: {message}" if not message.startswith("rank ") else message
-    cls: Any = None
-    if module == "cnrstore.errors":
-        cls = getattr(importlib.import_module(module), name, None)
-    if isinstance(cls, type) and issubclass(cls, CheckpointError):
-        exc = cls.__new__(cls)
-        Exception.__init__(exc, text)
-        exc.__dict__.update(attrs)
-        return exc
-    return CheckpointError(f"rank {rank}: {name}: {message}")
-
-
-def coordinator_box(world: int, fn: Callable[[], Any], scatter: bool) -> Any:
-    """What the coordinator sends for ``from_coordinator``: ("ok", value) per rank or for
-    all, or its error on the wire (the engine's translated into cnrstore's tree)."""
-    try:
-        value = fn()
-        return [("ok", v) for v in value] if scatter else ("ok", value)
-    except BaseException as exc:
-        if isinstance(exc, StoreError):
-            exc = translate(exc)
-        wire = ("err", wire_error(exc))
-        return [wire] * world if scatter else wire
