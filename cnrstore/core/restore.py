@@ -231,12 +231,14 @@ def read_tables(objects: ObjectStore, pool: Executor,
 
 
 def read_rows_into(objects: ObjectStore, pool: Executor,
-                   wanted: list[tuple[TableManifest, slice | None, torch.Tensor]]
-                   ) -> list[torch.Tensor]:
+                   wanted: list[tuple[TableManifest, slice | None, torch.Tensor]],
+                   done: Callable[[int], None] | None = None) -> list[torch.Tensor]:
     """``read_table(tm, rows=rows, into=into)`` of several (tm, rows, into) as one restore:
     one pass of the pool over all their blocks (a rank's pieces of a sharded load were
-    read table by table, the pool drained at the end of each)."""
-    return _one_pass(objects, pool, wanted, None)
+    read table by table, the pool drained at the end of each), in windows where the store
+    locates records. Each ``into`` is a contiguous CPU [rows, width] tensor of the stored
+    dtype. ``done``: called with the bytes of ``into`` decoded after each block."""
+    return _one_pass(objects, pool, wanted, done)
 
 
 def _one_pass(objects: ObjectStore, pool: Executor,

@@ -368,3 +368,53 @@ def exchange_rows(rank: int, world: int):
         exact &= data.numel() == 0
     comm.close()
     return [int(g.numel()) for g in got], expect, exact
+
+
+def _count_reads(counts: dict) -> None:
+    """Count, in this process, the read-ahead hints and the window locates (a
+    ``locate_closure`` from a decode thread) of both kinds of object source, the
+    coordinator's pack store and a rank's located view; the real calls still run."""
+    import threading
+
+    import engine
+
+    def wrap(cls, name, key, decode_only):
+        real = getattr(cls, name)
+
+        def counted(self, *a, **k):
+            if not decode_only or "decode" in threading.current_thread().name:
+                counts[key] = counts.get(key, 0) + 1
+            return real(self, *a, **k)
+        setattr(cls, name, counted)
+
+    for cls in (engine.PackStore, engine.LocatedObjects):
+        wrap(cls, "prefetch", "hint", False)
+        wrap(cls, "prefetch_at", "hint", False)
+        wrap(cls, "locate_closure", "window", True)
+
+
+def load_state_reads(rank: int, world: int, path: str):
+    """load_state of row-sharded leaves (and one whole table) at a patch-chained step:
+    (counts of hints and windows during the load, restored exactly)."""
+    import torch.distributed as dist
+
+    g = torch.Generator().manual_seed(5)
+    full = {"emb": torch.randn(200, 4, generator=g), "acc": torch.randn(200, 4, generator=g),
+            "bias": torch.randn(7, generator=g)}
+    cut = [0, 90, 200]
+    lo, hi = cut[rank], cut[rank + 1]
+    with cnrstore.open(path, group=dist.group.WORLD, block_rows=BLOCK_ROWS, fanout=FANOUT,
+                       timeout=30) as s:
+        for step in (1, 2, 3):
+            for n in ("emb", "acc"):
+                full[n][step::16] += 1.0
+            s.put_state(step, {n: cnrstore.Shard(full[n][lo:hi].clone(), row_offset=lo,
+                                                 rows=200) for n in ("emb", "acc")}
+                        | {"bias": full["bias"]})
+        state = {n: cnrstore.Shard(torch.zeros(hi - lo, 4), row_offset=lo, rows=200)
+                 for n in ("emb", "acc")} | {"bias": torch.zeros(7)}
+        counts: dict = {}
+        _count_reads(counts)
+        s.load_state(3, state)
+        ok = all(torch.equal(state[n].local, full[n][lo:hi]) for n in ("emb", "acc"))
+        return counts, ok and torch.equal(state["bias"], full["bias"])

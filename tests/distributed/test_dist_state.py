@@ -38,3 +38,19 @@ def test_a_malformed_state_on_one_rank_fails_on_every_rank(tmp_path):
         assert not isinstance(r, Failed), r.trace
     assert res[0] == res[1] and res[0][2] == [], res
     assert res[0][0] is not None and res[0][1] == "InvalidType", res
+
+
+def test_load_state_reads_sharded_leaves_in_windows_on_every_rank(tmp_path):
+    # Row pieces in contiguous CPU memory (TorchRec's tables and optimizer states) are
+    # read in one pass of windows, each file forwards, on the coordinator and on the rank
+    # reading through its located view: no read-ahead hints. Filled one table at a time,
+    # each block was located alone and hinted (7 hints a rank before).
+    from dist_workers import load_state_reads
+
+    res = run(2, load_state_reads, str(tmp_path / "s"))
+    for r in res:
+        assert not isinstance(r, Failed), r.trace
+        counts, ok = r
+        assert ok
+        assert counts.get("hint", 0) == 0, counts
+        assert counts.get("window", 0) == 1, counts  # all 7-9 blocks: one 32 MiB window
