@@ -48,10 +48,12 @@ class HandleState:
     failed: bool = False  # a background put failed: its diff bases cannot be trusted
     last_root: str | None = None  # root of this handle's latest queued put
     # The put pipeline (core/put.py): a world of one (core/group.py Solo,
-    # core/placement.py WholeTables, core/commit.py EngineCommit; set by CheckpointStore).
+    # core/placement.py WholeTables, core/commit.py EngineCommit; set by CheckpointStore);
+    # the get pipeline (core/get.py) reads through core/localread.py OwnStore.
     group: Any = None
     placement: Any = None
     commit: Any = None
+    reader: Any = None
     closed: bool = False
     pid: int = field(default_factory=os.getpid)
 

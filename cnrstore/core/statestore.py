@@ -12,12 +12,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from cnrstore.core.get import get_tables
+from cnrstore.core.get import Located, get, get_tables
 from cnrstore.core.handle import HandleState
 from cnrstore.core.progress import Reporter, check_progress
 from cnrstore.core.put import put
 from cnrstore.core.restore import read_many_into
-from cnrstore.core.seed import seed_later
 from cnrstore.core.state import (
     check_structure,
     fill,
@@ -38,8 +37,8 @@ from cnrstore.core.stateselect import (
 from cnrstore.core.tablestate import parse_dtype
 from cnrstore.core.validate import check_destination
 from cnrstore.errors import InvalidInput, InvalidType, ManifestError, TableNotFound
-from cnrstore.format.load import load_manifest, load_step
-from cnrstore.format.manifest import StepNode, root_name
+from cnrstore.format.load import load_step
+from cnrstore.format.manifest import StepNode
 
 __all__ = ["put_state", "get_state", "load_state", "get_into"]
 
@@ -155,25 +154,21 @@ def get_into(core: HandleState, step, out: Mapping, *, names=None, rows=None,
     for name, t in out.items():
         check_destination(f"out[{name!r}]", t)
     step = core.resolve_step(step)
-    manifest = load_manifest(core.objects, step, names=list(out))
-    for name, tm in manifest.tables.items():
-        t, node = out[name], tm.node
-        if tuple(t.shape) != node.shape or t.dtype != parse_dtype(node.dtype):
-            raise InvalidInput(
-                f"out[{name!r}] is {tuple(t.shape)} {t.dtype}; step {step} holds "
-                f"{node.shape} {node.dtype}; nothing was written"
-            )
-    anchor = (root_name(step), manifest.oid)
-    seeds = [name for name in manifest.tables if core.wants_seed(name)]
-    report = Reporter(progress, sum(out[n].nbytes for n in manifest.tables),
-                      min_total=core.options.progress_min_bytes)
-    # detach: restoring into a parameter is not an autograd operation
-    read_many_into(core.objects, core.pool,
-                   [(tm, out[name].detach()) for name, tm in manifest.tables.items()],
-                   done=report.add if report.fn is not None else None)
-    report.finish()
-    # As get_tables: diff bases are computed from the stored step after the restore.
-    for name in seeds:
-        tm = manifest.tables[name]
-        core.seed(name, tm, None, None, anchor, deferred=seed_later(core.objects, tm))
+
+    def read(loc: Located, report: Reporter) -> None:
+        for name, (tm, _) in loc.tables.items():
+            t, node = out[name], tm.node
+            if tuple(t.shape) != node.shape or t.dtype != parse_dtype(node.dtype):
+                raise InvalidInput(
+                    f"out[{name!r}] is {tuple(t.shape)} {t.dtype}; step {step} holds "
+                    f"{node.shape} {node.dtype}; nothing was written"
+                )
+        # detach: restoring into a parameter is not an autograd operation
+        read_many_into(loc.objects, core.pool,
+                       [(tm, out[name].detach()) for name, (tm, _) in loc.tables.items()],
+                       done=report.add if report.fn is not None else None)
+
+    # The get pipeline (core/get.py), the tables named by out= read whole (and seeded,
+    # as get_tables seeds them), every shape and dtype checked before the first byte.
+    get(core, step, "get_tables", lambda: {n: None for n in out}, read, progress=progress)
     return dict(out)

@@ -20,6 +20,7 @@ from cnrstore.core.commit import EngineCommit
 from cnrstore.core.group import Solo
 from cnrstore.core.handle import HandleState
 from cnrstore.core.lifetime import close_at_exit, forget
+from cnrstore.core.localread import OwnStore
 from cnrstore.core.options import Options, make_options, resolve_stored
 from cnrstore.core.placement import WholeTables
 from cnrstore.core.put import put
@@ -55,7 +56,7 @@ class CheckpointStore:
             pool=ThreadPoolExecutor(opt.decode_threads, thread_name_prefix="cnr-decode"),
             writer=BackgroundWriter(max_inflight=opt.max_inflight),
             buffers=HostBuffers(keep=opt.max_inflight + 1, max_bytes=opt.host_buffer_bytes),
-            group=Solo(), placement=WholeTables(), commit=EngineCommit(),
+            group=Solo(), placement=WholeTables(), commit=EngineCommit(), reader=OwnStore(),
         )
         close_at_exit(self)
 

@@ -1,161 +1,84 @@
-"""Collective reads of a DistributedStore (get_tables; statestore.py builds get_state and
-load_state on them). Each rank asks for the rows it needs; the coordinator resolves the step,
-checks every rank's request against the manifest and sends each rank the table manifests
-and the locations of exactly the blocks (with their patch chains) that overlap its rows;
-each rank then decodes with core/restore.py. Every rank returns, or every rank raises."""
+"""How the ranks of a DistributedStore read (the get pipeline's ``Reader`` for ranks;
+core/get.py drives it: get_tables here, get_state and load_state in statestore.py, the
+DCP reader's load). The coordinator answers each rank with the table manifests and the
+locations of exactly the blocks (with their patch chains) that overlap its rows; each
+rank then reads those records from the store's pack storage (transfer.py) and decodes
+with core/restore.py. Every rank returns, or every rank raises; a read that met a pack
+a gc moved is read once more with fresh locations (``transfer.again``)."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from cnrstore.codec.layout import dtype_name
-from cnrstore.core.get import out_bytes
-from cnrstore.core.progress import Reporter, check_progress
-from cnrstore.core.restore import (
-    check_slice,
-    read_into,
-    read_table,
-    read_tables,
-    row_range,
-    table_hints,
-)
-from cnrstore.core.validate import check_destination, check_device, check_selection, check_step
+from cnrstore.core.get import Located, get, out_bytes, read_rows, request, resolve
+from cnrstore.core.progress import check_progress
+from cnrstore.core.restore import read_into, read_table, table_hints
+from cnrstore.core.validate import check_destination, check_device, check_selection
 from cnrstore.distributed import transfer
 from cnrstore.distributed.comm import rebuild_error, wire_error
 from cnrstore.distributed.shard import Shard
-from cnrstore.errors import (
-    CheckpointError,
-    InvalidInput,
-    InvalidType,
-    StepNotFound,
-    TableNotFound,
-)
-from cnrstore.format.load import list_steps, load_manifest, load_step
+from cnrstore.errors import CheckpointError, InvalidInput, InvalidType
 
 # The DistributedStore (cnrstore/distributed/store.py, which imports this module): typed loosely
 # so the layers test sees no import cycle.
 DistributedStore = Any
 
-__all__ = ["get_tables", "collective_read", "finish_read", "fill_dest", "dest_hints",
-           "rank_reporter"]
+__all__ = ["RankBlocks", "get_tables", "collective_read", "finish_read", "fill_dest",
+           "dest_hints"]
 
 Ranges = list[tuple[int, int]]
-_ALL = "\x00all"  # request key: every table of the step (never a table name: names are UTF-8)
+
+
+class RankBlocks:
+    """Each rank reads the blocks the coordinator located for it; the coordinator reads
+    its own store."""
+
+    def begin(self, ds: DistributedStore) -> None:
+        ds.check_open()
+        ds.drain()
+
+    def store(self, ds: DistributedStore) -> Any:
+        return ds.local.objects
+
+    def blame(self, exc: CheckpointError, rank: int) -> BaseException:
+        return rebuild_error(wire_error(exc), rank)
+
+    def where(self, objects: Any, oids: list[bytes], rank: int) -> Any:
+        return None if rank == 0 or not oids else transfer.locate(objects, oids)
+
+    def source(self, ds: DistributedStore, where: Any) -> Any:
+        if ds.is_coordinator:
+            return ds.local.objects
+        return ds.readers.source(where) if where is not None else None
+
+    def close(self, ds: DistributedStore, err: BaseException | None, what: str) -> None:
+        """Every rank raises the lowest rank's error, or, when the only errors were packs
+        gone under a rank, the signal ``transfer.again`` retries."""
+        moved = getattr(ds, "retry_moved", False) and transfer.moved(err)
+        if any(ds.comm.agree(None if moved else err, what, moved)):
+            transfer.moved_everywhere(what)
+
+    def seed(self, ds: DistributedStore, loc: Located, rows: Mapping | None) -> None:
+        return None  # a rank's bases are seeded at its next put (distributed/seed.py)
 
 
 def collective_read(ds: DistributedStore, step: Any, request: Any, what: str,
-                     make: Any) -> tuple[int, Any, dict, Any]:
-    """One read round. ``request`` is this rank's {name: ranges or None (all rows) or
-    ("whole", shape, dtype)}, or None for every table, whole (computed by ``make()``
-    locally so that its errors are agreed on). Returns (step, structure doc, {name:
-    (TableManifest, ranges)}, object source)."""
-    ds.check_open()
-    ds.drain()
-    err, req = None, None
-    try:
-        req = (step if step is None else check_step(step), make())
-    except BaseException as exc:
-        err = exc
-    reqs = ds.comm.agree(err, what, req)
-
-    def answer() -> list:
-        objects = ds.local.objects
-        if len({r[0] for r in reqs}) > 1:
-            raise InvalidInput(f"{what}: the ranks asked for different steps "
-                               f"{sorted({str(r[0]) for r in reqs})}")
-        s = reqs[0][0]
-        if s is None:
-            steps = list_steps(objects)
-            if not steps:
-                raise StepNotFound(-1, "the store holds no steps")
-            s = steps[-1]
-        _, node = load_step(objects, s)
-        def names(r: Any) -> Iterable[str]:
-            return node.tables if r is None or r.get(_ALL) else [n for n in r if n != _ALL]
-
-        wanted = {n for _, r in reqs for n in names(r)}
-        for rank, (_, r) in enumerate(reqs):
-            for n in (r or {}):
-                if n != _ALL and n not in node.tables:
-                    raise rebuild_error(wire_error(TableNotFound(n, s)), rank)
-        manifest = load_manifest(objects, s, names=[n for n in node.tables if n in wanted])
-        out = []
-        for rank, (_, r) in enumerate(reqs):
-            mine: dict[str, tuple] = {}
-            oids: list[bytes] = []
-            for n in names(r):
-                tm = manifest.tables[n]
-                spec = None if r is None else r.get(n)
-                try:
-                    ranges = _ranges(n, tm.node, spec)
-                except CheckpointError as exc:
-                    raise rebuild_error(wire_error(exc), rank) from None
-                for lo, hi in ranges:
-                    if hi > lo:
-                        first, last = lo // tm.node.block_rows, -(-hi // tm.node.block_rows)
-                        oids.extend(tm.block_ids[first:last])
-                mine[n] = (tm, ranges)
-            where = None if rank == 0 or not oids else transfer.locate(objects, oids)
-            out.append((s, node.state, mine, where))
-        return out
-
-    s, doc, tables, where = ds.from_coordinator(ds.comm, what, answer)
-    try:
-        if ds.is_coordinator:
-            objects: Any = ds.local.objects
-        else:
-            objects = ds.readers.source(where) if where is not None else None
-    except BaseException as exc:  # enter the closing round with it: every rank raises
-        finish_read(ds, exc, f"{what}: read")
-        raise
-    return s, doc, tables, objects
-
-
-def _ranges(name: str, node: Any, spec: Any) -> Ranges:
-    """Row ranges of a request entry, checked against the stored table."""
-    if spec is None:
-        return [(0, node.rows)]
-    if spec[0] == "whole":
-        shape, dtype = tuple(spec[1]), spec[2]
-        if shape != node.shape or dtype != node.dtype:
-            raise InvalidInput(f"{name!r} is {shape} {dtype}; the step holds {node.shape} "
-                               f"{node.dtype}; nothing was written")
-        return [(0, node.rows)]
-    if spec[0] == "slice":
-        start, stop, step = check_slice(slice(*spec[1]), node.rows, name=name)
-        lo, hi, _ = row_range(slice(start, stop, step), node.rows)
-        return [(lo, hi)]
-    out = []
-    for lo, hi, row_shape, dtype in spec[1]:   # shards: rows, checked
-        if hi > node.rows or tuple(row_shape) != node.shape[1:] or dtype != node.dtype:
-            raise InvalidInput(f"{name!r}: a shard of rows {lo}..{hi} with rows of "
-                               f"{tuple(row_shape)} {dtype} does not fit the stored "
-                               f"{node.shape} {node.dtype}; nothing was written")
-        out.append((lo, hi))
-    return out
+                    make: Any) -> tuple[int, Any, dict, Any]:
+    """The check and resolve stages of the get pipeline (core/get.py ``resolve``), for a
+    caller that reads and closes itself (dcp/reader.py): (step, structure doc, {name:
+    (TableManifest, ranges)}, object source). ``request`` is unused (None)."""
+    loc = resolve(ds, step, what, make)
+    return loc.step, loc.doc, loc.tables, loc.objects
 
 
 def finish_read(ds: DistributedStore, err: BaseException | None, what: str) -> None:
-    """The closing round of a read: every rank raises the lowest rank's error, or, when
-    the only errors were packs gone under a rank, the signal ``transfer.again`` retries."""
-    moved = getattr(ds, "retry_moved", False) and transfer.moved(err)
-    if any(ds.comm.agree(None if moved else err, what, moved)):
-        transfer.moved_everywhere(what)
-
-
-def rank_reporter(ds: DistributedStore, progress: Any, tables: dict,
-                  rows: Mapping | None = None) -> Reporter:
-    """``progress`` over the bytes this rank decodes of ``tables`` ({name: (manifest,
-    row ranges)}, as collective_read answered; ``rows``: the slices asked for, if any):
-    each rank reports its own reads."""
-    return Reporter(progress, sum(
-        out_bytes(tm, rows[n]) if rows and n in rows else
-        sum(out_bytes(tm, slice(lo, hi)) for lo, hi in ranges)
-        for n, (tm, ranges) in tables.items()), min_total=ds.options.progress_min_bytes)
+    """The closing round of a read (``RankBlocks.close``)."""
+    ds.reader.close(ds, err, what)
 
 
 def get_tables(ds: DistributedStore, step: Any, *, names: Any, rows: Any, device: Any,
@@ -170,36 +93,26 @@ def get_tables(ds: DistributedStore, step: Any, *, names: Any, rows: Any, device
             return {n: _out_spec(n, t) for n, t in out.items()}
         check_device(device)
         wanted, sel_rows = check_selection(names, rows)
-        req: dict[str, Any] = {n: None for n in (wanted or ())}
         for n, sel in sel_rows.items():
             if not isinstance(sel, slice):
                 raise InvalidType(f"rows[{n!r}] must be a slice, got {type(sel).__name__}")
-            req[n] = ("slice", (sel.start, sel.stop, sel.step))
-        if names is None:
-            req[_ALL] = True  # every table, whole unless rows= names it
-        return req
+        return request(wanted, sel_rows)
 
-    s, _, tables, objects = collective_read(ds, step, None, "get_tables", make)
-    result: dict = {}
-    err = None
-    report = rank_reporter(ds, progress, tables, None if out is not None else rows)
-    try:
-        if out is not None:
-            dests = [(tm, out[n]) for n, (tm, _) in tables.items()]
-            for (n, (tm, ranges)), hint in zip(tables.items(), dest_hints(objects, dests)):
-                fill_dest(ds, objects, tm, ranges, out[n], started=hint)
-                result[n] = out[n]
-                report.add(sum(out_bytes(tm, slice(lo, hi)) for lo, hi in ranges))
-        else:
-            wanted = [(tm, (rows or {}).get(n)) for n, (tm, _) in tables.items()]
-            result = dict(zip(tables, read_tables(objects, ds.pool, wanted,
-                                                  check_device(device),
-                                                  done=report.add if report.fn else None)))
-    except BaseException as exc:
-        err = exc
-    finish_read(ds, err, "get_tables: read")
-    report.finish()
-    return result
+    if out is None:
+        return get(ds, step, "get_tables", make, read_rows(ds, device, rows),
+                   progress=progress, rows=rows)
+
+    def read(loc: Located, report: Any) -> dict:
+        result: dict = {}
+        dests = [(tm, out[n]) for n, (tm, _) in loc.tables.items()]
+        for (n, (tm, ranges)), hint in zip(loc.tables.items(),
+                                           dest_hints(loc.objects, dests)):
+            fill_dest(ds, loc.objects, tm, ranges, out[n], started=hint)
+            result[n] = out[n]
+            report.add(sum(out_bytes(tm, slice(lo, hi)) for lo, hi in ranges))
+        return result
+
+    return get(ds, step, "get_tables", make, read, progress=progress)
 
 
 def _out_spec(name: str, t: Any) -> Any:

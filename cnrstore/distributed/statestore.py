@@ -1,5 +1,6 @@
-"""Whole training states on a DistributedStore: put_state, get_state and load_state over
-the collective reads of read.py (core/state.py splits a state into tables and a
+"""Whole training states on a DistributedStore: put_state over the put pipeline
+(core/put.py), get_state and load_state over the get pipeline (core/get.py, the ranks'
+reader in read.py) (core/state.py splits a state into tables and a
 structure; Shard, DTensor and ShardedTensor leaves are each rank's own rows). Every rank
 returns, or every rank raises."""
 
@@ -11,8 +12,8 @@ from typing import Any
 import torch
 
 from cnrstore.codec.layout import dtype_name
-from cnrstore.core.get import out_bytes
-from cnrstore.core.progress import check_progress
+from cnrstore.core.get import Located, get, out_bytes, read_rows
+from cnrstore.core.progress import Reporter, check_progress
 from cnrstore.core.put import put
 from cnrstore.core.restore import read_rows_into, read_table, read_tables
 from cnrstore.core.state import (
@@ -36,13 +37,7 @@ from cnrstore.core.stateselect import (
     select,
 )
 from cnrstore.core.validate import check_destination, check_device
-from cnrstore.distributed.read import (
-    collective_read,
-    dest_hints,
-    fill_dest,
-    finish_read,
-    rank_reporter,
-)
+from cnrstore.distributed.read import dest_hints, fill_dest
 from cnrstore.distributed.shard import Shard
 from cnrstore.errors import InvalidInput, InvalidType, StepNotFound
 from cnrstore.format.load import list_steps, load_step
@@ -173,23 +168,17 @@ def get_state(ds: DistributedStore, step: Any, *, device: Any, names: Any = None
         # Only the picked tables are asked for: the coordinator reads nothing else.
         return None if sel.everything else {n: None for n in stored if sel(n)}
 
-    s, doc, tables, objects = collective_read(ds, step, None, "get_state", make)
-    result: dict = {}
-    err = None
-    report = rank_reporter(ds, progress, tables)
-    try:
-        result = dict(zip(tables, read_tables(objects, ds.pool,
-                                              [(tm, None) for tm, _ in tables.values()],
-                                              check_device(device),
-                                              done=report.add if report.fn else None)))
-        if doc is not None:
-            check_structure(doc)
-            result = unflatten(prune(doc, sel, NONE_HOLE), stored_leaf(s, result))
-    except BaseException as exc:
-        err = exc
-    finish_read(ds, err, "get_state: read")
-    report.finish()
-    return result
+    def read(loc: Located, report: Reporter) -> Any:
+        done = report.add if report.fn is not None else None
+        result = dict(zip(loc.tables, read_tables(loc.objects, ds.pool,
+                                                  [(tm, None) for tm, _ in loc.tables.values()],
+                                                  check_device(device), done=done)))
+        if loc.doc is not None:
+            check_structure(loc.doc)
+            result = unflatten(prune(loc.doc, sel, NONE_HOLE), stored_leaf(loc.step, result))
+        return result
+
+    return get(ds, step, "get_state", make, read, progress=progress)
 
 
 def _in_place(tm: Any, ranges: Any, dest: Any) -> tuple[Any, slice | None, torch.Tensor] | None:
@@ -252,18 +241,16 @@ def load_state(ds: DistributedStore, step: Any, state: Any, *, strict: bool,
         def make() -> dict:  # noqa: F811 - the strict=False filter over the request
             return {n: v for n, v in inner().items() if n in held}
 
-    s, doc, tables, objects = collective_read(ds, step, None, "load_state", make)
-    err = None
-    result = state
-
     def is_tensor(v: Any) -> bool:
         return isinstance(v, Shard) or _load_leaf(ds)(v) is not None
 
-    lazy: dict[str, tuple[int, ...]] = {}
-    # This rank's in-place restore, as CheckpointStore.load_state reports it (the tables
-    # adopted into empty containers below are read without a report, there as here).
-    report = rank_reporter(ds, progress, tables)
-    try:
+    def read(loc: Located, report: Reporter) -> tuple[int, Any, Any, dict]:
+        # This rank's in-place restore, as CheckpointStore.load_state reports it (the
+        # tables adopted into empty containers below are read without a report, there as
+        # here).
+        box["report"] = report
+        result, doc, lazy = state, loc.doc, {}
+        objects, tables = loc.objects, loc.tables
         flat, sharded = box["flat"], box["sharded"]
         if doc is not None:
             doc = prune(doc, sel, KEEP_HOLE)
@@ -312,9 +299,11 @@ def load_state(ds: DistributedStore, step: Any, state: Any, *, strict: bool,
                 return read_table(objects, tm, ds.pool, rows=slice(lo, hi))[0]
 
             fill_leaf(leaf, rows)
-    except BaseException as exc:
-        err = exc
-    finish_read(ds, err, "load_state: read")
+        return loc.step, result, doc, lazy
+
+    s, result, doc, lazy = get(ds, step, "load_state", make, read, progress=progress,
+                               finish=False)
+    report = box["report"]
     # Empty containers the step holds filled (a fresh Adam's "state": {}, core/state.py)
     # get the stored entries as fresh tensors, read in one more collective round. Only
     # what is empty on every rank: a rank whose dict lacks a table another rank holds
@@ -340,18 +329,7 @@ def load_state(ds: DistributedStore, step: Any, state: Any, *, strict: bool,
 def _read_whole(ds: DistributedStore, step: int, names: list[str], what: str) -> dict:
     """Tables ``names`` of ``step``, whole, as fresh CPU tensors (collective: every rank
     enters, ``names`` may be empty on some)."""
-    _, _, tables, objects = collective_read(ds, step, None, what,
-                                             lambda: {n: None for n in names})
-    got: dict = {}
-    err = None
-    try:
-        got = dict(zip(tables, read_tables(objects, ds.pool,
-                                           [(tm, None) for tm, _ in tables.values()],
-                                           torch.device("cpu"))))
-    except BaseException as exc:
-        err = exc
-    finish_read(ds, err, f"{what}: read")
-    return got
+    return get(ds, step, what, lambda: {n: None for n in names}, read_rows(ds, "cpu", None))
 
 
 def _fill_pieces(leaf: Any) -> list[tuple[torch.Tensor, int]]:

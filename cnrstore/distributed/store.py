@@ -119,6 +119,8 @@ class DistributedStore:
         self.group = self.comm
         self.placement = RowGrid()
         self.commit = CoordinatorCommit()
+        # The get pipeline (core/get.py): the blocks each rank reads, located for it.
+        self.reader = read.RankBlocks()
         self.shard_leaf = _shard_leaf()
         self.readers = transfer.Readers(self.storage)  # packs this rank reads by location
         close_at_exit(self)  # after the coordinator's plain store: closed before it
