@@ -23,12 +23,12 @@ from torch.futures import Future
 
 import cnrstore.dcp.docmeta as docmeta
 from cnrstore.codec.layout import dtype_name
+from cnrstore.core.get import Located, get
 from cnrstore.core.prefault import Prefault
 from cnrstore.core.restore import new_output, read_rows_into
 from cnrstore.core.validate import check_step
 from cnrstore.dcp.handle import Target
 from cnrstore.distributed import transfer
-from cnrstore.distributed.read import collective_read, finish_read
 from cnrstore.distributed.shard import Shard
 from cnrstore.distributed.store import DistributedStore
 from cnrstore.errors import InvalidInput, StepNotFound, engine_errors
@@ -212,34 +212,29 @@ def _read_pieces(ds: DistributedStore, step: int | None, direct: dict[str, Shard
         req.update({n: ("slice", (lo, hi, None)) for n, (lo, hi) in spans.items()})
         return req
 
-    def once() -> dict[str, torch.Tensor]:
-        _, _, tables, objects = collective_read(ds, step, None, "DCP load", request)
-        failed: BaseException | None = None
-        got: dict[str, torch.Tensor] = {}
+    def read(loc: Located, report: Any) -> dict[str, torch.Tensor]:
+        wanted: list[tuple[Any, slice | None, torch.Tensor]] = []
+        copies: dict[str, int] = {}  # table -> its index in wanted
+        for n, (tm, _) in loc.tables.items():
+            if n in direct:
+                d = direct[n]
+                if d.local.shape[0]:  # _direct: contiguous CPU rows of the stored dtype
+                    wanted.append((tm, slice(d.row_offset, d.row_end),
+                                   d.local.detach().view(d.local.shape[0], tm.node.width)))
+            else:
+                rows = slice(*spans[n])
+                copies[n] = len(wanted)
+                wanted.append((tm, rows, new_output(tm, rows)))
+        # fresh memory: its page faults off the decode threads
+        faults = Prefault([wanted[i][2] for i in copies.values()])
         try:
-            wanted: list[tuple[Any, slice | None, torch.Tensor]] = []
-            copies: dict[str, int] = {}  # table -> its index in wanted
-            for n, (tm, _) in tables.items():
-                if n in direct:
-                    d = direct[n]
-                    if d.local.shape[0]:  # _direct: contiguous CPU rows of the stored dtype
-                        wanted.append((tm, slice(d.row_offset, d.row_end),
-                                       d.local.detach().view(d.local.shape[0], tm.node.width)))
-                else:
-                    rows = slice(*spans[n])
-                    copies[n] = len(wanted)
-                    wanted.append((tm, rows, new_output(tm, rows)))
-            # fresh memory: its page faults off the decode threads
-            faults = Prefault([wanted[i][2] for i in copies.values()])
-            try:
-                outs = read_rows_into(objects, ds.pool, wanted)
-            finally:
-                faults.stop()
-            got = {n: outs[i] for n, i in copies.items()}
-        except BaseException as exc:
-            failed = exc
-        finish_read(ds, failed, "DCP load: read")
-        return got
+            outs = read_rows_into(loc.objects, ds.pool, wanted)
+        finally:
+            faults.stop()
+        return {n: outs[i] for n, i in copies.items()}
+
+    def once() -> dict[str, torch.Tensor]:
+        return get(ds, step, "DCP load", request, read)
 
     with engine_errors():
         return transfer.again(ds, once)

@@ -8,14 +8,13 @@ a gc moved is read once more with fresh locations (``transfer.again``)."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from cnrstore.codec.layout import dtype_name
-from cnrstore.core.get import Located, get, out_bytes, read_rows, request, resolve
+from cnrstore.core.get import Located, get, out_bytes, read_rows, request
 from cnrstore.core.progress import check_progress
 from cnrstore.core.restore import read_into, read_table, table_hints
 from cnrstore.core.validate import check_destination, check_device, check_selection
@@ -28,8 +27,7 @@ from cnrstore.errors import CheckpointError, InvalidInput, InvalidType
 # so the layers test sees no import cycle.
 DistributedStore = Any
 
-__all__ = ["RankBlocks", "get_tables", "collective_read", "finish_read", "fill_dest",
-           "dest_hints"]
+__all__ = ["RankBlocks", "get_tables", "fill_dest", "dest_hints", "in_place"]
 
 Ranges = list[tuple[int, int]]
 
@@ -65,20 +63,6 @@ class RankBlocks:
 
     def seed(self, ds: DistributedStore, loc: Located, rows: Mapping | None) -> None:
         return None  # a rank's bases are seeded at its next put (distributed/seed.py)
-
-
-def collective_read(ds: DistributedStore, step: Any, request: Any, what: str,
-                    make: Any) -> tuple[int, Any, dict, Any]:
-    """The check and resolve stages of the get pipeline (core/get.py ``resolve``), for a
-    caller that reads and closes itself (dcp/reader.py): (step, structure doc, {name:
-    (TableManifest, ranges)}, object source). ``request`` is unused (None)."""
-    loc = resolve(ds, step, what, make)
-    return loc.step, loc.doc, loc.tables, loc.objects
-
-
-def finish_read(ds: DistributedStore, err: BaseException | None, what: str) -> None:
-    """The closing round of a read (``RankBlocks.close``)."""
-    ds.reader.close(ds, err, what)
 
 
 def get_tables(ds: DistributedStore, step: Any, *, names: Any, rows: Any, device: Any,
@@ -137,19 +121,36 @@ def dest_hints(objects: Any, dests: list[tuple[Any, Any]]) -> list[Any]:
     return table_hints(objects, [(tm, rows(d)) for tm, d in dests])
 
 
+def in_place(tm: Any, dest: Any) -> tuple[slice | None, torch.Tensor] | None:
+    """(rows, into) when ``dest`` (a Shard, or a tensor of the whole table) decodes in
+    place: contiguous CPU memory of the stored dtype, viewed as rows x width (what
+    read_table and read_rows_into fill, with no second copy); else None. The request
+    checked its rows and row shape against the stored table."""
+    node = tm.node
+    if isinstance(dest, Shard):
+        t, rows, n = dest.local.detach(), slice(dest.row_offset, dest.row_end), \
+            dest.row_end - dest.row_offset
+    else:
+        t, rows, n = dest.detach(), None, node.rows
+    if (not t.is_contiguous() or t.device.type != "cpu" or dtype_name(t.dtype) != node.dtype
+            or t.numel() != n * node.width):
+        return None
+    return rows, t.view(n, node.width)
+
+
 def fill_dest(ds: DistributedStore, objects: Any, tm: Any, ranges: Ranges, dest: Any, *,
               started: Any = None) -> None:
     if isinstance(dest, Shard):
         if dest.local.shape[0]:
-            local = dest.local.detach()
-            rows = slice(dest.row_offset, dest.row_end)
-            if (local.is_contiguous() and local.device.type == "cpu"
-                    and dtype_name(local.dtype) == tm.node.dtype):
-                # decoded in place (read_table fills rows x width): no second copy
-                read_table(objects, tm, ds.pool, rows=rows, started=started,
-                           into=local.view(local.shape[0], math.prod(local.shape[1:])))
+            direct = in_place(tm, dest)
+            if direct is not None:
+                read_table(objects, tm, ds.pool, rows=direct[0], started=started,
+                           into=direct[1])
             else:
-                t, _, _ = read_table(objects, tm, ds.pool, rows=rows, started=started)
+                local = dest.local.detach()
+                t, _, _ = read_table(objects, tm, ds.pool, rows=slice(dest.row_offset,
+                                                                       dest.row_end),
+                                     started=started)
                 local.copy_(t.view(local.shape))
         return
     read_into(objects, tm, ds.pool, dest.detach(), started=started)

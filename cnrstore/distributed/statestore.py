@@ -11,7 +11,6 @@ from typing import Any
 
 import torch
 
-from cnrstore.codec.layout import dtype_name
 from cnrstore.core.get import Located, get, out_bytes, read_rows
 from cnrstore.core.progress import Reporter, check_progress
 from cnrstore.core.put import put
@@ -37,7 +36,7 @@ from cnrstore.core.stateselect import (
     select,
 )
 from cnrstore.core.validate import check_destination, check_device
-from cnrstore.distributed.read import dest_hints, fill_dest
+from cnrstore.distributed.read import dest_hints, fill_dest, in_place
 from cnrstore.distributed.shard import Shard
 from cnrstore.errors import InvalidInput, InvalidType, StepNotFound
 from cnrstore.format.load import list_steps, load_step
@@ -181,23 +180,6 @@ def get_state(ds: DistributedStore, step: Any, *, device: Any, names: Any = None
     return get(ds, step, "get_state", make, read, progress=progress)
 
 
-def _in_place(tm: Any, ranges: Any, dest: Any) -> tuple[Any, slice | None, torch.Tensor] | None:
-    """``(tm, rows, into)`` of ``read_rows_into`` for a load_state destination whose rows
-    decode in place (contiguous CPU memory of the stored dtype), else None. The request
-    checked its rows, row shape and dtype against the stored table."""
-    node = tm.node
-    if isinstance(dest, Shard):
-        t, rows = dest.local.detach(), slice(dest.row_offset, dest.row_end)
-    else:
-        t, rows = dest, None
-    if (not t.is_contiguous() or t.device.type != "cpu" or dtype_name(t.dtype) != node.dtype
-            or t.numel() != (t.shape[0] if t.dim() else 1) * node.width):
-        return None
-    if rows is None and (t.shape[0] if t.dim() else 1) != node.rows:
-        return None
-    return tm, rows, t.view(t.shape[0] if t.dim() else 1, node.width)
-
-
 def load_state(ds: DistributedStore, step: Any, state: Any, *, strict: bool,
                names: Any = None, progress: Any = None) -> Any:
     state = _uniform(ds, state, "load_state: structure")
@@ -244,11 +226,10 @@ def load_state(ds: DistributedStore, step: Any, state: Any, *, strict: bool,
     def is_tensor(v: Any) -> bool:
         return isinstance(v, Shard) or _load_leaf(ds)(v) is not None
 
-    def read(loc: Located, report: Reporter) -> tuple[int, Any, Any, dict]:
+    def read(loc: Located, report: Reporter) -> tuple[int, Any, Any, dict, Reporter]:
         # This rank's in-place restore, as CheckpointStore.load_state reports it (the
         # tables adopted into empty containers below are read without a report, there as
         # here).
-        box["report"] = report
         result, doc, lazy = state, loc.doc, {}
         objects, tables = loc.objects, loc.tables
         flat, sharded = box["flat"], box["sharded"]
@@ -282,7 +263,7 @@ def load_state(ds: DistributedStore, step: Any, state: Any, *, strict: bool,
         # them. Filled one table at a time, every block was located alone and hinted with
         # POSIX_FADV_WILLNEED: the request pattern docs/design/torchrec-speed.md found
         # behind the cold TorchRec restore's gap to dcp.load.
-        inplace = [(d, w) for d in dests if (w := _in_place(*d)) is not None]
+        inplace = [(d, (d[0], *w)) for d in dests if (w := in_place(d[0], d[2])) is not None]
         if inplace:
             read_rows_into(objects, ds.pool, [w for _, w in inplace],
                            done=report.add if report.fn else None)
@@ -299,11 +280,10 @@ def load_state(ds: DistributedStore, step: Any, state: Any, *, strict: bool,
                 return read_table(objects, tm, ds.pool, rows=slice(lo, hi))[0]
 
             fill_leaf(leaf, rows)
-        return loc.step, result, doc, lazy
+        return loc.step, result, doc, lazy, report
 
-    s, result, doc, lazy = get(ds, step, "load_state", make, read, progress=progress,
-                               finish=False)
-    report = box["report"]
+    s, result, doc, lazy, report = get(ds, step, "load_state", make, read, progress=progress,
+                                       finish=False)
     # Empty containers the step holds filled (a fresh Adam's "state": {}, core/state.py)
     # get the stored entries as fresh tensors, read in one more collective round. Only
     # what is empty on every rank: a rank whose dict lacks a table another rank holds
