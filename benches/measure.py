@@ -15,6 +15,9 @@
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import mmap
 import os
 import resource
 import time
@@ -27,6 +30,7 @@ __all__ = [
     "disk_bytes",
     "evict_page_cache",
     "fsync_dir",
+    "resident_pages",
     "timed",
 ]
 
@@ -38,7 +42,7 @@ def disk_bytes(path: str | os.PathLike) -> int:
         total += os.lstat(path).st_blocks * 512
     except FileNotFoundError:
         return 0
-    for root, dirs, files in os.walk(path):
+    for root, dirs, files in os.walk(os.fspath(path)):
         for name in dirs + files:
             try:
                 total += os.lstat(os.path.join(root, name)).st_blocks * 512
@@ -74,18 +78,64 @@ def evict_page_cache(path: str | os.PathLike, *, drop_caches: bool = False) -> s
     if not hasattr(os, "posix_fadvise"):
         return "none"
     # A file is evicted as itself (os.walk of a file yields nothing: it was left warm).
-    walk = ([(os.path.dirname(path), [], [os.path.basename(path)])] if os.path.isfile(path)
-            else os.walk(path))
+    top = os.fspath(path)
+    walk = ([(os.path.dirname(top), [], [os.path.basename(top)])] if os.path.isfile(top)
+            else os.walk(top))
     for root, _dirs, files in walk:
         for name in files:
             fd = os.open(os.path.join(root, name), os.O_RDONLY)
             try:
                 # Dirty pages cannot be dropped; every system fsyncs, but be sure.
                 os.fdatasync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                _drop_pages(fd)
             finally:
                 os.close(fd)
     return "fadvise"
+
+
+def _drop_pages(fd: int, tries: int = 6) -> None:
+    # DONTNEED skips pages the kernel still holds in a per-CPU batch (those just read,
+    # often on another core): CI saw a file read a moment before stay warm. So the drop is
+    # checked with mincore (which, unlike a RWF_NOWAIT read, starts no readahead) and
+    # repeated.
+    for attempt in range(tries):
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        if not resident_pages(fd):
+            return
+        time.sleep(0.002 * 2**attempt)
+
+
+def resident_pages(fd: int) -> int:
+    """Pages of the open file ``fd`` now in the page cache (0 where it cannot be told)."""
+    size = os.fstat(fd).st_size
+    libc = _libc()
+    if size == 0 or libc is None:
+        return 0
+    page = os.sysconf("SC_PAGE_SIZE")
+    addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+    if addr in (None, ctypes.c_void_p(-1).value):
+        return 0
+    try:
+        vec = (ctypes.c_ubyte * ((size + page - 1) // page))()
+        if libc.mincore(ctypes.c_void_p(addr), size, vec) != 0:
+            return 0
+        return sum(b & 1 for b in bytes(vec))
+    finally:
+        libc.munmap(ctypes.c_void_p(addr), size)
+
+
+@functools.cache
+def _libc() -> Any:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                              ctypes.c_int, ctypes.c_long]
+        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        return libc
+    except (OSError, AttributeError):
+        return None  # no mincore here: the drop is done once, unchecked
 
 
 def timed(fn: Callable[[], Any]) -> tuple[float, Any]:

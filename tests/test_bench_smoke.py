@@ -25,7 +25,13 @@ sys.path.insert(0, str(REPO))
 
 from benches import bench_checkpoint, report  # noqa: E402
 from benches.bench_checkpoint import parse_args  # noqa: E402
-from benches.measure import Measured, PeakMemory, disk_bytes, evict_page_cache  # noqa: E402
+from benches.measure import (  # noqa: E402
+    Measured,
+    PeakMemory,
+    disk_bytes,
+    evict_page_cache,
+    resident_pages,
+)
 from benches.workload import (  # noqa: E402
     Workload,
     apply_update,
@@ -153,6 +159,8 @@ def test_measured_splits_main_thread_and_background_cpu_and_counts_reads(tmp_pat
 
 
 def _cached(path) -> bool:
+    # A RWF_NOWAIT read of page 0, independent of measure.py; it may start readahead, so
+    # it is each check's last look at the file.
     fd = os.open(path, os.O_RDONLY)
     try:
         os.preadv(fd, [bytearray(4096)], 0, os.RWF_NOWAIT)
@@ -163,23 +171,48 @@ def _cached(path) -> bool:
         os.close(fd)
 
 
+def _resident(path) -> int:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return resident_pages(fd)
+    finally:
+        os.close(fd)
+
+
 @pytest.mark.skipif(not hasattr(os, "RWF_NOWAIT"), reason="needs preadv2 RWF_NOWAIT")
 def test_eviction_takes_a_file_or_a_directory(tmp_path):
     # Regression: a file's path was walked as a directory, and nothing was evicted (a
-    # torch.load measured "cold" was warm).
+    # torch.load measured "cold" was warm). Regression too (CI): a file read a moment
+    # before stayed warm, and the earlier checks' RWF_NOWAIT reads started readahead.
     f = tmp_path / "d" / "f.bin"
     f.parent.mkdir()
     f.write_bytes(os.urandom(1 << 20))
     os.sync()
     f.read_bytes()
-    assert _cached(f)
+    assert _resident(f) == (1 << 20) // os.sysconf("SC_PAGE_SIZE")
     evict_page_cache(f.parent)
-    if _cached(f):
+    if _resident(f):
         pytest.skip("this filesystem keeps the pages (no POSIX_FADV_DONTNEED)")
-    f.read_bytes()
-    assert _cached(f)
-    evict_page_cache(f)
+    for _ in range(20):
+        f.read_bytes()
+        assert _resident(f) > 0
+        evict_page_cache(f)
+        assert _resident(f) == 0
     assert not _cached(f)
+
+
+def test_resident_pages_counts_what_was_read(tmp_path):
+    f = tmp_path / "f.bin"
+    f.write_bytes(b"")
+    assert _resident(f) == 0  # an empty file has no pages, and maps nothing
+    f.write_bytes(os.urandom(64 << 10))
+    os.sync()
+    evict_page_cache(f)
+    if _resident(f):
+        pytest.skip("this filesystem keeps the pages (no POSIX_FADV_DONTNEED)")
+    with open(f, "rb") as fh:
+        fh.read(4096)  # one page read (plus what readahead brings), never the file's end
+    assert 1 <= _resident(f) <= (64 << 10) // os.sysconf("SC_PAGE_SIZE")
 
 
 def test_peak_memory_sees_a_transient_allocation():
