@@ -73,6 +73,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeat", type=int, default=3, help="overhead runs per system and "
                    "interval (median), and restores per system")
     a = p.parse_args(argv)
+    parts = set(a.parts.split(","))
+    if "restore" in parts and "save" not in parts and a.root is None:
+        # Without it the restore part found nothing to read and printed an empty table.
+        p.error("--parts restore without save reads an earlier run's checkpoints: give --root")
     if a.quick:
         a.rows, a.dim, a.world, a.restore_world, a.checkpoints, a.train = 20_000, 16, 2, 3, 3, 3
         a.overhead_steps, a.every, a.repeat = 20, "10", 1

@@ -452,3 +452,13 @@ def test_bench_put_quick_run_reports_ratios_against_the_peer(tmp_path):
     assert rep["fresh_full_put"]["ratio"] > 0
     assert rep["puts"]["fingerprint"]["fp_one_core_gbs"] > 0
     assert "replaced per step" in (tmp_path / "bench_put.md").read_text()
+
+
+def test_torchrec_restore_alone_needs_the_saved_run(capsys):
+    # Regression: `--parts restore` with no saved run printed an empty table and exit 0.
+    from benches import bench_torchrec
+
+    with pytest.raises(SystemExit):
+        bench_torchrec.parse_args(["--parts", "restore", "--out", "x"])
+    assert "--root" in capsys.readouterr().err
+    assert bench_torchrec.parse_args(["--parts", "restore", "--root", "r", "--out", "x"]).root
