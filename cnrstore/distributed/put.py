@@ -20,8 +20,9 @@ import msgpack
 import torch
 
 from cnrstore.core.progress import check_progress
-from cnrstore.core.put import Request, Work, check_new_step, forget_failed
+from cnrstore.core.put import RankStructure, Request, Work, check_new_step, forget_failed
 from cnrstore.core.seed import seed_blocks
+from cnrstore.core.state import merge_structures
 from cnrstore.core.tablestate import TableState
 from cnrstore.core.validate import (
     check_step,
@@ -63,7 +64,10 @@ class RowGrid:
         R = opt.rows
         err: BaseException | None = None
         mine = None
+        structure = state if isinstance(state, RankStructure) else None
         try:
+            if structure is not None and structure.error is not None:
+                raise structure.error  # put_state's flatten failed on this rank
             check_step(step)
             check_progress(progress)
             local = layout.local_tables(tables, ds.shard_leaf)
@@ -76,13 +80,17 @@ class RowGrid:
                 check_writable(ds.local.objects, "put_tables")
                 check_new_step(ds.local.objects, ds.pending, step)
             args = msgpack.packb([step, repr(_quant_key(quant)), meta_doc], use_bin_type=True)
-            mine = ({n: t.spec() for n, t in local.items()}, args, sorted(rows_touched))
+            mine = ({n: t.spec() for n, t in local.items()}, args, sorted(rows_touched),
+                    None if structure is None else structure.doc)
         except BaseException as exc:
             err = exc
         got = comm.agree(err, "put_tables: check", mine)
         if len({g[1] for g in got}) > 1:
             raise InvalidInput("put_tables: the ranks passed different steps, quant or "
                                "metadata; every rank must pass the same")
+        # The structure stored names every rank's leaves (statestore.put_state): merged
+        # here, the same on every rank, or the same error on every rank.
+        merged = None if structure is None else merge_structures([g[3] for g in got])
         gtables = layout.global_tables([g[0] for g in got])
         schemes = resolve_quant(quant, {n: t.meta() for n, t in gtables.items()},
                                 expected_restores=opt.expected_restores)
@@ -131,7 +139,7 @@ class RowGrid:
                 (run.hi - run.lo) * layout.width(gt.row_shape) * gt.torch_dtype.itemsize,
                 None, _assembler(run, parts, gt), tids))
         return Request(works, schemes, meta_doc, gtables, t0,
-                       extra=[g[1] for g in got])
+                       extra=[g[1] for g in got], state=merged)
 
     def bases(self, ds: DistributedStore, req: Request) -> dict[Any, TableState | None]:
         seeded = _seed(ds, req.extra, req.tables, req.schemes)
