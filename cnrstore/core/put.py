@@ -88,6 +88,9 @@ class Request:
     bases: dict[Any, TableState | None] = field(default_factory=dict)
     damaged: frozenset[bytes] = frozenset()  # unreadable records of the bases seeded
     state: dict | None = None    # the structure the ranks agreed (from a RankStructure)
+    # This rank's failure after the placement's last round: raised in the width round,
+    # which every rank enters, so every rank raises it (distributed/put.py).
+    error: BaseException | None = None
 
 
 @dataclass
@@ -196,6 +199,8 @@ def _plan_all(h: Any, req: Request, options: list[dict], report: Reporter) -> Pl
     ranks' width round with its error, so every rank raises it."""
     plans: Plans = []
     try:
+        if req.error is not None:
+            raise req.error
         for w, kwargs in zip(req.works, options):
             plans.append((w.name, w.b0, _plan(h, req, w, w.rows(), req.bases.get(w.key),
                                               w.touched, None, kwargs)))

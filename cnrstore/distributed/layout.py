@@ -24,7 +24,8 @@ from cnrstore.core.validate import check_name, check_table
 from cnrstore.distributed.shard import Shard
 from cnrstore.errors import InvalidInput, InvalidType
 
-__all__ = ["LocalTable", "GlobalTable", "local_tables", "global_tables", "Run", "runs"]
+__all__ = ["LocalTable", "GlobalTable", "local_tables", "global_tables", "Run", "runs",
+           "sends", "moves", "moved_ids"]
 
 
 @dataclass
@@ -220,6 +221,37 @@ def sends(local: LocalTable, table: GlobalTable, block_rows: int, me: int
         if run.rank == me:
             mine.append((run, parts))
     return out, mine
+
+
+def moves(spec: tuple, table: GlobalTable, block_rows: int, me: int
+          ) -> list[tuple[int, int, int]]:
+    """The rows ``sends`` sends, from rank ``me``'s ``LocalTable.spec``: (dest rank, first
+    row, rows), in the same order (every rank works them out for every rank)."""
+    if spec[0]:
+        return []  # a plain table lives on its owner, who owns all of its blocks
+    out = []
+    for run in runs(table, block_rows):
+        if run.rank == me:
+            continue
+        for lo, hi in spec[4]:
+            a, z = max(lo, run.lo), min(hi, run.hi)
+            if a < z:
+                out.append((run.rank, a, z - a))
+    return out
+
+
+def moved_ids(local: LocalTable, ids: torch.Tensor, block_rows: int) -> torch.Tensor:
+    """The ``ids`` (global rows) that ``sends`` moves to another rank, known before the
+    ranks' specs are: the rows of a piece's leading block whose first row no piece of
+    this rank holds (shards do not overlap, so another rank holds it and owns the block;
+    ``global_tables`` raises on every rank where they do overlap or leave a gap)."""
+    held = [(lo, lo + int(t.shape[0])) for lo, t in local.pieces]
+    keep = torch.zeros(ids.shape, dtype=torch.bool)
+    for lo, hi in held:
+        first = lo // block_rows * block_rows
+        if first < lo and not any(a <= first < b for a, b in held):
+            keep |= (ids >= lo) & (ids < min(hi, first + block_rows))
+    return ids[keep]
 
 
 # Each message starts on this boundary in a send buffer, so that its bytes view as any

@@ -445,3 +445,27 @@ def put_state_rounds(rank: int, world: int, path: str) -> list:
         back = s.get_state(2)
         ok = all(torch.equal(back["model"][n], t[n]) for n in t) and back["epoch"] == 2
         return [out, s.steps(), ok]
+
+
+def late_failure(rank: int, world: int, path: str):
+    """Rank 1 fails after the put's check round, packing the boundary rows it moves (no
+    round of its own follows): every rank must raise its error, in the width round, and
+    the next put works. (error, steps)."""
+    from cnrstore.distributed import layout
+
+    with _open(path) as s:
+        s.put_tables(1, {"t": _mine(_table(1), rank, world)})
+        pack = layout.pack
+        if rank == 1:
+            def failing_pack(messages):
+                raise MemoryError("no memory for the send buffer (test)")
+            layout.pack = failing_pack
+        err = None
+        try:
+            s.put_tables(2, {"t": _mine(_table(2), rank, world)}, blocking=False).result()
+        except Exception as exc:  # noqa: BLE001 - compared by the test
+            err = (type(exc).__name__, str(exc))
+        finally:
+            layout.pack = pack
+        s.put_tables(3, {"t": _mine(_table(3), rank, world)})
+        return err, s.steps()
