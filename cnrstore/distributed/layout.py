@@ -185,7 +185,9 @@ class Run:
 
 def runs(table: GlobalTable, block_rows: int) -> list[Run]:
     """The block runs of ``table``, ascending; block b belongs to the rank holding row
-    b*block_rows."""
+    b*block_rows. A run's last block that holds another rank's rows too is a run of its
+    own: the rest of the run is then a view of the owner's piece, and only that block is
+    assembled (a copy) from its parts."""
     out: list[Run] = []
     for rank, lo, hi in table.pieces:
         b0, b1 = -(-lo // block_rows), -(-hi // block_rows)
@@ -195,7 +197,16 @@ def runs(table: GlobalTable, block_rows: int) -> list[Run]:
             b0 = out.pop().b0
         out.append(Run(table.name, rank, b0, b1, b0 * block_rows,
                        min(b1 * block_rows, table.rows)))
-    return out
+    split: list[Run] = []
+    for run in out:
+        cut = (run.b1 - 1) * block_rows
+        if run.b1 - run.b0 > 1 and not any(
+                r == run.rank and lo <= cut and run.hi <= hi for r, lo, hi in table.pieces):
+            split += [Run(table.name, run.rank, run.b0, run.b1 - 1, run.lo, cut),
+                      Run(table.name, run.rank, run.b1 - 1, run.b1, cut, run.hi)]
+        else:
+            split.append(run)
+    return split
 
 
 def sends(local: LocalTable, table: GlobalTable, block_rows: int, me: int
