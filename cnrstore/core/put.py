@@ -41,7 +41,7 @@ from cnrstore.format.load import list_steps
 from cnrstore.format.manifest import root_name
 from engine import ObjectStore
 
-__all__ = ["Commit", "Placement", "PutBook", "Request", "Work", "check_new_step",
+__all__ = ["Commit", "Placement", "PutBook", "RankStructure", "Request", "Work", "check_new_step",
            "forget_failed", "marking_failed", "put", "queued"]
 
 T = TypeVar("T")
@@ -87,6 +87,20 @@ class Request:
     extra: Any = None            # what else the placement keeps of the put
     bases: dict[Any, TableState | None] = field(default_factory=dict)
     damaged: frozenset[bytes] = frozenset()  # unreadable records of the bases seeded
+    state: dict | None = None    # the structure the ranks agreed (from a RankStructure)
+    # This rank's failure after the placement's last round: raised in the width round,
+    # which every rank enters, so every rank raises it (distributed/put.py).
+    error: BaseException | None = None
+
+
+@dataclass
+class RankStructure:
+    """A put_state's structure as this rank flattened it, or the error flattening failed
+    with: the placement carries it on its check round and merges every rank's there
+    (``Request.state``), so it takes no round of its own."""
+
+    doc: dict | None
+    error: BaseException | None = None
 
 
 class Placement(Protocol):
@@ -116,7 +130,7 @@ class Commit(Protocol):
 
 
 def put(h: Any, step: int, tables: Mapping, *, quant: Any, metadata: Mapping | None,
-        blocking: bool, touched: Mapping | None, state: dict | None = None,
+        blocking: bool, touched: Mapping | None, state: Any = None,
         keep_full: bool = False, progress: Any = None,
         report: Reporter | None = None) -> StepInfo | Future:
     """Put ``tables`` as ``step`` through handle ``h`` (its ``group``, ``placement`` and
@@ -136,7 +150,8 @@ def put(h: Any, step: int, tables: Mapping, *, quant: Any, metadata: Mapping | N
         plans = _plan_all(h, req, commit.plan_options(h, req, blocking=blocking,
                                                       keep_full=keep_full), report)
         widths = _agree_widths(h, req, plans)
-        job = commit.job(h, step, req, plans, widths, time.perf_counter() - req.t0, state)
+        job = commit.job(h, step, req, plans, widths, time.perf_counter() - req.t0,
+                         req.state if req.state is not None else state)
         fut: Future = Future()
         try:
             h.writer.submit(job, cleanup=lambda: _release(plans), future=fut)
@@ -184,6 +199,8 @@ def _plan_all(h: Any, req: Request, options: list[dict], report: Reporter) -> Pl
     ranks' width round with its error, so every rank raises it."""
     plans: Plans = []
     try:
+        if req.error is not None:
+            raise req.error
         for w, kwargs in zip(req.works, options):
             plans.append((w.name, w.b0, _plan(h, req, w, w.rows(), req.bases.get(w.key),
                                               w.touched, None, kwargs)))

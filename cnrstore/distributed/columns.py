@@ -16,7 +16,7 @@ or every rank raises the same error (a plan whose pieces do not tile a table nam
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -27,7 +27,8 @@ from cnrstore.distributed.leaves import Piece, is_column_leaf, pieces
 from cnrstore.distributed.shard import Shard
 from cnrstore.errors import InvalidInput
 
-__all__ = ["join", "join_pieces", "join_state", "Joined", "column_leaves", "target_rows", "whole"]
+__all__ = ["join", "join_pieces", "join_state", "offer_state", "Joined", "Offer", "StateOffer",
+           "column_leaves", "target_rows", "whole"]
 
 
 def target_rows(rows: int, world: int, rank: int) -> tuple[int, int]:
@@ -150,6 +151,12 @@ def join(ds: Any, leaves: Mapping[str, Any], touched: Mapping | None, what: str,
     rows. ``touched`` (name -> GLOBAL row ids of this rank's pieces) is joined too: each
     rank gets the union over the piece holders of the rows in its range; a table some
     holder gave no touched rows for is left out (its rows are found by fingerprints)."""
+    offer = _offer(ds, leaves, touched, error)
+    return offer.joined(ds.comm.agree(offer.error, what, offer.info), what)
+
+
+def _offer(ds: Any, leaves: Mapping[str, Any], touched: Mapping | None,
+           error: BaseException | None) -> Offer:
     mine: dict[str, tuple] = {}
     try:
         if error is not None:
@@ -158,74 +165,92 @@ def join(ds: Any, leaves: Mapping[str, Any], touched: Mapping | None, what: str,
             mine[name] = _describe(name, leaf)
     except BaseException as exc:
         error = exc
-    return join_pieces(ds, mine, touched, what, error=error)
+    return Offer(ds, mine, touched, error)
 
 
 def join_pieces(ds: Any, mine: Mapping[str, tuple], touched: Mapping | None, what: str, *,
                 error: BaseException | None = None) -> Joined:
     """``join`` of pieces already named: name -> (global shape, dtype name, [(local, row
     offset, column offset)]) of this rank (a DCP save's chunks)."""
-    err: BaseException | None = error
-    info: dict[str, tuple] = {}
-    buf, sizes = torch.empty(0, dtype=torch.uint8), [0] * ds.comm.world
-    try:
-        if err is not None:
-            raise err
-        tmap = dict(touched) if isinstance(touched, Mapping) else None
-        for name, (gshape, dtype, pcs) in mine.items():
-            ids = None
-            if tmap is not None and name in tmap:
-                ids = torch.as_tensor(tmap[name]).flatten().to(torch.int64).tolist()
-            info[name] = (gshape[0], gshape[1], dtype,
-                          [(r, int(t.shape[0]), c, int(t.shape[1])) for t, r, c in pcs], ids)
-        buf, sizes = _send_buffer(mine, ds.comm.world)
-    except BaseException as exc:
-        err = exc
-    every = ds.comm.agree(err, what, info)
-    specs: dict[str, tuple] = {}
-    joined_touched: dict[str, list] = {}
-    for src, tables in enumerate(every):
-        for name, (rows, cols, dtype, held, ids) in tables.items():
-            spec = specs.setdefault(name, (rows, cols, dtype, []))
-            if (spec[0], spec[1], spec[2]) != (rows, cols, dtype):
-                raise InvalidInput(f"table {name!r}: ranks disagree on its shape or dtype "
-                                   f"({spec[:3]} and {(rows, cols, dtype)})")
-            spec[3].extend((src, r, n, c, w) for r, n, c, w in held)
-            if held:
-                if ids is None:
-                    joined_touched[name] = None  # type: ignore[assignment]
-                elif joined_touched.get(name, []) is not None:
-                    joined_touched.setdefault(name, []).extend(ids)
-    for name, (rows, cols, _dt, held) in specs.items():
-        _tiles(name, rows, cols, held, _plan_text(held))
-    # what this rank expects from each: the same walk as the sender's, seen from here
-    expect = [0] * ds.comm.world
-    lo_hi = {n: target_rows(s[0], ds.comm.world, ds.comm.rank) for n, s in specs.items()}
-    for name, (_rows, _cols, dtype, held) in specs.items():
-        lo, hi = lo_hi[name]
-        size = torch.empty(0, dtype=parse_dtype(dtype)).element_size()
-        for src, r, n, _c, w in held:
-            a, b = max(lo, r), min(hi, r + n)
-            if a < b:
-                expect[src] += (b - a) * w * size
-    # the sender walks its own tables in its order; the receiver in the agreed order:
-    # both must be the agreed order
-    order = list(specs)
-    if list(mine) != [n for n in order if n in mine]:
-        buf, sizes = _send_buffer({n: mine[n] for n in order if n in mine}, ds.comm.world)
-    got = [torch.empty(0, dtype=torch.uint8)] * ds.comm.world
-    if specs:  # every rank sees the same specs: all skip the round, or none
-        got = ds.comm.exchange(buf, sizes, expect, f"{what}: rows")
-    out_touched: Any = touched
-    if isinstance(touched, Mapping):
-        out_touched = {k: v for k, v in touched.items() if k not in specs}
-        for name, ids in joined_touched.items():
-            if ids is None:
-                continue
+    offer = Offer(ds, mine, touched, error)
+    return offer.joined(ds.comm.agree(offer.error, what, offer.info), what)
+
+
+class Offer:
+    """This rank's side of a join before its round: what it holds (``info``, the payload
+    every rank all-gathers; ``error``, what it enters the round with) and the bytes it
+    sends. The round may be another's that carries ``info`` along (put_state's structure
+    round): ``joined(every)`` takes every rank's ``info``."""
+
+    def __init__(self, ds: Any, mine: Mapping[str, tuple], touched: Mapping | None,
+                 error: BaseException | None = None):
+        self.ds, self.mine, self.touched = ds, mine, touched
+        self.error: BaseException | None = error
+        self.info: dict[str, tuple] = {}
+        self.buf, self.sizes = torch.empty(0, dtype=torch.uint8), [0] * ds.comm.world
+        try:
+            if error is not None:
+                raise error
+            tmap = dict(touched) if isinstance(touched, Mapping) else None
+            for name, (gshape, dtype, pcs) in mine.items():
+                ids = None
+                if tmap is not None and name in tmap:
+                    ids = torch.as_tensor(tmap[name]).flatten().to(torch.int64).tolist()
+                self.info[name] = (gshape[0], gshape[1], dtype,
+                                   [(r, int(t.shape[0]), c, int(t.shape[1]))
+                                    for t, r, c in pcs], ids)
+            self.buf, self.sizes = _send_buffer(mine, ds.comm.world)
+        except BaseException as exc:
+            self.error = exc
+
+    def joined(self, every: list[dict], what: str) -> Joined:
+        """The join, given every rank's ``info`` (the round raised any rank's error)."""
+        ds, mine, touched = self.ds, self.mine, self.touched
+        buf, sizes = self.buf, self.sizes
+        specs: dict[str, tuple] = {}
+        joined_touched: dict[str, list] = {}
+        for src, tables in enumerate(every):
+            for name, (rows, cols, dtype, held, ids) in tables.items():
+                spec = specs.setdefault(name, (rows, cols, dtype, []))
+                if (spec[0], spec[1], spec[2]) != (rows, cols, dtype):
+                    raise InvalidInput(f"table {name!r}: ranks disagree on its shape or "
+                                       f"dtype ({spec[:3]} and {(rows, cols, dtype)})")
+                spec[3].extend((src, r, n, c, w) for r, n, c, w in held)
+                if held:
+                    if ids is None:
+                        joined_touched[name] = None  # type: ignore[assignment]
+                    elif joined_touched.get(name, []) is not None:
+                        joined_touched.setdefault(name, []).extend(ids)
+        for name, (rows, cols, _dt, held) in specs.items():
+            _tiles(name, rows, cols, held, _plan_text(held))
+        # what this rank expects from each: the same walk as the sender's, seen from here
+        expect = [0] * ds.comm.world
+        lo_hi = {n: target_rows(s[0], ds.comm.world, ds.comm.rank) for n, s in specs.items()}
+        for name, (_rows, _cols, dtype, held) in specs.items():
             lo, hi = lo_hi[name]
-            t = torch.unique(torch.tensor(ids, dtype=torch.int64))
-            out_touched[name] = t[(t >= lo) & (t < hi)]
-    return Joined(ds.comm.rank, ds.comm.world, specs, got, out_touched)
+            size = torch.empty(0, dtype=parse_dtype(dtype)).element_size()
+            for src, r, n, _c, w in held:
+                a, b = max(lo, r), min(hi, r + n)
+                if a < b:
+                    expect[src] += (b - a) * w * size
+        # the sender walks its own tables in its order; the receiver in the agreed order:
+        # both must be the agreed order
+        order = list(specs)
+        if list(mine) != [n for n in order if n in mine]:
+            buf, sizes = _send_buffer({n: mine[n] for n in order if n in mine}, ds.comm.world)
+        got = [torch.empty(0, dtype=torch.uint8)] * ds.comm.world
+        if specs:  # every rank sees the same specs: all skip the round, or none
+            got = ds.comm.exchange(buf, sizes, expect, f"{what}: rows")
+        out_touched: Any = touched
+        if isinstance(touched, Mapping):
+            out_touched = {k: v for k, v in touched.items() if k not in specs}
+            for name, ids in joined_touched.items():
+                if ids is None:
+                    continue
+                lo, hi = lo_hi[name]
+                t = torch.unique(torch.tensor(ids, dtype=torch.int64))
+                out_touched[name] = t[(t >= lo) & (t < hi)]
+        return Joined(ds.comm.rank, ds.comm.world, specs, got, out_touched)
 
 
 def whole(name: str, rows: int, cols: int, pcs: list[Piece]) -> torch.Tensor:
@@ -269,10 +294,34 @@ def _replace(value: Any, path: str, new: Mapping[str, Any], depth: int = 0) -> A
     return value
 
 
-def join_state(ds: Any, state: Any, touched: Any, what: str) -> tuple[Any, Any, Any]:
-    """(state with its column-sharded leaves as Shards of whole rows, touched as the put
-    takes it, the callable to run once the put returned). Collective; a tracker in
-    ``touched`` is read first, against the pieces as TorchRec gave them."""
+class StateOffer:
+    """put_state's side of the column join before its round (``offer_state``): ``error``
+    and ``info`` ride the structure round; ``finish`` does the rest."""
+
+    def __init__(self, offer: Offer, done: Callable[[], None]):
+        self.offer, self.done = offer, done
+        self.error, self.info = offer.error, offer.info
+
+    def finish(self, every: list[dict], state: Any, what: str) -> tuple[Any, Any, Any]:
+        """(state with its column-sharded leaves as Shards of whole rows, touched as the
+        put takes it, the callable to run once the put returned), given every rank's
+        ``info``; ``state`` is the one the round made uniform."""
+        joined = self.offer.joined(every, what)
+        if not joined.specs:
+            return state, joined.touched, self.done
+        err, shards = None, {}
+        try:
+            shards = joined.shards()
+        except BaseException as exc:
+            err = exc
+        self.offer.ds.comm.agree(err, f"{what}: assemble", None)
+        return _replace(state, "", shards), joined.touched, self.done
+
+
+def offer_state(ds: Any, state: Any, touched: Any) -> StateOffer:
+    """This rank's column pieces of ``state``, offered for a join whose round another
+    carries; never raises (the error rides the round). A tracker in ``touched`` is read
+    here, against the pieces as TorchRec gave them."""
     from cnrstore.distributed.torchrec import resolve_touched
 
     err: BaseException | None = None
@@ -286,13 +335,13 @@ def join_state(ds: Any, state: Any, touched: Any, what: str) -> tuple[Any, Any, 
         _walk(state, "", leaves)
     except BaseException as exc:
         err = exc
-    joined = join(ds, leaves, touched, what, error=err)
-    if not joined.specs:
-        return state, touched, done
-    err, shards = None, {}
-    try:
-        shards = joined.shards()
-    except BaseException as exc:
-        err = exc
-    ds.comm.agree(err, f"{what}: assemble", None)
-    return _replace(state, "", shards), joined.touched, done
+    return StateOffer(_offer(ds, leaves, touched, err), done)
+
+
+def join_state(ds: Any, state: Any, touched: Any, what: str) -> tuple[Any, Any, Any]:
+    """(state with its column-sharded leaves as Shards of whole rows, touched as the put
+    takes it, the callable to run once the put returned). Collective, a round of its own
+    (put_state carries it on its structure round: ``offer_state``)."""
+    offer = offer_state(ds, state, touched)
+    every = ds.comm.agree(offer.error, what, offer.info)
+    return offer.finish(every, state, what)

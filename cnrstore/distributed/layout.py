@@ -24,7 +24,8 @@ from cnrstore.core.validate import check_name, check_table
 from cnrstore.distributed.shard import Shard
 from cnrstore.errors import InvalidInput, InvalidType
 
-__all__ = ["LocalTable", "GlobalTable", "local_tables", "global_tables", "Run", "runs"]
+__all__ = ["LocalTable", "GlobalTable", "local_tables", "global_tables", "Run", "runs",
+           "sends", "moves", "moved_ids"]
 
 
 @dataclass
@@ -184,7 +185,9 @@ class Run:
 
 def runs(table: GlobalTable, block_rows: int) -> list[Run]:
     """The block runs of ``table``, ascending; block b belongs to the rank holding row
-    b*block_rows."""
+    b*block_rows. A run's last block that holds another rank's rows too is a run of its
+    own: the rest of the run is then a view of the owner's piece, and only that block is
+    assembled (a copy) from its parts."""
     out: list[Run] = []
     for rank, lo, hi in table.pieces:
         b0, b1 = -(-lo // block_rows), -(-hi // block_rows)
@@ -194,7 +197,16 @@ def runs(table: GlobalTable, block_rows: int) -> list[Run]:
             b0 = out.pop().b0
         out.append(Run(table.name, rank, b0, b1, b0 * block_rows,
                        min(b1 * block_rows, table.rows)))
-    return out
+    split: list[Run] = []
+    for run in out:
+        cut = (run.b1 - 1) * block_rows
+        if run.b1 - run.b0 > 1 and not any(
+                r == run.rank and lo <= cut and run.hi <= hi for r, lo, hi in table.pieces):
+            split += [Run(table.name, run.rank, run.b0, run.b1 - 1, run.lo, cut),
+                      Run(table.name, run.rank, run.b1 - 1, run.b1, cut, run.hi)]
+        else:
+            split.append(run)
+    return split
 
 
 def sends(local: LocalTable, table: GlobalTable, block_rows: int, me: int
@@ -220,6 +232,37 @@ def sends(local: LocalTable, table: GlobalTable, block_rows: int, me: int
         if run.rank == me:
             mine.append((run, parts))
     return out, mine
+
+
+def moves(spec: tuple, table: GlobalTable, block_rows: int, me: int
+          ) -> list[tuple[int, int, int]]:
+    """The rows ``sends`` sends, from rank ``me``'s ``LocalTable.spec``: (dest rank, first
+    row, rows), in the same order (every rank works them out for every rank)."""
+    if spec[0]:
+        return []  # a plain table lives on its owner, who owns all of its blocks
+    out = []
+    for run in runs(table, block_rows):
+        if run.rank == me:
+            continue
+        for lo, hi in spec[4]:
+            a, z = max(lo, run.lo), min(hi, run.hi)
+            if a < z:
+                out.append((run.rank, a, z - a))
+    return out
+
+
+def moved_ids(local: LocalTable, ids: torch.Tensor, block_rows: int) -> torch.Tensor:
+    """The ``ids`` (global rows) that ``sends`` moves to another rank, known before the
+    ranks' specs are: the rows of a piece's leading block whose first row no piece of
+    this rank holds (shards do not overlap, so another rank holds it and owns the block;
+    ``global_tables`` raises on every rank where they do overlap or leave a gap)."""
+    held = [(lo, lo + int(t.shape[0])) for lo, t in local.pieces]
+    keep = torch.zeros(ids.shape, dtype=torch.bool)
+    for lo, hi in held:
+        first = lo // block_rows * block_rows
+        if first < lo and not any(a <= first < b for a, b in held):
+            keep |= (ids >= lo) & (ids < min(hi, first + block_rows))
+    return ids[keep]
 
 
 # Each message starts on this boundary in a send buffer, so that its bytes view as any

@@ -36,7 +36,7 @@ from cnrstore.distributed.shard import Shard
 from cnrstore.errors import InvalidInput, InvalidType
 
 __all__ = ["shard_leaf", "fill_leaf", "is_sharded_leaf", "is_column_leaf", "pieces",
-           "row_spans", "uniform"]
+           "row_spans", "skeleton", "uniform"]
 
 
 def _types() -> tuple[Any, Any]:
@@ -280,6 +280,12 @@ def _describe(value) -> tuple:
     if isinstance(value, torch.Tensor):
         return ("T", tuple(value.shape), str(value.dtype))
     return ("P",)
+
+
+def skeleton(state) -> list:
+    """What ``uniform`` all-gathers of ``state``: [(path, kind), ...] of every dict and
+    leaf in order (a caller may carry it on a round of its own)."""
+    return _skeleton(state)
 
 
 def _skeleton(value, path: tuple = ()) -> list:

@@ -20,8 +20,9 @@ import msgpack
 import torch
 
 from cnrstore.core.progress import check_progress
-from cnrstore.core.put import Request, Work, check_new_step, forget_failed
+from cnrstore.core.put import RankStructure, Request, Work, check_new_step, forget_failed
 from cnrstore.core.seed import seed_blocks
+from cnrstore.core.state import merge_structures
 from cnrstore.core.tablestate import TableState
 from cnrstore.core.validate import (
     check_step,
@@ -63,7 +64,12 @@ class RowGrid:
         R = opt.rows
         err: BaseException | None = None
         mine = None
+        structure = state if isinstance(state, RankStructure) else None
+        # Before the round: the bases this rank still trusts are part of what it sends.
+        forget_failed(ds)
         try:
+            if structure is not None and structure.error is not None:
+                raise structure.error  # put_state's flatten failed on this rank
             check_step(step)
             check_progress(progress)
             local = layout.local_tables(tables, ds.shard_leaf)
@@ -76,25 +82,44 @@ class RowGrid:
                 check_writable(ds.local.objects, "put_tables")
                 check_new_step(ds.local.objects, ds.pending, step)
             args = msgpack.packb([step, repr(_quant_key(quant)), meta_doc], use_bin_type=True)
-            mine = ({n: t.spec() for n, t in local.items()}, args, sorted(rows_touched))
+            # What the ranks need to know of the rows that move (which rows go where, and
+            # which of them changed) and of the runs to seed is known here, so it rides
+            # this round: a block is owned by the rank holding its first row and shards
+            # do not overlap, so the rows a rank moves are those of its pieces' leading
+            # blocks whose first row it does not hold (``layout.moved``).
+            moved = {n: layout.moved_ids(lt, rows_touched[n], R) for n, lt in local.items()
+                     if n in rows_touched and not lt.plain}
+            have = sorted(k for k in ds.states if isinstance(k, tuple)) \
+                if opt.seed_from_store else []
+            mine = ({n: t.spec() for n, t in local.items()}, args, sorted(rows_touched),
+                    None if structure is None else structure.doc, moved, have)
         except BaseException as exc:
             err = exc
         got = comm.agree(err, "put_tables: check", mine)
         if len({g[1] for g in got}) > 1:
             raise InvalidInput("put_tables: the ranks passed different steps, quant or "
                                "metadata; every rank must pass the same")
+        # The structure stored names every rank's leaves (statestore.put_state): merged
+        # here, the same on every rank, or the same error on every rank.
+        merged = None if structure is None else merge_structures([g[3] for g in got])
         gtables = layout.global_tables([g[0] for g in got])
         schemes = resolve_quant(quant, {n: t.meta() for n, t in gtables.items()},
                                 expected_restores=opt.expected_restores)
         gave_touched = [set(g[2]) for g in got]
-        forget_failed(ds)
+        # Every rank's messages and runs to seed, worked out alike on every rank from what
+        # the round carried: no round of their own.
+        announced = [_announced(g, r, gtables, R, opt.seed_from_store)
+                     for r, g in enumerate(got)]
 
-        # Rows of blocks owned by another rank move to it (shards need not align). The
-        # agreed round says which rows go where; the rows themselves go point to point.
-        err, outgoing, runs, needs = None, [], [], []
+        # Rows of blocks owned by another rank move to it (shards need not align), point to
+        # point. A rank that fails from here on still sends (zeros) what was announced and
+        # raises its error in the width round (``Request.error``), so every rank does.
+        lerr: BaseException | None = None
+        runs: list = []
         rows_to: list[list[torch.Tensor]] = [[] for _ in range(comm.world)]
         buf: torch.Tensor | None = None
-        sizes: list[int] = []
+        sizes = [sum(layout.message_nbytes(gtables[m[1]], m[3]) for m in announced[comm.rank][0]
+                     if m[0] == d) for d in range(comm.world)]
         try:
             for name, gt in gtables.items():
                 lt = local.get(name)
@@ -102,21 +127,23 @@ class RowGrid:
                     continue
                 snd, own = layout.sends(lt, gt, R, comm.rank)
                 tt = rows_touched.get(name)
-                for dest, a, t in snd:
-                    ids = None if tt is None else tt[(tt >= a) & (tt < a + t.shape[0])]
-                    outgoing.append((dest, name, a, int(t.shape[0]), ids))
+                for dest, _a, t in snd:
                     rows_to[dest].append(t)
                 for run, parts in own:
                     ids = None if tt is None else tt[(tt >= run.lo) & (tt < run.hi)]
                     runs.append((run, parts, [ids]))
-                    if opt.seed_from_store and (name, run.b0) not in ds.states:
-                        needs.append((name, run.b0, run.b1))
-            buf, sizes = layout.pack(rows_to)
+            buf, packed = layout.pack(rows_to)
+            if packed != sizes:
+                raise AssertionError(f"put_tables: rows packed {packed}, announced {sizes} "
+                                     "(a bug: report it)")
         except BaseException as exc:
-            err = exc
+            lerr, runs = exc, []
+            buf = torch.zeros(sum(sizes), dtype=torch.uint8)
         del rows_to
-        got = comm.agree(err, "put_tables: rows", (outgoing, needs))
-        _receive(comm, got, buf, sizes, gtables, runs)
+        try:
+            _receive(comm, announced, buf, sizes, gtables, runs)
+        except BaseException as exc:
+            lerr, runs = lerr or exc, []
         del buf
         works = []
         for run, parts, tl in runs:
@@ -131,7 +158,7 @@ class RowGrid:
                 (run.hi - run.lo) * layout.width(gt.row_shape) * gt.torch_dtype.itemsize,
                 None, _assembler(run, parts, gt), tids))
         return Request(works, schemes, meta_doc, gtables, t0,
-                       extra=[g[1] for g in got])
+                       extra=[n for _, n in announced], state=merged, error=lerr)
 
     def bases(self, ds: DistributedStore, req: Request) -> dict[Any, TableState | None]:
         seeded = _seed(ds, req.extra, req.tables, req.schemes)
@@ -141,15 +168,37 @@ class RowGrid:
         return {w.key: ds.states.get(w.key) or seeded.get(w.key) for w in req.works}
 
 
-def _receive(comm: Any, got: list, buf: torch.Tensor | None, sizes: list[int],
+def _announced(got: tuple, rank: int, gtables: dict, R: int, seed: bool
+               ) -> tuple[list, list]:
+    """(the rows rank ``rank`` sends: (dest, table, first row, rows, touched ids or
+    None), in the order it packs them; the runs it seeds: (table, b0, b1)), from what it
+    gave in the check round ``got``."""
+    specs, have = got[0], {tuple(k) for k in got[5]}
+    msgs: list = []
+    needs: list = []
+    for name, gt in gtables.items():
+        spec = specs.get(name)
+        if spec is None:
+            continue
+        moved = got[4].get(name)
+        for dest, a, n in layout.moves(spec, gt, R, rank):
+            ids = None if moved is None else moved[(moved >= a) & (moved < a + n)]
+            msgs.append((dest, name, a, n, ids))
+        if seed:
+            needs += [(name, run.b0, run.b1) for run in layout.runs(gt, R)
+                      if run.rank == rank and (name, run.b0) not in have]
+    return msgs, needs
+
+
+def _receive(comm: Any, got: list, buf: torch.Tensor, sizes: list[int],
              gtables: dict, runs: list) -> None:
-    """Exchange the boundary rows that the agreed ``got`` announces and add those sent to
-    this rank to its runs (a view of the receive buffer each; ``assemble`` copies them)."""
+    """Exchange the boundary rows that ``got`` (every rank's ``_announced``) announces and
+    add those sent to this rank to its runs (a view of the receive buffer each;
+    ``assemble`` copies them)."""
     if not any(msgs for msgs, _ in got):
         return  # every rank sees the same: none enters the exchange
     mine = [[m for m in msgs if m[0] == comm.rank] for msgs, _ in got]
     expect = [sum(layout.message_nbytes(gtables[m[1]], m[3]) for m in ms) for ms in mine]
-    assert buf is not None  # the agreed round raised otherwise
     received = comm.exchange(buf, sizes, expect, "put_tables: rows")
     for ms, data in zip(mine, received):
         for _, name, a, nrows, ids in ms:

@@ -13,7 +13,7 @@ import torch
 
 from cnrstore.core.get import Located, get, out_bytes, read_rows
 from cnrstore.core.progress import Reporter, check_progress
-from cnrstore.core.put import put
+from cnrstore.core.put import RankStructure, put
 from cnrstore.core.restore import read_rows_into, read_table, read_tables
 from cnrstore.core.state import (
     MAX_DEPTH,
@@ -22,7 +22,6 @@ from cnrstore.core.state import (
     fill,
     flatten,
     lazy_tables,
-    merge_structures,
     stored_leaf,
     unflatten,
 )
@@ -83,59 +82,63 @@ def _sharded(state: Any, shard_leaf: Any) -> tuple[Any, dict[str, Any]]:
     return walk(state, ""), found
 
 
-def _uniform(ds: DistributedStore, state: Any, what: str) -> Any:
-    """One nesting on every rank: TorchRec's state names a table's optimizer state only
-    where a rank holds its rows (cnrstore.distributed.leaves.uniform)."""
-    from cnrstore.distributed.leaves import uniform
+def _uniform(ds: DistributedStore, state: Any, what: str, error: BaseException | None = None,
+             extra: Any = None) -> tuple[Any, list]:
+    """(``state`` with one nesting on every rank, every rank's ``extra``), in one round:
+    TorchRec's state names a table's optimizer state only where a rank holds its rows
+    (cnrstore.distributed.leaves.uniform). ``error`` and ``extra`` are this rank's facts
+    of the call that ride the same round (put_state's column join)."""
+    from cnrstore.distributed.leaves import skeleton, uniform
 
-    # Every rank enters the same rounds: whether states are mappings is agreed first.
-    kinds = ds.comm.agree(None, what, isinstance(state, Mapping))
+    # Every rank enters the one round, whether its state is a mapping or its skeleton
+    # failed: the kinds, the skeletons and the errors are all-gathered together.
+    is_map = isinstance(state, Mapping)
+    skel = None
+    try:
+        if is_map:
+            skel = skeleton(state)
+    except BaseException as exc:
+        error = error or exc
+    got = ds.comm.agree(error, what, (is_map, skel, extra))
+    kinds = [g[0] for g in got]
+    extras = [g[2] for g in got]
     if not any(kinds):
-        return state
+        return state, extras
     if not all(kinds):
         raise InvalidType(f"{what}: the state is a mapping on ranks "
                           f"{[r for r, k in enumerate(kinds) if k]} only")
-    entered: list[bool] = []
-
-    def gather(mine: Any) -> list:
-        entered.append(True)
-        return ds.comm.agree(None, what, mine)
-
-    try:
-        return uniform(state, gather=gather)
-    except BaseException as exc:
-        if not entered:  # failed before the round: enter it with the error, so every
-            ds.comm.agree(exc, what, None)  # rank raises it (this one included)
-        raise
+    return uniform(state, gather=lambda _mine: [g[1] for g in got]), extras
 
 
 def put_state(ds: DistributedStore, step: Any, state: Any, *, quant: Any, metadata: Any,
               blocking: bool, touched: Any, progress: Any = None) -> Any:
-    state = _uniform(ds, state, "put_state: structure")
     # Column pieces become whole rows, and a tracker's touched rows with them
-    # (cnrstore/distributed/columns.py; touched= may be TorchRec's ModelDeltaTracker)
-    from cnrstore.distributed.columns import join_state
+    # (cnrstore/distributed/columns.py; touched= may be TorchRec's ModelDeltaTracker):
+    # what this rank holds of them rides the structure round.
+    from cnrstore.distributed.columns import offer_state
 
-    state, touched, done = join_state(ds, state, touched, "put_state: columns")
-    err = None
+    offer = offer_state(ds, state, touched)
+    state, every = _uniform(ds, state, "put_state: structure", offer.error, offer.info)
+    state, touched, done = offer.finish(every, state, "put_state: columns")
+    err, doc, tables = None, None, {}
     try:  # local checks: a rank that fails here must still enter the put's rounds
         plain, sharded = _sharded(state, ds.shard_leaf)
         flat = flatten(plain)
         tables = dict(flat.tables)
         tables.update(sharded)
+        doc = flat.doc
         if quant is None:
             quant = "exact"
         elif isinstance(quant, str) and quant != "exact":
             quant = {"*": quant}
     except BaseException as exc:
-        err = exc
+        err, tables = exc, {}
     # The structure stored names every rank's leaves, as DCP's metadata names every
     # rank's keys: a plain tensor or Python value only another rank gives (a table-wise
-    # table) is stored, so it must be in the structure that get_state rebuilds.
-    docs = ds.comm.agree(err, "put_state: flatten", None if err else flat.doc)
-    doc = merge_structures(docs)  # the same on every rank, or the same error on every rank
+    # table) is stored, so it must be in the structure that get_state rebuilds. Every
+    # rank's structure (or error) rides the put's check round (distributed/put.py).
     info = put(ds, step, tables, quant=quant, metadata=metadata, blocking=blocking,
-                    touched=touched, state=doc, progress=progress)
+               touched=touched, state=RankStructure(doc, err), progress=progress)
     done()
     return info
 
@@ -182,7 +185,7 @@ def get_state(ds: DistributedStore, step: Any, *, device: Any, names: Any = None
 
 def load_state(ds: DistributedStore, step: Any, state: Any, *, strict: bool,
                names: Any = None, progress: Any = None) -> Any:
-    state = _uniform(ds, state, "load_state: structure")
+    state, _ = _uniform(ds, state, "load_state: structure")
     step, sel, stored_doc, stored = _select(ds, step, names, "load_state: names")
     box: dict[str, Any] = {}
 

@@ -418,3 +418,54 @@ def load_state_reads(rank: int, world: int, path: str):
         s.load_state(3, state)
         ok = all(torch.equal(state[n].local, full[n][lo:hi]) for n in ("emb", "acc"))
         return counts, ok and torch.equal(state["bias"], full["bias"])
+
+
+def put_state_rounds(rank: int, world: int, path: str) -> list:
+    """Rounds of the calling thread's group (``comm``; the writer has its own) in a
+    non-blocking put_state of row-sharded leaves whose boundary blocks hold both ranks'
+    rows (uneven cut), a plain tensor and a Python value; the second put diffs against
+    the first's bases with touched rows. (rounds of each put, steps stored, restored)."""
+    out = []
+    t = {n: _table(i) for i, n in enumerate(("emb", "acc"))}
+    with _open(path) as s:
+        for step in (1, 2):
+            for n in t:
+                t[n][step::9] += 1.0
+            state = {"model": {n: _mine(t[n].clone(), rank, world) for n in t},
+                     "bias": torch.arange(7.0) + step, "epoch": step}
+            mine = _mine(t["emb"], rank, world)
+            ids = torch.arange(step, 200, 9)
+            ids = ids[(ids >= mine.row_offset) & (ids < mine.row_offset + mine.local.shape[0])]
+            touched = {f"model/{n}": ids for n in t}
+            r0 = s.comm.rounds
+            fut = s.put_state(step, state, blocking=False,
+                              touched=touched if step > 1 else None)
+            out.append(s.comm.rounds - r0)
+            fut.result()
+        back = s.get_state(2)
+        ok = all(torch.equal(back["model"][n], t[n]) for n in t) and back["epoch"] == 2
+        return [out, s.steps(), ok]
+
+
+def late_failure(rank: int, world: int, path: str):
+    """Rank 1 fails after the put's check round, packing the boundary rows it moves (no
+    round of its own follows): every rank must raise its error, in the width round, and
+    the next put works. (error, steps)."""
+    from cnrstore.distributed import layout
+
+    with _open(path) as s:
+        s.put_tables(1, {"t": _mine(_table(1), rank, world)})
+        pack = layout.pack
+        if rank == 1:
+            def failing_pack(messages):
+                raise MemoryError("no memory for the send buffer (test)")
+            layout.pack = failing_pack
+        err = None
+        try:
+            s.put_tables(2, {"t": _mine(_table(2), rank, world)}, blocking=False).result()
+        except Exception as exc:  # noqa: BLE001 - compared by the test
+            err = (type(exc).__name__, str(exc))
+        finally:
+            layout.pack = pack
+        s.put_tables(3, {"t": _mine(_table(3), rank, world)})
+        return err, s.steps()

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from dist_util import BLOCK_ROWS, FANOUT, Failed, run, survivors
-from dist_workers import _table, bad_input, failing, hung, killed
+from dist_workers import _table, bad_input, failing, hung, killed, late_failure
 
 import cnrstore
 from engine.packs.pack import list_pack_files
@@ -33,6 +33,18 @@ def test_bad_input_on_one_rank_fails_the_put_everywhere(tmp_path, how, error):
         assert steps == [1] and after == [1, 3]
         assert tables == want
     assert res[0][0] == res[1][0]  # the same error on every rank
+
+
+def test_a_rank_failing_after_the_last_agreed_round_fails_the_put_everywhere(tmp_path):
+    # The rows a rank moves are announced in the check round; a rank that fails packing
+    # them still sends what it announced and raises in the width round, as every rank does.
+    res = run(2, late_failure, str(tmp_path / "s"))
+    for got in res:
+        assert not isinstance(got, Failed), got.trace
+    assert res[0] == res[1], res
+    (kind, text), steps = res[0]
+    assert kind == "CheckpointError" and text.startswith("rank 1: MemoryError"), text
+    assert steps == [1, 3]
 
 
 POINTS = [  # (victim, point, step committed)

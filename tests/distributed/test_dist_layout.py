@@ -111,3 +111,51 @@ def test_a_replicated_table_must_be_the_same_on_every_rank_that_gives_it():
     assert same["d"].pieces == ((0, 0, 10),)
     with pytest.raises(InvalidInput, match="'e'"):  # bits, not float equality: -0.0 != 0.0
         layout.global_tables(_specs({"e": torch.zeros(2)}, {"e": -torch.zeros(2)}))
+
+
+def test_a_run_is_a_view_of_its_shard_and_only_a_mixed_last_block_is_copied():
+    # Rank 0's rows 0..77 of 200 at 32 rows a block: its blocks 0-2, block 2 ending in rank
+    # 1's rows 77..96. The whole run was assembled into a copy (issue 26: ~30 MB a rank at
+    # the bench's size); now blocks 0-1 are a view and only block 2 is copied.
+    full = torch.randn(200, 4)
+    a = {"t": Shard(full[:77], row_offset=0, rows=200)}
+    b = {"t": Shard(full[77:], row_offset=77, rows=200)}
+    gt = layout.global_tables(_specs(a, b))["t"]
+    assert [(r.rank, r.b0, r.b1, r.lo, r.hi) for r in layout.runs(gt, 32)] == [
+        (0, 0, 2, 0, 64), (0, 2, 3, 64, 96), (1, 3, 7, 96, 200)]
+    out, own = layout.sends(layout.local_tables(a)["t"], gt, 32, 0)
+    assert out == []
+    (r1, p1), (r2, p2) = own
+    view = layout.assemble(r1, p1, gt.row_shape, gt.torch_dtype)
+    assert view.data_ptr() == full.data_ptr() and torch.equal(view, full[:64])
+    out1, own1 = layout.sends(layout.local_tables(b)["t"], gt, 32, 1)
+    assert [(d, s, tuple(t.shape)) for d, s, t in out1] == [(0, 77, (19, 4))]
+    p2.append((77, out1[0][2]))
+    assert torch.equal(layout.assemble(r2, p2, gt.row_shape, gt.torch_dtype), full[64:96])
+
+
+@settings(max_examples=80, deadline=None)
+@given(cuts=st.lists(st.integers(0, 120), min_size=1, max_size=5), rows=st.integers(1, 120),
+       block=st.sampled_from([1, 7, 16, 32]))
+def test_every_rank_works_out_the_rows_each_rank_moves(cuts, rows, block):
+    # The check round carries each rank's spec and the touched ids of the rows it moves
+    # (moved_ids, known before the specs); every rank then works out every rank's messages
+    # (moves): they must be those that rank's sends makes.
+    bounds = sorted({0, rows, *[min(c, rows) for c in cuts]})
+    pieces = list(zip(bounds, bounds[1:]))
+    world = 3
+    ranks = [{} for _ in range(world)]
+    full = torch.randn(rows, 2)
+    for i, (lo, hi) in enumerate(pieces):
+        ranks[i % world].setdefault("t", []).append(Shard(full[lo:hi], row_offset=lo, rows=rows))
+    given_by = [r for r in range(world) if ranks[r]]
+    locs = [layout.local_tables(ranks[r])["t"] for r in given_by]
+    gt = layout.global_tables([{"t": lt.spec()} for lt in locs])["t"]
+    ids = torch.arange(rows)
+    for k, (r, lt) in enumerate(zip(given_by, locs)):
+        snd, _ = layout.sends(lt, gt, block, k)
+        assert layout.moves(lt.spec(), gt, block, k) == [
+            (d, a, int(t.shape[0])) for d, a, t in snd]
+        sent = [i for _, a, t in snd for i in range(a, a + int(t.shape[0]))]
+        held = [i for lo, t in lt.pieces for i in range(lo, lo + int(t.shape[0]))]
+        assert layout.moved_ids(lt, ids[held], block).tolist() == sorted(sent), r
