@@ -46,7 +46,7 @@ class Options:
     - ``max_chain`` (64): most patches above a full block; each block's own cap lies in
       [max_chain/2, max_chain] (core/chainpolicy.py), so blocks are not rewritten at once.
     - ``max_inflight`` (2): non-blocking puts that may wait or run before a put blocks.
-    - ``decode_threads``: threads decoding blocks on restore (None: CPU count, >= 4, <= 8).
+    - ``decode_threads``: threads decoding blocks on restore (None: CPU count, <= 8).
     - ``expected_restores`` (1): what ``quant="auto"`` bases its choice on.
     - ``seed_from_store`` (True): a table's first put in this handle diffs against the
       newest stored step holding it (same geometry), so it is incremental, not full.
@@ -137,9 +137,6 @@ def read_stored(objects: ObjectStore) -> dict[str, int] | None:
     return stored  # type: ignore[return-value]
 
 
-MIN_DECODE_THREADS = 4
-
-
 def resolve_stored(objects: ObjectStore, options: Options) -> Options:
     """``options`` with the data-describing values the store holds filled in (defaults for
     a store that holds none); OptionsMismatch when a given value differs from the stored
@@ -160,10 +157,7 @@ def resolve_stored(objects: ObjectStore, options: Options) -> Options:
                 f"{name}={given} was given, but the store was written with {name}={have}; "
                 f"leave {name} out to use the store's")
         resolved[name] = given or have or _DEFAULT_GEOMETRY[name]
-    # At least MIN_DECODE_THREADS: a cold read waits on the disk, not the CPU, and a
-    # rank's cold sharded load with one window in flight per core of this 2-core VM left
-    # the disk idle between a thread's reads (docs/design/dcp-speed.md, "Read threads").
-    threads = options.decode_threads or min(8, max(MIN_DECODE_THREADS, os.cpu_count() or 1))
+    threads = options.decode_threads or min(8, os.cpu_count() or 1)
     return dataclasses.replace(options, decode_threads=threads,
                                block_rows=resolved["block_rows"], fanout=resolved["fanout"])
 

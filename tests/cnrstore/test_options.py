@@ -156,15 +156,3 @@ def test_two_processes_racing_the_first_put_store_the_options_once(tmp_path):
     with cnrstore.open(path) as s:
         assert (s.options.block_rows, s.options.fanout) == (8, 4)
         assert s.steps() == [1] and s.verify().ok
-
-
-@pytest.mark.parametrize("cpus, threads", [(None, 4), (1, 4), (2, 4), (6, 6), (32, 8)])
-def test_decode_threads_default_keeps_reads_in_flight_on_few_cores(monkeypatch, cpus, threads):
-    # A cold read waits on the disk: 2 threads on a 2-core VM left it idle between a
-    # thread's reads (docs/design/dcp-speed.md, "Read threads"); a given value is kept.
-    import os
-    monkeypatch.setattr(os, "cpu_count", lambda: cpus)
-    with cnrstore.CheckpointStore(engine.MemoryStore()) as s:
-        assert s.options.decode_threads == threads
-    with cnrstore.CheckpointStore(engine.MemoryStore(), decode_threads=2) as s:
-        assert s.options.decode_threads == 2
