@@ -65,6 +65,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--overhead-systems", default="none,cnr,dcp_async,tracker,cnr_fp",
                    help="comma-separated subset of the overhead runs ('none' is needed)")
     p.add_argument("--profile", default=None, help="directory: each rank's cProfile of "
+                   "its later puts' stall / "
                    "its timed restore / training loop (.prof and a .txt of the top)")
     p.add_argument("--out", required=True)
     p.add_argument("--overhead-steps", type=int, default=200,
@@ -130,6 +131,12 @@ def _save(rank: int, world: int, a, root: str, system: str) -> list:
     data = d.batches(0, 0, _hash(a))
     store = cnrstore.open(where, group=dist.group.WORLD) if system.startswith("cnr") else None
     out = []
+    # the later puts' stall only (the caller's thread up to the Future), summed over them
+    prof = None
+    if a.profile and store is not None and a.checkpoints > 1:
+        import cProfile
+
+        prof = cProfile.Profile()
     for k in range(a.checkpoints):
         for _ in range(a.train if k else 1):
             loss, _ = dmp(d.local_part(next(data), rank, world))
@@ -138,8 +145,12 @@ def _save(rank: int, world: int, a, root: str, system: str) -> list:
         dist.barrier()
         t0 = time.perf_counter()
         if store is not None:
+            if prof is not None and k:
+                prof.enable()
             fut = store.put_state(k, _state(dmp), blocking=False, touched=trk)
             stall = time.perf_counter() - t0
+            if prof is not None and k:
+                prof.disable()
             fut.result()
         else:
             import torch.distributed.checkpoint as dcp
@@ -159,6 +170,14 @@ def _save(rank: int, world: int, a, root: str, system: str) -> list:
                         "bytes": disk_bytes(where) - before})
     if store is not None:
         store.close()
+    if prof is not None:
+        import pstats
+
+        os.makedirs(a.profile, exist_ok=True)
+        path = os.path.join(a.profile, f"stall_{system}_{rank}")
+        prof.dump_stats(path + ".prof")
+        with open(path + ".txt", "w") as f:
+            pstats.Stats(prof, stream=f).sort_stats("cumulative").print_stats(60)
     return out
 
 

@@ -109,7 +109,7 @@ def pieces(x, *, for_fill: bool = False) -> list[Piece] | None:
         return [(x.local, x.row_offset, 0)]
     st_cls, dt_cls = _types()
     if st_cls is not None and isinstance(x, st_cls):
-        gshape = _global_shape(x)
+        gshape = global_shape(x)
         for md in x.metadata().shards_metadata:  # every shard: each rank judges alike
             _check_piece("ShardedTensor", md.shard_offsets, md.shard_sizes, gshape)
         out = []
@@ -141,14 +141,14 @@ def is_column_leaf(x) -> bool:
     column pieces: part of every row they hold."""
     st_cls, _ = _types()
     if st_cls is not None and isinstance(x, st_cls):
-        gshape = _global_shape(x)
+        gshape = global_shape(x)
         return len(gshape) > 1 and any(
             _partial(int(md.shard_sizes[1]), int(md.shard_offsets[1]), gshape)
             for md in x.metadata().shards_metadata)
     got = pieces(x) if is_sharded_leaf(x) else None
     if not got:
         return False
-    gshape = _global_shape(x)
+    gshape = global_shape(x)
     return len(gshape) > 1 and any(_partial(int(t.shape[1]), c, gshape) for t, _, c in got)
 
 
@@ -184,14 +184,14 @@ def row_spans(x) -> list[tuple[int, int]]:
     return sorted({(r, int(t.shape[0])) for t, r, _ in got if t.shape[0]})
 
 
-def _dtype(x) -> torch.dtype:
+def leaf_dtype(x) -> torch.dtype:
     md = getattr(x, "metadata", None)  # ShardedTensor.dtype warns that it is deprecated
     if callable(md) and not hasattr(x, "placements"):
         return md().tensor_properties.dtype
     return x.dtype
 
 
-def _global_shape(x) -> tuple[int, ...]:
+def global_shape(x) -> tuple[int, ...]:
     if isinstance(x, Shard):
         return (x.rows, *map(int, x.local.shape[1:]))
     md = getattr(x, "metadata", None)  # ShardedTensor.size() warns that it is deprecated
@@ -208,7 +208,7 @@ def shard_leaf(x) -> list[Shard] | None:
     got = pieces(x, for_fill=False)
     if got is None:
         return None
-    gshape = _global_shape(x)
+    gshape = global_shape(x)
     if len(gshape) == 0:
         raise InvalidInput("a sharded tensor of ndim 0 has no rows")
     if is_column_leaf(x):
@@ -223,7 +223,7 @@ def shard_leaf(x) -> list[Shard] | None:
     shards = sorted((Shard(t.detach(), row_offset=off, rows=rows)
                      for t, off, _ in got if t.shape[0] > 0), key=lambda s: s.row_offset)
     if not shards:  # name the table on every rank, with its dtype and trailing shape
-        empty = torch.empty((0, *gshape[1:]), dtype=_dtype(x))
+        empty = torch.empty((0, *gshape[1:]), dtype=leaf_dtype(x))
         shards = [Shard(empty, row_offset=0, rows=rows)]
     return shards
 
@@ -240,7 +240,7 @@ def fill_leaf(x, read: Callable[[int, int], torch.Tensor]) -> None:
         got = [(x, 0, 0)] if x.ndim > 0 else [(x.reshape(1), 0, 0)]
         gshape: tuple = tuple(got[0][0].shape)
     else:
-        gshape = _global_shape(x)
+        gshape = global_shape(x)
     todo = [(t, off, col) for t, off, col in got if t.shape[0] > 0]
     data = []
     cache: dict[tuple[int, int], torch.Tensor] = {}
@@ -276,7 +276,7 @@ def _describe(value) -> tuple:
     if isinstance(value, Shard):
         return ("S", (value.rows, *map(int, value.local.shape[1:])), str(value.local.dtype))
     if is_sharded_leaf(value):
-        return ("S", _global_shape(value), str(_dtype(value)))
+        return ("S", global_shape(value), str(leaf_dtype(value)))
     if isinstance(value, torch.Tensor):
         return ("T", tuple(value.shape), str(value.dtype))
     return ("P",)

@@ -87,8 +87,10 @@ class RowGrid:
             # this round: a block is owned by the rank holding its first row and shards
             # do not overlap, so the rows a rank moves are those of its pieces' leading
             # blocks whose first row it does not hold (``layout.moved``).
-            moved = {n: layout.moved_ids(lt, rows_touched[n], R) for n, lt in local.items()
-                     if n in rows_touched and not lt.plain}
+            # As numpy arrays: a pickled tensor is unpickled through torch.load, ~1 ms
+            # each on every rank for every rank's tables (the tracker's rows, issue 26).
+            moved = {n: layout.moved_ids(lt, rows_touched[n], R).numpy()
+                     for n, lt in local.items() if n in rows_touched and not lt.plain}
             have = sorted(k for k in ds.states if isinstance(k, tuple)) \
                 if opt.seed_from_store else []
             mine = ({n: t.spec() for n, t in local.items()}, args, sorted(rows_touched),
@@ -182,7 +184,8 @@ def _announced(got: tuple, rank: int, gtables: dict, R: int, seed: bool
             continue
         moved = got[4].get(name)
         for dest, a, n in layout.moves(spec, gt, R, rank):
-            ids = None if moved is None else moved[(moved >= a) & (moved < a + n)]
+            ids = None if moved is None else torch.from_numpy(
+                moved[(moved >= a) & (moved < a + n)])
             msgs.append((dest, name, a, n, ids))
         if seed:
             needs += [(name, run.b0, run.b1) for run in layout.runs(gt, R)

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from cnrstore.distributed.leaves import is_sharded_leaf, row_spans, uniform
+from cnrstore.distributed.leaves import global_shape, is_sharded_leaf, row_spans, uniform
 from cnrstore.distributed.shard import Shard
 from cnrstore.errors import CheckpointError, InvalidInput, InvalidType
 
@@ -282,7 +282,8 @@ def touched_rows(tracker, state, *, consumer: str | None = None) -> dict[str, to
 
 
 def _rows_of(leaf) -> int:
-    return leaf.rows if isinstance(leaf, Shard) else int(leaf.shape[0])
+    # ShardedTensor's .shape dispatches through __torch_function__ and warns
+    return leaf.rows if isinstance(leaf, Shard) else global_shape(leaf)[0]
 
 
 def _follow(path: str, leaf, local: torch.Tensor, base) -> torch.Tensor:

@@ -469,3 +469,33 @@ def late_failure(rank: int, world: int, path: str):
             layout.pack = pack
         s.put_tables(3, {"t": _mine(_table(3), rank, world)})
         return err, s.steps()
+
+
+def check_round_payload(rank: int, world: int, path: str) -> list:
+    """Types in each rank's payload of a tracker-driven put's check round, whose boundary
+    blocks hold both ranks' rows (the rows moved and which of them changed ride it).
+    (types found, restored)."""
+    t = _table(0)
+    seen: set = set()
+    with _open(path) as s:
+        agree = s.comm.agree
+
+        def spy(error, what, payload=None):
+            if what == "put_tables: check":
+                def walk(v):
+                    seen.add(type(v).__module__.split(".")[0] + "." + type(v).__name__)
+                    for x in (v.values() if isinstance(v, dict) else
+                              v if isinstance(v, (list, tuple)) else ()):
+                        walk(x)
+                walk(payload)
+            return agree(error, what, payload)
+
+        s.comm.agree = spy
+        s.put_state(1, {"emb": _mine(t.clone(), rank, world)})
+        t[2::9] += 1.0
+        mine = _mine(t, rank, world)
+        ids = torch.arange(2, 200, 9)
+        ids = ids[(ids >= mine.row_offset) & (ids < mine.row_offset + mine.local.shape[0])]
+        s.put_state(2, {"emb": _mine(t.clone(), rank, world)}, blocking=False,
+                    touched={"emb": ids}).result()
+        return [sorted(seen), torch.equal(s.get_state(2)["emb"], t)]

@@ -102,3 +102,18 @@ def test_a_nonblocking_put_state_takes_few_rounds_on_the_calling_thread(tmp_path
         rounds, steps, ok = r
         assert steps == [1, 2] and ok
         assert rounds == [5, 4], rounds
+
+
+def test_the_check_round_carries_no_tensor(tmp_path):
+    """Every rank unpickles every rank's payload of the check round on the caller's
+    thread; a pickled tensor goes through torch.load (~1 ms each: a tracker-driven put at
+    4 ranks unpickled ~26 a checkpoint, issue 26). The changed rows that move to a
+    block's owner ride it as numpy arrays."""
+    from dist_workers import check_round_payload
+
+    for r in run(2, check_round_payload, str(tmp_path / "d")):
+        assert not isinstance(r, Failed), r.trace
+        types, ok = r
+        assert ok
+        assert "numpy.ndarray" in types, types  # the moved rows are there
+        assert not [t for t in types if t.startswith("torch.")], types

@@ -3,6 +3,8 @@ of all ranks tile each table with the right rows, and a fill lands in the leaf's
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import trspawn
@@ -18,6 +20,9 @@ TIMEOUT = 90
 def _sharded_tensor_worker(rank, world):
     from torch.distributed._shard.sharded_tensor import Shard as StShard
     from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    from cnrstore.distributed.statestore import _sharded
+    from cnrstore.distributed.torchrec import _rows_of
 
     def make(name, gshape, pieces):  # pieces: (row offset, rows, owner rank)
         g = table(name, gshape)
@@ -41,6 +46,15 @@ def _sharded_tensor_worker(rank, world):
         for s in st.local_shards():
             off = s.metadata.shard_offsets[0]
             torch.testing.assert_close(s.tensor, other[off:off + s.tensor.shape[0]])
+        # put_state's walk and the tracker's row count read a ShardedTensor's shape and
+        # dtype on the caller's thread at every checkpoint: not through its .shape/.dtype,
+        # which dispatch through __torch_function__ and warn (~1 ms a leaf, issue 26)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", FutureWarning)
+            plain, found = _sharded({"t": st}, shard_leaf)
+            assert _rows_of(st) == gshape[0]
+        assert tuple(plain["t"].shape) == gshape and plain["t"].dtype == other.dtype
+        assert found == {"t": st}
     cw = ShardedTensor._init_from_local_shards(
         [StShard.from_tensor_and_offsets(torch.zeros(4, 2), [0, 2 * rank], rank)], [4, 4])
     with pytest.raises(InvalidInput, match="columns"):
