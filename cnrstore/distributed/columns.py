@@ -8,8 +8,9 @@ piece holder sends it the columns it holds of those rows (one ``all_to_all`` of 
 for all the tables of a put), and the put then sees an ordinary row-sharded table,
 which it stores exactly as a row-wise plan of the same values.
 
-``join(ds, leaves, touched)`` is collective on a DistributedStore: one all-gather of what
-each rank holds (and of its touched rows), one exchange of the rows. Every rank returns,
+A join is collective on a DistributedStore: one all-gather of what each rank holds
+(and of its touched rows; put_state carries it on its structure round, ``offer_state``,
+a DCP save takes a round of its own, ``join_pieces``), one exchange of the rows. Every rank returns,
 or every rank raises the same error (a plan whose pieces do not tile a table names it);
 ``Joined.shards()`` then assembles this rank's rows locally.
 """
@@ -27,8 +28,8 @@ from cnrstore.distributed.leaves import Piece, is_column_leaf, pieces
 from cnrstore.distributed.shard import Shard
 from cnrstore.errors import InvalidInput
 
-__all__ = ["join", "join_pieces", "join_state", "offer_state", "Joined", "Offer", "StateOffer",
-           "column_leaves", "target_rows", "whole"]
+__all__ = ["join_pieces", "offer_state", "Joined", "Offer", "StateOffer", "column_leaves",
+           "target_rows", "whole"]
 
 
 def target_rows(rows: int, world: int, rank: int) -> tuple[int, int]:
@@ -144,19 +145,13 @@ def _send_buffer(mine: Mapping[str, tuple], world: int) -> tuple[torch.Tensor, l
     return buf, sizes
 
 
-def join(ds: Any, leaves: Mapping[str, Any], touched: Mapping | None, what: str, *,
-         error: BaseException | None = None) -> Joined:
-    """Collective: the column-sharded entries of ``leaves`` (name -> leaf, every rank the
-    same names after ``leaves.uniform``, or only the names it holds) joined into whole
-    rows. ``touched`` (name -> GLOBAL row ids of this rank's pieces) is joined too: each
-    rank gets the union over the piece holders of the rows in its range; a table some
-    holder gave no touched rows for is left out (its rows are found by fingerprints)."""
-    offer = _offer(ds, leaves, touched, error)
-    return offer.joined(ds.comm.agree(offer.error, what, offer.info), what)
-
-
 def _offer(ds: Any, leaves: Mapping[str, Any], touched: Mapping | None,
            error: BaseException | None) -> Offer:
+    """The offer of the column-sharded entries of ``leaves`` (name -> leaf, every rank the
+    same names after ``leaves.uniform``, or only the names it holds). ``touched`` (name ->
+    GLOBAL row ids of this rank's pieces) is joined too: each rank gets the union over the
+    piece holders of the rows in its range; a table some holder gave no touched rows for
+    is left out (its rows are found by fingerprints)."""
     mine: dict[str, tuple] = {}
     try:
         if error is not None:
@@ -170,8 +165,8 @@ def _offer(ds: Any, leaves: Mapping[str, Any], touched: Mapping | None,
 
 def join_pieces(ds: Any, mine: Mapping[str, tuple], touched: Mapping | None, what: str, *,
                 error: BaseException | None = None) -> Joined:
-    """``join`` of pieces already named: name -> (global shape, dtype name, [(local, row
-    offset, column offset)]) of this rank (a DCP save's chunks)."""
+    """A join, in a round of its own, of pieces already named: name -> (global shape,
+    dtype name, [(local, row offset, column offset)]) of this rank (a DCP save's chunks)."""
     offer = Offer(ds, mine, touched, error)
     return offer.joined(ds.comm.agree(offer.error, what, offer.info), what)
 
@@ -336,12 +331,3 @@ def offer_state(ds: Any, state: Any, touched: Any) -> StateOffer:
     except BaseException as exc:
         err = exc
     return StateOffer(_offer(ds, leaves, touched, err), done)
-
-
-def join_state(ds: Any, state: Any, touched: Any, what: str) -> tuple[Any, Any, Any]:
-    """(state with its column-sharded leaves as Shards of whole rows, touched as the put
-    takes it, the callable to run once the put returned). Collective, a round of its own
-    (put_state carries it on its structure round: ``offer_state``)."""
-    offer = offer_state(ds, state, touched)
-    every = ds.comm.agree(offer.error, what, offer.info)
-    return offer.finish(every, state, what)

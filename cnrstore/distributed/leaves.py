@@ -282,21 +282,16 @@ def _describe(value) -> tuple:
     return ("P",)
 
 
-def skeleton(state) -> list:
-    """What ``uniform`` all-gathers of ``state``: [(path, kind), ...] of every dict and
-    leaf in order (a caller may carry it on a round of its own)."""
-    return _skeleton(state)
-
-
-def _skeleton(value, path: tuple = ()) -> list:
-    """[(path, kind), ...] of every dict ("D") and leaf in order."""
+def skeleton(value, path: tuple = ()) -> list:
+    """What ``uniform`` all-gathers of a state: [(path, kind), ...] of every dict ("D")
+    and leaf in order (a caller may carry it on a round of its own)."""
     if len(path) > MAX_DEPTH:  # before Python's own recursion limit (a RecursionError)
         raise InvalidInput(f"state nests deeper than {MAX_DEPTH} at "
                            f"{SEP.join(map(str, path[:8]))!r}... (a cycle?)")
     if isinstance(value, Mapping):
         out: list = [(path, ("D",))]
         for k, v in value.items():
-            out += _skeleton(v, (*path, k))
+            out += skeleton(v, (*path, k))
         return out
     return [(path, _describe(value))]
 
@@ -312,7 +307,7 @@ def uniform(state, group=None, *, gather: Callable[[Any], list] | None = None):
 
     if not isinstance(state, Mapping):
         return state
-    mine = _skeleton(state)
+    mine = skeleton(state)
     if gather is not None:
         every = gather(mine)
     elif dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
