@@ -86,9 +86,12 @@ class Weed:
         proc, self.proc = self.proc, None
         if proc is None or proc.poll() is not None:
             return
+        # An idle server exits ~2 s after SIGTERM; one that served a racing test waits on
+        # its open connections past 15 s (the default suite's slowest teardown). Its data
+        # directory is thrown away, so nothing needs the graceful shutdown.
         os.killpg(proc.pid, signal.SIGTERM)
         try:
-            proc.wait(timeout=15)
+            proc.wait(timeout=3)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=15)
