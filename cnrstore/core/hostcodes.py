@@ -19,6 +19,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from cnrstore.codec import fingerprint as fpm
 from cnrstore.codec import native
 from cnrstore.codec.qparams import fits_fp16
 from cnrstore.codec.quantize import RangeError, encode_rows, first_nonfinite_row, scheme_bits
@@ -33,6 +34,9 @@ _DEFER_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Below torch's intra-op grain size, so no reduction forks OpenMP threads (on shared cores
 # each fork waits for a time slice; see codec/quantize.py).
 _RANGE_CHUNK_ELEMS = (1 << 15) - 1
+# A copy of at least this many bytes of changed rows runs in row parts on every core, as the
+# fingerprint pass does (its pool): the scattered rows' cache misses overlap across cores.
+_SPLIT_COPY_BYTES = 4 << 20
 
 
 class HostBuffers:
@@ -141,8 +145,19 @@ def _copy_checked(x: torch.Tensor, idx: np.ndarray, rows: torch.Tensor
             and x.dtype == torch.float32 and x.stride(1) == 1):
         ids = np.ascontiguousarray(idx, dtype=np.int64)
         flags = np.empty(n, dtype=np.uint8)
-        kernels.gather_check_f32(x.data_ptr(), x.stride(0), ids.ctypes.data, n, width,
-                                 rows.data_ptr(), flags.ctypes.data)
+        fn, src, stride = kernels.gather_check_f32, x.data_ptr(), x.stride(0)
+        dst, ip, fp = rows.data_ptr(), ids.ctypes.data, flags.ctypes.data
+
+        def part(lo: int, hi: int) -> None:  # rows [lo, hi) of the copy
+            fn(src, stride, ip + 8 * lo, hi - lo, width, dst + 4 * width * lo, fp + lo)
+
+        parts = min(fpm._cores(), n) if n * width * 4 >= _SPLIT_COPY_BYTES else 1
+        bounds = [n * i // parts for i in range(parts + 1)]
+        futures = [fpm._pool().submit(part, lo, hi)
+                   for lo, hi in zip(bounds[1:-1], bounds[2:])] if parts > 1 else []
+        part(bounds[0], bounds[1])  # this thread's part
+        for f in futures:
+            f.result()
         return (flags & 1) == 0, (flags & 2) == 0
     torch.index_select(x, 0, torch.from_numpy(idx), out=rows)
     low = torch.empty(n, dtype=x.dtype)

@@ -6,6 +6,7 @@ _copy_checked) against index_select and amin/amax."""
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import numpy as np
 import pytest
@@ -87,9 +88,9 @@ _SPECIAL = [float("nan"), float("inf"), float("-inf"), -0.0, 0.0, 65504.0, -6550
        specials=st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 10**6),
                                    st.sampled_from(_SPECIAL)), max_size=8),
        dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
-       strided=st.booleans())
+       strided=st.booleans(), parts=st.sampled_from([1, 2, 3]))
 def test_the_copy_of_changed_rows_matches_index_select_and_amin_amax(
-        n_rows, width, seed, specials, dtype, strided):
+        n_rows, width, seed, specials, dtype, strided, parts):
     g = torch.Generator().manual_seed(seed)
     full = torch.randn(n_rows, width + 2, generator=g) * 10
     for r, c, v in specials:
@@ -99,7 +100,8 @@ def test_the_copy_of_changed_rows_matches_index_select_and_amin_amax(
     idx = np.sort(np.random.default_rng(seed).choice(n_rows, max(1, n_rows // 2),
                                                       replace=False)).astype(np.int64)
     rows = torch.empty(len(idx), width, dtype=dtype)
-    finite, fits = hostcodes._copy_checked(x, idx, rows)
+    with _copy_parts(parts):
+        finite, fits = hostcodes._copy_checked(x, idx, rows)
     want = x[torch.from_numpy(idx)]
     assert torch.equal(rows.view(torch.uint8) if dtype != torch.float32 else
                        rows.view(torch.int32),
@@ -108,6 +110,41 @@ def test_the_copy_of_changed_rows_matches_index_select_and_amin_amax(
     lo, hi = want.amin(dim=1).float(), want.amax(dim=1).float()
     assert finite.tolist() == (torch.isfinite(lo) & torch.isfinite(hi)).tolist()
     assert fits.tolist() == fits_fp16(lo, hi).tolist()
+
+
+@contextlib.contextmanager
+def _copy_parts(parts):
+    """Copy changed rows of any size in ``parts`` parts on the pool (1: the default)."""
+    saved = hostcodes._SPLIT_COPY_BYTES, fp_mod._cores
+    if parts > 1:
+        hostcodes._SPLIT_COPY_BYTES = 0
+        fp_mod._cores = lambda: parts  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        hostcodes._SPLIT_COPY_BYTES, fp_mod._cores = saved  # type: ignore[assignment]
+
+
+def test_a_large_copy_runs_in_parts_on_the_pool(kernel_path, monkeypatch):
+    """Above the split size the native copy runs its row parts on the pool's threads too;
+    the copy and its flags are those of one call."""
+    if kernel_path != "native":
+        pytest.skip("the fallback copy is one index_select")
+    x = torch.randn(40_000, 64)
+    x[12344, 3] = float("nan")
+    x[30000, 7] = 1e6
+    idx = np.arange(0, 40_000, 2, dtype=np.int64)  # 5 MB of rows: above the split size
+    rows = torch.empty(len(idx), 64)
+    k = native.kernel()
+    threads: set = set()
+    real = k.gather_check_f32
+    monkeypatch.setattr(k, "gather_check_f32",
+                        lambda *a: (threads.add(threading.current_thread().name), real(*a))[1])
+    finite, fits = hostcodes._copy_checked(x, idx, rows)
+    assert len(threads) >= 2 if fp_mod._cores() > 1 else len(threads) == 1
+    assert torch.equal(rows.view(torch.int32), x[torch.from_numpy(idx)].view(torch.int32))
+    assert np.flatnonzero(~finite).tolist() == [12344 // 2]
+    assert np.flatnonzero(~fits).tolist() == [12344 // 2, 30000 // 2]
 
 
 def test_the_native_copy_runs_for_float32_rows(kernel_path, monkeypatch):
