@@ -330,3 +330,67 @@ def load_rounds(rank: int, world: int, path: str) -> list:
             out.append(store.comm.rounds - r0 - meta)
             check(target, 1)
     return out
+
+
+def path_load_rounds(rank: int, world: int, path: str) -> tuple[int, bool]:
+    """Rounds of a path load's kept store (the one the save left open): the reuse check
+    of read_metadata and the metadata read (two rounds each), then read_data's read alone
+    (request, answer, closing round), its reuse check riding the request; and whether
+    the load kept the save's store."""
+    from cnrstore.dcp import stores
+
+    dcp.save(state("dtensor", 1, rank, world),
+             storage_writer=StorageWriter(path, step=1, block_rows=32))
+    (e,) = stores._entries.values()
+    kept, r0 = e.store, e.store.comm.rounds
+    target = zeroed(state("dtensor", 1, rank, world))
+    dcp.load(target, storage_reader=StorageReader(path, step=1, block_rows=32))
+    check(target, 1)
+    (e,) = stores._entries.values()
+    return kept.comm.rounds - r0, e.store is kept
+
+
+_REWRITE = """
+import sys, torch, cnrstore, dcp_workers as W
+t = W.full(2)
+with cnrstore.open(sys.argv[1], block_rows=32) as s:
+    s.put_tables(1, {"model.emb": t["emb"], "model.bias": t["bias"], "optim.acc": t["acc"],
+                     "optim.step": torch.tensor([1])})
+"""
+
+
+def changed_between(rank: int, world: int, path: str) -> tuple[bool, bool]:
+    """The directory removed and made again (rank 0, another handle) between a path
+    load's read_metadata and its read_data: the kept store's verdict, taken in the read's
+    request round, is stale on every rank, and the load reads the new directory's step
+    (a kept handle would read the removed directory's files). Returns (the rows are the
+    new step's, the kept store was replaced)."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    from cnrstore.dcp import stores
+
+    dcp.save(state("dtensor", 1, rank, world),
+             storage_writer=StorageWriter(path, step=1, block_rows=32))
+    (e,) = stores._entries.values()
+    kept = e.store
+
+    class Between(StorageReader):
+        def read_data(self, plan, planner):  # type: ignore[override]
+            dist.barrier()
+            if rank == 0:  # another process: step 2's tables as step 1 (the doc's shapes)
+                shutil.rmtree(path)
+                subprocess.run([sys.executable, "-c", _REWRITE, path], check=True,
+                               env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+            dist.barrier()
+            return super().read_data(plan, planner)
+
+    target = zeroed(state("dtensor", 1, rank, world))
+    dcp.load(target, storage_reader=Between(path, step=1, block_rows=32))
+    got, want = gathered(target), full(2)
+    same = all(torch.equal(got[k][n], want[n])
+               for k, n in (("model", "emb"), ("model", "bias"), ("optim", "acc")))
+    (e,) = stores._entries.values()
+    return same, e.store is not kept
