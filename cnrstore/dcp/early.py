@@ -21,7 +21,7 @@ from typing import Any
 import engine
 from cnrstore.format.load import load_step, load_table_manifest
 
-__all__ = ["EARLY_BYTES", "locations", "hint"]
+__all__ = ["EARLY_BYTES", "Locations", "hint", "locations", "plan"]
 
 EARLY_BYTES = 32 << 20  # hinted at the plan: about the disk's reads until read_data reads
 
@@ -60,31 +60,37 @@ def locations(objects: Any, step: int, names: Iterable[str]) -> Locations | None
         return None
 
 
-def hint(source: Any, locs: Locations, spans: list[tuple[str, int, int]],
-         budget: int = EARLY_BYTES) -> threading.Thread | None:
-    """Hint, on a thread of its own, the records of the blocks overlapping each
-    (fqn, lo, hi) row span in this order, block by block, until ``budget`` bytes."""
-    chains: list[list[engine.RecordLocation]] = []
+def plan(locs: Locations, spans: list[tuple[str, int, int]],
+         budget: int = EARLY_BYTES) -> list[list[tuple]]:
+    """The chains (wire locations) of the blocks overlapping each (fqn, lo, hi) row span,
+    in this order, each block once, until ``budget`` stored bytes."""
+    chains: list[list[tuple]] = []
     seen: set[tuple[str, int]] = set()
     total = 0
     for fqn, lo, hi in spans:
-        if fqn not in locs or hi <= lo or total >= budget:
+        if fqn not in locs or hi <= lo:
             continue
         block_rows, per_block = locs[fqn]
         for b in range(lo // block_rows, min(len(per_block), -(-hi // block_rows))):
-            if (fqn, b) in seen or total >= budget:
-                continue
-            seen.add((fqn, b))
-            chain = [engine.RecordLocation.from_wire(w) for w in per_block[b]]
-            chains.append(chain)
-            total += sum(c.length for c in chain)
+            if total >= budget:
+                return chains
+            if (fqn, b) not in seen:
+                seen.add((fqn, b))
+                chains.append(per_block[b])
+                total += sum(engine.RecordLocation.from_wire(w).length for w in per_block[b])
+    return chains
+
+
+def hint(source: Any, chains: list[list[tuple]]) -> threading.Thread | None:
+    """Hint ``chains`` (``plan``'s) through ``source.prefetch_at``, block by block, on a
+    thread of its own (the caller goes on to DCP's planning rounds)."""
     if not chains:
         return None
 
     def run() -> None:
         try:
             for chain in chains:
-                source.prefetch_at(chain)
+                source.prefetch_at([engine.RecordLocation.from_wire(w) for w in chain])
         except Exception:  # noqa: BLE001 - a hint (the store may close meanwhile)
             pass
 

@@ -109,8 +109,9 @@ class StorageReader(_DCPReader):
         if self.early is not None:
             source, locs = self.early
             self.early = None
-            early.hint(source, locs, [(i.storage_index.fqn, *_rows(i)) for i in plan.items
-                                      if i.type != LoadItemType.BYTE_IO])
+            early.hint(source, early.plan(locs, [(i.storage_index.fqn, *_rows(i))
+                                                 for i in plan.items
+                                                 if i.type != LoadItemType.BYTE_IO]))
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
