@@ -40,7 +40,7 @@ from cnrstore.format.load import list_steps, load_step, load_table_manifest
 from cnrstore.format.manifest import TableManifest, root_name
 from engine import StoreError
 
-__all__ = ["ALL", "Located", "Reader", "StoreChanged", "UNPICKED", "answer", "get", "get_tables",
+__all__ = ["ALL", "Located", "Reader", "UNPICKED", "answer", "get", "get_tables",
            "out_bytes", "read_rows", "reporter", "request", "resolve"]
 
 Ranges = list[tuple[int, int]]
@@ -114,22 +114,14 @@ def request(names: list[str] | None, rows: Mapping, *, unpicked: bool = False) -
     return req
 
 
-class StoreChanged(Exception):
-    """Raised on every rank alike, before anything is read: ``fresh()`` found on the
-    coordinator that the store changed since the handle was taken up without its check
-    (a kept DCP store, cnrstore/dcp/stores.py); the caller opens it afresh."""
-
-
 def get(h: Any, step: int | None, what: str, make: Callable[[], Any],
         read: Callable[[Located, Reporter], Any], *, progress: Any = None,
-        rows: Mapping | None = None, finish: bool = True,
-        fresh: Callable[[], bool] | None = None) -> Any:
+        rows: Mapping | None = None, finish: bool = True) -> Any:
     """The pipeline: this rank's request ``make()`` checked and resolved (``resolve``),
     ``read(located, report)`` (its error enters the closing round), the report finished
     (unless ``finish`` is False: the caller finishes ``report`` itself) and the bases of
-    the tables read whole seeded. Returns what ``read`` returned. ``fresh``: run on the
-    coordinator before its answer; False raises StoreChanged on every rank."""
-    loc = resolve(h, step, what, make, fresh)
+    the tables read whole seeded. Returns what ``read`` returned."""
+    loc = resolve(h, step, what, make)
     err, out = None, None
     report = reporter(h, progress, loc.tables, rows)
     try:
@@ -143,11 +135,9 @@ def get(h: Any, step: int | None, what: str, make: Callable[[], Any],
     return out
 
 
-def resolve(h: Any, step: int | None, what: str, make: Callable[[], Any],
-            fresh: Callable[[], bool] | None = None) -> Located:
+def resolve(h: Any, step: int | None, what: str, make: Callable[[], Any]) -> Located:
     """The check and resolve stages: every rank's request agreed on, the coordinator's
-    answer to this rank (none, and StoreChanged on every rank, when ``fresh()`` is False
-    there), and its object source."""
+    answer to this rank, and its object source."""
     reader: Reader = h.reader
     reader.begin(h)
     err, req = None, None
@@ -156,16 +146,8 @@ def resolve(h: Any, step: int | None, what: str, make: Callable[[], Any],
     except BaseException as exc:
         err = exc
     reqs = h.group.agree(err, what, req)
-
-    def answered() -> list[Any]:
-        if fresh is not None and not fresh():
-            return [None] * len(reqs)  # one per rank, as an answer
-        return answer(reader, reader.store(h), reqs, what)
-
-    got = h.group.from_coordinator(what, answered)
-    if got is None:
-        raise StoreChanged(what)
-    s, doc, tables, anchor, where = got
+    s, doc, tables, anchor, where = h.group.from_coordinator(
+        what, lambda: answer(reader, reader.store(h), reqs, what))
     try:
         objects = reader.source(h, where)
     except BaseException as exc:  # enter the closing round with it: every rank raises

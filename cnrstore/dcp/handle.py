@@ -68,10 +68,9 @@ class Target:
             return dist.group.WORLD
         return None
 
-    def open(self, *, defer: bool = False) -> Any:
+    def open(self) -> Any:
         """The store, opened now if given as a path (collective with a group): the one
-        kept open from this process's last save or load of the path (stores.py; with
-        ``defer``, a kept one unchecked: ``fresh()`` is its check, for the read's answer)."""
+        kept open from this process's last save or load of the path (stores.py)."""
         if self.store is None:
             assert self.path is not None
             path, group, kwargs = self.path, self._group(), self.open_kwargs
@@ -79,21 +78,9 @@ class Target:
             def opener() -> Any:
                 return open_store(path, group=group, **kwargs)
 
-            self.store = (stores.checkout(path, group, kwargs, opener, defer=defer)
+            self.store = (stores.checkout(path, group, kwargs, opener)
                           if stores.cacheable(path, kwargs) else opener())
         return self.store
-
-    def fresh(self) -> Any:
-        """The coordinator's check of a store opened with ``defer`` and kept (a function
-        of no arguments), else None."""
-        return None if self.path is None or self.store is None else stores.fresh(self.store)
-
-    def changed(self) -> None:
-        """The store opened with ``defer`` changed meanwhile (``fresh()`` said so on every
-        rank): it is closed, and the next ``open`` opens the path afresh."""
-        if self.path is not None and self.store is not None:
-            store, self.store = self.store, None
-            stores.drop(store)
 
     def done(self, wrote: tuple[str, bytes] | None = None) -> None:
         """After a save or load: give back (or close) a store this target opened;

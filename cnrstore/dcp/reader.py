@@ -23,7 +23,7 @@ from torch.futures import Future
 
 import cnrstore.dcp.docmeta as docmeta
 from cnrstore.codec.layout import dtype_name
-from cnrstore.core.get import Located, StoreChanged, get
+from cnrstore.core.get import Located, get
 from cnrstore.core.prefault import Prefault
 from cnrstore.core.restore import new_output, read_rows_into
 from cnrstore.core.validate import check_step
@@ -118,10 +118,8 @@ class StorageReader(_DCPReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        # A kept store is checked in the read's own request round, not in one before
-        # it; where another writer changed it meanwhile, every rank reopens and reads.
         try:
-            self.target.open(defer=True)
+            self.target.open()
             self._read(plan, planner)
         finally:
             self.target.done()
@@ -167,12 +165,7 @@ class StorageReader(_DCPReader):
             err = exc
         store = self.target.store
         if isinstance(store, DistributedStore):
-            try:
-                got = _read_pieces(store, self.read_step, direct, spans, err,
-                                   self.target.fresh())
-            except StoreChanged:  # nothing was read: the same pieces, from a fresh open
-                self.target.changed()
-                got = _read_pieces(self.target.open(), self.read_step, direct, spans, err)
+            got = _read_pieces(store, self.read_step, direct, spans, err)
         else:
             if err is not None:
                 raise err
@@ -236,8 +229,8 @@ def _hint_source(store: Any) -> Any:
 
 
 def _read_pieces(ds: DistributedStore, step: int | None, direct: dict[str, Shard],
-                 spans: dict[str, tuple[int, int]], err: BaseException | None,
-                 fresh: Any = None) -> dict[str, torch.Tensor]:
+                 spans: dict[str, tuple[int, int]], err: BaseException | None
+                 ) -> dict[str, torch.Tensor]:
     """One collective read of a rank's pieces: the tables of ``direct`` decoded into their
     Shards, the rows ``spans`` of the others into fresh tensors (returned), all blocks in
     one read-ahead and one pass of the pool. ``err`` (this rank's plan failed) enters the
@@ -275,7 +268,7 @@ def _read_pieces(ds: DistributedStore, step: int | None, direct: dict[str, Shard
         return {n: outs[i] for n, i in copies.items()}
 
     def once() -> dict[str, torch.Tensor]:
-        return get(ds, step, "DCP load", request, read, fresh=fresh)
+        return get(ds, step, "DCP load", request, read)
 
     with engine_errors():
         return transfer.again(ds, once)

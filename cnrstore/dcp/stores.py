@@ -36,7 +36,7 @@ from cnrstore.core.location import is_url
 from cnrstore.errors import CheckpointError
 from cnrstore.format.manifest import ROOT_PREFIX
 
-__all__ = ["checkout", "checkin", "close_stores", "cacheable", "drop", "fresh"]
+__all__ = ["checkout", "checkin", "close_stores", "cacheable"]
 
 _lock = threading.Condition()
 _entries: dict[tuple, _Entry] = {}
@@ -51,7 +51,6 @@ class _Entry:
         self.ident = ident      # coordinator: the directory and index file opened
         self.roots: dict | None = None  # coordinator: the roots it left; None: unknown
         self.busy = False
-        self.unchecked: str | None = None  # checked out with defer: its path, unverified
 
 
 def cacheable(path: str, open_kwargs: dict[str, Any]) -> bool:
@@ -103,13 +102,9 @@ def _close(e: _Entry) -> None:
         pass
 
 
-def checkout(path: str, group: Any, open_kwargs: dict[str, Any], opener: Any, *,
-             defer: bool = False) -> Any:
+def checkout(path: str, group: Any, open_kwargs: dict[str, Any], opener: Any) -> Any:
     """The store at ``path`` for one save or load: the one kept from the last, if nothing
-    else touched the store since (collective with a group), else ``opener()``'s.
-    ``defer``: a kept DistributedStore is given back unchecked; the caller's read runs
-    ``fresh(store)`` on the coordinator in its own request round and, where it is False,
-    ``drop(store)`` and checks out again (a load: two rounds less)."""
+    else touched the store since (collective with a group), else ``opener()``'s."""
     key = _key(path, group, open_kwargs)
     with _lock:
         e = _entries.get(key)
@@ -127,16 +122,13 @@ def checkout(path: str, group: Any, open_kwargs: dict[str, Any], opener: Any, *,
                 e = None
             else:
                 e.busy = True
-    if e is not None and defer and hasattr(e.store, "coordinated"):
-        e.unchecked = path
-        return e.store
     if e is not None:
         try:
-            ok = _agree(e, path)
+            fresh = _agree(e, path)
         except BaseException:
             _release(key, e, drop=True)
             raise
-        if ok:
+        if fresh:
             return e.store
         _release(key, e, drop=True)
     store = opener()
@@ -153,49 +145,24 @@ def checkout(path: str, group: Any, open_kwargs: dict[str, Any], opener: Any, *,
     return store
 
 
-def _check(e: _Entry, path: str, objects: Any) -> bool:
-    """The coordinator's verdict: the kept store is as this process left it."""
-    return (e.roots is not None and e.ident is not None and _identity(path) == e.ident
-            and _steps(objects) == e.roots)
-
-
 def _agree(e: _Entry, path: str) -> bool:
     """Whether the kept store is as this process left it (the coordinator's verdict)."""
+    def check(objects: Any) -> bool:
+        return (e.roots is not None and e.ident is not None and _identity(path) == e.ident
+                and _steps(objects) == e.roots)
+
     store = e.store
     if hasattr(store, "coordinated"):  # a DistributedStore: one round, every rank alike
-        return bool(store.coordinated("dcp: reuse", lambda s: _check(e, path, s.objects)))
-    return _check(e, path, store.objects)
-
-
-def _entry(store: Any) -> tuple[tuple, _Entry] | None:
-    with _lock:
-        return next(((k, e) for k, e in _entries.items() if e.store is store), None)
-
-
-def fresh(store: Any) -> Any:
-    """For a store checked out unchecked (``defer``): the coordinator's verdict as a
-    function of no arguments, run there by the read's answer; else None (nothing to
-    check)."""
-    found = _entry(store)
-    if found is None or found[1].unchecked is None:
-        return None
-    e, path = found[1], found[1].unchecked
-    return lambda: _check(e, path, store.coordinator_store.objects)
-
-
-def drop(store: Any) -> None:
-    """The store checked out unchecked changed meanwhile: closed (on every rank alike, as
-    the verdict reached all), the next checkout opens it afresh."""
-    found = _entry(store)
-    if found is not None:
-        _release(*found, drop=True)
+        return bool(store.coordinated("dcp: reuse", lambda s: check(s.objects)))
+    return check(store.objects)
 
 
 def checkin(store: Any, wrote: tuple[str, bytes] | None = None) -> None:
     """The save or load is over: ``store`` is free for the next. ``wrote``: the root the
     save committed (name, id); any other change to the roots since the checkout means
     another writer came by, and the next checkout opens afresh."""
-    found = _entry(store)
+    with _lock:
+        found = next(((k, e) for k, e in _entries.items() if e.store is store), None)
     if found is None:
         return
     key, e = found
@@ -215,7 +182,6 @@ def checkin(store: Any, wrote: tuple[str, bytes] | None = None) -> None:
 def _release(key: tuple, e: _Entry, *, drop: bool) -> None:
     with _lock:
         e.busy = False
-        e.unchecked = None
         if drop and _entries.get(key) is e:
             del _entries[key]
         _lock.notify_all()

@@ -108,13 +108,3 @@ def test_a_load_reads_every_kind_of_piece_in_one_collective_read(tmp_path):
     # the store's group (the read's request, its answer, its closing round); a plan round
     # of its own and a read per kind of piece made it seven (seen before the change).
     assert _ok(run(2, W.load_rounds, str(tmp_path / "ckpt"))) == [[3, 3]] * 2
-
-
-def test_a_path_load_checks_its_kept_store_in_the_reads_request_round(tmp_path):
-    # 4 rounds in read_metadata (reuse check, metadata) + 3 in read_data; the reuse check
-    # of read_data made it 9 (two rounds more before the first block read).
-    assert _ok(run(2, W.path_load_rounds, str(tmp_path / "ckpt"))) == [(7, True)] * 2
-
-
-def test_a_kept_store_changed_before_read_data_is_opened_again_and_read(tmp_path):
-    assert _ok(run(2, W.changed_between, str(tmp_path / "ckpt"))) == [(True, True)] * 2
