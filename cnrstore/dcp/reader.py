@@ -7,6 +7,8 @@ ranges (and, for a target cut along other dims, column ranges of those rows).
 (each rank reads only the blocks overlapping its rows; its request round carries the
 rank's plan, or its error): a piece of whole rows decodes straight into the tensor DCP
 resolves for it, the rows of the others are read and each read's rectangle copied.
+The metadata read also brings where the step's blocks lie, and ``prepare_local_plan``
+hints this rank's first blocks while DCP plans (early.py).
 """
 
 from __future__ import annotations
