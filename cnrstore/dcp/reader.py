@@ -7,6 +7,8 @@ ranges (and, for a target cut along other dims, column ranges of those rows).
 (each rank reads only the blocks overlapping its rows; its request round carries the
 rank's plan, or its error): a piece of whole rows decodes straight into the tensor DCP
 resolves for it, the rows of the others are read and each read's rectangle copied.
+The metadata read also brings where the step's blocks lie, and ``prepare_local_plan``
+hints this rank's first blocks while DCP plans (early.py).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from cnrstore.core.get import Located, get
 from cnrstore.core.prefault import Prefault
 from cnrstore.core.restore import new_output, read_rows_into
 from cnrstore.core.validate import check_step
+from cnrstore.dcp import early
 from cnrstore.dcp.handle import Target
 from cnrstore.distributed import transfer
 from cnrstore.distributed.shard import Shard
@@ -57,12 +60,14 @@ class StorageReader(_DCPReader):
         self.step = step
         self.doc: dict | None = None
         self.read_step: int | None = None
+        self.early: tuple[Any, early.Locations] | None = None  # (source, where blocks lie)
 
     # -- DCP's interface -----------------------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         self.target.reset(checkpoint_id)
         self.doc = None
         self.read_step = None
+        self.early = None
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
@@ -82,11 +87,16 @@ class StorageReader(_DCPReader):
                     raise StepNotFound(-1, "DCP load: the store holds no step (step=None "
                                            "asks for the latest)")
                 step = steps[-1]
-            doc = store.metadata(step).get(docmeta.KEY)
+            s = step
+            if isinstance(store, DistributedStore):  # the coordinator's, in the same round
+                doc, locs = store.coordinated("metadata", lambda c: _document(c, s))
+            else:
+                doc, locs = _document(store, s)
             if doc is None:
                 raise InvalidInput(f"step {step} was not written through DCP (no DCP metadata); "
                                    "read it with get_tables or get_state")
             md = docmeta.to_metadata(doc, step)
+            self.early = None if locs is None else (_hint_source(store), locs)
         finally:
             self.target.done()
         self.doc, self.read_step = doc, step
@@ -97,6 +107,13 @@ class StorageReader(_DCPReader):
         return None
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        # The first point this rank knows its rows: their first blocks hinted (early.py).
+        if self.early is not None:
+            source, locs = self.early
+            self.early = None
+            early.hint(source, early.plan(locs, [(i.storage_index.fqn, *_rows(i))
+                                                 for i in plan.items
+                                                 if i.type != LoadItemType.BYTE_IO]))
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
@@ -192,6 +209,25 @@ class StorageReader(_DCPReader):
         if isinstance(self.target.store, DistributedStore):
             return Shard(dest, row_offset=lo, rows=int(size[0]))
         return dest if (lo, hi) == (0, int(size[0])) else None
+
+
+def _document(store: Any, step: int) -> tuple[dict | None, early.Locations | None]:
+    """The DCP document of ``step`` of a plain store (the coordinator's), and where its
+    tensors' blocks lie (early.py; None: nothing is hinted)."""
+    doc = store.metadata(step).get(docmeta.KEY)
+    if doc is None:
+        return None, None
+    return doc, early.locations(store.objects, step, doc["tensors"])
+
+
+def _hint_source(store: Any) -> Any:
+    """What this rank hints the blocks' records through: the coordinator's (or the one
+    process's) own store, a rank's reader of the store's packs."""
+    if not isinstance(store, DistributedStore):
+        return store.objects
+    if store.is_coordinator:
+        return store.coordinator_store.objects
+    return store.readers.source(("locs", None, []))
 
 
 def _read_pieces(ds: DistributedStore, step: int | None, direct: dict[str, Shard],
