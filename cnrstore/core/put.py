@@ -91,6 +91,9 @@ class Request:
     # This rank's failure after the placement's last round: raised in the width round,
     # which every rank enters, so every rank raises it (distributed/put.py).
     error: BaseException | None = None
+    # Gives back the placement's scratch buffers (the rows it assembled runs from), once
+    # every run is planned: a plan keeps copies, never these (distributed/put.py).
+    release: Callable[[], None] | None = None
 
 
 @dataclass
@@ -146,10 +149,14 @@ def put(h: Any, step: int, tables: Mapping, *, quant: Any, metadata: Mapping | N
             # the step committed.
             report = Reporter(progress, sum(w.nbytes for w in req.works),
                               min_total=h.options.progress_min_bytes)
-        req.bases = place.bases(h, req)
-        plans = _plan_all(h, req, commit.plan_options(h, req, blocking=blocking,
-                                                      keep_full=keep_full), report)
-        widths = _agree_widths(h, req, plans)
+        try:
+            req.bases = place.bases(h, req)
+            plans = _plan_all(h, req, commit.plan_options(h, req, blocking=blocking,
+                                                          keep_full=keep_full), report)
+            widths = _agree_widths(h, req, plans)
+        finally:
+            if req.release is not None:
+                req.release()
         job = commit.job(h, step, req, plans, widths, time.perf_counter() - req.t0,
                          req.state if req.state is not None else state)
         fut: Future = Future()

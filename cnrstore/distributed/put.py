@@ -41,10 +41,42 @@ DistributedStore = Any
 __all__ = ["RowGrid"]
 
 
-def _assembler(run: layout.Run, parts: list, gt: layout.GlobalTable
+class _Scratch:
+    """The host buffers a put's caller thread fills and no plan keeps (the rows sent, the
+    rows received, the boundary blocks assembled), taken from the handle's pool
+    (``HostBuffers``) and given back once every run is planned (``Request.release``).
+    Fresh memory is first-touched in the stall: at the bench's size (issue 26) each rank
+    assembled four 8 MB boundary blocks and sent or received up to 9 MB a put, ~3-4 ms an
+    8 MB block fresh against under 1 ms into a reused buffer. A distributed put's plans
+    copy the rows they keep (``RowGrid`` plans with no ``borrow``), so nothing reads these
+    buffers after planning."""
+
+    def __init__(self, pool: Any) -> None:
+        self.pool = pool
+        self.held: list[torch.Tensor] = []
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        buf = self.pool.take(nbytes, pinned=False)
+        self.held.append(buf)
+        return buf
+
+    def give(self, buf: torch.Tensor | None = None) -> None:
+        """Give back ``buf`` if held (None: every buffer held)."""
+        back = [b for b in self.held if buf is None or b is buf]
+        self.held = [b for b in self.held if not any(b is g for g in back)]
+        for b in back:
+            self.pool.give(b)
+
+    def drop(self, buf: torch.Tensor) -> None:
+        """Never give ``buf`` back (a failed exchange may still be writing into it)."""
+        self.held = [b for b in self.held if b is not buf]
+
+
+def _assembler(run: layout.Run, parts: list, gt: layout.GlobalTable, scratch: _Scratch
                ) -> Callable[[], torch.Tensor]:
     """The rows of ``run``, assembled when planned (a view when one part holds them)."""
-    return lambda: layout.assemble(run, parts, gt.row_shape, gt.torch_dtype)
+    return lambda: layout.assemble(run, parts, gt.row_shape, gt.torch_dtype,
+                                   take=scratch.take)
 
 
 def _quant_key(quant: Any) -> Any:
@@ -120,6 +152,8 @@ class RowGrid:
         runs: list = []
         rows_to: list[list[torch.Tensor]] = [[] for _ in range(comm.world)]
         buf: torch.Tensor | None = None
+        scratch = _Scratch(ds.buffers)
+        sent: torch.Tensor | None = None
         sizes = [sum(layout.message_nbytes(gtables[m[1]], m[3]) for m in announced[comm.rank][0]
                      if m[0] == d) for d in range(comm.world)]
         try:
@@ -134,7 +168,9 @@ class RowGrid:
                 for run, parts in own:
                     ids = None if tt is None else tt[(tt >= run.lo) & (tt < run.hi)]
                     runs.append((run, parts, [ids]))
-            buf, packed = layout.pack(rows_to)
+            if sum(sizes):
+                sent = scratch.take(sum(sizes))
+            buf, packed = layout.pack(rows_to, sent)
             if packed != sizes:
                 raise AssertionError(f"put_tables: rows packed {packed}, announced {sizes} "
                                      "(a bug: report it)")
@@ -143,10 +179,14 @@ class RowGrid:
             buf = torch.zeros(sum(sizes), dtype=torch.uint8)
         del rows_to
         try:
-            _receive(comm, announced, buf, sizes, gtables, runs)
+            _receive(comm, announced, buf, sizes, gtables, runs, scratch)
         except BaseException as exc:
             lerr, runs = lerr or exc, []
         del buf
+        if sent is not None:
+            scratch.give(sent)
+        if lerr is not None:
+            scratch.give()
         works = []
         for run, parts, tl in runs:
             gt = gtables[run.name]
@@ -158,9 +198,10 @@ class RowGrid:
             works.append(Work(
                 run.name, (run.name, run.b0), run.b0, run.b1, run.lo,
                 (run.hi - run.lo) * layout.width(gt.row_shape) * gt.torch_dtype.itemsize,
-                None, _assembler(run, parts, gt), tids))
+                None, _assembler(run, parts, gt, scratch), tids))
         return Request(works, schemes, meta_doc, gtables, t0,
-                       extra=[n for _, n in announced], state=merged, error=lerr)
+                       extra=[n for _, n in announced], state=merged, error=lerr,
+                       release=scratch.give)
 
     def bases(self, ds: DistributedStore, req: Request) -> dict[Any, TableState | None]:
         seeded = _seed(ds, req.extra, req.tables, req.schemes)
@@ -194,15 +235,21 @@ def _announced(got: tuple, rank: int, gtables: dict, R: int, seed: bool
 
 
 def _receive(comm: Any, got: list, buf: torch.Tensor, sizes: list[int],
-             gtables: dict, runs: list) -> None:
+             gtables: dict, runs: list, scratch: _Scratch) -> None:
     """Exchange the boundary rows that ``got`` (every rank's ``_announced``) announces and
-    add those sent to this rank to its runs (a view of the receive buffer each;
-    ``assemble`` copies them)."""
+    add those sent to this rank to its runs (a view of the receive buffer each, one of
+    ``scratch``'s; ``assemble`` copies them)."""
     if not any(msgs for msgs, _ in got):
         return  # every rank sees the same: none enters the exchange
     mine = [[m for m in msgs if m[0] == comm.rank] for msgs, _ in got]
     expect = [sum(layout.message_nbytes(gtables[m[1]], m[3]) for m in ms) for ms in mine]
-    received = comm.exchange(buf, sizes, expect, "put_tables: rows")
+    into = scratch.take(sum(expect)) if sum(expect) else None
+    try:
+        received = comm.exchange(buf, sizes, expect, "put_tables: rows", into)
+    except BaseException:
+        if into is not None:
+            scratch.drop(into)
+        raise
     for ms, data in zip(mine, received):
         for _, name, a, nrows, ids in ms:
             t, used = layout.unpack(data, gtables[name], nrows)
