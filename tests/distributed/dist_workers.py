@@ -457,7 +457,7 @@ def late_failure(rank: int, world: int, path: str):
         s.put_tables(1, {"t": _mine(_table(1), rank, world)})
         pack = layout.pack
         if rank == 1:
-            def failing_pack(messages):
+            def failing_pack(messages, out=None):
                 raise MemoryError("no memory for the send buffer (test)")
             layout.pack = failing_pack
         err = None
