@@ -123,13 +123,26 @@ class Placement(Protocol):
 class Commit(Protocol):
     """How a planned step reaches the store (core/commit.py, distributed/commit.py)."""
 
+    def known_widths(self, h: Any, req: Request) -> dict[str, int] | None:
+        """Every table's row width where it is known before planning (no intN table) and
+        a rank's planning error may reach the other ranks on the writer's first round
+        (``job(..., error=)``): the put then takes no width round, and its caller returns
+        once its own runs are planned, without waiting for the slowest rank's (many
+        ranks, issue 26). None: the ranks agree the widths (``_agree_widths``)."""
+        ...
+
     def plan_options(self, h: Any, req: Request, *, blocking: bool, keep_full: bool
                      ) -> list[dict]:
         """plan_table's options for each run of ``req`` (its base in ``req.bases``)."""
         ...
 
     def job(self, h: Any, step: int, req: Request, plans: Plans, widths: dict[str, int],
-            stall: float, state: dict | None) -> Callable[[], StepInfo]: ...
+            stall: float, state: dict | None, error: BaseException | None = None
+            ) -> Callable[[], StepInfo]:
+        """The step's write, for the writer thread; ``error`` (only where ``known_widths``
+        gave widths): this rank's planning failed, and the job fails the step on every
+        rank with it."""
+        ...
 
 
 def put(h: Any, step: int, tables: Mapping, *, quant: Any, metadata: Mapping | None,
@@ -149,16 +162,22 @@ def put(h: Any, step: int, tables: Mapping, *, quant: Any, metadata: Mapping | N
             # the step committed.
             report = Reporter(progress, sum(w.nbytes for w in req.works),
                               min_total=h.options.progress_min_bytes)
+        failed: BaseException | None = None
         try:
             req.bases = place.bases(h, req)
-            plans = _plan_all(h, req, commit.plan_options(h, req, blocking=blocking,
-                                                          keep_full=keep_full), report)
-            widths = _agree_widths(h, req, plans)
+            options = commit.plan_options(h, req, blocking=blocking, keep_full=keep_full)
+            known = commit.known_widths(h, req)
+            if known is not None:
+                plans, failed = _plan_late(h, req, options, report, known)
+                widths = known
+            else:
+                plans = _plan_all(h, req, options, report)
+                widths = _agree_widths(h, req, plans)
         finally:
             if req.release is not None:
                 req.release()
         job = commit.job(h, step, req, plans, widths, time.perf_counter() - req.t0,
-                         req.state if req.state is not None else state)
+                         req.state if req.state is not None else state, error=failed)
         fut: Future = Future()
         try:
             h.writer.submit(job, cleanup=lambda: _release(plans), future=fut)
@@ -174,6 +193,8 @@ def put(h: Any, step: int, tables: Mapping, *, quant: Any, metadata: Mapping | N
             _queued(h, step, req, plans, fut)  # interrupted just after: it will be written
             raise
         _queued(h, step, req, plans, fut)
+    if failed is not None and not isinstance(failed, Exception):
+        raise failed  # Ctrl-C in planning: queued to fail every rank's put, then raised
     if not blocking:
         fut.add_done_callback(lambda f: None if f.exception() else report.finish())
         return fut
@@ -217,6 +238,29 @@ def _plan_all(h: Any, req: Request, options: list[dict], report: Reporter) -> Pl
         h.group.agree(exc, "put_tables: encode", {})
         raise
     return plans
+
+
+def _plan_late(h: Any, req: Request, options: list[dict], report: Reporter,
+               widths: dict[str, int]) -> tuple[Plans, BaseException | None]:
+    """Plan every run without a width round (``Commit.known_widths``): (the plans, None),
+    or (no plans, this rank's error), which its job raises on every rank's writer round,
+    so every rank's put fails (the Future of a non-blocking one)."""
+    plans: Plans = []
+    try:
+        if req.error is not None:
+            raise req.error
+        for w, kwargs in zip(req.works, options):
+            p = _plan(h, req, w, w.rows(), req.bases.get(w.key), w.touched, None, kwargs)
+            plans.append((w.name, w.b0, p))
+            if p.state.row_nbytes != widths[w.name]:
+                raise AssertionError(f"put_tables: table {w.name!r} planned "
+                                     f"{p.state.row_nbytes} bytes a row, its scheme "
+                                     f"{widths[w.name]} (a bug: report it)")
+            report.add(w.nbytes)
+    except BaseException as exc:  # raised on every rank by the writer round
+        _release(plans)
+        return [], exc
+    return plans, None
 
 
 def _plan(h: Any, req: Request, w: Work, rows: torch.Tensor, base: TableState | None,
