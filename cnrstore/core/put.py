@@ -104,6 +104,11 @@ class RankStructure:
 
     doc: dict | None
     error: BaseException | None = None
+    # None: the state's structure was agreed in a round before the put. True: it was taken
+    # from the handle's last put_state, this rank's unchanged; False: this rank's changed.
+    # Every rank's flag rides the check round: where one is False, every rank raises
+    # Restructure after it, and put_state runs the structure round (distributed/put.py).
+    cached: bool | None = None
 
 
 class Placement(Protocol):

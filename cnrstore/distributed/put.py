@@ -32,13 +32,20 @@ from cnrstore.core.validate import (
     resolve_quant,
 )
 from cnrstore.distributed import layout, seed
+from cnrstore.distributed.comm import rebuild_error, wire_error
 from cnrstore.errors import InvalidInput, StepExists
 
 # The DistributedStore (cnrstore/distributed/store.py, which imports this module): typed loosely
 # so the layers test sees no import cycle.
 DistributedStore = Any
 
-__all__ = ["RowGrid"]
+__all__ = ["Restructure", "RowGrid"]
+
+
+class Restructure(Exception):
+    """Raised on every rank after a put's check round where a put_state took its
+    structure from the handle's last one and some rank's structure changed: nothing was
+    planned, and put_state agrees the structure in its round and puts again."""
 
 
 class _Scratch:
@@ -97,10 +104,13 @@ class RowGrid:
         err: BaseException | None = None
         mine = None
         structure = state if isinstance(state, RankStructure) else None
+        cached = None if structure is None else structure.cached
         # Before the round: the bases this rank still trusts are part of what it sends.
         forget_failed(ds)
         try:
-            if structure is not None and structure.error is not None:
+            if cached is False:
+                pass  # this rank's structure changed: every rank restarts after the round
+            elif structure is not None and structure.error is not None:
                 raise structure.error  # put_state's flatten failed on this rank
             check_step(step)
             check_progress(progress)
@@ -129,7 +139,7 @@ class RowGrid:
                     None if structure is None else structure.doc, moved, have)
         except BaseException as exc:
             err = exc
-        got = comm.agree(err, "put_tables: check", mine)
+        got = _check_round(comm, err, mine, cached)
         if len({g[1] for g in got}) > 1:
             raise InvalidInput("put_tables: the ranks passed different steps, quant or "
                                "metadata; every rank must pass the same")
@@ -209,6 +219,27 @@ class RowGrid:
         # records of the seeded bases were unreadable (distributed/commit.py).
         req.damaged = frozenset().union(*(b.damaged_ids for b in seeded.values()))
         return {w.key: ds.states.get(w.key) or seeded.get(w.key) for w in req.works}
+
+
+def _check_round(comm: Any, err: BaseException | None, mine: Any, cached: bool | None
+                 ) -> list:
+    """Every rank's check facts, or the lowest rank's error raised on every rank. Where
+    put_state took the structure from its last put (``cached``), a rank whose structure
+    changed sends None and every rank raises Restructure, before any rank's error: those
+    were found in a structure that is not the state's."""
+    if cached is None:
+        return comm.agree(err, "put_tables: check", mine)
+    sent = None if cached is False else (None if err is None else wire_error(err), mine)
+    every = comm.all_gather(sent, "put_tables: check")
+    if any(e is None for e in every):
+        raise Restructure()
+    for r, (wire, _) in enumerate(every):
+        if wire is not None:
+            exc = rebuild_error(wire, r)
+            if r == comm.rank and err is not None:
+                raise exc from err
+            raise exc
+    return [m for _, m in every]
 
 
 def _announced(got: tuple, rank: int, gtables: dict, R: int, seed: bool

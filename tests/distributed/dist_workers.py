@@ -511,3 +511,44 @@ def check_round_payload(rank: int, world: int, path: str) -> list:
         s.put_state(2, {"emb": _mine(t.clone(), rank, world)}, blocking=False,
                     touched={"emb": ids}).result()
         return [sorted(seen), torch.equal(s.get_state(2)["emb"], t)]
+
+
+def changing_structure(rank: int, world: int, path: str) -> list:
+    """put_state of steps 1-4 where the structure changes on rank 1 only at step 2 (an
+    optimizer state appears there: rank 1 holds all its rows) and rank 0's input is bad
+    at step 3 (a gap in a table's shards) while rank 1's structure changes back: the
+    structure of step 1 is taken again at step 2 until the check round, where every rank
+    finds rank 1's changed and agrees it in the structure round. (the caller's rounds of
+    each put, each step's error or None, steps stored, each stored step restored as
+    given)."""
+    rounds, errors, given = [], [], {}
+    with _open(path) as s:
+        for step in (1, 2, 3, 4):
+            emb = _table(step)
+            opt = _table(10 + step)
+            state: dict = {"model": {"emb": _mine(emb, rank, world)}, "epoch": step}
+            if rank == 1 and step in (2, 4):
+                state["opt"] = {"m": cnrstore.Shard(opt, row_offset=0, rows=200)}
+            if rank == 0 and step == 3:
+                mine = _mine(emb, rank, world)
+                state["model"]["emb"] = cnrstore.Shard(mine.local[1:], row_offset=1,
+                                                       rows=200)
+            r0 = s.comm.rounds
+            err = None
+            try:
+                s.put_state(step, state, blocking=False).result()
+                given[step] = (emb, opt if step in (2, 4) else None)
+            except Exception as exc:  # noqa: BLE001 - compared by the test
+                err = type(exc).__name__
+            rounds.append(s.comm.rounds - r0)
+            errors.append(err)
+        ok = []
+        for step, (emb, opt) in given.items():
+            back = s.get_state(step)
+            good = torch.equal(back["model"]["emb"], emb) and back["epoch"] == step
+            if opt is None:
+                good &= "opt" not in back
+            else:
+                good &= torch.equal(back["opt"]["m"], opt)
+            ok.append(bool(good))
+        return [rounds, errors, s.steps(), ok]
