@@ -172,12 +172,8 @@ def put(h: Any, step: int, tables: Mapping, *, quant: Any, metadata: Mapping | N
             req.bases = place.bases(h, req)
             options = commit.plan_options(h, req, blocking=blocking, keep_full=keep_full)
             known = commit.known_widths(h, req)
-            if known is not None:
-                plans, failed = _plan_late(h, req, options, report, known)
-                widths = known
-            else:
-                plans = _plan_all(h, req, options, report)
-                widths = _agree_widths(h, req, plans)
+            plans, failed = _plan_all(h, req, options, report, known)
+            widths = _agree_widths(h, req, plans, known)
         finally:
             if req.release is not None:
                 req.release()
@@ -227,29 +223,13 @@ def put(h: Any, step: int, tables: Mapping, *, quant: Any, metadata: Mapping | N
                touched=None, state=state, keep_full=True, report=report)
 
 
-def _plan_all(h: Any, req: Request, options: list[dict], report: Reporter) -> Plans:
-    """Plan every run against its diff base; a rank whose planning failed enters the
-    ranks' width round with its error, so every rank raises it."""
-    plans: Plans = []
-    try:
-        if req.error is not None:
-            raise req.error
-        for w, kwargs in zip(req.works, options):
-            plans.append((w.name, w.b0, _plan(h, req, w, w.rows(), req.bases.get(w.key),
-                                              w.touched, None, kwargs)))
-            report.add(w.nbytes)
-    except BaseException as exc:
-        _release(plans)
-        h.group.agree(exc, "put_tables: encode", {})
-        raise
-    return plans
-
-
-def _plan_late(h: Any, req: Request, options: list[dict], report: Reporter,
-               widths: dict[str, int]) -> tuple[Plans, BaseException | None]:
-    """Plan every run without a width round (``Commit.known_widths``): (the plans, None),
-    or (no plans, this rank's error), which its job raises on every rank's writer round,
-    so every rank's put fails (the Future of a non-blocking one)."""
+def _plan_all(h: Any, req: Request, options: list[dict], report: Reporter,
+              known: dict[str, int] | None) -> tuple[Plans, BaseException | None]:
+    """Plan every run against its diff base: (the plans, None). A rank whose planning
+    failed enters the ranks' width round with its error, so every rank raises it; where
+    the widths are ``known`` (``Commit.known_widths``) there is no width round: (no
+    plans, the error), which the step's job raises on every rank's writer round, so
+    every rank's put fails (the Future of a non-blocking one)."""
     plans: Plans = []
     try:
         if req.error is not None:
@@ -257,14 +237,17 @@ def _plan_late(h: Any, req: Request, options: list[dict], report: Reporter,
         for w, kwargs in zip(req.works, options):
             p = _plan(h, req, w, w.rows(), req.bases.get(w.key), w.touched, None, kwargs)
             plans.append((w.name, w.b0, p))
-            if p.state.row_nbytes != widths[w.name]:
+            if known is not None and p.state.row_nbytes != known[w.name]:
                 raise AssertionError(f"put_tables: table {w.name!r} planned "
                                      f"{p.state.row_nbytes} bytes a row, its scheme "
-                                     f"{widths[w.name]} (a bug: report it)")
+                                     f"{known[w.name]} (a bug: report it)")
             report.add(w.nbytes)
-    except BaseException as exc:  # raised on every rank by the writer round
+    except BaseException as exc:
         _release(plans)
-        return [], exc
+        if known is not None:
+            return [], exc
+        h.group.agree(exc, "put_tables: encode", {})
+        raise
     return plans, None
 
 
@@ -282,10 +265,14 @@ def _plan(h: Any, req: Request, w: Work, rows: torch.Tensor, base: TableState | 
         raise type(exc)(exc.table, exc.row + w.lo, exc.scheme) from None  # the global row
 
 
-def _agree_widths(h: Any, req: Request, plans: Plans) -> dict[str, int]:
+def _agree_widths(h: Any, req: Request, plans: Plans, known: dict[str, int] | None
+                  ) -> dict[str, int]:
     """Every table's row width on every rank: a rank's part of a table that needed wide
     qparams makes the whole table wide, as in a single-process put (docs/QUANTIZATION.md
-    "Wide rows"); the parts planned narrow are planned again, locally."""
+    "Wide rows"); the parts planned narrow are planned again, locally. ``known``: the
+    widths, known before planning (no round)."""
+    if known is not None:
+        return known
     group = h.group
     rnb = {n: p.state.row_nbytes for n, _, p in plans}
     try:

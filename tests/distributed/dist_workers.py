@@ -490,9 +490,9 @@ def check_round_payload(rank: int, world: int, path: str) -> list:
     t = _table(0)
     seen: set = set()
     with _open(path) as s:
-        agree = s.comm.agree
+        gather = s.comm.all_gather  # agree's too; a put_state's cached structure's alone
 
-        def spy(error, what, payload=None):
+        def spy(payload, what):
             if what == "put_tables: check":
                 def walk(v):
                     seen.add(type(v).__module__.split(".")[0] + "." + type(v).__name__)
@@ -500,9 +500,9 @@ def check_round_payload(rank: int, world: int, path: str) -> list:
                               v if isinstance(v, (list, tuple)) else ()):
                         walk(x)
                 walk(payload)
-            return agree(error, what, payload)
+            return gather(payload, what)
 
-        s.comm.agree = spy
+        s.comm.all_gather = spy
         s.put_state(1, {"emb": _mine(t.clone(), rank, world)})
         t[2::9] += 1.0
         mine = _mine(t, rank, world)
