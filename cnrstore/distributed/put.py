@@ -105,12 +105,12 @@ class RowGrid:
         mine = None
         structure = state if isinstance(state, RankStructure) else None
         cached = None if structure is None else structure.cached
+        if cached is False:  # this rank's structure changed: every rank restarts
+            _check_round(comm, None, None, False)  # raises Restructure on every rank
         # Before the round: the bases this rank still trusts are part of what it sends.
         forget_failed(ds)
         try:
-            if cached is False:
-                pass  # this rank's structure changed: every rank restarts after the round
-            elif structure is not None and structure.error is not None:
+            if structure is not None and structure.error is not None:
                 raise structure.error  # put_state's flatten failed on this rank
             check_step(step)
             check_progress(progress)
