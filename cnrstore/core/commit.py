@@ -53,8 +53,13 @@ class EngineCommit:
         return [{"keep_full": at_risk(req.bases.get(w.key)), "borrow": blocking,
                  "defer_encode": not blocking} for w in req.works]
 
+    def known_widths(self, h: Any, req: Request) -> None:
+        return None  # a world of one: its width "round" is free, its errors raise at once
+
     def job(self, h: Any, step: int, req: Request, plans: Plans, widths: dict[str, int],
-            stall: float, state: dict | None) -> Callable[[], StepInfo]:
+            stall: float, state: dict | None, error: BaseException | None = None
+            ) -> Callable[[], StepInfo]:
+        assert error is None  # known_widths gives none, so planning errors raise here
         planned = [p for _, _, p in plans]
         return lambda: _write(h, step, planned, req.meta_doc, stall, state)
 

@@ -46,9 +46,10 @@ class Group(Protocol):
         its one answer for all; its error raised on every rank."""
         ...
 
-    def exchange(self, buf: torch.Tensor, sizes: list[int], expect: list[int], what: str
-                 ) -> list[torch.Tensor]:
-        """Point to point: ``sizes[r]`` bytes of ``buf`` to rank r, ``expect[r]`` from it."""
+    def exchange(self, buf: torch.Tensor, sizes: list[int], expect: list[int], what: str,
+                 out: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """Point to point: ``sizes[r]`` bytes of ``buf`` to rank r, ``expect[r]`` from it
+        (into ``out`` where given)."""
         ...
 
 
@@ -73,6 +74,6 @@ class Solo:
         value = fn()
         return value[0] if scatter else value
 
-    def exchange(self, buf: torch.Tensor, sizes: list[int], expect: list[int], what: str
-                 ) -> list[torch.Tensor]:
+    def exchange(self, buf: torch.Tensor, sizes: list[int], expect: list[int], what: str,
+                 out: torch.Tensor | None = None) -> list[torch.Tensor]:
         return [buf[:sizes[0]]]

@@ -91,6 +91,9 @@ class Request:
     # This rank's failure after the placement's last round: raised in the width round,
     # which every rank enters, so every rank raises it (distributed/put.py).
     error: BaseException | None = None
+    # Gives back the placement's scratch buffers (the rows it assembled runs from), once
+    # every run is planned: a plan keeps copies, never these (distributed/put.py).
+    release: Callable[[], None] | None = None
 
 
 @dataclass
@@ -101,6 +104,11 @@ class RankStructure:
 
     doc: dict | None
     error: BaseException | None = None
+    # None: the state's structure was agreed in a round before the put. True: it was taken
+    # from the handle's last put_state, this rank's unchanged; False: this rank's changed.
+    # Every rank's flag rides the check round: where one is False, every rank raises
+    # Restructure after it, and put_state runs the structure round (distributed/put.py).
+    cached: bool | None = None
 
 
 class Placement(Protocol):
@@ -120,13 +128,26 @@ class Placement(Protocol):
 class Commit(Protocol):
     """How a planned step reaches the store (core/commit.py, distributed/commit.py)."""
 
+    def known_widths(self, h: Any, req: Request) -> dict[str, int] | None:
+        """Every table's row width where it is known before planning (no intN table) and
+        a rank's planning error may reach the other ranks on the writer's first round
+        (``job(..., error=)``): the put then takes no width round, and its caller returns
+        once its own runs are planned, without waiting for the slowest rank's (many
+        ranks, issue 26). None: the ranks agree the widths (``_agree_widths``)."""
+        ...
+
     def plan_options(self, h: Any, req: Request, *, blocking: bool, keep_full: bool
                      ) -> list[dict]:
         """plan_table's options for each run of ``req`` (its base in ``req.bases``)."""
         ...
 
     def job(self, h: Any, step: int, req: Request, plans: Plans, widths: dict[str, int],
-            stall: float, state: dict | None) -> Callable[[], StepInfo]: ...
+            stall: float, state: dict | None, error: BaseException | None = None
+            ) -> Callable[[], StepInfo]:
+        """The step's write, for the writer thread; ``error`` (only where ``known_widths``
+        gave widths): this rank's planning failed, and the job fails the step on every
+        rank with it."""
+        ...
 
 
 def put(h: Any, step: int, tables: Mapping, *, quant: Any, metadata: Mapping | None,
@@ -146,12 +167,18 @@ def put(h: Any, step: int, tables: Mapping, *, quant: Any, metadata: Mapping | N
             # the step committed.
             report = Reporter(progress, sum(w.nbytes for w in req.works),
                               min_total=h.options.progress_min_bytes)
-        req.bases = place.bases(h, req)
-        plans = _plan_all(h, req, commit.plan_options(h, req, blocking=blocking,
-                                                      keep_full=keep_full), report)
-        widths = _agree_widths(h, req, plans)
+        failed: BaseException | None = None
+        try:
+            req.bases = place.bases(h, req)
+            options = commit.plan_options(h, req, blocking=blocking, keep_full=keep_full)
+            known = commit.known_widths(h, req)
+            plans, failed = _plan_all(h, req, options, report, known)
+            widths = _agree_widths(h, req, plans, known)
+        finally:
+            if req.release is not None:
+                req.release()
         job = commit.job(h, step, req, plans, widths, time.perf_counter() - req.t0,
-                         req.state if req.state is not None else state)
+                         req.state if req.state is not None else state, error=failed)
         fut: Future = Future()
         try:
             h.writer.submit(job, cleanup=lambda: _release(plans), future=fut)
@@ -167,6 +194,8 @@ def put(h: Any, step: int, tables: Mapping, *, quant: Any, metadata: Mapping | N
             _queued(h, step, req, plans, fut)  # interrupted just after: it will be written
             raise
         _queued(h, step, req, plans, fut)
+    if failed is not None and not isinstance(failed, Exception):
+        raise failed  # Ctrl-C in planning: queued to fail every rank's put, then raised
     if not blocking:
         fut.add_done_callback(lambda f: None if f.exception() else report.finish())
         return fut
@@ -194,22 +223,32 @@ def put(h: Any, step: int, tables: Mapping, *, quant: Any, metadata: Mapping | N
                touched=None, state=state, keep_full=True, report=report)
 
 
-def _plan_all(h: Any, req: Request, options: list[dict], report: Reporter) -> Plans:
-    """Plan every run against its diff base; a rank whose planning failed enters the
-    ranks' width round with its error, so every rank raises it."""
+def _plan_all(h: Any, req: Request, options: list[dict], report: Reporter,
+              known: dict[str, int] | None) -> tuple[Plans, BaseException | None]:
+    """Plan every run against its diff base: (the plans, None). A rank whose planning
+    failed enters the ranks' width round with its error, so every rank raises it; where
+    the widths are ``known`` (``Commit.known_widths``) there is no width round: (no
+    plans, the error), which the step's job raises on every rank's writer round, so
+    every rank's put fails (the Future of a non-blocking one)."""
     plans: Plans = []
     try:
         if req.error is not None:
             raise req.error
         for w, kwargs in zip(req.works, options):
-            plans.append((w.name, w.b0, _plan(h, req, w, w.rows(), req.bases.get(w.key),
-                                              w.touched, None, kwargs)))
+            p = _plan(h, req, w, w.rows(), req.bases.get(w.key), w.touched, None, kwargs)
+            plans.append((w.name, w.b0, p))
+            if known is not None and p.state.row_nbytes != known[w.name]:
+                raise AssertionError(f"put_tables: table {w.name!r} planned "
+                                     f"{p.state.row_nbytes} bytes a row, its scheme "
+                                     f"{known[w.name]} (a bug: report it)")
             report.add(w.nbytes)
     except BaseException as exc:
         _release(plans)
+        if known is not None:
+            return [], exc
         h.group.agree(exc, "put_tables: encode", {})
         raise
-    return plans
+    return plans, None
 
 
 def _plan(h: Any, req: Request, w: Work, rows: torch.Tensor, base: TableState | None,
@@ -226,10 +265,14 @@ def _plan(h: Any, req: Request, w: Work, rows: torch.Tensor, base: TableState | 
         raise type(exc)(exc.table, exc.row + w.lo, exc.scheme) from None  # the global row
 
 
-def _agree_widths(h: Any, req: Request, plans: Plans) -> dict[str, int]:
+def _agree_widths(h: Any, req: Request, plans: Plans, known: dict[str, int] | None
+                  ) -> dict[str, int]:
     """Every table's row width on every rank: a rank's part of a table that needed wide
     qparams makes the whole table wide, as in a single-process put (docs/QUANTIZATION.md
-    "Wide rows"); the parts planned narrow are planned again, locally."""
+    "Wide rows"); the parts planned narrow are planned again, locally. ``known``: the
+    widths, known before planning (no round)."""
+    if known is not None:
+        return known
     group = h.group
     rnb = {n: p.state.row_nbytes for n, _, p in plans}
     try:

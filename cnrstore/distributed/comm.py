@@ -169,13 +169,15 @@ class Comm:
             raise rebuild_error(got[1], 0)
         return got[1]
 
-    def exchange(self, buf: torch.Tensor, sizes: list[int], expect: list[int], what: str
-                 ) -> list[torch.Tensor]:
+    def exchange(self, buf: torch.Tensor, sizes: list[int], expect: list[int], what: str,
+                 out: torch.Tensor | None = None) -> list[torch.Tensor]:
         """Point to point: ``sizes[r]`` bytes of the uint8 ``buf`` (in rank order) go to
         rank r, and ``expect[r]`` bytes come from it (the ranks agreed on both before).
-        Returns the bytes from each rank. Unlike an all-gather, each byte crosses once,
-        to its one reader, unpickled and unpadded."""
-        out = torch.empty(sum(expect), dtype=torch.uint8)
+        Returns the bytes from each rank (views of ``out`` where given: a uint8 buffer of
+        at least that many bytes). Unlike an all-gather, each byte crosses once, to its
+        one reader, unpickled and unpadded."""
+        out = torch.empty(sum(expect), dtype=torch.uint8) if out is None else \
+            out[:sum(expect)]
         self._run(what, lambda: dist.all_to_all_single(
             out, buf, output_split_sizes=expect, input_split_sizes=sizes, group=self.pg))
         return list(torch.split(out, expect))

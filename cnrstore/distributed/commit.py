@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from cnrstore.codec.quantize import row_nbytes
+from cnrstore.codec.quantize import row_nbytes, scheme_bits
 from cnrstore.core.lineage import commit_check
 from cnrstore.core.options import ensure_stored
 from cnrstore.core.put import Plans, Request, marking_failed
@@ -57,6 +57,9 @@ class Step:
     state: dict | None
     stall: float
     damaged: frozenset[bytes] = frozenset()  # unreadable records of the seeded bases
+    # This rank's planning failed (no width round: ``CoordinatorCommit.known_widths``):
+    # the writer round's first agreement raises it on every rank.
+    error: BaseException | None = None
 
 
 
@@ -100,15 +103,27 @@ class CoordinatorCommit:
                      keep_full: bool) -> list[dict]:
         return [{} for _ in req.works]
 
+    def known_widths(self, ds: DistributedStore, req: Request) -> dict[str, int] | None:
+        """Without an intN table every row width follows from the scheme and dtype, so
+        the ranks need no width round: a rank whose planning fails says so in the
+        writer round's first agreement (``Step.error``), which fails the step on every
+        rank, as a write failing there does. The caller then returns once its own runs
+        are planned, not once the slowest rank's are (issue 26)."""
+        if any(scheme_bits(s) is not None for s in req.schemes.values()):
+            return None
+        return {n: row_nbytes(req.schemes[n], gt.torch_dtype, layout.width(gt.row_shape))
+                for n, gt in req.tables.items()}
+
     def job(self, ds: DistributedStore, step: int, req: Request, plans: Plans,
-            widths: dict[str, int], stall: float, state: dict | None
-            ) -> Callable[[], StepInfo]:
+            widths: dict[str, int], stall: float, state: dict | None,
+            error: BaseException | None = None) -> Callable[[], StepInfo]:
         widths = dict(widths)
         for n, gt in req.tables.items():  # a table no rank holds a block of (no rows)
             widths.setdefault(n, row_nbytes(req.schemes[n], gt.torch_dtype,
                                             layout.width(gt.row_shape)))
         job = Step(step, plans, req.tables, req.schemes, widths,
-                   req.meta_doc if ds.group.coordinator else {}, state, stall, req.damaged)
+                   req.meta_doc if ds.group.coordinator else {}, state, stall, req.damaged,
+                   error)
         return lambda: write(ds, job)
 
 
@@ -141,6 +156,8 @@ def _write_round(ds: DistributedStore, job: Step) -> StepInfo:
     coll = None
     ask: Any = None
     try:
+        if job.error is not None:
+            raise job.error
         known = {s.oid for _, _, p in job.plans for s in (p.base_slots or []) if s and s.oid}
         known |= {bw.base.oid for _, _, p in job.plans for bw in p.writes
                   if bw.base is not None and bw.base.oid}  # merged patches' full blocks
@@ -151,7 +168,8 @@ def _write_round(ds: DistributedStore, job: Step) -> StepInfo:
         _point("dist.rank_after_encode")
     except BaseException as exc:
         err = exc
-    asks = comm.agree(_local(err, job.step), "put: blocks", ask)
+    # A planning error goes as it is, as the width round sent it (``Step.error``).
+    asks = comm.agree(err if err is job.error else _local(err, job.step), "put: blocks", ask)
 
     def decide() -> list:
         objects = ds.local.objects

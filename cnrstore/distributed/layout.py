@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -279,12 +279,14 @@ def message_nbytes(table: GlobalTable, nrows: int) -> int:
     return _padded(nrows * width(table.row_shape) * DTYPE_SIZES[table.dtype])
 
 
-def pack(messages: list[list[torch.Tensor]]) -> tuple[torch.Tensor, list[int]]:
+def pack(messages: list[list[torch.Tensor]], out: torch.Tensor | None = None
+         ) -> tuple[torch.Tensor, list[int]]:
     """One uint8 CPU buffer holding ``messages[r]`` (row tensors, in order) for each rank r,
     and the bytes for each rank: what ``Comm.exchange`` sends. The rows are copied once,
-    from wherever they live (a GPU shard too)."""
+    from wherever they live (a GPU shard too), into ``out`` where given (a reused uint8
+    buffer of at least that many bytes: fresh memory is first-touched in the stall)."""
     sizes = [sum(_padded(nbytes(t)) for t in ts) for ts in messages]
-    buf = torch.empty(sum(sizes), dtype=torch.uint8)
+    buf = torch.empty(sum(sizes), dtype=torch.uint8) if out is None else out[:sum(sizes)]
     at = 0
     for ts in messages:
         for t in ts:
@@ -304,14 +306,26 @@ def unpack(buf: torch.Tensor, table: GlobalTable, nrows: int) -> tuple[torch.Ten
     return rows, _padded(n)
 
 
-def assemble(run: Run, parts: list[tuple[int, torch.Tensor]], row_shape, dtype
-             ) -> torch.Tensor:
-    """The rows of ``run`` from its parts: a view when one part holds them all."""
+def assembles(run: Run, parts: list[tuple[int, torch.Tensor]]) -> bool:
+    """Whether ``assemble`` copies: no one part holds all of ``run``'s rows."""
     n = run.hi - run.lo
-    if len(parts) == 1 and parts[0][0] == run.lo and parts[0][1].shape[0] == n:
+    return not (len(parts) == 1 and parts[0][0] == run.lo and parts[0][1].shape[0] == n)
+
+
+def assemble(run: Run, parts: list[tuple[int, torch.Tensor]], row_shape, dtype,
+             take: Callable[[int], torch.Tensor] | None = None) -> torch.Tensor:
+    """The rows of ``run`` from its parts: a view when one part holds them all, else a
+    copy, into ``take(nbytes)`` (a reused uint8 CPU buffer) where given and the parts are
+    on the CPU."""
+    n = run.hi - run.lo
+    if not assembles(run, parts):
         return parts[0][1]
-    device = parts[0][1].device if parts else "cpu"
-    out = torch.empty((n, *row_shape), dtype=dtype, device=device)
+    device = parts[0][1].device if parts else torch.device("cpu")
+    if take is not None and torch.device(device).type == "cpu":
+        size = n * width(row_shape) * dtype.itemsize
+        out = take(size)[:size].view(dtype).view((n, *row_shape))
+    else:
+        out = torch.empty((n, *row_shape), dtype=dtype, device=device)
     covered = 0
     for a, t in parts:
         out[a - run.lo:a - run.lo + t.shape[0]] = t.to(device)

@@ -32,19 +32,58 @@ from cnrstore.core.validate import (
     resolve_quant,
 )
 from cnrstore.distributed import layout, seed
+from cnrstore.distributed.comm import rebuild_error, wire_error
 from cnrstore.errors import InvalidInput, StepExists
 
 # The DistributedStore (cnrstore/distributed/store.py, which imports this module): typed loosely
 # so the layers test sees no import cycle.
 DistributedStore = Any
 
-__all__ = ["RowGrid"]
+__all__ = ["Restructure", "RowGrid"]
 
 
-def _assembler(run: layout.Run, parts: list, gt: layout.GlobalTable
+class Restructure(Exception):
+    """Raised on every rank after a put's check round where a put_state took its
+    structure from the handle's last one and some rank's structure changed: nothing was
+    planned, and put_state agrees the structure in its round and puts again."""
+
+
+class _Scratch:
+    """The host buffers a put's caller thread fills and no plan keeps (the rows sent, the
+    rows received, the boundary blocks assembled), taken from the handle's pool
+    (``HostBuffers``) and given back once every run is planned (``Request.release``).
+    Fresh memory is first-touched in the stall: at the bench's size (issue 26) each rank
+    assembled four 8 MB boundary blocks and sent or received up to 9 MB a put, ~3-4 ms an
+    8 MB block fresh against under 1 ms into a reused buffer. A distributed put's plans
+    copy the rows they keep (``RowGrid`` plans with no ``borrow``), so nothing reads these
+    buffers after planning."""
+
+    def __init__(self, pool: Any) -> None:
+        self.pool = pool
+        self.held: list[torch.Tensor] = []
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        buf = self.pool.take(nbytes, pinned=False)
+        self.held.append(buf)
+        return buf
+
+    def give(self, buf: torch.Tensor | None = None) -> None:
+        """Give back ``buf`` if held (None: every buffer held)."""
+        back = [b for b in self.held if buf is None or b is buf]
+        self.held = [b for b in self.held if not any(b is g for g in back)]
+        for b in back:
+            self.pool.give(b)
+
+    def drop(self, buf: torch.Tensor) -> None:
+        """Never give ``buf`` back (a failed exchange may still be writing into it)."""
+        self.held = [b for b in self.held if b is not buf]
+
+
+def _assembler(run: layout.Run, parts: list, gt: layout.GlobalTable, scratch: _Scratch
                ) -> Callable[[], torch.Tensor]:
     """The rows of ``run``, assembled when planned (a view when one part holds them)."""
-    return lambda: layout.assemble(run, parts, gt.row_shape, gt.torch_dtype)
+    return lambda: layout.assemble(run, parts, gt.row_shape, gt.torch_dtype,
+                                   take=scratch.take)
 
 
 def _quant_key(quant: Any) -> Any:
@@ -65,6 +104,9 @@ class RowGrid:
         err: BaseException | None = None
         mine = None
         structure = state if isinstance(state, RankStructure) else None
+        cached = None if structure is None else structure.cached
+        if cached is False:  # this rank's structure changed: every rank restarts
+            _check_round(comm, None, None, False)  # raises Restructure on every rank
         # Before the round: the bases this rank still trusts are part of what it sends.
         forget_failed(ds)
         try:
@@ -97,7 +139,7 @@ class RowGrid:
                     None if structure is None else structure.doc, moved, have)
         except BaseException as exc:
             err = exc
-        got = comm.agree(err, "put_tables: check", mine)
+        got = _check_round(comm, err, mine, cached)
         if len({g[1] for g in got}) > 1:
             raise InvalidInput("put_tables: the ranks passed different steps, quant or "
                                "metadata; every rank must pass the same")
@@ -120,6 +162,8 @@ class RowGrid:
         runs: list = []
         rows_to: list[list[torch.Tensor]] = [[] for _ in range(comm.world)]
         buf: torch.Tensor | None = None
+        scratch = _Scratch(ds.buffers)
+        sent: torch.Tensor | None = None
         sizes = [sum(layout.message_nbytes(gtables[m[1]], m[3]) for m in announced[comm.rank][0]
                      if m[0] == d) for d in range(comm.world)]
         try:
@@ -134,7 +178,9 @@ class RowGrid:
                 for run, parts in own:
                     ids = None if tt is None else tt[(tt >= run.lo) & (tt < run.hi)]
                     runs.append((run, parts, [ids]))
-            buf, packed = layout.pack(rows_to)
+            if sum(sizes):
+                sent = scratch.take(sum(sizes))
+            buf, packed = layout.pack(rows_to, sent)
             if packed != sizes:
                 raise AssertionError(f"put_tables: rows packed {packed}, announced {sizes} "
                                      "(a bug: report it)")
@@ -143,10 +189,14 @@ class RowGrid:
             buf = torch.zeros(sum(sizes), dtype=torch.uint8)
         del rows_to
         try:
-            _receive(comm, announced, buf, sizes, gtables, runs)
+            _receive(comm, announced, buf, sizes, gtables, runs, scratch)
         except BaseException as exc:
             lerr, runs = lerr or exc, []
         del buf
+        if sent is not None:
+            scratch.give(sent)
+        if lerr is not None:
+            scratch.give()
         works = []
         for run, parts, tl in runs:
             gt = gtables[run.name]
@@ -158,9 +208,10 @@ class RowGrid:
             works.append(Work(
                 run.name, (run.name, run.b0), run.b0, run.b1, run.lo,
                 (run.hi - run.lo) * layout.width(gt.row_shape) * gt.torch_dtype.itemsize,
-                None, _assembler(run, parts, gt), tids))
+                None, _assembler(run, parts, gt, scratch), tids))
         return Request(works, schemes, meta_doc, gtables, t0,
-                       extra=[n for _, n in announced], state=merged, error=lerr)
+                       extra=[n for _, n in announced], state=merged, error=lerr,
+                       release=scratch.give)
 
     def bases(self, ds: DistributedStore, req: Request) -> dict[Any, TableState | None]:
         seeded = _seed(ds, req.extra, req.tables, req.schemes)
@@ -168,6 +219,27 @@ class RowGrid:
         # records of the seeded bases were unreadable (distributed/commit.py).
         req.damaged = frozenset().union(*(b.damaged_ids for b in seeded.values()))
         return {w.key: ds.states.get(w.key) or seeded.get(w.key) for w in req.works}
+
+
+def _check_round(comm: Any, err: BaseException | None, mine: Any, cached: bool | None
+                 ) -> list:
+    """Every rank's check facts, or the lowest rank's error raised on every rank. Where
+    put_state took the structure from its last put (``cached``), a rank whose structure
+    changed sends None and every rank raises Restructure, before any rank's error: those
+    were found in a structure that is not the state's."""
+    if cached is None:
+        return comm.agree(err, "put_tables: check", mine)
+    sent = None if cached is False else (None if err is None else wire_error(err), mine)
+    every = comm.all_gather(sent, "put_tables: check")
+    if any(e is None for e in every):
+        raise Restructure()
+    for r, (wire, _) in enumerate(every):
+        if wire is not None:
+            exc = rebuild_error(wire, r)
+            if r == comm.rank and err is not None:
+                raise exc from err
+            raise exc
+    return [m for _, m in every]
 
 
 def _announced(got: tuple, rank: int, gtables: dict, R: int, seed: bool
@@ -194,15 +266,21 @@ def _announced(got: tuple, rank: int, gtables: dict, R: int, seed: bool
 
 
 def _receive(comm: Any, got: list, buf: torch.Tensor, sizes: list[int],
-             gtables: dict, runs: list) -> None:
+             gtables: dict, runs: list, scratch: _Scratch) -> None:
     """Exchange the boundary rows that ``got`` (every rank's ``_announced``) announces and
-    add those sent to this rank to its runs (a view of the receive buffer each;
-    ``assemble`` copies them)."""
+    add those sent to this rank to its runs (a view of the receive buffer each, one of
+    ``scratch``'s; ``assemble`` copies them)."""
     if not any(msgs for msgs, _ in got):
         return  # every rank sees the same: none enters the exchange
     mine = [[m for m in msgs if m[0] == comm.rank] for msgs, _ in got]
     expect = [sum(layout.message_nbytes(gtables[m[1]], m[3]) for m in ms) for ms in mine]
-    received = comm.exchange(buf, sizes, expect, "put_tables: rows")
+    into = scratch.take(sum(expect)) if sum(expect) else None
+    try:
+        received = comm.exchange(buf, sizes, expect, "put_tables: rows", into)
+    except BaseException:
+        if into is not None:
+            scratch.drop(into)
+        raise
     for ms, data in zip(mine, received):
         for _, name, a, nrows, ids in ms:
             t, used = layout.unpack(data, gtables[name], nrows)

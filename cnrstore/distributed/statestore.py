@@ -35,7 +35,7 @@ from cnrstore.core.stateselect import (
     select,
 )
 from cnrstore.core.validate import check_destination, check_device
-from cnrstore.distributed.leaves import global_shape, leaf_dtype
+from cnrstore.distributed.leaves import global_shape, leaf_dtype, skeleton, uniform
 from cnrstore.distributed.read import dest_hints, fill_dest, in_place
 from cnrstore.distributed.shard import Shard
 from cnrstore.errors import InvalidInput, InvalidType, StepNotFound
@@ -84,13 +84,12 @@ def _sharded(state: Any, shard_leaf: Any) -> tuple[Any, dict[str, Any]]:
 
 
 def _uniform(ds: DistributedStore, state: Any, what: str, error: BaseException | None = None,
-             extra: Any = None) -> tuple[Any, list]:
-    """(``state`` with one nesting on every rank, every rank's ``extra``), in one round:
-    TorchRec's state names a table's optimizer state only where a rank holds its rows
+             extra: Any = None) -> tuple[Any, list, list | None]:
+    """(``state`` with one nesting on every rank, every rank's ``extra``, every rank's
+    skeleton where every state is a mapping), in one round: TorchRec's state names a
+    table's optimizer state only where a rank holds its rows
     (cnrstore.distributed.leaves.uniform). ``error`` and ``extra`` are this rank's facts
     of the call that ride the same round (put_state's column join)."""
-    from cnrstore.distributed.leaves import skeleton, uniform
-
     # Every rank enters the one round, whether its state is a mapping or its skeleton
     # failed: the kinds, the skeletons and the errors are all-gathered together.
     is_map = isinstance(state, Mapping)
@@ -104,11 +103,12 @@ def _uniform(ds: DistributedStore, state: Any, what: str, error: BaseException |
     kinds = [g[0] for g in got]
     extras = [g[2] for g in got]
     if not any(kinds):
-        return state, extras
+        return state, extras, None
     if not all(kinds):
         raise InvalidType(f"{what}: the state is a mapping on ranks "
                           f"{[r for r, k in enumerate(kinds) if k]} only")
-    return uniform(state, gather=lambda _mine: [g[1] for g in got]), extras
+    skels = [g[1] for g in got]
+    return uniform(state, gather=lambda _mine: skels), extras, skels
 
 
 def put_state(ds: DistributedStore, step: Any, state: Any, *, quant: Any, metadata: Any,
@@ -117,9 +117,45 @@ def put_state(ds: DistributedStore, step: Any, state: Any, *, quant: Any, metada
     # (cnrstore/distributed/columns.py; touched= may be TorchRec's ModelDeltaTracker):
     # what this rank holds of them rides the structure round.
     from cnrstore.distributed.columns import offer_state
+    from cnrstore.distributed.put import Restructure
 
     offer = offer_state(ds, state, touched)
-    state, every = _uniform(ds, state, "put_state: structure", offer.error, offer.info)
+    kw = dict(quant=quant, metadata=metadata, blocking=blocking, progress=progress)
+    skels = ds.last_skeletons
+    if skels is not None:
+        # The handle's last put_state agreed every rank's skeleton, and no rank held a
+        # column piece: where this rank's state has that skeleton still and no column
+        # piece, the structure round would give what it gave then, so the put goes
+        # straight to its check round, which carries each rank's verdict; one changed
+        # structure and every rank raises Restructure there and agrees it below.
+        same, mine = False, state
+        try:
+            if (isinstance(state, Mapping) and offer.error is None and not offer.info
+                    and skeleton(state) == skels[ds.rank]):
+                mine, same = uniform(state, gather=lambda _mine: skels), True
+        except Exception:  # noqa: BLE001 - found again by the structure round below
+            same = False
+        try:
+            return _put_uniform(ds, step, mine, offer, [{}] * ds.comm.world, same, **kw)
+        except Restructure:
+            pass
+    ds.last_skeletons = None
+    state, every, skels = _uniform(ds, state, "put_state: structure", offer.error,
+                                   offer.info)
+    if skels is not None and not any(every):
+        ds.last_skeletons = skels
+    return _put_uniform(ds, step, state, offer, every, None, **kw)
+
+
+def _put_uniform(ds: DistributedStore, step: Any, state: Any, offer: Any, every: list,
+                 cached: bool | None, *, quant: Any, metadata: Any, blocking: bool,
+                 progress: Any) -> Any:
+    """put_state of ``state`` as the structure round made it uniform (``cached``: as
+    ``RankStructure.cached``; False: this rank's changed, so it only enters the check
+    round, where every rank raises Restructure)."""
+    if cached is False:
+        return put(ds, step, {}, quant=quant, metadata=metadata, blocking=blocking,
+                   touched=None, state=RankStructure(None, None, False), progress=progress)
     state, touched, done = offer.finish(every, state, "put_state: columns")
     err, doc, tables = None, None, {}
     try:  # local checks: a rank that fails here must still enter the put's rounds
@@ -139,7 +175,7 @@ def put_state(ds: DistributedStore, step: Any, state: Any, *, quant: Any, metada
     # table) is stored, so it must be in the structure that get_state rebuilds. Every
     # rank's structure (or error) rides the put's check round (distributed/put.py).
     info = put(ds, step, tables, quant=quant, metadata=metadata, blocking=blocking,
-               touched=touched, state=RankStructure(doc, err), progress=progress)
+               touched=touched, state=RankStructure(doc, err, cached), progress=progress)
     done()
     return info
 
@@ -186,7 +222,7 @@ def get_state(ds: DistributedStore, step: Any, *, device: Any, names: Any = None
 
 def load_state(ds: DistributedStore, step: Any, state: Any, *, strict: bool,
                names: Any = None, progress: Any = None) -> Any:
-    state, _ = _uniform(ds, state, "load_state: structure")
+    state, _, _ = _uniform(ds, state, "load_state: structure")
     step, sel, stored_doc, stored = _select(ds, step, names, "load_state: names")
     box: dict[str, Any] = {}
 

@@ -109,6 +109,10 @@ class DistributedStore:
         self.buffers = HostBuffers(keep=self.options.max_inflight + 1,
                                    max_bytes=self.options.host_buffer_bytes)
         self.states: dict[tuple[str, int], Any] = {}
+        # Every rank's state skeleton at the last put_state, where no rank held a column
+        # piece (the same on every rank): the next put_state's structure round is skipped
+        # while each rank's stays the same (distributed/statestore.py).
+        self.last_skeletons: list | None = None
         self.segments: dict[str, list] = {}      # coordinator's segment id cache per table
         self.pending: dict[int, Future] = {}
         self.failed = False

@@ -420,11 +420,12 @@ def load_state_reads(rank: int, world: int, path: str):
         return counts, ok and torch.equal(state["bias"], full["bias"])
 
 
-def put_state_rounds(rank: int, world: int, path: str) -> list:
+def put_state_rounds(rank: int, world: int, path: str, quant=None) -> list:
     """Rounds of the calling thread's group (``comm``; the writer has its own) in a
     non-blocking put_state of row-sharded leaves whose boundary blocks hold both ranks'
     rows (uneven cut), a plain tensor and a Python value; the second put diffs against
-    the first's bases with touched rows. (rounds of each put, steps stored, restored)."""
+    the first's bases with touched rows. (rounds of each put, steps stored, restored:
+    exactly, or for ``quant`` within its error)."""
     out = []
     t = {n: _table(i) for i, n in enumerate(("emb", "acc"))}
     with _open(path) as s:
@@ -438,37 +439,48 @@ def put_state_rounds(rank: int, world: int, path: str) -> list:
             ids = ids[(ids >= mine.row_offset) & (ids < mine.row_offset + mine.local.shape[0])]
             touched = {f"model/{n}": ids for n in t}
             r0 = s.comm.rounds
-            fut = s.put_state(step, state, blocking=False,
+            fut = s.put_state(step, state, blocking=False, quant=quant,
                               touched=touched if step > 1 else None)
             out.append(s.comm.rounds - r0)
             fut.result()
         back = s.get_state(2)
-        ok = all(torch.equal(back["model"][n], t[n]) for n in t) and back["epoch"] == 2
+        same = torch.equal if quant is None else (
+            lambda a, b: torch.allclose(a, b, atol=0.05))
+        ok = all(same(back["model"][n], t[n]) for n in t) and back["epoch"] == 2
         return [out, s.steps(), ok]
 
 
-def late_failure(rank: int, world: int, path: str):
+def late_failure(rank: int, world: int, path: str, where: str = "pack"):
     """Rank 1 fails after the put's check round, packing the boundary rows it moves (no
-    round of its own follows): every rank must raise its error, in the width round, and
-    the next put works. (error, steps)."""
+    round of its own follows), or ``where="plan"`` planning its runs: every rank must
+    raise its error (from the writer's first round: an exact table's put takes no width
+    round, so every rank's non-blocking put returns a Future), and the next put works.
+    (error, steps, whether this rank's put returned)."""
+    from cnrstore.core import put as core_put
     from cnrstore.distributed import layout
 
     with _open(path) as s:
         s.put_tables(1, {"t": _mine(_table(1), rank, world)})
-        pack = layout.pack
-        if rank == 1:
-            def failing_pack(messages):
+        pack, plan = layout.pack, core_put.plan_table
+        if rank == 1 and where == "pack":
+            def failing_pack(messages, out=None):
                 raise MemoryError("no memory for the send buffer (test)")
             layout.pack = failing_pack
-        err = None
+        if rank == 1 and where == "plan":
+            def failing_plan(*args, **kwargs):
+                raise MemoryError("no memory for the codes (test)")
+            core_put.plan_table = failing_plan
+        err, returned = None, False
         try:
-            s.put_tables(2, {"t": _mine(_table(2), rank, world)}, blocking=False).result()
+            fut = s.put_tables(2, {"t": _mine(_table(2), rank, world)}, blocking=False)
+            returned = True
+            fut.result()
         except Exception as exc:  # noqa: BLE001 - compared by the test
             err = (type(exc).__name__, str(exc))
         finally:
-            layout.pack = pack
+            layout.pack, core_put.plan_table = pack, plan
         s.put_tables(3, {"t": _mine(_table(3), rank, world)})
-        return err, s.steps()
+        return err, s.steps(), returned
 
 
 def check_round_payload(rank: int, world: int, path: str) -> list:
@@ -478,9 +490,9 @@ def check_round_payload(rank: int, world: int, path: str) -> list:
     t = _table(0)
     seen: set = set()
     with _open(path) as s:
-        agree = s.comm.agree
+        gather = s.comm.all_gather  # agree's too; a put_state's cached structure's alone
 
-        def spy(error, what, payload=None):
+        def spy(payload, what):
             if what == "put_tables: check":
                 def walk(v):
                     seen.add(type(v).__module__.split(".")[0] + "." + type(v).__name__)
@@ -488,9 +500,9 @@ def check_round_payload(rank: int, world: int, path: str) -> list:
                               v if isinstance(v, (list, tuple)) else ()):
                         walk(x)
                 walk(payload)
-            return agree(error, what, payload)
+            return gather(payload, what)
 
-        s.comm.agree = spy
+        s.comm.all_gather = spy
         s.put_state(1, {"emb": _mine(t.clone(), rank, world)})
         t[2::9] += 1.0
         mine = _mine(t, rank, world)
@@ -499,3 +511,44 @@ def check_round_payload(rank: int, world: int, path: str) -> list:
         s.put_state(2, {"emb": _mine(t.clone(), rank, world)}, blocking=False,
                     touched={"emb": ids}).result()
         return [sorted(seen), torch.equal(s.get_state(2)["emb"], t)]
+
+
+def changing_structure(rank: int, world: int, path: str) -> list:
+    """put_state of steps 1-4 where the structure changes on rank 1 only at step 2 (an
+    optimizer state appears there: rank 1 holds all its rows) and rank 0's input is bad
+    at step 3 (a gap in a table's shards) while rank 1's structure changes back: the
+    structure of step 1 is taken again at step 2 until the check round, where every rank
+    finds rank 1's changed and agrees it in the structure round. (the caller's rounds of
+    each put, each step's error or None, steps stored, each stored step restored as
+    given)."""
+    rounds, errors, given = [], [], {}
+    with _open(path) as s:
+        for step in (1, 2, 3, 4):
+            emb = _table(step)
+            opt = _table(10 + step)
+            state: dict = {"model": {"emb": _mine(emb, rank, world)}, "epoch": step}
+            if rank == 1 and step in (2, 4):
+                state["opt"] = {"m": cnrstore.Shard(opt, row_offset=0, rows=200)}
+            if rank == 0 and step == 3:
+                mine = _mine(emb, rank, world)
+                state["model"]["emb"] = cnrstore.Shard(mine.local[1:], row_offset=1,
+                                                       rows=200)
+            r0 = s.comm.rounds
+            err = None
+            try:
+                s.put_state(step, state, blocking=False).result()
+                given[step] = (emb, opt if step in (2, 4) else None)
+            except Exception as exc:  # noqa: BLE001 - compared by the test
+                err = type(exc).__name__
+            rounds.append(s.comm.rounds - r0)
+            errors.append(err)
+        ok = []
+        for step, (emb, opt) in given.items():
+            back = s.get_state(step)
+            good = torch.equal(back["model"]["emb"], emb) and back["epoch"] == step
+            if opt is None:
+                good &= "opt" not in back
+            else:
+                good &= torch.equal(back["opt"]["m"], opt)
+            ok.append(bool(good))
+        return [rounds, errors, s.steps(), ok]

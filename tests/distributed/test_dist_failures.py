@@ -35,16 +35,20 @@ def test_bad_input_on_one_rank_fails_the_put_everywhere(tmp_path, how, error):
     assert res[0][0] == res[1][0]  # the same error on every rank
 
 
-def test_a_rank_failing_after_the_last_agreed_round_fails_the_put_everywhere(tmp_path):
+@pytest.mark.parametrize("where", ["pack", "plan"])
+def test_a_rank_failing_after_the_last_agreed_round_fails_the_put_everywhere(tmp_path,
+                                                                            where):
     # The rows a rank moves are announced in the check round; a rank that fails packing
-    # them still sends what it announced and raises in the width round, as every rank does.
-    res = run(2, late_failure, str(tmp_path / "s"))
+    # them still sends what it announced, and its error (or one planning its runs) fails
+    # the step on every rank in the writer's first round (an exact table's put takes no
+    # width round): every rank's non-blocking put returns, and its Future fails.
+    res = run(2, late_failure, str(tmp_path / "s"), where)
     for got in res:
         assert not isinstance(got, Failed), got.trace
     assert res[0] == res[1], res
-    (kind, text), steps = res[0]
+    (kind, text), steps, returned = res[0]
     assert kind == "CheckpointError" and text.startswith("rank 1: MemoryError"), text
-    assert steps == [1, 3]
+    assert steps == [1, 3] and returned
 
 
 POINTS = [  # (victim, point, step committed)
