@@ -57,16 +57,23 @@ def test_fingerprints_and_changes_match_fingerprints_and_a_compare(
 
 
 @contextlib.contextmanager
-def _parts(parts):
-    """Hash tables of any size in ``parts`` parts (1: the default split)."""
-    saved = fp_mod._SPLIT_MIN_BYTES, fp_mod._cores
+def _split(module, threshold, parts):
+    """Work of any size in ``parts`` parts on the pool (1: the default split), where
+    ``module.threshold`` is the size from which the work is split."""
+    saved = getattr(module, threshold), fp_mod._cores
     if parts > 1:
-        fp_mod._SPLIT_MIN_BYTES = 0
+        setattr(module, threshold, 0)
         fp_mod._cores = lambda: parts  # type: ignore[assignment]
     try:
         yield
     finally:
-        fp_mod._SPLIT_MIN_BYTES, fp_mod._cores = saved  # type: ignore[assignment]
+        setattr(module, threshold, saved[0])
+        fp_mod._cores = saved[1]  # type: ignore[assignment]
+
+
+def _parts(parts):
+    """Hash tables of any size in ``parts`` parts."""
+    return _split(fp_mod, "_SPLIT_MIN_BYTES", parts)
 
 
 def test_a_large_table_is_diffed_in_parts_on_the_pool():
@@ -112,17 +119,9 @@ def test_the_copy_of_changed_rows_matches_index_select_and_amin_amax(
     assert fits.tolist() == fits_fp16(lo, hi).tolist()
 
 
-@contextlib.contextmanager
 def _copy_parts(parts):
-    """Copy changed rows of any size in ``parts`` parts on the pool (1: the default)."""
-    saved = hostcodes._SPLIT_COPY_BYTES, fp_mod._cores
-    if parts > 1:
-        hostcodes._SPLIT_COPY_BYTES = 0
-        fp_mod._cores = lambda: parts  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        hostcodes._SPLIT_COPY_BYTES, fp_mod._cores = saved  # type: ignore[assignment]
+    """Copy changed rows of any size in ``parts`` parts."""
+    return _split(hostcodes, "_SPLIT_COPY_BYTES", parts)
 
 
 def test_a_large_copy_runs_in_parts_on_the_pool(kernel_path, monkeypatch):

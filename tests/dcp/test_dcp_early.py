@@ -18,13 +18,6 @@ from engine import RecordLocation
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
 
-@pytest.fixture(autouse=True)
-def _no_kept_stores():
-    close_stores()
-    yield
-    close_stores()
-
-
 def _saved(path) -> dict:
     g = torch.Generator().manual_seed(0)
     s = {"emb": torch.randn(1000, 8, generator=g), "acc": torch.rand(300, generator=g)}

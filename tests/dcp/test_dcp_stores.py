@@ -20,13 +20,6 @@ from cnrstore.dcp import StorageReader, StorageWriter, close_stores, stores
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
 
-@pytest.fixture(autouse=True)
-def _no_kept_stores():
-    close_stores()
-    yield
-    close_stores()
-
-
 def _state(seed: int) -> dict:
     g = torch.Generator().manual_seed(seed)
     return {"emb": torch.randn(3000, 16, generator=g), "bias": torch.randn(16, generator=g)}
