@@ -23,7 +23,7 @@ from typing import Any
 import engine
 from cnrstore.format.load import load_step, load_table_manifest
 
-__all__ = ["EARLY_BYTES", "Locations", "hint", "located", "locations", "plan", "source"]
+__all__ = ["EARLY_BYTES", "Locations", "hint", "locations", "plan", "source"]
 
 EARLY_BYTES = 32 << 20  # hinted at the plan: about the disk's reads until read_data reads
 
@@ -40,18 +40,7 @@ def locations(objects: Any, step: int, names: Iterable[str]) -> Locations | None
     try:
         _, node = load_step(objects, step)
         by_name = dict(zip(node.tables, node.table_ids))
-        return located(objects, {n: load_table_manifest(objects, by_name[n])
-                                 for n in names if n in by_name})
-    except Exception:  # noqa: BLE001 - hints only: the read itself reports any damage
-        return None
-
-
-def located(objects: Any, tables: dict[str, Any]) -> Locations | None:
-    """``locations`` of tables whose manifests the caller has read already ({name:
-    TableManifest}): one ``locate_closure`` of all their blocks."""
-    if not isinstance(objects, engine.PackStore):
-        return None
-    try:
+        tables = {n: load_table_manifest(objects, by_name[n]) for n in names if n in by_name}
         found = objects.locate_closure([b for tm in tables.values() for b in tm.block_ids])
         out: Locations = {}
         for n, tm in tables.items():

@@ -131,7 +131,7 @@ def _stored(store, step, prefix: str) -> tuple[dict[str, tuple[int, ...]], Any]:
     """(name -> shape of every table of ``step``, where the blocks of those under
     ``prefix`` lie: core/early.py's Locations, or None), from the coordinator in one
     round; ({}, None) for a store that is not distributed."""
-    from cnrstore.format.load import list_steps, load_step, load_table, load_table_manifest
+    from cnrstore.format.load import list_steps, load_step, load_table
 
     def shapes(st) -> tuple[dict, Any]:
         s = step
@@ -141,12 +141,10 @@ def _stored(store, step, prefix: str) -> tuple[dict[str, tuple[int, ...]], Any]:
         if s is None:
             return {}, None
         node = load_step(st.objects, s)[1]
-        # the manifests of the tables loaded read once, for their shapes and blocks
-        mine = {n: load_table_manifest(st.objects, oid)
-                for n, oid in zip(node.tables, node.table_ids) if n.startswith(prefix)}
-        got = {n: tuple(mine[n].node.shape if n in mine else load_table(st.objects, oid).shape)
+        got = {n: tuple(load_table(st.objects, oid).shape)
                for n, oid in zip(node.tables, node.table_ids)}
-        return got, early.located(st.objects, mine)
+        return got, early.locations(st.objects, s, [n for n in node.tables
+                                                    if n.startswith(prefix)])
 
     coordinated = getattr(store, "coordinated", None)
     return coordinated("torchrec load: shapes", shapes) if callable(coordinated) else ({}, None)
