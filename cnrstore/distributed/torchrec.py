@@ -30,7 +30,6 @@ from typing import Any
 
 import torch
 
-from cnrstore.core import early
 from cnrstore.distributed.leaves import global_shape, is_sharded_leaf, row_spans, uniform
 from cnrstore.distributed.shard import Shard
 from cnrstore.errors import CheckpointError, InvalidInput, InvalidType
@@ -51,18 +50,13 @@ def state_dict(dmp, *, optim: bool = True, group=None) -> dict:
     nesting on every rank (collective over the DMP's process group, or ``group``). The
     leaves are TorchRec's own ShardedTensors/DTensors: a put reads them, a load_state
     fills them in place, which writes through to the embedding kernels' storage."""
-    return uniform(_raw_state(dmp, optim), group if group is not None else _group_of(dmp))
-
-
-def _raw_state(dmp, optim: bool) -> dict:
-    """The DMP's state as TorchRec gives it (each rank's own nesting)."""
     state: dict = {"model": dmp.state_dict()}
     if optim:
         fused = getattr(dmp, "fused_optimizer", None)
         if fused is None:
             raise InvalidType(f"{type(dmp).__name__} has no fused_optimizer; pass optim=False")
         state["optim"] = fused.state_dict()
-    return state
+    return uniform(state, group if group is not None else _group_of(dmp))
 
 
 def load(store, step, dmp, *, optim: bool = True, strict: bool = True, group=None,
@@ -97,16 +91,9 @@ def plan_note(dmp, message: str) -> str:
 
 
 def _load(store, step, dmp, *, optim: bool, strict: bool, group, at: str) -> dict:
-    raw = _raw_state(dmp, optim)
+    state = state_dict(dmp, optim=optim, group=group)
     prefix = f"{at}{_SEP}" if at else ""
-    # The first round: the stored shapes and where the step's blocks lie. This rank
-    # knows its rows from its own state already, so its first blocks are hinted now and
-    # the disk reads during the structure and request rounds (core/early.py).
-    shapes, locs = _stored(store, step, prefix)
-    if locs is not None:
-        early.hint(early.source(store), early.plan(locs, _early_spans(raw, prefix)))
-    state = uniform(raw, group if group is not None else _group_of(dmp))
-    remap, fresh = _per_piece(shapes, state, prefix) if optim else ({}, set())
+    remap, fresh = _per_piece(store, step, state, prefix) if optim else ({}, set())
     nest: dict = _drop(state, set(remap) | fresh)
     for key in reversed(at.split(_SEP)) if at else ():
         nest = {key: nest}
@@ -127,43 +114,25 @@ def _load(store, step, dmp, *, optim: bool, strict: bool, group, at: str) -> dic
     return got
 
 
-def _stored(store, step, prefix: str) -> tuple[dict[str, tuple[int, ...]], Any]:
-    """(name -> shape of every table of ``step``, where the blocks of those under
-    ``prefix`` lie: core/early.py's Locations, or None), from the coordinator in one
-    round; ({}, None) for a store that is not distributed."""
+def _stored_shapes(store, step) -> dict[str, tuple[int, ...]]:
     from cnrstore.format.load import list_steps, load_step, load_table
 
-    def shapes(st) -> tuple[dict, Any]:
+    def shapes(st) -> dict:
         s = step
         if s is None:
             known = list_steps(st.objects)
             s = known[-1] if known else None
         if s is None:
-            return {}, None
+            return {}
         node = load_step(st.objects, s)[1]
-        got = {n: tuple(load_table(st.objects, oid).shape)
-               for n, oid in zip(node.tables, node.table_ids)}
-        return got, early.locations(st.objects, s, [n for n in node.tables
-                                                    if n.startswith(prefix)])
+        return {n: tuple(load_table(st.objects, oid).shape)
+                for n, oid in zip(node.tables, node.table_ids)}
 
     coordinated = getattr(store, "coordinated", None)
-    return coordinated("torchrec load: shapes", shapes) if callable(coordinated) else ({}, None)
+    return coordinated("torchrec load: shapes", shapes) if callable(coordinated) else {}
 
 
-def _early_spans(state, prefix: str) -> list[tuple[str, int, int]]:
-    """(table, first row, end row) this rank reads of each tensor leaf of ``state``, in
-    the state's order (the read's): a sharded leaf's row ranges, a plain tensor whole."""
-    out = []
-    for path, leaf in _leaf_paths(state):
-        if is_sharded_leaf(leaf):
-            out += [(prefix + path, r, r + n) for r, n in row_spans(leaf)]
-        elif isinstance(leaf, torch.Tensor):
-            out.append((prefix + path, 0, int(leaf.shape[0]) if leaf.dim() else 1))
-    return out
-
-
-def _per_piece(shapes: dict[str, tuple[int, ...]], state, prefix: str
-               ) -> tuple[dict[str, tuple], set[str]]:
+def _per_piece(store, step, state, prefix: str) -> tuple[dict[str, tuple], set[str]]:
     """(path -> (leaf, table rows, pieces saved, pieces now) of each optimizer state kept
     per column piece whose piece count differs between the step and this plan; the fused
     optimizer states of tables the step holds without one, saved data-parallel, which
@@ -171,7 +140,8 @@ def _per_piece(shapes: dict[str, tuple[int, ...]], state, prefix: str
     leaves = dict(_leaf_paths(state))
     weights = {p.split(_SEP)[-1]: leaf for p, leaf in leaves.items()
                if p.startswith(f"model{_SEP}") and p.endswith(".weight")}
-    stored = {k.removeprefix(prefix): v for k, v in shapes.items() if k.startswith(prefix)}
+    stored = {k.removeprefix(prefix): v for k, v in _stored_shapes(store, step).items()
+              if k.startswith(prefix)}
     out, fresh = {}, set()
     for path, leaf in leaves.items():
         parts = path.split(_SEP)
