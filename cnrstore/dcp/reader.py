@@ -8,7 +8,7 @@ ranges (and, for a target cut along other dims, column ranges of those rows).
 rank's plan, or its error): a piece of whole rows decodes straight into the tensor DCP
 resolves for it, the rows of the others are read and each read's rectangle copied.
 The metadata read also brings where the step's blocks lie, and ``prepare_local_plan``
-hints this rank's first blocks while DCP plans (cnrstore/core/early.py).
+hints this rank's first blocks while DCP plans (early.py).
 """
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ from torch.futures import Future
 
 import cnrstore.dcp.docmeta as docmeta
 from cnrstore.codec.layout import dtype_name
-from cnrstore.core import early
 from cnrstore.core.get import Located, get
 from cnrstore.core.prefault import Prefault
 from cnrstore.core.restore import new_output, read_rows_into
 from cnrstore.core.validate import check_step
+from cnrstore.dcp import early
 from cnrstore.dcp.handle import Target
 from cnrstore.distributed import transfer
 from cnrstore.distributed.shard import Shard
@@ -96,7 +96,7 @@ class StorageReader(_DCPReader):
                 raise InvalidInput(f"step {step} was not written through DCP (no DCP metadata); "
                                    "read it with get_tables or get_state")
             md = docmeta.to_metadata(doc, step)
-            self.early = None if locs is None else (early.source(store), locs)
+            self.early = None if locs is None else (_hint_source(store), locs)
         finally:
             self.target.done()
         self.doc, self.read_step = doc, step
@@ -107,7 +107,7 @@ class StorageReader(_DCPReader):
         return None
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        # The first point this rank knows its rows: their first blocks hinted (core/early.py).
+        # The first point this rank knows its rows: their first blocks hinted (early.py).
         if self.early is not None:
             source, locs = self.early
             self.early = None
@@ -213,11 +213,21 @@ class StorageReader(_DCPReader):
 
 def _document(store: Any, step: int) -> tuple[dict | None, early.Locations | None]:
     """The DCP document of ``step`` of a plain store (the coordinator's), and where its
-    tensors' blocks lie (core/early.py; None: nothing is hinted)."""
+    tensors' blocks lie (early.py; None: nothing is hinted)."""
     doc = store.metadata(step).get(docmeta.KEY)
     if doc is None:
         return None, None
     return doc, early.locations(store.objects, step, doc["tensors"])
+
+
+def _hint_source(store: Any) -> Any:
+    """What this rank hints the blocks' records through: the coordinator's (or the one
+    process's) own store, a rank's reader of the store's packs."""
+    if not isinstance(store, DistributedStore):
+        return store.objects
+    if store.is_coordinator:
+        return store.coordinator_store.objects
+    return store.readers.source(("locs", None, []))
 
 
 def _read_pieces(ds: DistributedStore, step: int | None, direct: dict[str, Shard],

@@ -1,4 +1,4 @@
-"""The first blocks of a DCP load, hinted when the rank's plan is known (cnrstore/core/
+"""The first blocks of a DCP load, hinted when the rank's plan is known (cnrstore/dcp/
 early.py): where the metadata read says every block's records lie, and which of them a
 rank's rows hint first."""
 
@@ -11,8 +11,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import cnrstore
-from cnrstore.core import early
-from cnrstore.dcp import StorageReader, StorageWriter, close_stores
+from cnrstore.dcp import StorageReader, StorageWriter, close_stores, early
 from cnrstore.format.load import load_step, load_table_manifest
 from engine import RecordLocation
 

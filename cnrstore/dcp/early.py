@@ -1,17 +1,15 @@
-"""Read-ahead of a restore's first blocks, started when the rank knows its rows, before
-the read's rounds (docs/design/dcp-speed.md, "A DCP load hints its first blocks";
-docs/design/torchrec-speed.md, the TorchRec restore).
+"""Read-ahead of a DCP load's first blocks, started when the rank's plan is known
+(docs/design/dcp-speed.md, "The first blocks hinted at the plan").
 
-Between the first point a rank knows the rows it will hold and the first block read, a
-cold restore spends tens of ms with the disk idle: planning collectives, the structure
-rounds, the read's request and answer rounds. A round the coordinator answers anyway
-(DCP's metadata read, the TorchRec load's stored shapes) brings where every block's
-records are (``locations``: the coordinator's ``locate_closure`` of the step's blocks, a
-few KB); the rank then hints the first ``EARLY_BYTES`` of its blocks, in the order the
-read takes them (``plan``), on a thread of its own (``hint``, through ``source``). Hints
-only: the read locates every record again through the request round and checks what it
-reads; a stale or failed hint costs nothing but the hint. Used by cnrstore/dcp/reader.py
-and cnrstore/distributed/torchrec.py.
+Between ``read_metadata`` and the first block read of ``read_data`` a cold load spends
+~30 ms with the disk idle: DCP's planning collectives, the kept store's reuse check and
+the read's request and answer rounds. The metadata read brings, with the step's
+document, where every block's records are (the coordinator's ``locate_closure`` of the
+step's blocks: a few KB); ``prepare_local_plan`` (the first point a rank knows the rows
+it reads) hints the first ``EARLY_BYTES`` of its blocks, in the order the read takes
+them, on a thread of its own. Hints only: the read locates every record again through
+the request round and checks what it reads; a stale or failed hint costs nothing but
+the hint.
 """
 
 from __future__ import annotations
@@ -23,7 +21,7 @@ from typing import Any
 import engine
 from cnrstore.format.load import load_step, load_table_manifest
 
-__all__ = ["EARLY_BYTES", "Locations", "hint", "locations", "plan", "source"]
+__all__ = ["EARLY_BYTES", "Locations", "hint", "locations", "plan"]
 
 EARLY_BYTES = 32 << 20  # hinted at the plan: about the disk's reads until read_data reads
 
@@ -85,7 +83,7 @@ def plan(locs: Locations, spans: list[tuple[str, int, int]],
 
 def hint(source: Any, chains: list[list[tuple]]) -> threading.Thread | None:
     """Hint ``chains`` (``plan``'s) through ``source.prefetch_at``, block by block, on a
-    thread of its own (the caller goes on to its planning rounds)."""
+    thread of its own (the caller goes on to DCP's planning rounds)."""
     if not chains:
         return None
 
@@ -96,18 +94,6 @@ def hint(source: Any, chains: list[list[tuple]]) -> threading.Thread | None:
         except Exception:  # noqa: BLE001 - a hint (the store may close meanwhile)
             pass
 
-    t = threading.Thread(target=run, name="cnr-early", daemon=True)
+    t = threading.Thread(target=run, name="cnr-dcp-early", daemon=True)
     t.start()
     return t
-
-
-def source(store: Any) -> Any:
-    """What a rank hints the blocks' records through: a plain store's (or the
-    coordinator's own) objects, another rank's reader of the store's packs."""
-    from cnrstore.distributed.store import DistributedStore
-
-    if not isinstance(store, DistributedStore):
-        return store.objects
-    if store.is_coordinator:
-        return store.coordinator_store.objects
-    return store.readers.source(("locs", None, []))
