@@ -26,7 +26,7 @@ import torch.distributed as dist
 from cnrstore.errors import CheckpointError, CollectiveMismatch, RankFailed, translate
 from engine import StoreError
 
-__all__ = ["Comm", "wire_error", "rebuild_error"]
+__all__ = ["Comm", "wire_error", "rebuild_error", "payloads"]
 
 
 
@@ -51,6 +51,18 @@ def rebuild_error(wire: tuple[str, str, str, dict], rank: int) -> CheckpointErro
         exc.__dict__.update(attrs)
         return exc
     return CheckpointError(f"rank {rank}: {name}: {message}")
+
+
+def payloads(got: list, rank: int, error: BaseException | None) -> list[Any]:
+    """Every rank's payload of an all-gathered ``(wire error, payload)`` round, or the
+    lowest rank's error raised (chained to ``error`` where it is this rank's own)."""
+    for r, (err, _) in enumerate(got):
+        if err is not None:
+            exc = rebuild_error(err, r)
+            if r == rank and error is not None:
+                raise exc from error
+            raise exc
+    return [p for _, p in got]
 
 
 def coordinator_box(world: int, fn: Callable[[], Any], scatter: bool) -> Any:
@@ -187,14 +199,7 @@ class Comm:
         """All-gather ``(error, payload)``; raise the lowest rank's error on every rank,
         else return every rank's payload."""
         sent = (None if error is None else wire_error(error), payload)
-        got = self.all_gather(sent, what)
-        for r, (err, _) in enumerate(got):
-            if err is not None:
-                exc = rebuild_error(err, r)
-                if r == self.rank and error is not None:
-                    raise exc from error
-                raise exc
-        return [p for _, p in got]
+        return payloads(self.all_gather(sent, what), self.rank, error)
 
     def close(self) -> None:
         if self.broken is None:

@@ -32,7 +32,7 @@ from cnrstore.core.validate import (
     resolve_quant,
 )
 from cnrstore.distributed import layout, seed
-from cnrstore.distributed.comm import rebuild_error, wire_error
+from cnrstore.distributed.comm import payloads, wire_error
 from cnrstore.errors import InvalidInput, StepExists
 
 # The DistributedStore (cnrstore/distributed/store.py, which imports this module): typed loosely
@@ -233,13 +233,7 @@ def _check_round(comm: Any, err: BaseException | None, mine: Any, cached: bool |
     every = comm.all_gather(sent, "put_tables: check")
     if any(e is None for e in every):
         raise Restructure()
-    for r, (wire, _) in enumerate(every):
-        if wire is not None:
-            exc = rebuild_error(wire, r)
-            if r == comm.rank and err is not None:
-                raise exc from err
-            raise exc
-    return [m for _, m in every]
+    return payloads(every, comm.rank, err)
 
 
 def _announced(got: tuple, rank: int, gtables: dict, R: int, seed: bool
