@@ -26,7 +26,9 @@ from __future__ import annotations
 import math
 import os
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -34,7 +36,9 @@ import torch
 from cnrstore.codec import native
 from cnrstore.codec.cores import cores
 
-__all__ = ["row_fingerprints", "FINGERPRINT_VERSION"]
+__all__ = ["row_fingerprints", "FINGERPRINT_VERSION", "in_parts"]
+
+T = TypeVar("T")
 
 # Bump when the construction or the keys change: stored fingerprints become incomparable.
 FINGERPRINT_VERSION = 1
@@ -210,19 +214,18 @@ def row_fingerprints(table: torch.Tensor, *, out: torch.Tensor | None = None) ->
     words = (nbytes + 7) // 8
     if rows == 0:
         return out
-    parts = _split_parts(device, rows, nbytes)
-    if parts > 1:
-        # Contiguous row ranges: each part's fingerprints are those of its rows alone.
-        bounds = [rows * i // parts for i in range(parts + 1)]
-        pool = _pool()
-        futures = [pool.submit(_finish, table[lo:hi], words, nbytes, out[lo:hi])
-                   for lo, hi in zip(bounds[1:-1], bounds[2:])]
-        _finish(table[: bounds[1]], words, nbytes, out[: bounds[1]])  # this thread's part
-        for f in futures:
-            f.result()
-        return out
-    _finish(table, words, nbytes, out)
+    # Contiguous row ranges: each part's fingerprints are those of its rows alone.
+    in_parts(rows, _split_parts(device, rows, nbytes),
+             lambda lo, hi: _finish(table[lo:hi], words, nbytes, out[lo:hi]))
     return out
+
+
+def in_parts(rows: int, parts: int, fn: Callable[[int, int], T]) -> list[T]:
+    """``[fn(lo, hi)]`` over ``parts`` contiguous row ranges of ``rows``, in order: the
+    first on this thread, the others on ``_pool()`` (a row pass on every core)."""
+    bounds = [rows * i // parts for i in range(parts + 1)]
+    futures = [_pool().submit(fn, lo, hi) for lo, hi in zip(bounds[1:-1], bounds[2:])]
+    return [fn(bounds[0], bounds[1])] + [f.result() for f in futures]
 
 
 def _split_parts(device: torch.device, rows: int, nbytes: int) -> int:

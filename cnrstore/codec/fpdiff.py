@@ -73,11 +73,5 @@ def _native(x: torch.Tensor, old: torch.Tensor, common: int
             changed.ctypes.data)
         return changed[:k] + lo
 
-    parts = fpm._split_parts(x.device, n, nbytes)
-    bounds = [n * i // parts for i in range(parts + 1)]
-    pool = fpm._pool() if parts > 1 else None
-    futures = [pool.submit(part, lo, hi) for lo, hi in zip(bounds[1:-1], bounds[2:])
-               ] if pool is not None else []
-    found = [part(bounds[0], bounds[1])]  # this thread's part, as row_fingerprints does
-    found += [f.result() for f in futures]
+    found = fpm.in_parts(n, fpm._split_parts(x.device, n, nbytes), part)
     return out, np.concatenate(found)

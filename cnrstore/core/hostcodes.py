@@ -151,13 +151,8 @@ def _copy_checked(x: torch.Tensor, idx: np.ndarray, rows: torch.Tensor
         def part(lo: int, hi: int) -> None:  # rows [lo, hi) of the copy
             fn(src, stride, ip + 8 * lo, hi - lo, width, dst + 4 * width * lo, fp + lo)
 
-        parts = min(fpm._cores(), n) if n * width * 4 >= _SPLIT_COPY_BYTES else 1
-        bounds = [n * i // parts for i in range(parts + 1)]
-        futures = [fpm._pool().submit(part, lo, hi)
-                   for lo, hi in zip(bounds[1:-1], bounds[2:])] if parts > 1 else []
-        part(bounds[0], bounds[1])  # this thread's part
-        for f in futures:
-            f.result()
+        fpm.in_parts(n, min(fpm._cores(), n) if n * width * 4 >= _SPLIT_COPY_BYTES else 1,
+                     part)
         return (flags & 1) == 0, (flags & 2) == 0
     torch.index_select(x, 0, torch.from_numpy(idx), out=rows)
     low = torch.empty(n, dtype=x.dtype)
