@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from cnrstore.codec import native
-from cnrstore.codec.cores import cores
+from cnrstore.codec.cores import cores, thread_pool
 
 __all__ = ["row_fingerprints", "FINGERPRINT_VERSION", "in_parts"]
 
@@ -245,8 +245,7 @@ def _pool() -> ThreadPoolExecutor:
     global _split_pool
     with _split_lock:
         if _split_pool is None:
-            _split_pool = ThreadPoolExecutor(max(1, _cores() - 1),
-                                             thread_name_prefix="cnrstore-fp-part")
+            _split_pool = thread_pool(max(1, _cores() - 1), "cnrstore-fp-part")
         return _split_pool
 
 

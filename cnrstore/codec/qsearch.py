@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from cnrstore.codec.cores import cores
+from cnrstore.codec.cores import cores, thread_pool
 from cnrstore.codec.qgrid import WIN_MARGIN, grid_task, grid_torch, sq_errors_numpy
 from cnrstore.codec.qparams import (
     FP16_MAX,
@@ -228,7 +228,7 @@ def _pool() -> ThreadPoolExecutor:
     global _POOL
     with _POOL_LOCK:
         if _POOL is None:
-            _POOL = ThreadPoolExecutor(cores(), thread_name_prefix="cnrstore-qsearch")
+            _POOL = thread_pool(cores(), "cnrstore-qsearch")
         return _POOL
 
 

@@ -19,6 +19,8 @@ from collections.abc import Sequence
 
 import torch
 
+from cnrstore.codec.cores import start_thread
+
 __all__ = ["Prefault"]
 
 _MADV_POPULATE_WRITE = 23
@@ -63,9 +65,7 @@ class Prefault:
         if not spans:
             return
         self._tensors = list(tensors)  # keeps the memory mapped while the thread runs
-        self._thread = threading.Thread(target=self._run, args=(spans,),
-                                        name="cnrstore-prefault", daemon=True)
-        self._thread.start()
+        self._thread = start_thread(self._run, "cnrstore-prefault", args=(spans,))
 
     def _run(self, spans: list[tuple[int, int]]) -> None:
         global _broken

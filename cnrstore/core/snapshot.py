@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from cnrstore.codec.cores import thread_pool
 from cnrstore.codec.fingerprint import row_fingerprints
 from cnrstore.codec.fpdiff import fingerprints_and_changes
 from cnrstore.codec.quantize import (
@@ -97,7 +98,7 @@ def _fp_pool() -> ThreadPoolExecutor:
     global _FP_POOL
     with _FP_LOCK:
         if _FP_POOL is None:
-            _FP_POOL = ThreadPoolExecutor(1, thread_name_prefix="cnrstore-fp")
+            _FP_POOL = thread_pool(1, "cnrstore-fp")
         return _FP_POOL
 
 

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Iterator, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
+from cnrstore.codec.cores import thread_pool
 from cnrstore.core import changes as step_changes
 from cnrstore.core import get, lineage, maintenance, statestore
 from cnrstore.core.commit import EngineCommit
@@ -53,7 +54,7 @@ class CheckpointStore:
             objects=objects,
             options=opt,
             owns_objects=owns_objects,
-            pool=ThreadPoolExecutor(opt.decode_threads, thread_name_prefix="cnr-decode"),
+            pool=thread_pool(opt.decode_threads, "cnr-decode"),
             writer=BackgroundWriter(max_inflight=opt.max_inflight),
             buffers=HostBuffers(keep=opt.max_inflight + 1, max_bytes=opt.host_buffer_bytes),
             group=Solo(), placement=WholeTables(), commit=EngineCommit(), reader=OwnStore(),

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from cnrstore.codec.cores import thread_pool
 from cnrstore.format.manifest import TableManifest, dtype_name, parse_dtype
 
 __all__ = ["BlockSlot", "DeferredBase", "TableState", "cancel_deferred", "dtype_name",
@@ -104,7 +105,7 @@ class DeferredBase:
         key = id(owner)
         with _SEEDER_LOCK:
             if _SEEDER is None:
-                _SEEDER = ThreadPoolExecutor(1, thread_name_prefix="cnrstore-seed")
+                _SEEDER = thread_pool(1, "cnrstore-seed")
             _RUNNING.setdefault(key, set()).add(self)
             self._future: Future = _SEEDER.submit(compute, self._cancel)
         self._future.add_done_callback(lambda _: self._forget(key))

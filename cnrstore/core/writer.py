@@ -19,6 +19,7 @@ from typing import TypeVar
 
 import numpy as np
 
+from cnrstore.codec.cores import start_thread
 from cnrstore.core.snapshot import FULL, TablePlan
 from cnrstore.core.tablestate import TableState, dtype_name
 from cnrstore.errors import StepExists, WriteFailed
@@ -296,8 +297,7 @@ class BackgroundWriter:
         self._cond = threading.Condition()
         self._jobs: collections.deque = collections.deque()
         self._closed = False
-        self._thread = threading.Thread(target=self._run, name="cnrstore-writer", daemon=True)
-        self._thread.start()
+        self._thread = start_thread(self._run, "cnrstore-writer")
 
     def submit(
         self, job: Callable[[], object], *, cleanup: Callable[[], None] | None = None,

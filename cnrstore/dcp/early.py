@@ -19,6 +19,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import engine
+from cnrstore.codec.cores import start_thread
 from cnrstore.format.load import load_step, load_table_manifest
 
 __all__ = ["EARLY_BYTES", "Locations", "hint", "locations", "plan"]
@@ -94,6 +95,4 @@ def hint(source: Any, chains: list[list[tuple]]) -> threading.Thread | None:
         except Exception:  # noqa: BLE001 - a hint (the store may close meanwhile)
             pass
 
-    t = threading.Thread(target=run, name="cnr-dcp-early", daemon=True)
-    t.start()
-    return t
+    return start_thread(run, "cnr-dcp-early")

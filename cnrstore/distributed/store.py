@@ -18,11 +18,12 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable, Iterable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
+from cnrstore.codec.cores import thread_pool
 from cnrstore.core.lifetime import close_at_exit
 from cnrstore.core.options import Options, make_options
 from cnrstore.core.progress import check_progress
@@ -104,8 +105,7 @@ class DistributedStore:
         assert self.options.decode_threads is not None
         self.lock = threading.RLock()
         self.writer = BackgroundWriter(max_inflight=self.options.max_inflight)
-        self.pool = ThreadPoolExecutor(self.options.decode_threads,
-                                       thread_name_prefix="cnr-dist-decode")
+        self.pool = thread_pool(self.options.decode_threads, "cnr-dist-decode")
         self.buffers = HostBuffers(keep=self.options.max_inflight + 1,
                                    max_bytes=self.options.host_buffer_bytes)
         self.states: dict[tuple[str, int], Any] = {}
