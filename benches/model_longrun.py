@@ -25,6 +25,9 @@ Parts, all on the rows benches/workload.py changes (Zipf s=1.05, the bench's two
 - ``hot_policy``: the policy with a patch H of the block's hot rows (change rate by an
   exponential average) on top of the chain, rewritten every step; ``family(hot=)`` its
   family bound.
+- ``piece_policy``: rows grouped by change rate, a block version as a list of row
+  objects cleaned to a read target (not built; the design, its format and figures are
+  in docs/design/diff-base.md, "Rows grouped by rate").
 - ``policy``: cnrstore's chain policy (core/chainpolicy.py: per-block budget over
   BUDGET_RANGE of the block's bytes, merged patch of the union since the full block when
   <= MERGE_SHARE of the budget, else a full block; depth caps of max_chain 64) replayed
@@ -36,6 +39,10 @@ Parts, all on the rows benches/workload.py changes (Zipf s=1.05, the bench's two
     .venv/bin/python benches/model_longrun.py --steps 60 --budget 0.5:1 0.3:0.6
     .venv/bin/python benches/model_longrun.py --steps 150 --budget 0.5:1 0.4:0.9 0.6:1.2 \
         --hot 0.2:0.7:0.5 0.05:0.5:0.3                      # issue 27, hot patch (~1 CPU min)
+    .venv/bin/python benches/model_longrun.py --steps 300 --no-bounds \
+        --pieces 0.02:0.04,0.1,0.3 0.05:0.1,0.4 --max-list 0 64  # rows grouped by rate
+    .venv/bin/python benches/model_longrun.py --steps 300 --no-bounds --row-bytes 68 \
+        --pieces 0.02:0.04,0.1,0.3                           # the same, int8 codes
 """
 
 from __future__ import annotations
@@ -293,29 +300,42 @@ def piece_policy(rows_of: list[list[np.ndarray]], alpha: float, thresholds: list
                  max_list: int = 0, chunk_new: bool = True, list_delta: bool = False,
                  rows: int | None = None,
                  tables: int | None = None, block: int | None = None) -> dict:
-    """Replay rows grouped by change rate (docs/design/diff-base.md, "Rate-grouped pieces").
+    """Replay rows grouped by change rate (docs/design/diff-base.md, "Rows grouped by
+    rate"): a block version is a list of row objects (no refs), applied in the order
+    they were written; the objects one step writes to a block hold disjoint rows, so a
+    row reads its copy in the newest object holding it.
 
-    A block version is a list of piece objects (no refs), applied in the order they were
-    written; the objects one step writes to a block hold disjoint rows, so every row reads
-    its newest copy. A row's class is where its change rate (exponential average, weight
-    ``alpha`` a step) falls among ``thresholds`` (ascending); it leaves a class downwards
-    only below ``hyst`` x that class's threshold. A piece is class 0's rows of one span of
-    ``chunk_rows`` rows, or all of one warmer class's rows of the block. Each step writes,
-    per piece, one object with the piece's changed rows (a changed row goes to its class's
-    piece at once); a piece whose objects' bytes beyond one copy of its rows (S, stale
-    versions, headers, ids) have grown so that T S - sum S >= s L / ``lam`` (T steps since
-    its last rewrite, L its rows' bytes, s a per-piece stagger in [0.5, 1.5)) is
-    rewritten: every row of it written again, into its own class's object or the one it
-    has moved to, and its old objects leave the list. An object none of whose rows is
-    the newest leaves the list for nothing. ``read_cap``: a block whose next version would
-    read more than that share of its bytes rewrites its pieces of most S per row first.
-    ``cold_per_step``: at most that many class-0 rewrites a block a step (0: no limit),
-    held back in order of T S - sum S.
+    A row's class is where its change rate (exponential average of "changed", weight
+    ``alpha`` a step) falls among ``thresholds`` (ascending); it drops a class only below
+    ``hyst`` x that class's threshold. A piece (the objects a step writes a row into) is
+    one warmer class of the block, or class 0: one piece for the rows written since the
+    full put (``chunk_new`` False), or one per span of ``chunk_rows`` rows. The full put
+    writes the block as one object per span of ``chunk_rows``. Each step writes one
+    object per piece that has rows to write: its changed rows (a changed row goes to its
+    class at once) and the rows moved into it. An object none of whose rows is the
+    newest leaves the list for nothing.
 
-    Counts every byte a store writes: rows, patch headers, row-id lists, OBJECT_DISK per
-    object, LIST_ENTRY per listed object per changed block (the segment node lists them).
-    Returns _figures' figures and the write split (``parts``: shares of the changed rows'
-    bytes), objects written per block per step, the longest list."""
+    ``clean`` (a read target, or a range the blocks' targets spread over): when a block's
+    next version would read more than that share of its bytes, its objects are cleaned,
+    in order of stale bytes per live row (x age for ``score`` "age"), until it would not;
+    a cleaned object's newest rows are written again into their class's piece and it
+    leaves the list. ``max_list``: also clean the objects with fewest live rows while the
+    list would hold more (0: no limit). ``lam`` (instead of cleaning, H in the doc): a
+    piece is rewritten whole when its bytes beyond one copy of its rows (S) satisfy
+    T S - sum S >= s L / ``lam`` (T steps since its last rewrite, L its rows' bytes, s a
+    stagger in [0.5, 1.5)); ``read_cap`` then rewrites the pieces of most S per row first
+    while a block would read more than that share.
+
+    Counts every byte a store writes: rows, patch headers, row-id lists (u16, or a bitmap
+    of the span where smaller with ``bitmap``), OBJECT_DISK per object and the list:
+    LIST_ENTRY per listed object at every step of a changed block, or with
+    ``list_delta`` a list node per block written again when the entries added (and 4
+    bytes per entry removed) since it pass half its size, the segment node holding those.
+    Returns _figures' figures, the per-step bytes written and read above the table
+    (``step_bytes``, ``step_read``), the write beyond the changed rows (``parts``, in
+    changed rows' bytes; ``copies_by``: copies by destination class), the stale bytes
+    by class (``stale_by``, mean share of the table), objects written per block per step
+    over the last 45 and the longest list."""
     rows = ROWS if rows is None else rows
     tables = TABLES if tables is None else tables
     block = BLOCK if block is None else block
