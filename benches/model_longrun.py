@@ -25,6 +25,9 @@ Parts, all on the rows benches/workload.py changes (Zipf s=1.05, the bench's two
 - ``hot_policy``: the policy with a patch H of the block's hot rows (change rate by an
   exponential average) on top of the chain, rewritten every step; ``family(hot=)`` its
   family bound.
+- ``piece_policy``: rows grouped by change rate, a block version as a list of row
+  objects cleaned to a read target (not built; the design, its format and figures are
+  in docs/design/diff-base.md, "Rows grouped by rate").
 - ``policy``: cnrstore's chain policy (core/chainpolicy.py: per-block budget over
   BUDGET_RANGE of the block's bytes, merged patch of the union since the full block when
   <= MERGE_SHARE of the budget, else a full block; depth caps of max_chain 64) replayed
@@ -36,6 +39,10 @@ Parts, all on the rows benches/workload.py changes (Zipf s=1.05, the bench's two
     .venv/bin/python benches/model_longrun.py --steps 60 --budget 0.5:1 0.3:0.6
     .venv/bin/python benches/model_longrun.py --steps 150 --budget 0.5:1 0.4:0.9 0.6:1.2 \
         --hot 0.2:0.7:0.5 0.05:0.5:0.3                      # issue 27, hot patch (~1 CPU min)
+    .venv/bin/python benches/model_longrun.py --steps 300 --no-bounds \
+        --pieces 0.02:0.04,0.1,0.3 0.05:0.1,0.4 --max-list 0 64  # rows grouped by rate
+    .venv/bin/python benches/model_longrun.py --steps 300 --no-bounds --row-bytes 68 \
+        --pieces 0.02:0.04,0.1,0.3                           # the same, int8 codes
 """
 
 from __future__ import annotations
@@ -87,9 +94,11 @@ def union(fraction: float, steps: list[int], rows_of: list[np.ndarray]) -> list[
             f"{got.get(t, float('nan')):.3f})" for t in steps]
 
 
-def bound(fraction: float, read: float = 0.5) -> tuple[float, float]:
-    """(least extra write / changed rows' bytes, stale share) with stale <= ``read``."""
-    p = rates(fraction)
+def bound(fraction: float, read: float = 0.5, p: np.ndarray | None = None
+          ) -> tuple[float, float]:
+    """(least extra write / changed rows' bytes, stale share) with stale <= ``read``;
+    ``p``: the rows' change rates (default: the Zipf workload's at ``fraction``)."""
+    p = rates(fraction) if p is None else np.asarray(p, dtype=np.float64)
     edges = np.geomspace(p.min() * 0.999, 1.0, 300)
     b = np.digitize(p, edges)
     groups = np.unique(b)
@@ -103,7 +112,7 @@ def bound(fraction: float, read: float = 0.5) -> tuple[float, float]:
     for lam in np.geomspace(1e-4, 1e2, 400):
         j = np.argmin(extra + lam * stale, axis=1)
         e = float((N * extra[np.arange(len(N)), j]).sum() / floor)
-        s = float((N * stale[np.arange(len(N)), j]).sum() / ROWS)
+        s = float((N * stale[np.arange(len(N)), j]).sum() / len(p))
         if s <= read and e < best[0]:
             best = (e, s)
     return best
@@ -262,20 +271,242 @@ def hot_policy(rows_of: list[list[np.ndarray]], budget: tuple[float, float], mer
     return r
 
 
-def _figures(rows_of: list[list[np.ndarray]], cost: np.ndarray, read: np.ndarray) -> dict:
+# What a store writes and reads per engine object beyond its payload (docs/FORMAT.md,
+# "Records" and "Index"): a record is 44 + 16 per ref + payload + 8 bytes, its trailer entry
+# 33 and its LMDB entry 16 (key) + 42 + 16 per ref; measured on disk (st_blocks, commits of
+# 200-1000 objects of 5 KB): 340 bytes per object, besides ~8 KB per commit (the same for
+# every policy, one commit a step).
+RECORD = 52
+OBJECT_DISK = 340
+REF = 16
+# A block version's entry per piece object in its segment node: the ref and the object's
+# piece and row count (msgpack ints).
+LIST_ENTRY = 24
+
+
+def _index_bytes(rows: np.ndarray, span: np.ndarray, bitmap: bool) -> np.ndarray:
+    """Bytes of a piece object's row-id list: none when it holds every row of its span,
+    else u16 ids, or a bitmap of the span where that is smaller (``bitmap``)."""
+    ids = INDEX * rows.astype(np.float64)
+    if bitmap:
+        ids = np.minimum(ids, np.ceil(span / 8))
+    return np.where(rows >= span, 0.0, ids)
+
+
+def piece_policy(rows_of: list[list[np.ndarray]], alpha: float, thresholds: list[float],
+                 lam: float | None, chunk_rows: int = BLOCK, hyst: float = 0.5,
+                 read_cap: float | None = None, bitmap: bool = True,
+                 clean: float | tuple[float, float] | None = None, score: str = "greedy",
+                 max_list: int = 0, chunk_new: bool = True, list_delta: bool = False,
+                 rows: int | None = None,
+                 tables: int | None = None, block: int | None = None) -> dict:
+    """Replay rows grouped by change rate (docs/design/diff-base.md, "Rows grouped by
+    rate"): a block version is a list of row objects (no refs), applied in the order
+    they were written; the objects one step writes to a block hold disjoint rows, so a
+    row reads its copy in the newest object holding it.
+
+    A row's class is where its change rate (exponential average of "changed", weight
+    ``alpha`` a step) falls among ``thresholds`` (ascending); it drops a class only below
+    ``hyst`` x that class's threshold. A piece (the objects a step writes a row into) is
+    one warmer class of the block, or class 0: one piece for the rows written since the
+    full put (``chunk_new`` False), or one per span of ``chunk_rows`` rows. The full put
+    writes the block as one object per span of ``chunk_rows``. Each step writes one
+    object per piece that has rows to write: its changed rows (a changed row goes to its
+    class at once) and the rows moved into it. An object none of whose rows is the
+    newest leaves the list for nothing.
+
+    ``clean`` (a read target, or a range the blocks' targets spread over): when a block's
+    next version would read more than that share of its bytes, its objects are cleaned,
+    in order of stale bytes per live row (x age for ``score`` "age"), until it would not;
+    a cleaned object's newest rows are written again into their class's piece and it
+    leaves the list. ``max_list``: also clean the objects with fewest live rows while the
+    list would hold more (0: no limit). ``lam`` (instead of cleaning, H in the doc): a
+    piece is rewritten whole when its bytes beyond one copy of its rows (S) satisfy
+    T S - sum S >= s L / ``lam`` (T steps since its last rewrite, L its rows' bytes, s a
+    stagger in [0.5, 1.5)); ``read_cap`` then rewrites the pieces of most S per row first
+    while a block would read more than that share.
+
+    Counts every byte a store writes: rows, patch headers, row-id lists (u16, or a bitmap
+    of the span where smaller with ``bitmap``), OBJECT_DISK per object and the list:
+    LIST_ENTRY per listed object at every step of a changed block, or with
+    ``list_delta`` a list node per block written again when the entries added (and 4
+    bytes per entry removed) since it pass half its size, the segment node holding those.
+    Returns _figures' figures, the per-step bytes written and read above the table
+    (``step_bytes``, ``step_read``), the write beyond the changed rows (``parts``, in
+    changed rows' bytes; ``copies_by``: copies by destination class), the stale bytes
+    by class (``stale_by``, mean share of the table), objects written per block per step
+    over the last 45 and the longest list."""
+    rows = ROWS if rows is None else rows
+    tables = TABLES if tables is None else tables
+    block = BLOCK if block is None else block
+    steps = len(rows_of[0])
+    th = np.asarray(thresholds, dtype=np.float64)
+    K = len(th) + 1
+    cost, read = np.zeros(steps), np.zeros(steps)
+    parts = dict.fromkeys(("copies", "ids", "objects", "list"), 0.0)
+    nb, written, longest = -(-rows // block), np.zeros(steps), 0
+    copies_by, stale_by = np.zeros(K), np.zeros(K)
+    for t in range(tables):
+        for i in range(nb):
+            n = min(block, rows - i * block)
+            nch = -(-n // chunk_rows)
+            one = 0 if chunk_new else 1  # a piece for class 0's rows written since the put
+            P = nch + one + K - 1
+            local = np.arange(n)
+            chunk = local // chunk_rows
+            span = np.concatenate([np.bincount(chunk, minlength=nch),
+                                   np.full(one + K - 1, n)]).astype(np.float64)
+            cls_of = np.concatenate([np.zeros(nch + one, dtype=np.int64), np.arange(1, K)])
+            cold = chunk if chunk_new else np.full(n, nch)
+            key = (zlib.crc32(f"t{t}".encode()) & 0xFFFF) + i * P
+            stag = 0.5 + ((key + np.arange(P)) * _PHI) % 1.0
+            if clean is not None:
+                lo, hi = clean if isinstance(clean, tuple) else (clean, clean)
+                target = (lo + (hi - lo) * ((key * _PHI) % 1.0)) * n * RNB
+            cap = steps * P + nch
+            o_piece = np.zeros(cap, dtype=np.int64)
+            o_live = np.zeros(cap, dtype=np.int64)
+            o_read = np.zeros(cap)
+            o_step = np.zeros(cap)
+            o_piece[:nch], o_live[:nch] = np.arange(nch), span[:nch]
+            o_read[:nch] = PATCH_HEAD + span[:nch] * RNB + RECORD  # the full put's pieces
+            nobj, owner, piece = nch, chunk.copy(), chunk.copy()
+            rate = np.zeros(n)
+            base_m, delta = nch, 0.0
+            T, A, S = np.ones(P), np.zeros(P), np.zeros(P)
+            S[:nch] = PATCH_HEAD + RECORD
+            A[:] = S
+            for s in range(steps):
+                ids = rows_of[t][s]
+                a, z = np.searchsorted(ids, [i * block, (i + 1) * block])
+                r = ids[a:z] - i * block
+                changed = np.zeros(n, dtype=bool)
+                changed[r] = True
+                rate *= 1 - alpha
+                rate[r] += alpha
+                cur = cls_of[piece]
+                up = np.searchsorted(th, rate, side="right")
+                down = np.searchsorted(th * hyst, rate, side="right")
+                tgt = np.where(up > cur, up, np.where(down < cur, down, cur))
+                dest_of = np.where(tgt == 0, cold, nch + one + tgt - 1)
+                live_p = np.bincount(piece, minlength=P).astype(np.float64)
+                L = live_p * RNB
+                if lam is None:
+                    urge = np.full(P, -1.0)
+                else:
+                    urge = T * S - A - stag * L / lam
+                fire = (urge >= 0) & (live_p > 0)
+                if read_cap is not None:
+                    alive = o_live[:nobj] > 0
+                    est = o_read[:nobj][alive].sum() + len(r) * (RNB + INDEX)
+                    order = np.argsort(-(S / np.maximum(live_p, 1)))
+                    for q in order:
+                        if est <= read_cap * n * RNB:
+                            break
+                        if not fire[q] and live_p[q] > 0:
+                            fire[q], est = True, est - S[q]
+                moving = fire[piece]
+                if clean is not None:
+                    live_after = o_live[:nobj] - np.bincount(owner[r], minlength=nobj)
+                    keep = live_after > 0
+                    est = (o_read[:nobj][keep].sum() + len(r) * (RNB + INDEX)
+                           + (PATCH_HEAD + RECORD) * K)
+                    over = max_list and int(keep.sum()) + K > max_list
+                    if est > target or over:
+                        freed = np.where(keep, o_read[:nobj] - live_after * (RNB + INDEX)
+                                         - PATCH_HEAD - RECORD, 0.0)
+                        stale = np.where(keep, o_read[:nobj] - live_after * RNB, 0.0)
+                        gain = stale / np.maximum(live_after, 1)
+                        if score == "age":
+                            gain = gain * (s - o_step[:nobj] + 1)
+                        order = np.argsort(-np.where(keep, gain, -np.inf))
+                        need = np.searchsorted(np.cumsum(freed[order]),
+                                               est - target) + 1
+                        if over:  # the list's length: the least live objects go too
+                            few = np.argsort(np.where(keep, live_after, np.inf))
+                            extra = few[:int(keep.sum()) + K - max_list]
+                        else:
+                            extra = np.zeros(0, dtype=np.int64)
+                        gone = np.zeros(nobj, dtype=bool)
+                        gone[order[:need] if est > target else []] = True
+                        gone[extra] = True
+                        gone &= keep
+                        moving |= gone[owner]
+                w = np.flatnonzero(changed | moving)
+                d = dest_of[w]
+                cnt = np.bincount(d, minlength=P)
+                qs = np.flatnonzero(cnt)
+                new = nobj + np.arange(len(qs))
+                slot = np.zeros(P, dtype=np.int64)
+                slot[qs] = new
+                was = int((o_live[:nobj] > 0).sum())
+                o_live[:nobj] -= np.bincount(owner[w], minlength=nobj)
+                owner[w], piece[w] = slot[d], d
+                c = cnt[qs].astype(np.float64)
+                idx = _index_bytes(c, span[qs], bitmap)
+                o_piece[new], o_live[new], o_step[new] = qs, cnt[qs], s
+                o_read[new] = PATCH_HEAD + c * RNB + idx + RECORD
+                nobj += len(qs)
+                alive = o_live[:nobj] > 0
+                assert o_live[:nobj].sum() == n  # every row has one newest copy
+                m = int(alive.sum())
+                longest = max(longest, m)
+                if not len(w):
+                    listed = 0.0
+                elif list_delta:  # entries since the block's last list node, and a ref
+                    delta += LIST_ENTRY * len(qs) + 4 * (was - (m - len(qs)))
+                    if delta > LIST_ENTRY * base_m / 2:
+                        base_m, delta = m, 0.0
+                        listed = OBJECT_DISK + LIST_ENTRY * m + REF
+                    else:
+                        listed = REF + delta
+                else:
+                    listed = LIST_ENTRY * m
+                step_bytes = float((o_read[new] - RECORD + OBJECT_DISK).sum()) + listed
+                cost[s] += step_bytes
+                written[s] += len(qs)
+                parts["copies"] += (len(w) - len(r)) * RNB
+                moved = w[~changed[w]]
+                copies_by += np.bincount(cls_of[dest_of[moved]], minlength=K) * RNB
+                parts["ids"] += float(idx.sum()) + PATCH_HEAD * len(qs)
+                parts["objects"] += OBJECT_DISK * len(qs)
+                parts["list"] += listed
+                bytes_p = np.bincount(o_piece[:nobj][alive], weights=o_read[:nobj][alive],
+                                      minlength=P)
+                S = bytes_p - np.bincount(piece, minlength=P) * RNB
+                stale_by += np.bincount(cls_of, weights=S, minlength=K)
+                T[fire], A[fire] = 0, 0
+                T += 1
+                A += S
+                lists = LIST_ENTRY * base_m + delta if list_delta else LIST_ENTRY * m
+                read[s] += float(bytes_p.sum()) + lists - n * RNB
+    out = _figures(rows_of, cost, read, rows=rows, tables=tables)
+    raw = sum(len(x) for tab in rows_of for x in tab) * RNB
+    out.update(step_bytes=cost, step_read=read,
+               parts={k: v / raw for k, v in parts.items()}, longest=longest,
+               copies_by=copies_by / raw, stale_by=stale_by / (steps * tables * rows * RNB),
+               objects=float(written[-min(45, steps):].mean() / (tables * nb)))
+    return out
+
+
+def _figures(rows_of: list[list[np.ndarray]], cost: np.ndarray, read: np.ndarray,
+             rows: int | None = None, tables: int | None = None) -> dict:
+    rows = ROWS if rows is None else rows
+    tables = TABLES if tables is None else tables
     steps = len(cost)
-    raw = np.array([sum(len(rows_of[t][s]) for t in range(TABLES)) * RNB
+    raw = np.array([sum(len(rows_of[t][s]) for t in range(tables)) * RNB
                     for s in range(steps)], dtype=np.float64)
     k = min(45, steps)
     tail = slice(steps - k, steps)
     return {"first45": cost[:k].sum() / raw[:k].sum(), "all": cost.sum() / raw.sum(),
             "last45": cost[tail].sum() / raw[tail].sum(),
             "spike_last45": cost[tail].max() / np.median(cost[tail]),
-            "read": 1 + read.max() / (TABLES * ROWS * RNB)}
+            "spike": cost.max() / np.median(cost),
+            "read": 1 + read.max() / (tables * rows * RNB)}
 
 
 def main(argv: list[str] | None = None) -> int:
-    global BLOCK
+    global BLOCK, RNB
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--fractions", type=float, nargs="+", default=[0.01, 0.05])
@@ -286,9 +517,28 @@ def main(argv: list[str] | None = None) -> int:
                     help="compression ratio of patch bytes (1.18: exact rows in planes)")
     ap.add_argument("--hot", nargs="*", default=[], metavar="ALPHA:ENTER:LEAVE",
                     help="also replay hot_policy (a hot-row patch on top, per step)")
+    ap.add_argument("--pieces", nargs="*", default=[], metavar="ALPHA:T1,T2,..",
+                    help="also replay piece_policy: rows in classes by their change rate "
+                         "(exponential average ALPHA, class thresholds T1 < T2 ..; "
+                         "'0.05:' one class), objects cleaned to the --clean read target")
+    ap.add_argument("--clean", default="1.48", metavar="LO[:HI]",
+                    help="piece_policy: a block's read target, spread over LO..HI")
+    ap.add_argument("--score", choices=("age", "greedy"), default="age")
+    ap.add_argument("--chunk-rows", type=int, default=2048,
+                    help="piece_policy: rows of the full put's objects")
+    ap.add_argument("--max-list", type=int, nargs="+", default=[0],
+                    help="piece_policy: most objects a block's list holds (0: no limit)")
+    ap.add_argument("--full-lists", action="store_true",
+                    help="piece_policy: the segment node lists every object at every step "
+                         "(default: a list node per block and the entries since it)")
+    ap.add_argument("--rewrite", type=float, nargs="*", default=[], metavar="LAMBDA",
+                    help="piece_policy without object cleaning: whole pieces rewritten "
+                         "(weight LAMBDA), reads held to --clean's HI")
+    ap.add_argument("--row-bytes", type=int, default=RNB,
+                    help="encoded bytes per row (256: exact fp32; 68: int8 codes)")
     ap.add_argument("--no-bounds", action="store_true")
     a = ap.parse_args(argv)
-    BLOCK = a.block_rows
+    BLOCK, RNB = a.block_rows, a.row_bytes
     for frac in a.fractions:
         work = Workload(frac, "zipf")
         rows_of = [[changed_rows(ROWS, work, seed=0, step=s, table_index=t)
@@ -326,6 +576,27 @@ def main(argv: list[str] | None = None) -> int:
                       f"{r['spike_last45']:.1f}x; max restore read {r['read']:.2f}x; "
                       f"{r['objects']:.2f} objects per block per step, chain depth <= "
                       f"{r['depth']}", flush=True)
+        lo, _, hi = a.clean.partition(":")
+        clean = (float(lo), float(hi or lo))
+        for spec in a.pieces:
+            alpha, _, ths = spec.partition(":")
+            th = [float(v) for v in ths.split(",") if v]
+            for ml in a.max_list:
+                for lam in a.rewrite or [None]:
+                    kw = (dict(lam=lam, read_cap=clean[1]) if lam is not None else
+                          dict(lam=None, clean=clean, score=a.score, max_list=ml,
+                               list_delta=not a.full_lists))
+                    r = piece_policy(rows_of, float(alpha), th, chunk_rows=a.chunk_rows,
+                                     chunk_new=False, **kw)
+                    what = (f"rewrite {lam:g}" if lam is not None else
+                            f"clean {a.clean} {a.score} max-list {ml}")
+                    print(f"{work.name}: pieces {spec} {what}: write/raw first 45 "
+                          f"{r['first45']:.2f}x, all {a.steps} {r['all']:.2f}x, last 45 "
+                          f"{r['last45']:.2f}x; max/median step {r['spike']:.1f}x (last "
+                          f"45 {r['spike_last45']:.1f}x); max restore read {r['read']:.2f}x;"
+                          f" {r['objects']:.1f} objects per block per step, list <= "
+                          f"{r['longest']}; write beyond the rows: " + ", ".join(
+                              f"{k} {v:.3f}" for k, v in r["parts"].items()), flush=True)
     return 0
 
 
