@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
-from cnrstore.codec.cores import thread_pool
+from cnrstore.codec.cores import start_thread, thread_pool
 from cnrstore.core.lifetime import close_at_exit
 from cnrstore.core.options import Options, make_options
 from cnrstore.core.progress import check_progress
@@ -59,11 +59,20 @@ class DistributedStore:
             raise InvalidInput(f"timeout must be a positive number of seconds, got {timeout!r}")
         self.path = os.fspath(path)
         ranks = dist.get_process_group_ranks(group)
-        self.comm = Comm(ranks, float(timeout))      # the calling thread's collectives
+        # The coordinator (the group's lowest rank, as new_group orders them) opens the
+        # index while the groups are made: a cold index open and the groups' rendezvous
+        # each took a few milliseconds of a restore's open, one after the other.
+        opening = _Opening(path, options, kwargs) if dist.get_rank() == min(ranks) else None
         try:
-            self.wcomm = Comm(ranks, float(timeout))  # the background writer's
+            self.comm = Comm(ranks, float(timeout))      # the calling thread's collectives
+            try:
+                self.wcomm = Comm(ranks, float(timeout))  # the background writer's
+            except BaseException:
+                self.comm.close()
+                raise
         except BaseException:
-            self.comm.close()
+            if opening is not None:
+                opening.discard()
             raise
         self.local: CheckpointStore | None = None
         err: BaseException | None = None
@@ -72,12 +81,14 @@ class DistributedStore:
         self._staging: str | None = None
         if self.comm.coordinator:
             try:
-                self.local = open_plain(path, options, **kwargs)
+                self.local = (opening or _Opening(path, options, kwargs)).result()
                 self.storage = transfer.storage_of(self.local.objects)
                 resolved = (self.local.options, transfer.locator(self.storage))
             except BaseException as exc:
                 err = exc
         else:
+            if opening is not None:
+                opening.discard()
             try:
                 make_options(options, {k: v for k, v in kwargs.items()
                                        if k not in _OPEN_ONLY})
@@ -278,6 +289,25 @@ class DistributedStore:
             self, step, state, strict=strict, names=names, progress=progress))
 
     @translating
+    def structure(self, state: Any, what: str, *, error: BaseException | None = None,
+                  ask: Callable[[CheckpointStore], Any] | None = None) -> Any:
+        """One collective round that makes ``state`` uniform across the ranks, as
+        load_state's first round does, with ``ask(store)``'s answer from the coordinator
+        (after every queued put) riding it; ``error``: this rank's, raised on every rank.
+        Returns what ``load_agreed`` takes (statestore.Structure)."""
+        self.check_open()
+        self.drain()
+        return statestore.structure(self, state, what, error=error, ask=ask)
+
+    @translating
+    def load_agreed(self, step: int | None, state: Any, agreed: Any, *,
+                    strict: bool = True) -> Any:
+        """load_state of ``state`` as ``structure`` agreed it (entries may have been left
+        out alike on every rank since): it holds no structure round of its own."""
+        return transfer.again(self, lambda: statestore.load_state(
+            self, step, state, strict=strict, agreed=agreed))
+
+    @translating
     def changes(self, a: int, b: int, names: Iterable[str] | None = None, *,
                 rows: Mapping[str, slice] | None = None, strict: bool = False) -> Any:
         """Collective ``changes`` (CheckpointStore.changes): every rank asks for its own
@@ -359,6 +389,35 @@ if TYPE_CHECKING:
     def _is_store_api(store: DistributedStore) -> StoreAPI:
         """mypy checks here that DistributedStore has the shared store API (core/api.py)."""
         return store
+
+
+class _Opening:
+    """The coordinator's plain store, opened on a thread of its own (``result()`` joins
+    it; ``discard()`` closes what it opened)."""
+
+    def __init__(self, path: Any, options: Any, kwargs: dict):
+        self._box: list = []
+
+        def run() -> None:
+            try:
+                self._box.append(("ok", open_plain(path, options, **kwargs)))
+            except BaseException as exc:  # noqa: BLE001 - raised by result()
+                self._box.append(("err", exc))
+
+        self._thread = start_thread(run, "cnr-open-index")
+
+    def result(self) -> CheckpointStore:
+        self._thread.join()
+        kind, value = self._box[0]
+        if kind == "err":
+            raise value
+        return value
+
+    def discard(self) -> None:
+        try:
+            self.result().close()
+        except BaseException:  # noqa: BLE001 - the open's own failure is not the error
+            pass
 
 
 def _shard_leaf() -> Callable[[Any], Any] | None:
