@@ -7,7 +7,6 @@ returns, or every rank raises."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -39,15 +38,15 @@ from cnrstore.core.validate import check_destination, check_device
 from cnrstore.distributed.leaves import global_shape, leaf_dtype, skeleton, uniform
 from cnrstore.distributed.read import dest_hints, fill_dest, in_place
 from cnrstore.distributed.shard import Shard
-from cnrstore.errors import InvalidInput, InvalidType, StepNotFound, translate
+from cnrstore.distributed.structure import Structure, agree
+from cnrstore.errors import InvalidInput, StepNotFound
 from cnrstore.format.load import list_steps, load_step
-from engine import StoreError
 
 # The DistributedStore (cnrstore/distributed/store.py, which imports this module): typed
 # loosely so the layers test sees no import cycle.
 DistributedStore = Any
 
-__all__ = ["Structure", "get_state", "load_state", "put_state", "structure"]
+__all__ = ["get_state", "load_state", "put_state"]
 
 
 def _sharded(state: Any, shard_leaf: Any) -> tuple[Any, dict[str, Any]]:
@@ -85,90 +84,6 @@ def _sharded(state: Any, shard_leaf: Any) -> tuple[Any, dict[str, Any]]:
     return walk(state, ""), found
 
 
-@dataclass
-class Structure:
-    """What a structure round agreed: ``state`` with one nesting on every rank, every
-    rank's ``extras`` and skeleton (``skels``, where every state is a mapping), whether
-    every rank's state is free of empty containers after it (``no_empty``: then no rank
-    adopts a stored entry into one, and load_state holds no adopt round), and the
-    coordinator's ``answer`` to the round's ``ask``."""
-
-    state: Any
-    extras: list
-    skels: list | None
-    no_empty: bool
-    answer: Any = None
-
-
-def _uniform(ds: DistributedStore, state: Any, what: str, error: BaseException | None = None,
-             extra: Any = None, ask: Any = None) -> Structure:
-    """``state`` with one nesting on every rank, in one round: TorchRec's state names a
-    table's optimizer state only where a rank holds its rows
-    (cnrstore.distributed.leaves.uniform). ``error`` and ``extra`` are this rank's facts
-    of the call that ride the same round (put_state's column join); ``ask(store)`` runs on
-    the coordinator, on its plain store, and its answer (or error) rides it too (the
-    TorchRec load's stored shapes, which took a round of their own)."""
-    # Every rank enters the one round, whether its state is a mapping or its skeleton
-    # failed: the kinds, the skeletons and the errors are all-gathered together.
-    is_map = isinstance(state, Mapping)
-    skel, empty, answer = None, True, None
-    try:
-        if is_map:
-            skel = skeleton(state)
-        empty = _has_empty(state)
-        if ask is not None and ds.is_coordinator:
-            answer = ask(ds.coordinator_store)
-    except BaseException as exc:
-        error = error or (translate(exc) if isinstance(exc, StoreError) else exc)
-    got = ds.comm.agree(error, what, (is_map, skel, extra, empty, answer))
-    kinds = [g[0] for g in got]
-    extras = [g[2] for g in got]
-    no_empty = not any(g[3] for g in got)
-    if not any(kinds):
-        return Structure(state, extras, None, no_empty, got[0][4])
-    if not all(kinds):
-        raise InvalidType(f"{what}: the state is a mapping on ranks "
-                          f"{[r for r, k in enumerate(kinds) if k]} only")
-    skels = [g[1] for g in got]
-    return Structure(uniform(state, gather=lambda _mine: skels), extras, skels,
-                     no_empty and not _makes_empty(skels), got[0][4])
-
-
-def structure(ds: DistributedStore, state: Any, what: str, *,
-              error: BaseException | None = None, ask: Any = None) -> Structure:
-    """DistributedStore.structure: the structure round, with the coordinator's answer."""
-    return _uniform(ds, state, what, error, None, ask)
-
-
-def _has_empty(value: Any, depth: int = 0) -> bool:
-    """Whether ``value`` holds an empty dict, list or tuple (where load_state may adopt
-    stored entries); True past MAX_DEPTH (skeleton raises there)."""
-    if depth > MAX_DEPTH:
-        return True
-    if isinstance(value, (Mapping, list, tuple)):
-        if not value:
-            return True
-        items = value.values() if isinstance(value, Mapping) else value
-        return any(_has_empty(v, depth + 1) for v in items)
-    return False
-
-
-def _makes_empty(skels: list) -> bool:
-    """Whether ``uniform`` over these skeletons makes an empty dict on some rank: a dict
-    another rank has and this one lacks is made from its sharded leaves and dicts only,
-    so it is empty where the others hold only plain entries in it."""
-    held = [{path for path, _ in sk} for sk in skels]
-    dicts: dict[tuple, bool] = {}  # dict path -> it has a sharded leaf or a dict in it
-    for sk in skels:
-        for path, kind in sk:
-            if kind[0] == "D":
-                dicts.setdefault(path, False)
-            if path and kind[0] in ("D", "S"):
-                dicts[path[:-1]] = True
-    return any(not filled and any(path not in h for h in held)
-               for path, filled in dicts.items())
-
-
 def put_state(ds: DistributedStore, step: Any, state: Any, *, quant: Any, metadata: Any,
               blocking: bool, touched: Any, progress: Any = None) -> Any:
     # Column pieces become whole rows, and a tracker's touched rows with them
@@ -198,7 +113,7 @@ def put_state(ds: DistributedStore, step: Any, state: Any, *, quant: Any, metada
         except Restructure:
             pass
     ds.last_skeletons = None
-    agreed = _uniform(ds, state, "put_state: structure", offer.error, offer.info)
+    agreed = agree(ds, state, "put_state: structure", offer.error, offer.info)
     if agreed.skels is not None and not any(agreed.extras):
         ds.last_skeletons = agreed.skels
     return _put_uniform(ds, step, agreed.state, offer, agreed.extras, None, **kw)
@@ -283,7 +198,7 @@ def load_state(ds: DistributedStore, step: Any, state: Any, *, strict: bool,
     """``agreed``: the structure round ``state`` came from already (the TorchRec load's,
     which carries the stored shapes too); otherwise load_state holds its own."""
     if agreed is None:
-        agreed = _uniform(ds, state, "load_state: structure")
+        agreed = agree(ds, state, "load_state: structure")
         state = agreed.state
     step, sel, stored_doc, stored = _select(ds, step, names, "load_state: names")
     box: dict[str, Any] = {}

@@ -23,18 +23,18 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
-from cnrstore.codec.cores import start_thread, thread_pool
+from cnrstore.codec.cores import thread_pool
 from cnrstore.core.lifetime import close_at_exit
 from cnrstore.core.options import Options, make_options
 from cnrstore.core.progress import check_progress
 from cnrstore.core.put import put
 from cnrstore.core.snapshot import HostBuffers
 from cnrstore.core.store import CheckpointStore
-from cnrstore.core.store import open as open_plain
 from cnrstore.core.writer import BackgroundWriter, StepInfo
-from cnrstore.distributed import read, statestore, transfer
+from cnrstore.distributed import read, statestore, structure, transfer
 from cnrstore.distributed.comm import Comm
 from cnrstore.distributed.commit import CoordinatorCommit
+from cnrstore.distributed.indexopen import IndexOpening
 from cnrstore.distributed.put import RowGrid
 from cnrstore.errors import CheckpointError, InvalidInput, translating
 from engine import ProgressFn
@@ -59,18 +59,15 @@ class DistributedStore:
             raise InvalidInput(f"timeout must be a positive number of seconds, got {timeout!r}")
         self.path = os.fspath(path)
         ranks = dist.get_process_group_ranks(group)
-        # The coordinator (the group's lowest rank, as new_group orders them) opens the
-        # index while the groups are made: a cold index open and the groups' rendezvous
-        # each took a few milliseconds of a restore's open, one after the other.
-        opening = _Opening(path, options, kwargs) if dist.get_rank() == min(ranks) else None
+        # The coordinator (the lowest rank) opens the index while the groups are made
+        opening = IndexOpening(path, options, kwargs) if dist.get_rank() == min(ranks) else None
+        comm: Comm | None = None
         try:
-            self.comm = Comm(ranks, float(timeout))      # the calling thread's collectives
-            try:
-                self.wcomm = Comm(ranks, float(timeout))  # the background writer's
-            except BaseException:
-                self.comm.close()
-                raise
+            self.comm = comm = Comm(ranks, float(timeout))  # the calling thread's collectives
+            self.wcomm = Comm(ranks, float(timeout))        # the background writer's
         except BaseException:
+            if comm is not None:
+                comm.close()
             if opening is not None:
                 opening.discard()
             raise
@@ -79,16 +76,16 @@ class DistributedStore:
         resolved = None
         self.storage: Any = None     # where the packs live, reached without the index
         self._staging: str | None = None
+        if opening is not None and not self.comm.coordinator:
+            opening.discard()  # not so: new_group sorts the ranks
         if self.comm.coordinator:
             try:
-                self.local = (opening or _Opening(path, options, kwargs)).result()
+                self.local = (opening or IndexOpening(path, options, kwargs)).result()
                 self.storage = transfer.storage_of(self.local.objects)
                 resolved = (self.local.options, transfer.locator(self.storage))
             except BaseException as exc:
                 err = exc
         else:
-            if opening is not None:
-                opening.discard()
             try:
                 make_options(options, {k: v for k, v in kwargs.items()
                                        if k not in _OPEN_ONLY})
@@ -291,19 +288,16 @@ class DistributedStore:
     @translating
     def structure(self, state: Any, what: str, *, error: BaseException | None = None,
                   ask: Callable[[CheckpointStore], Any] | None = None) -> Any:
-        """One collective round that makes ``state`` uniform across the ranks, as
-        load_state's first round does, with ``ask(store)``'s answer from the coordinator
-        (after every queued put) riding it; ``error``: this rank's, raised on every rank.
-        Returns what ``load_agreed`` takes (statestore.Structure)."""
+        """load_state's structure round (structure.py) on its own, ``ask(store)``'s answer
+        from the coordinator (after the queued puts) and this rank's ``error`` riding it."""
         self.check_open()
         self.drain()
-        return statestore.structure(self, state, what, error=error, ask=ask)
+        return structure.agree(self, state, what, error, None, ask)
 
     @translating
     def load_agreed(self, step: int | None, state: Any, agreed: Any, *,
                     strict: bool = True) -> Any:
-        """load_state of ``state`` as ``structure`` agreed it (entries may have been left
-        out alike on every rank since): it holds no structure round of its own."""
+        """load_state of ``state`` as ``structure`` agreed it: no structure round."""
         return transfer.again(self, lambda: statestore.load_state(
             self, step, state, strict=strict, agreed=agreed))
 
@@ -389,35 +383,6 @@ if TYPE_CHECKING:
     def _is_store_api(store: DistributedStore) -> StoreAPI:
         """mypy checks here that DistributedStore has the shared store API (core/api.py)."""
         return store
-
-
-class _Opening:
-    """The coordinator's plain store, opened on a thread of its own (``result()`` joins
-    it; ``discard()`` closes what it opened)."""
-
-    def __init__(self, path: Any, options: Any, kwargs: dict):
-        self._box: list = []
-
-        def run() -> None:
-            try:
-                self._box.append(("ok", open_plain(path, options, **kwargs)))
-            except BaseException as exc:  # noqa: BLE001 - raised by result()
-                self._box.append(("err", exc))
-
-        self._thread = start_thread(run, "cnr-open-index")
-
-    def result(self) -> CheckpointStore:
-        self._thread.join()
-        kind, value = self._box[0]
-        if kind == "err":
-            raise value
-        return value
-
-    def discard(self) -> None:
-        try:
-            self.result().close()
-        except BaseException:  # noqa: BLE001 - the open's own failure is not the error
-            pass
 
 
 def _shard_leaf() -> Callable[[Any], Any] | None:

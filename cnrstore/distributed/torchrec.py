@@ -95,11 +95,9 @@ def plan_note(dmp, message: str) -> str:
 
 
 def _load(store, step, dmp, *, optim: bool, strict: bool, group, at: str) -> dict:
-    from cnrstore.distributed.store import DistributedStore
-
     prefix = f"{at}{_SEP}" if at else ""
     agreed = None
-    if isinstance(store, DistributedStore):
+    if callable(getattr(store, "structure", None)):  # a DistributedStore
         # One round of the store's group makes the state uniform, carries the stored
         # shapes _per_piece needs, and is load_state's structure round: it took three
         # (state_dict's on the DMP's group, the shapes', load_state's own) and a broadcast.
