@@ -30,11 +30,11 @@ from cnrstore.core.progress import check_progress
 from cnrstore.core.put import put
 from cnrstore.core.snapshot import HostBuffers
 from cnrstore.core.store import CheckpointStore
+from cnrstore.core.store import open as open_plain
 from cnrstore.core.writer import BackgroundWriter, StepInfo
 from cnrstore.distributed import read, statestore, structure, transfer
 from cnrstore.distributed.comm import Comm
 from cnrstore.distributed.commit import CoordinatorCommit
-from cnrstore.distributed.indexopen import IndexOpening
 from cnrstore.distributed.put import RowGrid
 from cnrstore.errors import CheckpointError, InvalidInput, translating
 from engine import ProgressFn
@@ -59,28 +59,20 @@ class DistributedStore:
             raise InvalidInput(f"timeout must be a positive number of seconds, got {timeout!r}")
         self.path = os.fspath(path)
         ranks = dist.get_process_group_ranks(group)
-        # The coordinator (the lowest rank) opens the index while the groups are made
-        opening = IndexOpening(path, options, kwargs) if dist.get_rank() == min(ranks) else None
-        comm: Comm | None = None
+        self.comm = Comm(ranks, float(timeout))      # the calling thread's collectives
         try:
-            self.comm = comm = Comm(ranks, float(timeout))  # the calling thread's collectives
-            self.wcomm = Comm(ranks, float(timeout))        # the background writer's
+            self.wcomm = Comm(ranks, float(timeout))  # the background writer's
         except BaseException:
-            if comm is not None:
-                comm.close()
-            if opening is not None:
-                opening.discard()
+            self.comm.close()
             raise
         self.local: CheckpointStore | None = None
         err: BaseException | None = None
         resolved = None
         self.storage: Any = None     # where the packs live, reached without the index
         self._staging: str | None = None
-        if opening is not None and not self.comm.coordinator:
-            opening.discard()  # not so: new_group sorts the ranks
         if self.comm.coordinator:
             try:
-                self.local = (opening or IndexOpening(path, options, kwargs)).result()
+                self.local = open_plain(path, options, **kwargs)
                 self.storage = transfer.storage_of(self.local.objects)
                 resolved = (self.local.options, transfer.locator(self.storage))
             except BaseException as exc:
