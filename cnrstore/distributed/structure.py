@@ -34,7 +34,7 @@ class Structure:
 
 
 def agree(ds: Any, state: Any, what: str, error: BaseException | None = None,
-             extra: Any = None, ask: Any = None) -> Structure:
+          extra: Any = None, ask: Any = None) -> Structure:
     """``state`` with one nesting on every rank, in one round: TorchRec's state names a
     table's optimizer state only where a rank holds its rows
     (cnrstore.distributed.leaves.uniform). ``error`` and ``extra`` are this rank's facts
