@@ -71,7 +71,9 @@ def load(store, step, dmp, *, optim: bool = True, strict: bool = True, group=Non
     row-wise accumulator TorchRec keeps per column piece (k pieces: k * rows entries) saved
     under k pieces and loaded under k' != k is mapped through the whole row: the mean of
     the row's k saved entries, given to each of its k' pieces; a table saved data-parallel
-    (no fused optimizer state) keeps the fresh state of this plan (docs/TORCHREC.md)."""
+    (no fused optimizer state) keeps the fresh state of this plan (docs/TORCHREC.md).
+    ``group``: where ``state_dict`` agrees the nesting for a plain store; a distributed
+    store agrees it on its own group, in the round that is load_state's first."""
     try:
         return _load(store, step, dmp, optim=optim, strict=strict, group=group, at=at)
     except CheckpointError as exc:
