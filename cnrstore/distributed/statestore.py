@@ -38,7 +38,8 @@ from cnrstore.core.validate import check_destination, check_device
 from cnrstore.distributed.leaves import global_shape, leaf_dtype, skeleton, uniform
 from cnrstore.distributed.read import dest_hints, fill_dest, in_place
 from cnrstore.distributed.shard import Shard
-from cnrstore.errors import InvalidInput, InvalidType, StepNotFound
+from cnrstore.distributed.structure import Structure, agree
+from cnrstore.errors import InvalidInput, StepNotFound
 from cnrstore.format.load import list_steps, load_step
 
 # The DistributedStore (cnrstore/distributed/store.py, which imports this module): typed
@@ -83,34 +84,6 @@ def _sharded(state: Any, shard_leaf: Any) -> tuple[Any, dict[str, Any]]:
     return walk(state, ""), found
 
 
-def _uniform(ds: DistributedStore, state: Any, what: str, error: BaseException | None = None,
-             extra: Any = None) -> tuple[Any, list, list | None]:
-    """(``state`` with one nesting on every rank, every rank's ``extra``, every rank's
-    skeleton where every state is a mapping), in one round: TorchRec's state names a
-    table's optimizer state only where a rank holds its rows
-    (cnrstore.distributed.leaves.uniform). ``error`` and ``extra`` are this rank's facts
-    of the call that ride the same round (put_state's column join)."""
-    # Every rank enters the one round, whether its state is a mapping or its skeleton
-    # failed: the kinds, the skeletons and the errors are all-gathered together.
-    is_map = isinstance(state, Mapping)
-    skel = None
-    try:
-        if is_map:
-            skel = skeleton(state)
-    except BaseException as exc:
-        error = error or exc
-    got = ds.comm.agree(error, what, (is_map, skel, extra))
-    kinds = [g[0] for g in got]
-    extras = [g[2] for g in got]
-    if not any(kinds):
-        return state, extras, None
-    if not all(kinds):
-        raise InvalidType(f"{what}: the state is a mapping on ranks "
-                          f"{[r for r, k in enumerate(kinds) if k]} only")
-    skels = [g[1] for g in got]
-    return uniform(state, gather=lambda _mine: skels), extras, skels
-
-
 def put_state(ds: DistributedStore, step: Any, state: Any, *, quant: Any, metadata: Any,
               blocking: bool, touched: Any, progress: Any = None) -> Any:
     # Column pieces become whole rows, and a tracker's touched rows with them
@@ -140,11 +113,10 @@ def put_state(ds: DistributedStore, step: Any, state: Any, *, quant: Any, metada
         except Restructure:
             pass
     ds.last_skeletons = None
-    state, every, skels = _uniform(ds, state, "put_state: structure", offer.error,
-                                   offer.info)
-    if skels is not None and not any(every):
-        ds.last_skeletons = skels
-    return _put_uniform(ds, step, state, offer, every, None, **kw)
+    agreed = agree(ds, state, "put_state: structure", offer.error, offer.info)
+    if agreed.skels is not None and not any(agreed.extras):
+        ds.last_skeletons = agreed.skels
+    return _put_uniform(ds, step, agreed.state, offer, agreed.extras, None, **kw)
 
 
 def _put_uniform(ds: DistributedStore, step: Any, state: Any, offer: Any, every: list,
@@ -221,8 +193,13 @@ def get_state(ds: DistributedStore, step: Any, *, device: Any, names: Any = None
 
 
 def load_state(ds: DistributedStore, step: Any, state: Any, *, strict: bool,
-               names: Any = None, progress: Any = None) -> Any:
-    state, _, _ = _uniform(ds, state, "load_state: structure")
+               names: Any = None, progress: Any = None,
+               agreed: Structure | None = None) -> Any:
+    """``agreed``: the structure round ``state`` came from already (the TorchRec load's,
+    which carries the stored shapes too); otherwise load_state holds its own."""
+    if agreed is None:
+        agreed = agree(ds, state, "load_state: structure")
+        state = agreed.state
     step, sel, stored_doc, stored = _select(ds, step, names, "load_state: names")
     box: dict[str, Any] = {}
 
@@ -328,15 +305,17 @@ def load_state(ds: DistributedStore, step: Any, state: Any, *, strict: bool,
     # get the stored entries as fresh tensors, read in one more collective round. Only
     # what is empty on every rank: a rank whose dict lacks a table another rank holds
     # (table-wise, given as a plain tensor there) must not read the whole table.
-    if doc is not None:
+    # Where the structure round showed no empty container on any rank, no rank has one
+    # to adopt into: every rank knows it, and none holds the round.
+    if doc is not None and not agreed.no_empty:
         every = ds.comm.all_gather(sorted(lazy), "load_state: adopt")
-        agreed = set(every[0]).intersection(*every[1:])
-        if agreed:
-            fresh = _read_whole(ds, s, sorted(agreed), "load_state: adopt")
+        adopted = set(every[0]).intersection(*every[1:])
+        if adopted:
+            fresh = _read_whole(ds, s, sorted(adopted), "load_state: adopt")
 
             def adopt(d: dict) -> Any:
                 d = keep_to_none(d)
-                if not set(check_structure(d)) <= agreed:
+                if not set(check_structure(d)) <= adopted:
                     return None
                 return unflatten(d, stored_leaf(s, fresh))
 

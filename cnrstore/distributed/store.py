@@ -32,7 +32,7 @@ from cnrstore.core.snapshot import HostBuffers
 from cnrstore.core.store import CheckpointStore
 from cnrstore.core.store import open as open_plain
 from cnrstore.core.writer import BackgroundWriter, StepInfo
-from cnrstore.distributed import read, statestore, transfer
+from cnrstore.distributed import read, statestore, structure, transfer
 from cnrstore.distributed.comm import Comm
 from cnrstore.distributed.commit import CoordinatorCommit
 from cnrstore.distributed.put import RowGrid
@@ -276,6 +276,22 @@ class DistributedStore:
         this rank restores in place."""
         return transfer.again(self, lambda: statestore.load_state(
             self, step, state, strict=strict, names=names, progress=progress))
+
+    @translating
+    def structure(self, state: Any, what: str, *, error: BaseException | None = None,
+                  ask: Callable[[CheckpointStore], Any] | None = None) -> Any:
+        """load_state's structure round (structure.py) on its own, ``ask(store)``'s answer
+        from the coordinator (after the queued puts) and this rank's ``error`` riding it."""
+        self.check_open()
+        self.drain()
+        return structure.agree(self, state, what, error, None, ask)
+
+    @translating
+    def load_agreed(self, step: int | None, state: Any, agreed: Any, *,
+                    strict: bool = True) -> Any:
+        """load_state of ``state`` as ``structure`` agreed it: no structure round."""
+        return transfer.again(self, lambda: statestore.load_state(
+            self, step, state, strict=strict, agreed=agreed))
 
     @translating
     def changes(self, a: int, b: int, names: Iterable[str] | None = None, *,

@@ -50,13 +50,17 @@ def state_dict(dmp, *, optim: bool = True, group=None) -> dict:
     nesting on every rank (collective over the DMP's process group, or ``group``). The
     leaves are TorchRec's own ShardedTensors/DTensors: a put reads them, a load_state
     fills them in place, which writes through to the embedding kernels' storage."""
+    return uniform(_raw_state(dmp, optim), group if group is not None else _group_of(dmp))
+
+
+def _raw_state(dmp, optim: bool) -> dict:
     state: dict = {"model": dmp.state_dict()}
     if optim:
         fused = getattr(dmp, "fused_optimizer", None)
         if fused is None:
             raise InvalidType(f"{type(dmp).__name__} has no fused_optimizer; pass optim=False")
         state["optim"] = fused.state_dict()
-    return uniform(state, group if group is not None else _group_of(dmp))
+    return state
 
 
 def load(store, step, dmp, *, optim: bool = True, strict: bool = True, group=None,
@@ -67,7 +71,9 @@ def load(store, step, dmp, *, optim: bool = True, strict: bool = True, group=Non
     row-wise accumulator TorchRec keeps per column piece (k pieces: k * rows entries) saved
     under k pieces and loaded under k' != k is mapped through the whole row: the mean of
     the row's k saved entries, given to each of its k' pieces; a table saved data-parallel
-    (no fused optimizer state) keeps the fresh state of this plan (docs/TORCHREC.md)."""
+    (no fused optimizer state) keeps the fresh state of this plan (docs/TORCHREC.md).
+    ``group``: where ``state_dict`` agrees the nesting for a plain store; a distributed
+    store agrees it on its own group, in the round that is load_state's first."""
     try:
         return _load(store, step, dmp, optim=optim, strict=strict, group=group, at=at)
     except CheckpointError as exc:
@@ -91,19 +97,39 @@ def plan_note(dmp, message: str) -> str:
 
 
 def _load(store, step, dmp, *, optim: bool, strict: bool, group, at: str) -> dict:
-    state = state_dict(dmp, optim=optim, group=group)
     prefix = f"{at}{_SEP}" if at else ""
-    remap, fresh = _per_piece(store, step, state, prefix) if optim else ({}, set())
+    agreed = None
+    if callable(getattr(store, "structure", None)):  # a DistributedStore
+        # One round of the store's group makes the state uniform, carries the stored
+        # shapes _per_piece needs, and is load_state's structure round: it took three
+        # (state_dict's on the DMP's group, the shapes', load_state's own) and a broadcast.
+        raw = None
+        try:
+            raw = _raw_state(dmp, optim)
+        except BaseException as exc:  # noqa: BLE001 - every rank raises it in the round
+            err: BaseException | None = exc
+        else:
+            err = None
+        agreed = store.structure(raw, "torchrec load: structure", error=err,
+                                 ask=(lambda st: _shapes(st, step)) if optim else None)
+        state, stored = agreed.state, agreed.answer or {}
+    else:
+        state, stored = state_dict(dmp, optim=optim, group=group), {}
+    stored = {k.removeprefix(prefix): v for k, v in stored.items() if k.startswith(prefix)}
+    remap, fresh = _per_piece(state, stored) if optim else ({}, set())
     nest: dict = _drop(state, set(remap) | fresh)
     for key in reversed(at.split(_SEP)) if at else ():
         nest = {key: nest}
-    got = store.load_state(step, nest, strict=strict)
+    if agreed is not None:
+        got = store.load_agreed(step, nest, agreed, strict=strict)
+    else:
+        got = store.load_state(step, nest, strict=strict)
     if remap:
-        stored = store.get_tables(step, names=sorted(prefix + p for p in remap))
+        stored_rows = store.get_tables(step, names=sorted(prefix + p for p in remap))
         from cnrstore.distributed.leaves import fill_leaf
 
         for path, (leaf, rows, k_saved, k_now) in remap.items():
-            saved = stored[prefix + path]
+            saved = stored_rows[prefix + path]
             row = saved.reshape(k_saved, rows).mean(0, dtype=torch.float64)
             mapped = row.to(saved.dtype).repeat(k_now)
 
@@ -114,25 +140,22 @@ def _load(store, step, dmp, *, optim: bool, strict: bool, group, at: str) -> dic
     return got
 
 
-def _stored_shapes(store, step) -> dict[str, tuple[int, ...]]:
+def _shapes(st, step) -> dict[str, tuple[int, ...]]:
+    """Every table's stored shape in ``step`` (None: the highest), read on the
+    coordinator's plain store ``st``; {} where the store holds no step."""
     from cnrstore.format.load import list_steps, load_step, load_table
 
-    def shapes(st) -> dict:
-        s = step
-        if s is None:
-            known = list_steps(st.objects)
-            s = known[-1] if known else None
-        if s is None:
-            return {}
-        node = load_step(st.objects, s)[1]
-        return {n: tuple(load_table(st.objects, oid).shape)
-                for n, oid in zip(node.tables, node.table_ids)}
-
-    coordinated = getattr(store, "coordinated", None)
-    return coordinated("torchrec load: shapes", shapes) if callable(coordinated) else {}
+    if step is None:
+        known = list_steps(st.objects)
+        step = known[-1] if known else None
+    if step is None:
+        return {}
+    node = load_step(st.objects, step)[1]
+    return {n: tuple(load_table(st.objects, oid).shape)
+            for n, oid in zip(node.tables, node.table_ids)}
 
 
-def _per_piece(store, step, state, prefix: str) -> tuple[dict[str, tuple], set[str]]:
+def _per_piece(state, stored: dict) -> tuple[dict[str, tuple], set[str]]:
     """(path -> (leaf, table rows, pieces saved, pieces now) of each optimizer state kept
     per column piece whose piece count differs between the step and this plan; the fused
     optimizer states of tables the step holds without one, saved data-parallel, which
@@ -140,8 +163,6 @@ def _per_piece(store, step, state, prefix: str) -> tuple[dict[str, tuple], set[s
     leaves = dict(_leaf_paths(state))
     weights = {p.split(_SEP)[-1]: leaf for p, leaf in leaves.items()
                if p.startswith(f"model{_SEP}") and p.endswith(".weight")}
-    stored = {k.removeprefix(prefix): v for k, v in _stored_shapes(store, step).items()
-              if k.startswith(prefix)}
     out, fresh = {}, set()
     for path, leaf in leaves.items():
         parts = path.split(_SEP)

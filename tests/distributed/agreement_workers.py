@@ -102,3 +102,77 @@ def checked_input(rank: int, world: int, path: str):
         got = s.load_state(5, {"model": {"tw": torch.zeros(4, 2)} if rank == 0 else {}})
         out["table-wise"] = sorted(got["model"])
     return out
+
+
+def _rounds(s, fn) -> tuple[int, object]:
+    """(rounds ``fn`` held on this rank, its result or its error)."""
+    r0 = s.comm.rounds
+    box: list = []
+    err = _err(lambda: box.append(fn()))
+    return s.comm.rounds - r0, err if err is not None else box[0]
+
+
+def load_rounds(rank: int, world: int, path: str):
+    """load_state's rounds where no rank's state holds an empty container (no adopt round:
+    every rank knows from the structure round), and where one does; then the TorchRec
+    load's structure round (statestore.structure) with the stored shapes riding it, on
+    states that differ between ranks. Returns {case: (rounds, result or error)}."""
+    out: dict = {}
+    rows = 4 * world
+    mine = torch.arange(4.0 * rank * 2, 4.0 * (rank + 1) * 2).reshape(4, 2)
+    with _open(path) as s:
+        s.put_state(1, {"model": {"w": cnrstore.Shard(mine, row_offset=4 * rank, rows=rows)},
+                        "optim": {"state": {"w": torch.ones(3)}, "lr": 0.1}})
+
+        def state(empty_on: int | None = None, shard: bool = True) -> dict:
+            w = torch.zeros(4, 2)
+            model = {"w": cnrstore.Shard(w, row_offset=4 * rank, rows=rows)} if shard else {}
+            optim: dict = {"state": {} if rank == empty_on else {"w": torch.zeros(3)},
+                           "lr": 0.0}
+            return {"model": model, "optim": optim}
+
+        given = state()
+
+        def uniform():
+            got = s.load_state(1, given)
+            assert torch.equal(given["model"]["w"].local, mine)
+            assert torch.equal(got["optim"]["state"]["w"], torch.ones(3))
+            return got["optim"]["lr"]
+
+        out["uniform"] = _rounds(s, uniform)
+
+        def fresh():  # every rank a fresh optimizer: adopted on every rank
+            got = s.load_state(1, state(empty_on=rank))
+            return sorted(got["optim"]["state"]), got["optim"]["state"]["w"].tolist()
+
+        out["fresh"] = _rounds(s, fresh)
+
+        def last_empty():  # one rank's state differs: not adopted, as before
+            got = s.load_state(1, state(empty_on=world - 1))
+            return sorted(got["optim"]["state"])
+
+        out["last empty"] = _rounds(s, last_empty)
+
+        def made_empty():  # uniform makes rank >0's "model" {}: nothing adopted there
+            got = s.load_state(1, {"model": {"w": torch.zeros(rows, 2)}} if rank == 0 else
+                               {"optim": {"lr": 0.0}}, strict=False)
+            return sorted(got), sorted(got.get("model", {"-": 0}))
+
+        out["made empty"] = _rounds(s, made_empty)
+
+        from cnrstore.distributed.torchrec import _shapes
+
+        def agreed(st, step=1):
+            a = s.structure(st, "test: structure", ask=lambda cs: _shapes(cs, step))
+            got = s.load_agreed(1, a.state, a)
+            return a.answer, a.no_empty, sorted(got)
+
+        out["agreed"] = _rounds(s, lambda: agreed(state()))
+        out["agreed, no step"] = _rounds(s, lambda: agreed(state(), step=7))
+        out["agreed, not a mapping"] = _rounds(
+            s, lambda: agreed(state() if rank == 0 else [torch.zeros(1)]))
+        bad = {"model": {"w": cnrstore.Shard(torch.zeros(4, 2), row_offset=0,
+                                             rows=rows + (rank == world - 1))}}
+        if world > 1:
+            out["agreed, another table"] = _rounds(s, lambda: agreed(bad))
+    return out

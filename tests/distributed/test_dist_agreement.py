@@ -4,7 +4,13 @@ error on every rank, at once, before anything is written."""
 
 from __future__ import annotations
 
-from agreement_workers import checked_input, mismatched_calls, missing_rank_at_open
+import pytest
+from agreement_workers import (
+    checked_input,
+    load_rounds,
+    mismatched_calls,
+    missing_rank_at_open,
+)
 from dist_util import Failed, run
 
 import cnrstore
@@ -58,3 +64,40 @@ def test_bad_input_on_a_rank_and_a_fresh_optimizer(tmp_path):
     with cnrstore.open(tmp_path / "s") as s:
         assert s.steps() == [1, 2, 4, 5]
         assert s.get_tables(2)["dense"].eq(1).all()
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_load_state_holds_an_adopt_round_only_where_a_state_holds_an_empty_container(
+        tmp_path, world):
+    """load_state's adopt round is left out where the structure round showed no empty
+    container on any rank (nothing can be adopted: every rank knows it from that round);
+    a rank whose state holds one (or that uniform leaves one) holds it on every rank, with
+    the results as before. The TorchRec load's structure round carries the coordinator's
+    stored shapes, and a state that differs is the same error on every rank, at once."""
+    res = run(world, load_rounds, str(tmp_path / "s"), timeout=120)
+    for got in res:
+        assert not isinstance(got, Failed), got.trace
+    for rank, got in enumerate(res):
+        # structure, request, answer, closing: no adopt round
+        assert got["uniform"] == (4, 0.1), got["uniform"]
+        # + the adopt round and the read of what every rank adopts (3 rounds)
+        assert got["fresh"] == (8, (["w"], [1.0, 1.0, 1.0])), got["fresh"]
+        if world == 1:  # one rank alone adopts its own
+            # strict=False asks which tables the step holds first: 2 rounds more
+            assert got["last empty"] == (8, ["w"]) and got["made empty"][0] == 6
+        else:
+            assert got["last empty"] == (5, [] if rank == world - 1 else ["w"])
+            assert got["made empty"][0] == 7
+            assert got["made empty"][1] == ((["model", "optim"], ["w"]) if rank == 0 else
+                                            (["model", "optim"], []))
+        rounds, (shapes, no_empty, optim) = got["agreed"]
+        assert rounds == 4 and no_empty and optim == ["model", "optim"]
+        assert shapes == {"model/w": (4 * world, 2), "optim/state/w": (3,)}, shapes
+        rounds, err = got["agreed, no step"]
+        assert rounds == 1 and err[0] == "StepNotFound" and err[1].startswith("rank 0:")
+        assert err == res[0]["agreed, no step"][1]
+        if world > 1:
+            rounds, err = got["agreed, not a mapping"]
+            assert rounds == 1 and err[0] == "InvalidType" and "ranks [0] only" in err[1]
+            rounds, err = got["agreed, another table"]
+            assert rounds == 1 and err[0] == "InvalidInput" and "disagree" in err[1], err

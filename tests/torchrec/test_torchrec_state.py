@@ -104,10 +104,23 @@ def _load_worker(rank, world, path, layouts, dtensor):
             fill_leaf(leaf, lambda lo, hi, t=leaf: torch.full((hi - lo, *t.shape[1:]), 7.0))
     store.load_state(1, {k: ctr.state_dict(m) for k, m in models.items()})
     loaded = _pieces({k: ctr.state_dict(m) for k, m in models.items()})
+    # ctr.load holds one structure round (with the stored shapes), the request, the answer
+    # and the closing round; a rank whose model has no fused optimizer fails it on every
+    # rank (it raised alone, and the others waited in the DMP group's gather)
+    r0 = store.comm.rounds
+    ctr.load(store, 1, models["ebc"], at="ebc")
+    rounds = [store.comm.rounds - r0]
+    r0 = store.comm.rounds
+    try:
+        ctr.load(store, 1, models["ebc"] if rank else torch.nn.Linear(2, 2), at="ebc")
+        err = None
+    except cnrstore.CheckpointError as exc:
+        err = (type(exc).__name__, str(exc))
+    rounds.append(store.comm.rounds - r0)
     _train(models, rank, world, [13])
     after = _pieces({k: ctr.state_dict(m) for k, m in models.items()})
     store.close()
-    return loaded, after, raw
+    return loaded, after, raw, rounds, err
 
 
 def check_equal(a: dict, b: dict) -> None:
@@ -130,6 +143,10 @@ def test_restore_at_three_ranks_under_another_plan_in_dtensor_mode(saved):
     assert before["ebc/optim/state/sparse.embedding_bags.t0.weight/t0.momentum1"].shape == (20,)
     assert before["ec/optim/state/sparse.embeddings.t1.weight/t1.momentum1"].shape == (18, 4)
     got = trspawn.run(_load_worker, 3, path, LOAD3, True, timeout=TIMEOUT)
+    for g in got:
+        assert g[3] == [4, 1], g[3]
+        assert g[4] == ("InvalidType", "rank 0: Linear has no fused_optimizer; pass "
+                        "optim=False"), g[4]
     check_equal(assemble([g[0] for g in got]), before)
     check_equal(assemble([g[2] for g in got]), before)  # the step put as TorchRec gives it
     # one more step from the restored state: the same as the saved job's next step, which
