@@ -330,3 +330,106 @@ def load_rounds(rank: int, world: int, path: str) -> list:
             out.append(store.comm.rounds - r0 - meta)
             check(target, 1)
     return out
+
+
+def _same(a: dict, b: dict) -> bool:
+    """Nested dicts of gathered tensors and values, equal bit for bit."""
+    if a.keys() != b.keys():
+        return False
+    for k in a:
+        x, y = a[k], b[k]
+        if isinstance(x, dict):
+            if not (isinstance(y, dict) and _same(x, y)):
+                return False
+        elif isinstance(x, torch.Tensor):
+            if not (isinstance(y, torch.Tensor) and torch.equal(x, y)):
+                return False
+        elif x != y:
+            return False
+    return True
+
+
+def located_reads(rank: int, world: int, path: str) -> dict:
+    """A path load reads at the locations its metadata read brought (no round before its
+    reads; the kept store not even checked out). Three loads of step 2 (a patch over step
+    1's first block): as it is; with every pack those locations name compacted away
+    between read_metadata and read_data (another handle deletes step 1 and collects:
+    the locations are stale); and, on a fresh copy, with a record of rank 1's last block
+    damaged on disk (one rank's read fails). Returns, per case, what the load gave."""
+    import os
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from cnrstore.dcp import close_stores, stores
+    from cnrstore.format.load import load_step, load_table_manifest
+    from engine import RecordLocation
+
+    def kept() -> list[int]:
+        return [id(e.store) for e in stores._entries.values()]
+
+    s = state("dtensor", 1, rank, world)
+    dcp.save(s, storage_writer=StorageWriter(path, step=1, block_rows=32))
+    bump(s)
+    dcp.save(s, storage_writer=StorageWriter(path, step=2, block_rows=32))
+    want = gathered(s)
+    out: dict = {}
+
+    got = []
+    for _ in range(2):  # the first opens the store for the reader's key, the second keeps it
+        before = kept()
+        target = zeroed(state("dtensor", 1, rank, world))
+        dcp.load(target, storage_reader=StorageReader(path, step=2))
+        got.append(_same(gathered(target), want))
+    out["located"] = (all(got), kept() == before)
+
+    seen: dict = {}
+
+    class Stale(StorageReader):
+        def prepare_local_plan(self, plan):
+            assert self.located is not None
+            named = {RecordLocation.from_wire(w).pack for _, chains in self.located[2].values()
+                     for chain in chains for w in chain}
+            seen["kept"] = kept()
+            if rank == 0:
+                with cnrstore.open(path) as other:
+                    other.delete_step(1)
+                    report = other.gc(threshold=0.0)
+                    left = set(other.objects.storage.sizes())
+                seen["gone"] = len(named - left)
+                seen["named"] = len(named)
+                seen["rewritten"] = report.packs_rewritten
+            dist.barrier()
+            return super().prepare_local_plan(plan)
+
+    # A store opened afresh: its readers hold no descriptor of a pack from the loads
+    # before (a pack deleted under an open one still reads, and its records are right).
+    close_stores()
+    target = zeroed(state("dtensor", 1, rank, world))
+    dcp.load(target, storage_reader=Stale(path, step=2))
+    # read again through the request round: the kept store's check saw the deleted step
+    # and opened the store afresh
+    reopened = kept() != seen.pop("kept")
+    out["stale"] = (_same(gathered(target), want), reopened, dict(seen))
+    close_stores()
+
+    if rank == 0:
+        with cnrstore.open(path) as store:
+            _, node = load_step(store.objects, 2)
+            tm = load_table_manifest(store.objects,
+                                     dict(zip(node.tables, node.table_ids))["model.emb"])
+            (loc,) = store.objects.locate_closure([tm.block_ids[-1]]).values()
+            pack = store.objects.storage.path(loc.pack)
+        with open(pack, "r+b") as f:  # a byte of the payload, past its header
+            f.seek(loc.offset + loc.length - 16)
+            b = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([b[0] ^ 0xFF]))
+    dist.barrier()
+    target = zeroed(state("dtensor", 1, rank, world))
+    try:
+        dcp.load(target, storage_reader=StorageReader(path, step=2))
+        out["damaged"] = None
+    except CheckpointException as exc:
+        out["damaged"] = (sorted(exc.failures), " | ".join(
+            f"{r}: {type(e).__name__}: {e}" for r, e in sorted(exc.failures.items())))
+    return out
