@@ -7,9 +7,9 @@ the read's request and answer rounds. The metadata read brings, with the step's
 document, where every block's records are (the coordinator's ``locate_closure`` of the
 step's blocks: a few KB); ``prepare_local_plan`` (the first point a rank knows the rows
 it reads) hints the first ``EARLY_BYTES`` of its blocks, in the order the read takes
-them, on a thread of its own. A stale or failed hint costs nothing but the hint; the
-read (reader.py) checks every record it reads at these locations, and where one is
-gone every rank reads again with fresh ones.
+them, on a thread of its own. Hints only: the read locates every record again through
+the request round and checks what it reads; a stale or failed hint costs nothing but
+the hint.
 """
 
 from __future__ import annotations

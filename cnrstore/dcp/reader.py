@@ -3,15 +3,12 @@
 ``read_metadata`` gives DCP the step's document (docmeta.py) as its Metadata: each tensor
 one chunk, the whole table, so DCP's planner turns any target sharding into reads of row
 ranges (and, for a target cut along other dims, column ranges of those rows).
-``read_data`` reads, per table, the rows this rank's reads span (each rank only the
-blocks overlapping its rows): a piece of whole rows decodes straight into the tensor DCP
+``read_data`` reads, per table, the rows this rank's reads span, in ONE collective read
+(each rank reads only the blocks overlapping its rows; its request round carries the
+rank's plan, or its error): a piece of whole rows decodes straight into the tensor DCP
 resolves for it, the rows of the others are read and each read's rectangle copied.
-The metadata read also brings the step's table manifests and where their blocks lie:
-``prepare_local_plan`` hints this rank's first blocks while DCP plans (early.py), and
-``read_data`` of a store of ranks reads at those locations with no round before its
-reads, then one round; where any rank's read failed (a location gone stale, a damaged
-record, a piece that does not fit) every rank reads again in ONE collective read, whose
-request round carries the rank's plan, or its error, and fresh locations.
+The metadata read also brings where the step's blocks lie, and ``prepare_local_plan``
+hints this rank's first blocks while DCP plans (early.py).
 """
 
 from __future__ import annotations
