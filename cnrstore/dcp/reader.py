@@ -358,7 +358,7 @@ def _read_located(reader: StorageReader, located: tuple[DistributedStore, Any,
     ds, view, locs = located
     got: dict[str, torch.Tensor] = {}
     pieces = _Pieces()
-    ok, fatal = False, None
+    ok = False
     try:
         if view is None or reader.doc is None:
             raise InvalidInput("DCP load: no located view")
@@ -375,11 +375,7 @@ def _read_located(reader: StorageReader, located: tuple[DistributedStore, Any,
         ok = True
     except Exception:  # noqa: BLE001 - read again through the request round, which says why
         ok = False
-    except BaseException as exc:  # an interrupt: the other ranks still get their round
-        fatal = exc
-    if not all(ds.comm.agree(None, "DCP load: located read", ok)) or fatal is not None:
-        if fatal is not None:
-            raise fatal
+    if not all(ds.comm.agree(None, "DCP load: located read", ok)):
         return False
     reader._load_bytes(plan, planner)
     reader._commit(pieces, got, planner)
