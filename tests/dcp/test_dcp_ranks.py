@@ -109,18 +109,3 @@ def test_a_load_reads_every_kind_of_piece_in_one_collective_read(tmp_path):
     # request, its answer and the closing round made it three, and a plan round of its
     # own and a read per kind of piece seven (each seen before its change).
     assert _ok(run(2, W.load_rounds, str(tmp_path / "ckpt"))) == [[1, 1]] * 2
-
-
-@pytest.mark.parametrize("world", [2, 3])
-def test_a_load_reads_at_the_metadata_reads_locations_and_falls_back_when_stale(tmp_path,
-                                                                               world):
-    res = _ok(run(world, W.located_reads, str(tmp_path / "ckpt"), timeout=180))
-    for r in res:
-        assert r["located"] == (True, True)   # exact, the kept store not reopened
-        exact, reopened, _ = r["stale"]
-        assert exact and reopened             # read again through the request round
-        ranks, text = r["damaged"]            # rank 1's read failed: every rank says so
-        assert ranks == list(range(world)), text
-        assert "model.emb" in text and "block" in text, text
-    seen = res[0]["stale"][2]
-    assert seen["gone"] == seen["named"] > 0, seen  # every located pack was compacted away
