@@ -26,8 +26,8 @@ __all__ = ["EARLY_BYTES", "Locations", "hint", "locations", "plan"]
 
 EARLY_BYTES = 32 << 20  # hinted at the plan: about the disk's reads until read_data reads
 
-# {fqn: (the table's manifest, [[wire location of each record of the block's chain]])}
-Locations = dict[str, tuple[Any, list[list[tuple]]]]
+# {fqn: (block_rows, [[wire location of each record of the block's chain]])}
+Locations = dict[str, tuple[int, list[list[tuple]]]]
 
 
 def locations(objects: Any, step: int, names: Iterable[str]) -> Locations | None:
@@ -55,7 +55,7 @@ def locations(objects: Any, step: int, names: Iterable[str]) -> Locations | None
                     chain.append(loc.to_wire())
                     todo.extend(loc.refs)
                 chains.append(chain)
-            out[n] = (tm, chains)
+            out[n] = (tm.node.block_rows, chains)
         return out
     except Exception:  # noqa: BLE001 - hints only: the read itself reports any damage
         return None
@@ -71,8 +71,7 @@ def plan(locs: Locations, spans: list[tuple[str, int, int]],
     for fqn, lo, hi in spans:
         if fqn not in locs or hi <= lo:
             continue
-        tm, per_block = locs[fqn]
-        block_rows = tm.node.block_rows
+        block_rows, per_block = locs[fqn]
         for b in range(lo // block_rows, min(len(per_block), -(-hi // block_rows))):
             if total >= budget:
                 return chains

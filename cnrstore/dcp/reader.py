@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import io
 import os
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -27,11 +26,10 @@ from torch.futures import Future
 import cnrstore.dcp.docmeta as docmeta
 from cnrstore.codec.layout import dtype_name
 from cnrstore.core.get import Located, get
-from cnrstore.core.get import _ranges as check_ranges
 from cnrstore.core.prefault import Prefault
 from cnrstore.core.restore import new_output, read_rows_into
 from cnrstore.core.validate import check_step
-from cnrstore.dcp import early, stores
+from cnrstore.dcp import early
 from cnrstore.dcp.handle import Target
 from cnrstore.distributed import transfer
 from cnrstore.distributed.shard import Shard
@@ -63,7 +61,6 @@ class StorageReader(_DCPReader):
         self.doc: dict | None = None
         self.read_step: int | None = None
         self.early: tuple[Any, early.Locations] | None = None  # (source, where blocks lie)
-        self.located: tuple[DistributedStore, Any, early.Locations] | None = None
 
     # -- DCP's interface -----------------------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
@@ -71,7 +68,6 @@ class StorageReader(_DCPReader):
         self.doc = None
         self.read_step = None
         self.early = None
-        self.located = None
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
@@ -101,7 +97,6 @@ class StorageReader(_DCPReader):
                                    "read it with get_tables or get_state")
             md = docmeta.to_metadata(doc, step)
             self.early = None if locs is None else (_hint_source(store), locs)
-            self.located = _located(store, locs, self.target)
         finally:
             self.target.done()
         self.doc, self.read_step = doc, step
@@ -125,13 +120,11 @@ class StorageReader(_DCPReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        located, self.located = self.located, None
-        if located is None or not _read_located(self, located, plan, planner):
-            try:
-                self.target.open()
-                self._read(plan, planner)
-            finally:
-                self.target.done()
+        try:
+            self.target.open()
+            self._read(plan, planner)
+        finally:
+            self.target.done()
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
@@ -139,16 +132,39 @@ class StorageReader(_DCPReader):
     # -- the load ------------------------------------------------------------------------
     def _read(self, plan: LoadPlan, planner: LoadPlanner) -> None:
         err: BaseException | None = None
-        pieces = _Pieces()
+        spans: dict[str, tuple[int, int]] = {}
+        direct: dict[str, Any] = {}     # fqn -> the destination cnrstore decodes into
+        copied: list[tuple[ReadItem, torch.Tensor]] = []
         try:
-            if self.doc is None or self.target.store is None:
+            doc = self.doc
+            if doc is None or self.target.store is None:
                 raise InvalidInput("DCP load: read_data before read_metadata")
-            pieces = self._pieces(plan, planner,
-                                  isinstance(self.target.store, DistributedStore))
-            self._load_bytes(plan, planner)
+            tensors = [i for i in plan.items if i.type != LoadItemType.BYTE_IO]
+            per_fqn: dict[str, int] = {}
+            for item in plan.items:
+                fqn = item.storage_index.fqn
+                if item.type == LoadItemType.BYTE_IO:
+                    if fqn not in doc["bytes"]:
+                        raise InvalidInput(f"DCP load: step {self.read_step} holds no value "
+                                           f"{fqn!r}")
+                    planner.load_bytes(item, io.BytesIO(doc["bytes"][fqn]))
+                elif fqn not in doc["tensors"]:
+                    raise InvalidInput(f"DCP load: step {self.read_step} holds no tensor {fqn!r}")
+                else:
+                    per_fqn[fqn] = per_fqn.get(fqn, 0) + 1
+            for item in tensors:
+                fqn = item.storage_index.fqn
+                dest = planner.resolve_tensor(item).detach()
+                target = self._direct(item, dest, doc) if per_fqn[fqn] == 1 else None
+                if target is not None:
+                    direct[fqn] = target
+                else:
+                    lo, hi = _rows(item)
+                    a, b = spans.get(fqn, (lo, hi))
+                    spans[fqn] = (min(a, lo), max(b, hi))
+                copied.append((item, dest))
         except BaseException as exc:
             err = exc
-        direct, spans = pieces.direct, pieces.spans
         store = self.target.store
         if isinstance(store, DistributedStore):
             got = _read_pieces(store, self.read_step, direct, spans, err)
@@ -161,55 +177,9 @@ class StorageReader(_DCPReader):
             got = {} if not spans else store.get_tables(
                 self.read_step, names=sorted(spans),
                 rows={fqn: slice(lo, hi) for fqn, (lo, hi) in spans.items()})
-        self._commit(pieces, got, planner)
-
-    def _pieces(self, plan: LoadPlan, planner: LoadPlanner, sharded: bool) -> _Pieces:
-        """Where each tensor item of ``plan`` goes: decoded in place (a piece of whole
-        rows, as a Shard where ``sharded``: a store of ranks) or read as a row span and copied;
-        an item the step lacks is InvalidInput."""
         doc = self.doc
         assert doc is not None
-        out = _Pieces()
-        per_fqn: dict[str, int] = {}
-        for item in plan.items:
-            fqn = item.storage_index.fqn
-            if item.type == LoadItemType.BYTE_IO:
-                if fqn not in doc["bytes"]:
-                    raise InvalidInput(f"DCP load: step {self.read_step} holds no value "
-                                       f"{fqn!r}")
-            elif fqn not in doc["tensors"]:
-                raise InvalidInput(f"DCP load: step {self.read_step} holds no tensor {fqn!r}")
-            else:
-                per_fqn[fqn] = per_fqn.get(fqn, 0) + 1
-        for item in plan.items:
-            if item.type == LoadItemType.BYTE_IO:
-                continue
-            fqn = item.storage_index.fqn
-            dest = planner.resolve_tensor(item).detach()
-            target = self._direct(item, dest, doc, sharded) if per_fqn[fqn] == 1 else None
-            if target is not None:
-                out.direct[fqn] = target
-            else:
-                lo, hi = _rows(item)
-                a, b = out.spans.get(fqn, (lo, hi))
-                out.spans[fqn] = (min(a, lo), max(b, hi))
-            out.copied.append((item, dest))
-        return out
-
-    def _load_bytes(self, plan: LoadPlan, planner: LoadPlanner) -> None:
-        doc = self.doc
-        assert doc is not None
-        for item in plan.items:
-            if item.type == LoadItemType.BYTE_IO:
-                planner.load_bytes(item, io.BytesIO(doc["bytes"][item.storage_index.fqn]))
-
-    def _commit(self, pieces: _Pieces, got: dict[str, torch.Tensor],
-                planner: LoadPlanner) -> None:
-        """The copied pieces cut out of the spans read (``got``), every tensor committed."""
-        doc = self.doc
-        assert doc is not None
-        spans = pieces.spans
-        for item, dest in pieces.copied:
+        for item, dest in copied:
             fqn = item.storage_index.fqn
             if fqn in spans:
                 size = doc["tensors"][fqn][1]
@@ -226,7 +196,7 @@ class StorageReader(_DCPReader):
                 dest.copy_(src)
             planner.commit_tensor(item, dest)
 
-    def _direct(self, item: ReadItem, dest: torch.Tensor, doc: dict, sharded: bool) -> Any:
+    def _direct(self, item: ReadItem, dest: torch.Tensor, doc: dict) -> Any:
         """What ``get_tables(out=...)`` fills for ``item``, or None when it must be copied:
         the piece holds whole rows, in a contiguous CPU tensor of the stored dtype."""
         dtype, size, _, _ = doc["tensors"][item.storage_index.fqn]
@@ -236,7 +206,7 @@ class StorageReader(_DCPReader):
                 or dtype_name(dest.dtype) != dtype or list(dest.shape) != list(item.lengths)):
             return None
         lo, hi = _rows(item)
-        if sharded:
+        if isinstance(self.target.store, DistributedStore):
             return Shard(dest, row_offset=lo, rows=int(size[0]))
         return dest if (lo, hi) == (0, int(size[0])) else None
 
@@ -279,104 +249,28 @@ def _read_pieces(ds: DistributedStore, step: int | None, direct: dict[str, Shard
         return req
 
     def read(loc: Located, report: Any) -> dict[str, torch.Tensor]:
-        return _decode(loc.objects, ds.pool, {n: tm for n, (tm, _) in loc.tables.items()},
-                       direct, spans)
+        wanted: list[tuple[Any, slice | None, torch.Tensor]] = []
+        copies: dict[str, int] = {}  # table -> its index in wanted
+        for n, (tm, _) in loc.tables.items():
+            if n in direct:
+                d = direct[n]
+                if d.local.shape[0]:  # _direct: contiguous CPU rows of the stored dtype
+                    wanted.append((tm, slice(d.row_offset, d.row_end),
+                                   d.local.detach().view(d.local.shape[0], tm.node.width)))
+            else:
+                rows = slice(*spans[n])
+                copies[n] = len(wanted)
+                wanted.append((tm, rows, new_output(tm, rows)))
+        # fresh memory: its page faults off the decode threads
+        faults = Prefault([wanted[i][2] for i in copies.values()])
+        try:
+            outs = read_rows_into(loc.objects, ds.pool, wanted)
+        finally:
+            faults.stop()
+        return {n: outs[i] for n, i in copies.items()}
 
     def once() -> dict[str, torch.Tensor]:
         return get(ds, step, "DCP load", request, read)
 
     with engine_errors():
         return transfer.again(ds, once)
-
-
-def _decode(objects: Any, pool: Any, tables: dict[str, Any], direct: dict[str, Shard],
-            spans: dict[str, tuple[int, int]]) -> dict[str, torch.Tensor]:
-    """The blocks of ``tables`` ({name: manifest}) a rank's pieces need, in one
-    read-ahead and one pass of ``pool``: ``direct``'s decoded into their Shards, the row
-    ``spans`` of the others into fresh tensors (returned)."""
-    wanted: list[tuple[Any, slice | None, torch.Tensor]] = []
-    copies: dict[str, int] = {}  # table -> its index in wanted
-    for n, tm in tables.items():
-        if n in direct:
-            d = direct[n]
-            if d.local.shape[0]:  # _direct: contiguous CPU rows of the stored dtype
-                wanted.append((tm, slice(d.row_offset, d.row_end),
-                               d.local.detach().view(d.local.shape[0], tm.node.width)))
-        else:
-            rows = slice(*spans[n])
-            copies[n] = len(wanted)
-            wanted.append((tm, rows, new_output(tm, rows)))
-    # fresh memory: its page faults off the decode threads
-    faults = Prefault([wanted[i][2] for i in copies.values()])
-    try:
-        outs = read_rows_into(objects, pool, wanted)
-    finally:
-        faults.stop()
-    return {n: outs[i] for n, i in copies.items()}
-
-
-@dataclass
-class _Pieces:
-    """A rank's tensor items: decoded in place ({fqn: Shard}), row spans read and cut
-    ({fqn: (lo, hi)}), and every (item, destination) to commit."""
-
-    direct: dict[str, Any] = field(default_factory=dict)
-    spans: dict[str, tuple[int, int]] = field(default_factory=dict)
-    copied: list[tuple[ReadItem, torch.Tensor]] = field(default_factory=list)
-
-
-def _located(store: Any, locs: early.Locations | None, target: Target
-             ) -> tuple[DistributedStore, Any, early.Locations] | None:
-    """What ``read_data`` reads by itself, with no round before its reads: the store's
-    ranks, a view of every record of the step's tensors at the locations the metadata
-    read brought, and those locations. None (the same on every rank: a store of ranks
-    whose coordinator located the blocks, the store still open at read_data) where the
-    read goes through the request round."""
-    if (locs is None or not isinstance(store, DistributedStore)
-            or (target.path is not None and not stores.cacheable(target.path,
-                                                                 target.open_kwargs))):
-        return None
-    wires = {w for _, chains in locs.values() for chain in chains for w in chain}
-    try:
-        view = store.readers.source(("locs", None, sorted(wires)))
-    except Exception:  # noqa: BLE001 - the read then falls back (every rank together)
-        view = None
-    return store, view, locs
-
-
-def _read_located(reader: StorageReader, located: tuple[DistributedStore, Any,
-                                                        early.Locations],
-                  plan: LoadPlan, planner: LoadPlanner) -> bool:
-    """The load read at the locations the metadata read brought, its rows checked here
-    against the manifests it brought (as the coordinator checks a request), then one
-    round of the store's ranks. A rank whose read failed in any way (a pack a gc moved
-    since, a store closed, a damaged record, a piece that does not fit) makes every rank
-    return False, nothing committed: ``read_data`` then reads through the request round,
-    which reports what is wrong or reads with fresh locations. The request round and its
-    answer, the kept store's reuse check and the closing round (five rounds) were ahead
-    of every read before."""
-    ds, view, locs = located
-    got: dict[str, torch.Tensor] = {}
-    pieces = _Pieces()
-    ok = False
-    try:
-        if view is None or reader.doc is None:
-            raise InvalidInput("DCP load: no located view")
-        pieces = reader._pieces(plan, planner, True)
-        tables = {n: locs[n][0] for n in (*pieces.direct, *pieces.spans)}
-        for n, d in pieces.direct.items():
-            check_ranges(n, tables[n].node, ("shards", [(d.row_offset, d.row_end,
-                                                         tuple(d.local.shape[1:]),
-                                                         dtype_name(d.local.dtype))]))
-        for n, (lo, hi) in pieces.spans.items():
-            check_ranges(n, tables[n].node, ("slice", (lo, hi, None)))
-        with engine_errors():
-            got = _decode(view, ds.pool, tables, pieces.direct, pieces.spans)
-        ok = True
-    except Exception:  # noqa: BLE001 - read again through the request round, which says why
-        ok = False
-    if not all(ds.comm.agree(None, "DCP load: located read", ok)):
-        return False
-    reader._load_bytes(plan, planner)
-    reader._commit(pieces, got, planner)
-    return True

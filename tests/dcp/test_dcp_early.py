@@ -39,8 +39,8 @@ def test_the_locations_are_each_blocks_whole_chain(tmp_path):
         _, node = load_step(store.objects, 2)
         for name, tid in zip(node.tables, node.table_ids):
             tm = load_table_manifest(store.objects, tid)
-            got_tm, chains = locs[name]
-            assert got_tm == tm and len(chains) == len(tm.block_ids)
+            block_rows, chains = locs[name]
+            assert block_rows == tm.node.block_rows and len(chains) == len(tm.block_ids)
             for oid, chain in zip(tm.block_ids, chains):
                 want = store.objects.locate_closure([oid])
                 got = {RecordLocation.from_wire(w).oid: RecordLocation.from_wire(w)

@@ -104,8 +104,7 @@ def test_a_path_keeps_its_store_on_every_rank_until_another_handle_changes_it(tm
 
 
 def test_a_load_reads_every_kind_of_piece_in_one_collective_read(tmp_path):
-    # Rows decoded in place, columns (and the 0-d step counter) copied: one round of the
-    # store's group, after the reads (at the locations the metadata read brought); the
-    # request, its answer and the closing round made it three, and a plan round of its
-    # own and a read per kind of piece seven (each seen before its change).
-    assert _ok(run(2, W.load_rounds, str(tmp_path / "ckpt"))) == [[1, 1]] * 2
+    # Rows decoded in place, columns (and the 0-d step counter) copied: three rounds of
+    # the store's group (the read's request, its answer, its closing round); a plan round
+    # of its own and a read per kind of piece made it seven (seen before the change).
+    assert _ok(run(2, W.load_rounds, str(tmp_path / "ckpt"))) == [[3, 3]] * 2
