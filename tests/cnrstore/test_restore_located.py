@@ -59,25 +59,3 @@ def test_restore_after_gc_rewrote_packs(tmp_path):
         s.gc(threshold=0.0)
         assert torch.equal(s.get_tables(5)["t"].view(torch.int32), t.view(torch.int32))
         assert torch.equal(s.get_tables(4)["t"].view(torch.int32), kept.view(torch.int32))
-
-
-def test_a_row_range_reads_the_blocks_it_shares_first(tmp_path):
-    """A rank of a resharded restore reads the blocks partly in its rows (those it shares
-    with the ranks beside it) first, so two ranks meet on the same disk read rather than
-    one reading every shared block from the disk and the other from the page cache; the
-    rows read are the same, bit for bit."""
-    from cnrstore.core.restore import edges_first
-    from cnrstore.format.load import load_manifest
-
-    t = torch.arange(1000 * 3, dtype=torch.float32).reshape(1000, 3)
-    with cnrstore.open(tmp_path / "store", block_rows=64) as s:
-        s.put_tables(0, {"t": t})
-        tm = load_manifest(s.objects, 0, names=["t"]).tables["t"]
-        assert edges_first(tm, slice(100, 300)) == [1, 4, 2, 3]
-        assert edges_first(tm, slice(128, 256)) == [2, 3]          # on the grid: none
-        assert edges_first(tm, slice(900, 1000)) == [14, 15]       # the table's end
-        assert edges_first(tm, None) == list(range(16))
-        assert edges_first(tm, slice(70, 80)) == [1]
-        for lo, hi in [(100, 300), (0, 1000), (999, 1000), (5, 6)]:
-            got = s.get_tables(rows={"t": slice(lo, hi)})["t"]
-            assert torch.equal(got, t[lo:hi])
