@@ -26,8 +26,8 @@ from cnrstore.errors import CheckpointError, InvalidInput, InvalidType
 from cnrstore.format.manifest import TableManifest
 from engine import ObjectStore
 
-__all__ = ["block_span", "check_slice", "edges_first", "new_output", "row_range", "read_table",
-           "read_tables", "read_into", "read_many_into", "read_rows_into", "run_all", "table_hints"]
+__all__ = ["block_span", "check_slice", "new_output", "row_range", "read_table", "read_tables",
+           "read_into", "read_many_into", "read_rows_into", "run_all", "table_hints"]
 
 
 def row_range(sel: slice | None, rows: int) -> tuple[int, int, np.ndarray | None]:
@@ -90,20 +90,6 @@ def block_span(tm: TableManifest, rows: slice | None = None) -> tuple[int, int]:
     lo, hi, _ = row_range(rows, tm.node.rows)
     first = lo // block_rows
     return first, (-(-hi // block_rows) if hi > lo else first)
-
-
-def edges_first(tm: TableManifest, rows: slice | None = None) -> list[int]:
-    """The blocks ``read_table(tm, rows=rows)`` reads, those only partly in ``rows`` first.
-    A rank of a resharded restore shares such a block with the rank whose rows go on in
-    it: read last by one and first by the other, the disk read fell to the same rank in
-    every table (4 -> 2 ranks: rank 1 read all the shared blocks, rank 0 found them in the
-    page cache, and the load ended 30-55 ms after rank 0's reads, with rank 1's). First on
-    both, the two ranks wait on one disk read of it together."""
-    first, last = block_span(tm, rows)
-    lo, hi, _ = row_range(rows, tm.node.rows)
-    edges = [i for i in range(first, last)
-             if tm.node.block_range(i)[0] < lo or tm.node.block_range(i)[1] > hi]
-    return edges + [i for i in range(first, last) if i not in edges]
 
 
 def new_output(tm: TableManifest, rows: slice | None = None) -> torch.Tensor:
@@ -267,11 +253,10 @@ def _one_pass(objects: ObjectStore, pool: Executor,
     reads = [_table_read(objects, tm, rows, False, False, hint, dest)
              for (tm, rows, dest), hint in zip(wanted, started)]
     blocks: list[Block] = []
-    for (blocks_of, one, _), (tm, rows, dest) in zip(reads, wanted):
+    for (blocks_of, one, _), (tm, _, dest) in zip(reads, wanted):
         if done is not None:  # ``done`` after each block: its share of the table's bytes
             one = _ticking(one, done, dest.nbytes, blocks_of)
-        order = edges_first(tm, rows) if windowed else blocks_of
-        blocks.extend((one, i, tm) for i in order)
+        blocks.extend((one, i, tm) for i in blocks_of)
 
     def window_done(window: list[Block]) -> None:
         if windowed:

@@ -72,12 +72,7 @@ def plan(locs: Locations, spans: list[tuple[str, int, int]],
         if fqn not in locs or hi <= lo:
             continue
         block_rows, per_block = locs[fqn]
-        span = range(lo // block_rows, min(len(per_block), -(-hi // block_rows)))
-        # the read's order (restore.edges_first): a block shared with another rank first
-        # (the table's short last block, unknown here, counts as whole)
-        edges = [b for b in span if b * block_rows < lo
-                 or ((b + 1) * block_rows > hi and b < len(per_block) - 1)]
-        for b in edges + [b for b in span if b not in edges]:
+        for b in range(lo // block_rows, min(len(per_block), -(-hi // block_rows))):
             if total >= budget:
                 return chains
             if (fqn, b) not in seen:
