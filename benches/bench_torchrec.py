@@ -289,6 +289,31 @@ def _thread_cpu() -> dict[str, float]:
     return out
 
 
+def _timed_gc() -> tuple[list[float], Any]:
+    """Seconds and collections of Python's cyclic GC on the main thread, from now on
+    (``gc.callbacks``): a put's objects move the collector's thresholds, and a full
+    collection walks every object of the process, TorchRec's model among them. Returns
+    ([seconds, collections, of them full], the callback to remove)."""
+    import gc
+    import threading
+
+    got = [0.0, 0, 0]
+    start = [0.0]
+    main = threading.main_thread().ident
+
+    def cb(phase: str, info: dict) -> None:
+        if threading.get_ident() != main:
+            return
+        if phase == "start":
+            start[0] = time.perf_counter()
+        else:
+            got[0] += time.perf_counter() - start[0]
+            got[1] += 1
+            got[2] += info.get("generation") == 2
+    gc.callbacks.append(cb)
+    return got, cb
+
+
 def _timed_hook(trk) -> list[float]:
     """Time TorchRec's tracker hook on this rank: the post-lookup function it registered
     calls ``record_ids`` (ID_ONLY, the default mode) by attribute, so the instance's
@@ -352,6 +377,7 @@ def _train(rank: int, world: int, a, root: str, system: str, every: int, steps: 
     hook[0] = 0.0
     dist.barrier()
     threads0, training0 = _thread_cpu(), _task_cpu(training)
+    gcs, gc_cb = _timed_gc()
     t0 = time.perf_counter()
     pending = None
     stalls, stall_cpu = [], []
@@ -379,6 +405,9 @@ def _train(rank: int, world: int, a, root: str, system: str, every: int, steps: 
             pending.result()
         tail = time.perf_counter() - t1
     seconds = time.perf_counter() - t0
+    import gc
+
+    gc.callbacks.remove(gc_cb)
     threads = {k: v - threads0.get(k, 0.0) for k, v in _thread_cpu().items()}
     training1 = _task_cpu(training)
     gloo = sum(v - training0.get(k, v) for k, v in training1.items())
@@ -392,6 +421,7 @@ def _train(rank: int, world: int, a, root: str, system: str, every: int, steps: 
     return {"seconds": seconds, "saves": len(stalls), "stall_s": sum(stalls),
             "stalls": stalls, "stall_cpu_s": sum(stall_cpu), "tail_s": tail,
             "hook_cpu_s": hook[0], "thread_cpu": threads, "training_bg_cpu_s": gloo,
+            "gc_s": gcs[0], "gc_runs": gcs[1], "gc_full": gcs[2],
             **m.got, "ckpt_bg_cpu_s": m.got["bg_cpu_s"] - gloo}
 
 
