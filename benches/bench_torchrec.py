@@ -68,8 +68,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "its later puts' stall / "
                    "its timed restore / training loop (.prof and a .txt of the top)")
     p.add_argument("--out", required=True)
-    p.add_argument("--overhead-steps", type=int, default=200,
-                   help="training steps of each overhead run (0: no overhead runs)")
+    p.add_argument("--overhead-steps", default="200,600",
+                   help="training steps of each overhead run: one count, or one per "
+                   "--every entry (0: no overhead runs)")
     p.add_argument("--every", default="10,100", help="checkpoint intervals, overhead runs")
     p.add_argument("--repeat", type=int, default=3, help="overhead runs per system and "
                    "interval (median), and restores per system")
@@ -235,16 +236,115 @@ def _restore(rank: int, world: int, a, root: str, system: str, last_repeat: bool
     return {"restore_s": seconds, "restore_all_s": every_rank, **m.got}
 
 
-def _train(rank: int, world: int, a, root: str, system: str, every: int) -> dict:
-    """``a.overhead_steps`` training steps with a checkpoint every ``every`` (none for
-    ``none``) after one untimed checkpoint, timed from the first step to the last
-    checkpoint durable: ``cnr`` puts
-    non-blocking with TorchRec's tracker as ``touched=``, ``dcp_async`` is
-    dcp.async_save, each waiting for its previous save only when the next one starts
-    (DCP allows one in flight; cnrstore queues up to max_inflight). Two runs split
-    cnrstore's figure: ``tracker`` trains with the tracker on and only reads it at each
-    checkpoint (its cost is TorchRec's lookup hook), ``cnr_fp`` puts without a tracker
-    (fingerprints find the changed rows)."""
+def _steps(a) -> dict[int, int]:
+    """Training steps of an overhead run per checkpoint interval: ``--overhead-steps``
+    is one count for every interval, or one per ``--every`` entry."""
+    every = [int(x) for x in a.every.split(",")]
+    steps = [int(x) for x in str(a.overhead_steps).split(",")]
+    if len(steps) == 1:
+        steps = steps * len(every)
+    if len(steps) != len(every):
+        raise SystemExit(f"--overhead-steps {a.overhead_steps}: one count, or one per "
+                         f"--every entry ({a.every})")
+    return dict(zip(every, steps))
+
+
+def _task_cpu(tids: set[int] | None = None) -> dict[int, float]:
+    """CPU seconds of this process's threads by kernel id (all, or ``tids``), from
+    schedstat's nanoseconds (rusage per thread and /proc's stat count 10 ms ticks)."""
+    out = {}
+    for tid in tids if tids is not None else map(int, os.listdir("/proc/self/task")):
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                out[tid] = int(f.read().split()[0]) / 1e9
+        except (OSError, ValueError, IndexError):
+            pass  # ended
+    return out
+
+
+def _training_threads() -> set[int]:
+    """The threads training uses besides the main one: gloo's workers of the groups made
+    so far (the DMP's), which run its collectives. Called before a system opens its
+    store or group, every later thread is the checkpoint's: a store's gloo groups, the
+    writer and its pools, async_save's thread (one a save, ended when it is done), and
+    any Python thread a previous run left."""
+    import threading
+
+    python = {t.native_id for t in threading.enumerate()}
+    return set(_task_cpu()) - python - {threading.main_thread().native_id}
+
+
+def _thread_cpu() -> dict[str, float]:
+    """CPU seconds of each live Python thread but the main one, summed by name (the part
+    before a pool's worker number): where a checkpoint's background CPU goes."""
+    import threading
+
+    cpu = _task_cpu({t.native_id for t in threading.enumerate()
+                     if t is not threading.main_thread() and t.native_id is not None})
+    out: dict[str, float] = {}
+    for t in threading.enumerate():
+        if t.native_id in cpu:
+            name = t.name.rsplit("_", 1)[0] if t.name[-1:].isdigit() else t.name
+            out[name] = out.get(name, 0.0) + cpu[t.native_id]
+    return out
+
+
+def _timed_gc() -> tuple[list[float], Any]:
+    """Seconds and collections of Python's cyclic GC on the main thread, from now on
+    (``gc.callbacks``): a put's objects move the collector's thresholds, and a full
+    collection walks every object of the process, TorchRec's model among them. Returns
+    ([seconds, collections, of them full], the callback to remove)."""
+    import gc
+    import threading
+
+    got = [0.0, 0, 0]
+    start = [0.0]
+    main = threading.main_thread().ident
+
+    def cb(phase: str, info: dict) -> None:
+        if threading.get_ident() != main:
+            return
+        if phase == "start":
+            start[0] = time.perf_counter()
+        else:
+            got[0] += time.perf_counter() - start[0]
+            got[1] += 1
+            got[2] += info.get("generation") == 2
+    gc.callbacks.append(cb)
+    return got, cb
+
+
+def _timed_hook(trk) -> list[float]:
+    """Time TorchRec's tracker hook on this rank: the post-lookup function it registered
+    calls ``record_ids`` (ID_ONLY, the default mode) by attribute, so the instance's
+    ``record_ids`` is wrapped; the list gathers its main-thread CPU seconds."""
+    spent = [0.0]
+    inner = trk.record_ids
+
+    def record_ids(kjt):
+        t = time.thread_time()
+        inner(kjt)
+        spent[0] += time.thread_time() - t
+
+    trk.record_ids = record_ids
+    return spent
+
+
+def _train(rank: int, world: int, a, root: str, system: str, every: int, steps: int,
+           run: int = 0) -> dict:
+    """``steps`` training steps with a checkpoint every ``every`` (none for ``none``)
+    after one untimed checkpoint, timed from the first step to the last checkpoint
+    durable: ``cnr`` puts non-blocking with TorchRec's tracker as ``touched=``,
+    ``dcp_async`` is dcp.async_save, each waiting for its previous save only when the
+    next one starts (DCP allows one in flight; cnrstore queues up to max_inflight). Two
+    runs split cnrstore's figure: ``tracker`` trains with the tracker on and only reads it
+    at each checkpoint (its cost is TorchRec's lookup hook), ``cnr_fp`` puts without a
+    tracker (fingerprints find the changed rows).
+
+    Besides the wall time, what the checkpoints cost the rank directly, in the same run:
+    the caller's stall (wall and main-thread CPU, per checkpoint), the CPU of every
+    thread but training's (``_training_threads``: the writer's, async_save's, their
+    groups') and of the tracker's hook."""
     import torch.distributed as dist
 
     import cnrstore
@@ -253,9 +353,11 @@ def _train(rank: int, world: int, a, root: str, system: str, every: int) -> dict
 
     dmp, trk = _dmp(a, world, rank, tracker=system in ("cnr", "tracker"),
                     dtensor=system == "dcp_async")
-    where = os.path.join(root, f"{system}_{every}")
+    hook = _timed_hook(trk) if trk is not None else [0.0]
+    training = _training_threads()
+    where = os.path.join(root, f"{system}_{every}_{run}")
     data = d.batches(0, 0, _hash(a))
-    batches = [d.local_part(next(data), rank, world) for _ in range(a.overhead_steps)]
+    batches = [d.local_part(next(data), rank, world) for _ in range(steps)]
     store = cnrstore.open(where, group=dist.group.WORLD) if system.startswith("cnr") else None
     # async_save's collectives run on a thread beside training's: a group of their own
     ckpt_pg = dist.new_group(backend="gloo") if system == "dcp_async" else None
@@ -272,18 +374,19 @@ def _train(rank: int, world: int, a, root: str, system: str, every: int) -> dict
 
         dcp.async_save(_state(dmp), process_group=ckpt_pg,
                        checkpoint_id=os.path.join(where, "step0")).result()
+    hook[0] = 0.0
     dist.barrier()
+    threads0, training0 = _thread_cpu(), _task_cpu(training)
+    gcs, gc_cb = _timed_gc()
     t0 = time.perf_counter()
     pending = None
-    saves = 0
-    stalls = []
+    stalls, stall_cpu = [], []
     with Measured(a.profile, f"train_{system}_{every}", rank) as m:
         for k, batch in enumerate(batches[1:], start=1):
             loss, _ = dmp(batch)
             loss.backward()
             if system != "none" and k % every == 0:
-                saves += 1
-                t1 = time.perf_counter()
+                t1, c1 = time.perf_counter(), time.thread_time()
                 if store is not None:
                     pending = store.put_state(k, _state(dmp), blocking=False, touched=trk)
                 elif trk is not None:
@@ -296,43 +399,121 @@ def _train(rank: int, world: int, a, root: str, system: str, every: int) -> dict
                     pending = dcp.async_save(_state(dmp), process_group=ckpt_pg,
                                              checkpoint_id=os.path.join(where, f"step{k}"))
                 stalls.append(time.perf_counter() - t1)
+                stall_cpu.append(time.thread_time() - c1)
         t1 = time.perf_counter()
         if pending is not None:
             pending.result()
         tail = time.perf_counter() - t1
     seconds = time.perf_counter() - t0
+    import gc
+
+    gc.callbacks.remove(gc_cb)
+    threads = {k: v - threads0.get(k, 0.0) for k, v in _thread_cpu().items()}
+    training1 = _task_cpu(training)
+    gloo = sum(v - training0.get(k, v) for k, v in training1.items())
     dist.barrier()
     if store is not None:
         store.close()
+    if ckpt_pg is not None:
+        dist.destroy_process_group(ckpt_pg)
     if rank == 0:
         shutil.rmtree(where, ignore_errors=True)
-    return {"seconds": seconds, "saves": saves, "stall_s": sum(stalls), "tail_s": tail,
-            **m.got}
+    return {"seconds": seconds, "saves": len(stalls), "stall_s": sum(stalls),
+            "stalls": stalls, "stall_cpu_s": sum(stall_cpu), "tail_s": tail,
+            "hook_cpu_s": hook[0], "thread_cpu": threads, "training_bg_cpu_s": gloo,
+            "gc_s": gcs[0], "gc_runs": gcs[1], "gc_full": gcs[2],
+            **m.got, "ckpt_bg_cpu_s": m.got["bg_cpu_s"] - gloo}
+
+
+def _order(systems: list[str], repeat: int) -> list[tuple[int, str]]:
+    """Each repeat runs every system once, the order rotated by one a repeat: every
+    system takes every place in the rotation alike (after a given system, first after
+    the warm-up), and a drift of the machine's load meets them all."""
+    n = len(systems)
+    return [(i, systems[(i + j) % n]) for i in range(repeat) for j in range(n)]
+
+
+def _trains(rank: int, world: int, a, root: str, every: int, steps: int,
+            systems: list[str]) -> list[dict]:
+    """Every overhead run of one interval in one set of ranks, each into a new DMP (one
+    set of ranks a run spent ~30 s of a 45 s run starting processes and building the
+    first DMP). An untimed warm-up run first takes what a process's first training pays
+    (allocator growth, lazy imports) away from whichever system would run first."""
+    import gc
+
+    import torch.distributed as dist
+
+    _train(rank, world, a, root, "none", every, min(steps, 20), run=-1)
+    out = []
+    for i, system in _order(systems, a.repeat):
+        gc.collect()
+        got = _train(rank, world, a, root, system, every, steps, run=i)
+        ranks: list = [None] * world
+        dist.all_gather_object(ranks, got)
+        if rank == 0:  # each run as it ends: a hold of the bench lock cut short keeps them
+            print("overhead run", every, system, json.dumps(ranks), flush=True)
+        out.append({"system": system, "repeat": i, "ranks": ranks})
+    return out
+
+
+def _direct(r: list, none_s: float, busy: float) -> tuple[float, float]:
+    """Overhead estimated from one run's own measures, as (lower, upper) bounds. Lower:
+    the slowest rank's stall at each checkpoint over the no-checkpoint run's wall time
+    (no rank trains while the put holds them all in its rounds). Upper: that plus the CPU
+    the checkpoints took on every rank outside the stall (the threads that are not
+    training's, the tracker's hook) at the no-checkpoint run's parallelism ``busy`` (CPU
+    seconds per wall second): what it costs where the ranks have the machine to
+    themselves and every CPU second is one training does not get. On a machine shared
+    with other work a background thread also takes its share from that work, and the
+    wall time lies between the two. The stall's CPU is inside its wall time, so it is
+    not counted twice."""
+    stall = sum(max(x["stalls"][i] for x in r) for i in range(len(r[0]["stalls"])))
+    cpu = sum(x["ckpt_bg_cpu_s"] + x["hook_cpu_s"] for x in r)
+    return stall / none_s, (stall + cpu / busy) / none_s
 
 
 def overhead(a, root: str) -> dict:
-    """Wall time of each system's training run over the no-checkpoint run's, per
-    interval: the medians of ``a.repeat`` runs, the systems interleaved in each repeat so
-    that a change of the machine's load hits them alike."""
+    """Training overhead per interval: each system's wall time over the no-checkpoint
+    run's (medians of ``a.repeat`` runs, their spread, all runs in one set of ranks in
+    rotation), the CPU seconds of all ranks over those of the no-checkpoint run, and the
+    overhead estimated from each run's own measures (``_direct``)."""
     out: dict = {}
-    for every in [int(x) for x in a.every.split(",")]:
-        systems = a.overhead_systems.split(",")
+    systems = a.overhead_systems.split(",")
+    for every, steps in _steps(a).items():
+        got = spawn(a.world, "_trains", a, root, every, steps, systems)[0]
         runs: dict[str, list[float]] = {s: [] for s in systems}
+        cpu: dict[str, list[float]] = {s: [] for s in systems}
         ranks: dict[str, list] = {s: [] for s in systems}
-        for _ in range(a.repeat):
-            for system in runs:
-                got = spawn(a.world, "_train", a, root, system, every)
-                runs[system].append(max(g["seconds"] for g in got))
-                ranks[system].append(got)
-                # each run as it ends: a hold of the bench lock cut short keeps its runs
-                print("overhead run", every, system, json.dumps(got), flush=True)
+        for g in got:
+            runs[g["system"]].append(max(x["seconds"] for x in g["ranks"]))
+            cpu[g["system"]].append(sum(x["cpu_s"] for x in g["ranks"]))
+            ranks[g["system"]].append(g["ranks"])
         med = {s: statistics.median(v) for s, v in runs.items()}
-        over = {s: med[s] / med["none"] - 1.0 for s in systems if s != "none"}
-        out[str(every)] = {"runs": runs, "median_s": med, "overhead": over,
-                           "cnr_over_dcp": over["cnr"] / over["dcp_async"]
-                           if over.get("dcp_async", 0) > 0 and "cnr" in over else None,
-                           "ranks": ranks}
-        print("overhead every", every, json.dumps(out[str(every)]), flush=True)
+        cmed = {s: statistics.median(v) for s, v in cpu.items()}
+        base = med.get("none")
+        res: dict = {"steps": steps, "runs": runs, "cpu_s": cpu, "median_s": med,
+                     "ranks": ranks}
+        if base:
+            busy = cmed["none"] / base
+            res["busy_cores"] = busy
+            res["overhead"] = {s: med[s] / base - 1.0 for s in systems if s != "none"}
+            res["spread"] = {s: [min(v) / base - 1.0, max(v) / base - 1.0]
+                             for s, v in runs.items() if s != "none"}
+            res["cpu_overhead"] = {s: cmed[s] / cmed["none"] - 1.0
+                                   for s in systems if s != "none"}
+            bounds = {s: [_direct(r, base, busy) for r in ranks[s]]
+                      for s in systems if s != "none"}
+            res["stall_share"] = {s: statistics.median(b[0] for b in v)
+                                  for s, v in bounds.items()}
+            res["direct"] = {s: statistics.median(b[1] for b in v)
+                             for s, v in bounds.items()}
+            for key, over in (("cnr_over_dcp", res["overhead"]),
+                              ("cnr_over_dcp_direct", res["direct"])):
+                res[key] = (over["cnr"] / over["dcp_async"]
+                            if over.get("dcp_async", 0) > 0 and "cnr" in over else None)
+        out[str(every)] = res
+        print("overhead every", every, json.dumps({k: v for k, v in res.items()
+                                                   if k != "ranks"}), flush=True)
     return out
 
 
@@ -431,7 +612,7 @@ def run(a) -> dict:
     for system, times in restores.items():
         report["systems"][system]["restore_s"] = statistics.median(times)
         report["systems"][system]["restore_runs"] = times
-    if a.overhead_steps and "overhead" in parts:
+    if "overhead" in parts and max(_steps(a).values()) > 0:
         report["overhead"] = overhead(a, root)
     same = None
     if os.path.exists(os.path.join(root, "restored_dcp_0.pt")) and os.path.exists(
@@ -470,20 +651,29 @@ def markdown(report: dict) -> str:
                      f"{c['restore_s'] / d['restore_s']:.2f}x")
     lines.append(f"\nRestored rows of cnrstore and DCP identical: {report['restores_agree']}")
     if report.get("overhead"):
-        lines += ["", f"Training overhead: {a['overhead_steps']} steps at {a['world']} ranks, "
-                  f"wall time over the no-checkpoint run (median of {a['repeat']}):", "",
-                  "| checkpoint every | no checkpoint s | cnrstore (tracker, non-blocking) | "
-                  "dcp.async_save | cnrstore / async_save | tracker alone | cnrstore, no "
-                  "tracker |", "| --- | --- | --- | --- | --- | --- | --- |"]
+        lines += ["", f"Training overhead at {a['world']} ranks, wall time over the "
+                  f"no-checkpoint run: median of {a['repeat']} runs [spread]; CPU: all "
+                  "ranks' CPU seconds over the no-checkpoint run's (medians); direct: "
+                  "bounds from each run's stalls and checkpoint CPU (medians; _direct):", "",
+                  "| checkpoint every | steps | no checkpoint s | cnrstore (tracker, "
+                  "non-blocking) | dcp.async_save | cnrstore / async_save | tracker alone "
+                  "| cnrstore, no tracker |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
 
-        def pct(o: dict, k: str) -> str:
-            return f"{o[k] * 100:+.1f}%" if k in o else "–"
+        def pct(r: dict, k: str) -> str:
+            if k not in r.get("overhead", {}):
+                return "–"
+            lo, hi = r["spread"][k]
+            return (f"{r['overhead'][k] * 100:+.1f}% [{lo * 100:+.1f}, {hi * 100:+.1f}]; "
+                    f"CPU {r['cpu_overhead'][k] * 100:+.1f}%; direct "
+                    f"{r['stall_share'][k] * 100:.1f}-{r['direct'][k] * 100:.1f}%")
 
         for every, r in report["overhead"].items():
-            ratio, o = r["cnr_over_dcp"], r["overhead"]
-            lines.append(f"| {every} steps | {r['median_s']['none']:.2f} | {pct(o, 'cnr')} | "
-                         f"{pct(o, 'dcp_async')} | {'–' if ratio is None else f'{ratio:.2f}'}"
-                         f" | {pct(o, 'tracker')} | {pct(o, 'cnr_fp')} |")
+            ratio, direct = r.get("cnr_over_dcp"), r.get("cnr_over_dcp_direct")
+            lines.append(f"| {every} | {r['steps']} | {r['median_s'].get('none', 0):.2f} | "
+                         f"{pct(r, 'cnr')} | {pct(r, 'dcp_async')} | "
+                         f"{'–' if ratio is None else f'{ratio:.2f}'}; direct "
+                         f"{'–' if direct is None else f'{direct:.2f}'} | "
+                         f"{pct(r, 'tracker')} | {pct(r, 'cnr_fp')} |")
     return "\n".join(lines)
 
 
