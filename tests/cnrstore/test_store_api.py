@@ -22,7 +22,8 @@ EXTRA_PARAMS = {
 EXTRA_NAMES = {
     CheckpointStore: {"objects"},
     DistributedStore: {"rank", "world_size", "is_coordinator", "check_open",
-                       "from_coordinator", "coordinated", "coordinator_store", "drain"},
+                       "from_coordinator", "coordinated", "coordinator_store", "drain",
+                       "structure", "load_agreed"},  # the TorchRec load's one round
 }
 
 
