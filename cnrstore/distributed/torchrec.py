@@ -103,13 +103,11 @@ def _load(store, step, dmp, *, optim: bool, strict: bool, group, at: str) -> dic
         # One round of the store's group makes the state uniform, carries the stored
         # shapes _per_piece needs, and is load_state's structure round: it took three
         # (state_dict's on the DMP's group, the shapes', load_state's own) and a broadcast.
-        raw = None
+        raw, err = None, None
         try:
             raw = _raw_state(dmp, optim)
         except BaseException as exc:  # noqa: BLE001 - every rank raises it in the round
-            err: BaseException | None = exc
-        else:
-            err = None
+            err = exc
         agreed = store.structure(raw, "torchrec load: structure", error=err,
                                  ask=(lambda st: _shapes(st, step)) if optim else None)
         state, stored = agreed.state, agreed.answer or {}
