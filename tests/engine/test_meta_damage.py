@@ -1,4 +1,7 @@
-"""gc keeps only the roots records of the chain the index names (``meta.roots_chain``), a
+"""The index's meta values that carry no checksum (every commit moves them) must never
+lead a maintenance command to lose a root or leave the store unwritable.
+
+gc keeps only the roots records of the chain the index names (``meta.roots_chain``), a
 value without a checksum: it must trust that value only when the chain's records replay
 to the index's roots (engine/store/rootschain.py).
 
@@ -125,3 +128,22 @@ def test_any_damaged_chain_or_sequence_loses_no_root(template, tmp_path_factory,
         values["META_SEQ"] = ix.U64.pack(data.draw(st.sampled_from([0, 1, seq - 1, seq + 5])))
     _set_meta(path, **values)
     _gc_repair_gc(path)
+
+
+@pytest.mark.parametrize("value", [1 << 32 | 5, 1 << 40, 1 << 63])
+def test_a_next_pack_past_the_pack_numbers_is_rebuilt_not_kept(template, tmp_path, value):
+    # The writer's and gc's freshness check treats a damaged index as behind its packs
+    # and rebuilds it from them; the rebuild must not keep the damaged value.
+    path = tmp_path / "store"
+    shutil.copytree(template, path)
+    _set_meta(path, META_NEXT_PACK=ix.U64.pack(value))
+    with open_store(path) as store:
+        with store.writer() as w:
+            put_dag(w, 7)
+        store.gc(threshold=0.0)
+        store.repair()
+        with store.writer() as w:
+            put_dag(w, 8)
+        for i in [*ROOTS, 7, 8]:
+            check_dag(store, i)
+    assert max(_meta(path)[3]) < 1000
