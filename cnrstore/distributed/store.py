@@ -33,7 +33,7 @@ from cnrstore.core.store import CheckpointStore
 from cnrstore.core.store import open as open_plain
 from cnrstore.core.writer import BackgroundWriter, StepInfo
 from cnrstore.distributed import read, statestore, structure, transfer
-from cnrstore.distributed.comm import Comm, coordinator_box, rebuild_error
+from cnrstore.distributed.comm import Comm, coordinator_box, unbox
 from cnrstore.distributed.commit import CoordinatorCommit
 from cnrstore.distributed.put import RowGrid
 from cnrstore.errors import CheckpointError, InvalidInput, translating
@@ -76,8 +76,7 @@ class DistributedStore:
                 local = self.local = open_plain(path, options, **kwargs)
                 self.storage = transfer.storage_of(local.objects)
                 resolved = (local.options, transfer.locator(self.storage),
-                            None if first is None else
-                            coordinator_box(1, lambda: first(local), scatter=False))
+                            first and coordinator_box(1, lambda: first(local), scatter=False))
             except BaseException as exc:
                 err = exc
         else:
@@ -152,16 +151,9 @@ class DistributedStore:
         return self.comm.coordinator
 
     def take_first(self) -> Any:
-        """The answer of the open's ``first`` (``first(coordinator's store)``, run once the
-        coordinator has opened, carried by the open's own round: a coordinated call
-        before any other, without rounds of its own), on every rank, once; its error is
-        raised on every rank. None without ``first`` or once taken."""
+        """The open's ``first(coordinator's store)`` (its round carried it), or its error."""
         box, self._first = self._first, None
-        if box is None:
-            return None
-        if box[0] == "err":
-            raise rebuild_error(box[1], 0)
-        return box[1]
+        return None if box is None else unbox(box)
 
     def check_open(self) -> None:
         if self.closed:
