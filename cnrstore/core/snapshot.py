@@ -29,14 +29,17 @@ from cnrstore.codec.quantize import (
     row_nbytes,
 )
 from cnrstore.core.chainpolicy import block_key, next_slot
+from cnrstore.core.grouppolicy import Group, GroupWrite, fresh_group, load_group, next_group
 from cnrstore.core.hostcodes import HostBuffers, encode_checked, gather_encode, snapshot_rows
 from cnrstore.core.tablestate import BlockSlot, TableState
-from cnrstore.errors import NonFiniteValues
+from cnrstore.errors import CheckpointError, NonFiniteValues
+from engine import StoreError
 
-__all__ = ["BlockWrite", "TablePlan", "HostBuffers", "plan_table", "FULL", "PATCH"]
+__all__ = ["BlockWrite", "TablePlan", "HostBuffers", "plan_table", "FULL", "PATCH", "GROUPED"]
 
 FULL = 0
 PATCH = 1
+GROUPED = 2   # the grouped layout: new row objects and a list (BlockWrite.group)
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,7 @@ class BlockWrite:
     rows: np.ndarray | None     # block-local row indices of a patch
     base: BlockSlot | None = None   # a patch's base: the previous version, or (merged) the
                                     # chain's full block
+    group: GroupWrite | None = None  # GROUPED: the objects to write
 
 
 @dataclass
@@ -82,6 +86,8 @@ class TablePlan:
     # A non-blocking put's changed rows, copied but not encoded yet (hostcodes.snapshot_rows):
     # ``encoded()`` fills ``codes`` on the writer thread, before any block is written.
     encode_later: Callable[[], np.ndarray] | None = None
+    step: int = 0               # the put's step (the grouped layout's objects carry it)
+    layout: str = "chains"
 
     def encoded(self) -> None:
         """Run a deferred encode (once; a no-op for plans encoded when planned)."""
@@ -144,6 +150,22 @@ def _keep_restored_rows(
     mask[cand[same.to(cand.device)]] = False
 
 
+def _group_of(old: BlockSlot, base: TableState | None, row_nbytes: int
+              ) -> tuple[Group | None, int]:
+    """(the grouped writer state of ``old``, 1 if its stored list could not be read):
+    loaded from the store the base was seeded from when the handle has none. None: not
+    a list (a chain of the other layout) or unreadable; the block is then written fresh."""
+    if old.group is not None:
+        return old.group, 0
+    if base is None or base.reader is None or old.oid is None:
+        return None, 0
+    try:
+        old.group = load_group(base.reader, old.oid, old.nrows, row_nbytes)
+    except (StoreError, CheckpointError):
+        return None, 1
+    return old.group, 0
+
+
 def plan_table(name: str, table: torch.Tensor, *, scheme: str, base: TableState | None,
                wide: bool | None = None, **kwargs) -> TablePlan:
     """Plan the put of one table against its diff base (None: all blocks full).
@@ -187,6 +209,8 @@ def _plan_table(
     keep_full: bool = False,
     borrow: bool = False,
     defer_encode: bool = False,
+    layout: str = "chains",
+    step: int = 0,
 ) -> TablePlan:
     x = _as_rows(table)
     rows, width = x.shape
@@ -251,10 +275,38 @@ def _plan_table(
     pos = 0
     cuts = np.searchsorted(changed, np.arange(nblocks + 1, dtype=np.int64) * block_rows
                            ).tolist() if len(changed) else None
+    rewritten = 0
     for i in range(nblocks):
         start = i * block_rows
         nr = min(start + block_rows, rows) - start
         old = cbase.slots[i] if cbase is not None and i < len(cbase.slots) else None
+        if layout == "grouped":
+            k = int(counts[i]) if counts is not None else 0
+            if old is not None and old.nrows == nr and k == 0:
+                slots.append(old)
+                continue
+            gw = None
+            if old is not None and old.nrows == nr:
+                group, lost = _group_of(old, cbase, rnb)
+                rewritten += lost
+                if group is not None:
+                    assert cuts is not None
+                    gw = next_group(group, changed[cuts[i]:cuts[i + 1]] - start, step, rnb)
+            if gw is None:
+                gw = fresh_group(nr, rnb, step)
+            slot = BlockSlot(nr, len(gw.group.pieces),
+                             sum(p.nbytes for p in gw.group.pieces))
+            slot.group = gw.group
+            slots.append(slot)
+            if gw.rows is None:
+                parts.append((start, start + nr))
+                writes.append(BlockWrite(i, GROUPED, pos, pos + nr, None, group=gw))
+            else:
+                parts.append(gw.rows + start)
+                writes.append(BlockWrite(i, GROUPED, pos, pos + len(gw.rows), gw.rows,
+                                         group=gw))
+            pos += writes[-1].stop - writes[-1].start
+            continue
         if old is not None and old.nrows == nr:
             k = int(counts[i]) if counts is not None else 0
             if k == 0:
@@ -307,11 +359,13 @@ def _plan_table(
         slots=slots,
         fingerprints=fp,
         segments=list(cbase.segments) if cbase is not None else [],
+        reader=cbase.reader if cbase is not None else None,
     )
     logical = table.numel() * table.element_size()
     base_slots = cbase.slots if cbase is not None else None
     nchanged = len(changed) + rows - common if compatible else rows
     plan = TablePlan(name, state, writes, codes, nchanged, logical, base_slots, release)
+    plan.step, plan.layout, plan.rewritten_blocks = step, layout, rewritten
     plan.borrowed = borrowed
     if later is not None:
         plan.encode_later = later[0]
