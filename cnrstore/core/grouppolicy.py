@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from cnrstore.errors import ManifestError
-from cnrstore.format.blocks import (
+from cnrstore.format.rowlists import (
     KIND_BLOCK_LIST,
     decode_list,
     decode_rows_object,
@@ -183,3 +183,4 @@ def load_group(get: Callable[[bytes], Object], oid: bytes, nrows: int, row_nbyte
     if (owner < 0).any():
         raise ManifestError("block list leaves rows with no copy", oid=oid)
     return Group(pieces, owner, rq)
+

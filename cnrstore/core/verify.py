@@ -28,13 +28,12 @@ from cnrstore.format.blocks import (
     KIND_BLOCK_PATCH,
     MAX_CHAIN,
     decode_full,
-    decode_list,
     decode_patch,
-    decode_rows_object,
     plan_chain,
 )
 from cnrstore.format.load import list_steps, load_manifest
 from cnrstore.format.manifest import StepManifest, root_name
+from cnrstore.format.rowlists import decode_list, decode_rows_object
 from engine import ObjectStore, Problem, StoreError
 from engine.api import ProgressFn
 

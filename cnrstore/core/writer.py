@@ -20,19 +20,11 @@ from typing import TypeVar
 import numpy as np
 
 from cnrstore.codec.cores import start_thread
-from cnrstore.core.grouppolicy import GroupWrite, fresh_group
+from cnrstore.core.groupwrite import write_fresh, write_grouped
 from cnrstore.core.snapshot import FULL, GROUPED, TablePlan
 from cnrstore.core.tablestate import TableState, dtype_name
 from cnrstore.errors import StepExists, WriteFailed
-from cnrstore.format.blocks import (
-    KIND_BLOCK_LIST,
-    KIND_BLOCK_ROWS,
-    encode_full,
-    encode_list,
-    encode_patch,
-    encode_rows,
-    plane_width,
-)
+from cnrstore.format.blocks import encode_full, encode_patch, plane_width
 from cnrstore.format.manifest import (
     KIND_BLOCK_FULL,
     KIND_BLOCK_PATCH,
@@ -120,38 +112,6 @@ def _write_full(w, get, plan: TablePlan, slot, codes, elem: int, index: int) -> 
     slot.set_unknown()  # a chain on a filler: never merged onto it
 
 
-def _write_group(w, slot, gw: GroupWrite, codes: np.ndarray, elem: int) -> None:
-    """A grouped block version: its new row objects, then its list node (the refs of
-    every listed object, each written by this put or an earlier one)."""
-    for piece, sel, start, rates in gw.new:
-        if sel is None:
-            payload = encode_rows(slot.nrows, codes[start:start + piece.count],
-                                  step=piece.step, cls=piece.cls, elem=elem, start=start)
-        else:
-            assert gw.rows is not None
-            payload = encode_rows(slot.nrows, codes[sel], step=piece.step, cls=piece.cls,
-                                  elem=elem, index=gw.rows[sel], rates=rates)
-        piece.oid = w.put(KIND_BLOCK_ROWS, payload)
-    pieces = gw.group.pieces
-    refs = tuple(p.oid for p in pieces)
-    if any(r is None or not w.has(r) for r in refs):
-        raise _MissingBase("a listed row object is missing (an earlier put failed or gc "
-                           "dropped it)")
-    payload, refs = encode_list(refs, np.array([p.cls for p in pieces]),  # type: ignore[arg-type]
-                                np.array([p.count for p in pieces]),
-                                np.array([p.step for p in pieces]))
-    slot.oid = w.put(KIND_BLOCK_LIST, payload, refs, meta=True)
-
-
-def _write_group_fresh(w, plan: TablePlan, slot, codes: np.ndarray, elem: int) -> None:
-    """A grouped block written whole again (its base was gone under the writer lock)."""
-    gw = fresh_group(slot.nrows, plan.state.row_nbytes, plan.step)
-    slot.group = gw.group
-    slot.depth, slot.chain_bytes = len(gw.group.pieces), sum(p.nbytes for p in gw.group.pieces)
-    _write_group(w, slot, gw, codes, elem)
-    plan.rewritten_blocks += 1
-
-
 def _write_table(w, plan: TablePlan, get) -> bytes:
     write_blocks(w, plan, get)
     return write_nodes(w, plan.name, plan.state)
@@ -168,18 +128,9 @@ def write_blocks(w, plan: TablePlan, get) -> None:
         assert slot is not None  # plan_table gives every block of a new state a slot
         codes = plan.codes[bw.start:bw.stop]
         if bw.kind == GROUPED:
-            assert bw.group is not None
-            gone = bw.rows is not None and any(
-                p.oid is None or not w.has(p.oid) for p in bw.group.group.pieces
-                if p.step != plan.step)
-            if gone and plan.full_codes is not None:
-                start = bw.index * state.block_rows
-                _write_group_fresh(w, plan, slot, plan.full_codes[start:start + slot.nrows],
-                                   elem)
-                continue
-            if bw.index in plan.damaged_blocks:
-                plan.rewritten_blocks += 1
-            _write_group(w, slot, bw.group, codes, elem)
+            if not write_grouped(w, plan, slot, bw, codes, elem):
+                raise _MissingBase(f"table {plan.name!r} block {bw.index}: a listed row "
+                                   "object is missing (an earlier put failed or gc dropped it)")
         elif bw.kind == FULL:
             _write_full(w, get, plan, slot, codes, elem, bw.index)
         else:
@@ -218,7 +169,7 @@ def write_blocks(w, plan: TablePlan, get) -> None:
             start = i * state.block_rows
             full = plan.full_codes[start:start + slot.nrows]
             if plan.layout == "grouped":
-                _write_group_fresh(w, plan, slot, full, elem)
+                write_fresh(w, plan, slot, full, elem)
                 continue
             slot.oid = w.put(KIND_BLOCK_FULL, encode_full(full, elem=elem))
             slot.set_full()

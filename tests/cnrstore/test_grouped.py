@@ -19,7 +19,9 @@ import cnrstore
 from cnrstore.core import grouppolicy
 from cnrstore.core.options import OptionsMismatch
 from cnrstore.errors import ManifestError
-from cnrstore.format.blocks import (
+from cnrstore.format.blocks import resolve
+from cnrstore.format.load import load_manifest
+from cnrstore.format.rowlists import (
     KIND_BLOCK_LIST,
     KIND_BLOCK_ROWS,
     decode_list,
@@ -28,9 +30,7 @@ from cnrstore.format.blocks import (
     encode_rows,
     rate_code,
     rate_value,
-    resolve,
 )
-from cnrstore.format.load import load_manifest
 from engine import Object
 
 OPTS = {"block_rows": 64, "fanout": 4, "layout": "grouped"}
@@ -96,7 +96,8 @@ _step = st.tuples(st.integers(0, 1), st.lists(st.integers(0, 400), max_size=60),
 
 
 @pytest.mark.parametrize("scheme", ["exact", "int8"])
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=12, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(plan=st.lists(_step, min_size=1, max_size=14))
 def test_every_kept_step_restores_the_model(tmp_path_factory, scheme, plan):
     _run(tmp_path_factory.mktemp("g"), scheme, plan)
