@@ -55,7 +55,8 @@ def _check(got: dict, want: dict, scheme: str) -> None:
 
 def _run(path, scheme: str, plan: list[tuple[int, list[int], str]]) -> list[dict]:
     """Put step 0, then for each (table index, rows changed, what the handle does
-    before the put: "keep", "reopen" or "restore") a step; return each step's table ids
+    before the put: "keep", "reopen", "restore", or "async": a non-blocking put told the
+    touched rows) a step; return each step's table ids
     after checking every kept step against the model."""
     model = _tables(0)
     kept: dict[int, dict[str, torch.Tensor]] = {}
@@ -79,7 +80,12 @@ def _run(path, scheme: str, plan: list[tuple[int, list[int], str]]) -> list[dict
                 s.close()
                 s = cnrstore.open(path)
                 _check(s.get_tables(step - 1), kept[step - 1], scheme)
-            info = s.put_tables(step, model, quant=scheme)
+            if before == "async":  # non-blocking, told the touched rows: the deferred encode
+                touched = {name: idx, "ab"[1 - which]: torch.zeros(0, dtype=torch.long)}
+                info = s.put_tables(step, model, quant=scheme, blocking=False,
+                                    touched=touched).result()
+            else:
+                info = s.put_tables(step, model, quant=scheme)
             assert info.rewritten_blocks == 0
             kept[step] = {k: v.clone() for k, v in model.items()}
             ids.append(info.tables)
@@ -92,11 +98,11 @@ def _run(path, scheme: str, plan: list[tuple[int, list[int], str]]) -> list[dict
 
 
 _step = st.tuples(st.integers(0, 1), st.lists(st.integers(0, 400), max_size=60),
-                  st.sampled_from(["keep", "keep", "reopen", "restore"]))
+                  st.sampled_from(["keep", "async", "reopen", "restore"]))
 
 
 @pytest.mark.parametrize("scheme", ["exact", "int8"])
-@settings(max_examples=12, deadline=None,
+@settings(max_examples=25, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(plan=st.lists(_step, min_size=1, max_size=14))
 def test_every_kept_step_restores_the_model(tmp_path_factory, scheme, plan):
