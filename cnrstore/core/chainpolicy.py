@@ -28,7 +28,7 @@ from cnrstore.core.tablestate import BlockSlot
 from cnrstore.format.blocks import KIND_BLOCK_PATCH, decode_full, decode_patch, patch_nbytes
 
 __all__ = ["block_key", "stagger", "chain_budget", "depth_cap", "next_slot", "rebuild",
-           "MERGE_SHARE", "BUDGET_RANGE"]
+           "patch_fits", "MERGE_SHARE", "BUDGET_RANGE"]
 
 _PHI = (5 ** 0.5 - 1) / 2
 # A merged patch is written when it is at most this share of the block's chain budget.
@@ -98,6 +98,17 @@ def _grow(union: np.ndarray, fsig: np.ndarray, rows: np.ndarray, old_fp: np.ndar
     return np.insert(union, ins, rows[fresh]), np.insert(fsig, ins, old_fp[fresh])
 
 
+def patch_fits(old: BlockSlot, key: int, nchanged: int, row_nbytes: int, max_chain: int
+               ) -> bool:
+    """Whether ``nchanged`` changed rows of the block in ``old`` go on its chain as a patch
+    (``next_slot``'s first choice). It grows with ``nchanged``: so a block whose tracked
+    rows fit fits with any subset of them changed, and needs none of its other rows
+    (snapshot.py, a deferred plan's copy)."""
+    return (old.depth < depth_cap(key, max_chain)
+            and old.chain_bytes + patch_nbytes(old.nrows, nchanged, row_nbytes)
+            <= chain_budget(key, old.nrows, row_nbytes))
+
+
 def next_slot(old: BlockSlot, key: int, rows: np.ndarray, old_fp: np.ndarray | None,
               new_fp: np.ndarray, row_nbytes: int, max_chain: int
               ) -> tuple[BlockSlot, np.ndarray | None, BlockSlot | None]:
@@ -113,16 +124,14 @@ def next_slot(old: BlockSlot, key: int, rows: np.ndarray, old_fp: np.ndarray | N
         union, fsig = _grow(old.union, old.fsig, rows, old_fp, new_fp)
     else:
         full = None
-    cap = depth_cap(key, max_chain)
-    budget = chain_budget(key, nr, row_nbytes)
-    pbytes = patch_nbytes(nr, len(rows), row_nbytes)
-    if old.depth < cap and old.chain_bytes + pbytes <= budget:
+    if patch_fits(old, key, len(rows), row_nbytes, max_chain):
+        pbytes = patch_nbytes(nr, len(rows), row_nbytes)
         slot = BlockSlot(nr, old.depth + 1, old.chain_bytes + pbytes, full=full, union=union,
                          fsig=fsig)
         return slot, rows, old
-    if union is not None and full is not None and cap >= 1:
+    if union is not None and full is not None and depth_cap(key, max_chain) >= 1:
         mbytes = patch_nbytes(nr, len(union), row_nbytes)
-        if mbytes <= MERGE_SHARE * budget:
+        if mbytes <= MERGE_SHARE * chain_budget(key, nr, row_nbytes):
             return BlockSlot(nr, 1, mbytes, full=full, union=union, fsig=fsig), union, full
     return BlockSlot(nr), None, None
 

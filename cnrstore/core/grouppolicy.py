@@ -19,7 +19,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cnrstore.errors import ManifestError
+from cnrstore.core.blockplan import GROUPED, BlockWrite
+from cnrstore.core.tablestate import BlockSlot, TableState
+from cnrstore.errors import CheckpointError, ManifestError
 from cnrstore.format.rowlists import (
     KIND_BLOCK_LIST,
     decode_list,
@@ -28,10 +30,10 @@ from cnrstore.format.rowlists import (
     rate_value,
     rows_nbytes,
 )
-from engine import Object
+from engine import Object, StoreError
 
 __all__ = ["ALPHA", "THRESHOLDS", "HYSTERESIS", "READ_TARGET", "CHUNK_ROWS", "Piece",
-           "Group", "GroupWrite", "fresh_group", "next_group", "load_group"]
+           "Group", "GroupWrite", "fresh_group", "next_group", "load_group", "grouped_writes"]
 
 ALPHA = 0.02                      # weight of "changed this step" in a row's rate
 THRESHOLDS = (0.04, 0.1, 0.3)     # four classes (setting A of the design)
@@ -184,3 +186,63 @@ def load_group(get: Callable[[bytes], Object], oid: bytes, nrows: int, row_nbyte
         raise ManifestError("block list leaves rows with no copy", oid=oid)
     return Group(pieces, owner, rq)
 
+
+
+def _group_of(old: BlockSlot, base: TableState | None, row_nbytes: int
+              ) -> tuple[Group | None, int]:
+    """(the grouped writer state of ``old``, 1 if its stored list could not be read):
+    loaded from the store the base was seeded from when the handle has none. None: not
+    a list (a chain of the other layout) or unreadable; the block is then written fresh."""
+    if old.group is not None:
+        return old.group, 0
+    if base is None or base.reader is None or old.oid is None:
+        return None, 0
+    try:
+        old.group = load_group(base.reader, old.oid, old.nrows, row_nbytes)
+    except (StoreError, CheckpointError):
+        return None, 1
+    return old.group, 0
+
+
+def grouped_writes(changed: np.ndarray, cbase: TableState | None, rows: int, rnb: int,
+                   block_rows: int, step: int
+                   ) -> tuple[list[BlockSlot | None], list[BlockWrite], list, int, int]:
+    """``blockplan.block_writes`` of the grouped layout (and the blocks whose stored list
+    could not be read, written fresh): a changed block's next version, a new block's
+    chunks, an unchanged block's slot as it was."""
+    nblocks = -(-rows // block_rows)
+    counts = np.bincount(changed // block_rows, minlength=nblocks) if len(changed) else None
+    cuts = np.searchsorted(changed, np.arange(nblocks + 1, dtype=np.int64) * block_rows
+                           ).tolist() if len(changed) else None
+    slots: list[BlockSlot | None] = []
+    writes: list[BlockWrite] = []
+    parts: list = []
+    pos = rewritten = 0
+    for i in range(nblocks):
+        start = i * block_rows
+        nr = min(start + block_rows, rows) - start
+        old = cbase.slots[i] if cbase is not None and i < len(cbase.slots) else None
+        k = int(counts[i]) if counts is not None else 0
+        if old is not None and old.nrows == nr and k == 0:
+            slots.append(old)
+            continue
+        gw = None
+        if old is not None and old.nrows == nr:
+            group, lost = _group_of(old, cbase, rnb)
+            rewritten += lost
+            if group is not None:
+                assert cuts is not None
+                gw = next_group(group, changed[cuts[i]:cuts[i + 1]] - start, step, rnb)
+        if gw is None:
+            gw = fresh_group(nr, rnb, step)
+        slot = BlockSlot(nr, len(gw.group.pieces), sum(p.nbytes for p in gw.group.pieces))
+        slot.group = gw.group
+        slots.append(slot)
+        if gw.rows is None:
+            parts.append((start, start + nr))
+            writes.append(BlockWrite(i, GROUPED, pos, pos + nr, None, group=gw))
+        else:
+            parts.append(gw.rows + start)
+            writes.append(BlockWrite(i, GROUPED, pos, pos + len(gw.rows), gw.rows, group=gw))
+        pos += writes[-1].stop - writes[-1].start
+    return slots, writes, parts, pos, rewritten

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from cnrstore.core.blockplan import BlockWrite, TablePlan
 from cnrstore.core.grouppolicy import GroupWrite, fresh_group
-from cnrstore.core.snapshot import BlockWrite, TablePlan
 from cnrstore.format.rowlists import KIND_BLOCK_LIST, KIND_BLOCK_ROWS, encode_list, encode_rows
 
 __all__ = ["write_group", "write_fresh", "write_grouped"]

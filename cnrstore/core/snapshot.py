@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -28,72 +26,13 @@ from cnrstore.codec.quantize import (
     is_wide,
     row_nbytes,
 )
-from cnrstore.core.chainpolicy import block_key, next_slot
-from cnrstore.core.grouppolicy import Group, GroupWrite, fresh_group, load_group, next_group
+from cnrstore.core.blockplan import FULL, PATCH, BlockWrite, Deferred, TablePlan, block_writes
+from cnrstore.core.grouppolicy import grouped_writes
 from cnrstore.core.hostcodes import HostBuffers, encode_checked, gather_encode, snapshot_rows
-from cnrstore.core.tablestate import BlockSlot, TableState
-from cnrstore.errors import CheckpointError, NonFiniteValues
-from engine import StoreError
+from cnrstore.core.tablestate import TableState
+from cnrstore.errors import NonFiniteValues
 
-__all__ = ["BlockWrite", "TablePlan", "HostBuffers", "plan_table", "FULL", "PATCH", "GROUPED"]
-
-FULL = 0
-PATCH = 1
-GROUPED = 2   # the grouped layout: new row objects and a list (BlockWrite.group)
-
-
-@dataclass(frozen=True)
-class BlockWrite:
-    """One block to write: ``codes[start:stop]`` of the plan are its rows (all of them for a
-    full block; those listed in ``rows``, block-local, for a patch)."""
-
-    index: int
-    kind: int
-    start: int
-    stop: int
-    rows: np.ndarray | None     # block-local row indices of a patch
-    base: BlockSlot | None = None   # a patch's base: the previous version, or (merged) the
-                                    # chain's full block
-    group: GroupWrite | None = None  # GROUPED: the objects to write
-
-
-@dataclass
-class TablePlan:
-    name: str
-    state: TableState           # the new diff base; the writer fills its new slots' ids
-    writes: list[BlockWrite]
-    codes: np.ndarray           # uint8[k, row_nbytes] on the host
-    rows_changed: int           # rows that differ from the diff base (all without one)
-    logical_bytes: int
-    base_slots: list | None = None  # the diff base's slots (patch bases), when compatible
-    release: Callable[[], None] | None = None  # returns the host buffer to its pool
-    # Blocks whose stored base could not be read (written full, never deduplicated onto
-    # the damaged record), and how many blocks the writer wrote full for want of a base.
-    damaged_blocks: frozenset[int] = frozenset()
-    rewritten_blocks: int = 0
-    # Codes of every row, kept when the diff base may vanish before the write (its anchor
-    # step is not the newest, so another process's gc may drop it): blocks whose base or
-    # reused id is gone under the writer lock are then written full from these.
-    full_codes: np.ndarray | None = None
-    # Set when ``codes`` borrow the caller's table (a blocking put): set again once the
-    # caller stops waiting, after which the writer must not commit what it read.
-    borrowed: threading.Event | None = None
-    # A blocking put's first plan of a table: the table is fingerprinted on another thread
-    # while it is encoded and written; the waiting caller stores the result (an interrupted
-    # wait drops it). Until then the new state has no diff data, so a put planned
-    # meanwhile writes every block full: never wrong.
-    fingerprint_later: Callable[[], None] | None = None
-    # A non-blocking put's changed rows, copied but not encoded yet (hostcodes.snapshot_rows):
-    # ``encoded()`` fills ``codes`` on the writer thread, before any block is written.
-    encode_later: Callable[[], np.ndarray] | None = None
-    step: int = 0               # the put's step (the grouped layout's objects carry it)
-    layout: str = "chains"
-
-    def encoded(self) -> None:
-        """Run a deferred encode (once; a no-op for plans encoded when planned)."""
-        if self.encode_later is not None:
-            self.codes, self.encode_later = self.encode_later(), None
-
+__all__ = ["BlockWrite", "TablePlan", "HostBuffers", "plan_table", "FULL", "PATCH"]
 
 _FP_POOL: ThreadPoolExecutor | None = None
 _FP_LOCK = threading.Lock()
@@ -150,22 +89,6 @@ def _keep_restored_rows(
     mask[cand[same.to(cand.device)]] = False
 
 
-def _group_of(old: BlockSlot, base: TableState | None, row_nbytes: int
-              ) -> tuple[Group | None, int]:
-    """(the grouped writer state of ``old``, 1 if its stored list could not be read):
-    loaded from the store the base was seeded from when the handle has none. None: not
-    a list (a chain of the other layout) or unreadable; the block is then written fresh."""
-    if old.group is not None:
-        return old.group, 0
-    if base is None or base.reader is None or old.oid is None:
-        return None, 0
-    try:
-        old.group = load_group(base.reader, old.oid, old.nrows, row_nbytes)
-    except (StoreError, CheckpointError):
-        return None, 1
-    return old.group, 0
-
-
 def plan_table(name: str, table: torch.Tensor, *, scheme: str, base: TableState | None,
                wide: bool | None = None, **kwargs) -> TablePlan:
     """Plan the put of one table against its diff base (None: all blocks full).
@@ -181,6 +104,8 @@ def plan_table(name: str, table: torch.Tensor, *, scheme: str, base: TableState 
     start (a distributed put whose other part of the table needed it). ``block_offset``:
     the index in the whole table of the first block (a rank's part of a distributed
     put), which the chain policy spreads bounds by (chainpolicy.py)."""
+    if base is not None:
+        base.settle()  # a deferred plan of the last put: the writer fills it in first
     width = math.prod(table.shape[1:])
     if wide is None:
         wide = (
@@ -209,6 +134,7 @@ def _plan_table(
     keep_full: bool = False,
     borrow: bool = False,
     defer_encode: bool = False,
+    defer_plan: bool = False,
     layout: str = "chains",
     step: int = 0,
 ) -> TablePlan:
@@ -224,6 +150,14 @@ def _plan_table(
     compatible = cbase is not None
     common = min(rows, cbase.rows) if cbase is not None else 0
 
+    # Not the grouped layout: its cleaning copies rows the tracker did not touch.
+    if (defer_plan and layout == "chains" and cbase is not None and touched is not None
+            and scheme == "exact"
+            and cbase.fingerprints is not None and cbase.fingerprints.device.type == "cpu"
+            and rows == cbase.rows and x.device.type == "cpu" and width and buffers is not None
+            and not keep_full and not borrow):
+        return Deferred(name, x, table, cbase, touched, rnb, block_rows, fanout, max_chain,
+                         block_offset, buffers).plan
     if cbase is not None and touched is not None and cbase.fingerprints is not None:
         # The caller tracked the touched rows: hash only those (and any new rows).
         t = torch.unique(touched[touched < common]).to(x.device)
@@ -257,76 +191,15 @@ def _plan_table(
             else np.zeros(0, dtype=np.int64)
         )
 
-    nblocks = -(-rows // block_rows)
-    counts = np.bincount(changed // block_rows, minlength=nblocks) if len(changed) else None
-    new_fp = old_fp = None
-    if len(changed) and fp is not None:
-        sel = torch.from_numpy(changed)
-        new_fp = fp[sel.to(fp.device)].cpu().numpy()
-        if cbase is not None and cbase.fingerprints is not None:
-            old_fp = cbase.fingerprints[sel.to(cbase.fingerprints.device)].cpu().numpy()
-        elif cbase is not None and cbase.seed_codes is not None and scheme == "exact":
-            # Seeded from stored codes: exact codes are the rows' bytes.
-            prev = cbase.seed_codes[sel].view(table.dtype).reshape(len(sel), width)
-            old_fp = row_fingerprints(prev).numpy()
-    slots: list[BlockSlot | None] = []
-    writes: list[BlockWrite] = []
-    parts: list = []   # rows to encode, ascending: (start, stop) of a full block, or ids
-    pos = 0
-    cuts = np.searchsorted(changed, np.arange(nblocks + 1, dtype=np.int64) * block_rows
-                           ).tolist() if len(changed) else None
     rewritten = 0
-    for i in range(nblocks):
-        start = i * block_rows
-        nr = min(start + block_rows, rows) - start
-        old = cbase.slots[i] if cbase is not None and i < len(cbase.slots) else None
-        if layout == "grouped":
-            k = int(counts[i]) if counts is not None else 0
-            if old is not None and old.nrows == nr and k == 0:
-                slots.append(old)
-                continue
-            gw = None
-            if old is not None and old.nrows == nr:
-                group, lost = _group_of(old, cbase, rnb)
-                rewritten += lost
-                if group is not None:
-                    assert cuts is not None
-                    gw = next_group(group, changed[cuts[i]:cuts[i + 1]] - start, step, rnb)
-            if gw is None:
-                gw = fresh_group(nr, rnb, step)
-            slot = BlockSlot(nr, len(gw.group.pieces),
-                             sum(p.nbytes for p in gw.group.pieces))
-            slot.group = gw.group
-            slots.append(slot)
-            if gw.rows is None:
-                parts.append((start, start + nr))
-                writes.append(BlockWrite(i, GROUPED, pos, pos + nr, None, group=gw))
-            else:
-                parts.append(gw.rows + start)
-                writes.append(BlockWrite(i, GROUPED, pos, pos + len(gw.rows), gw.rows,
-                                         group=gw))
-            pos += writes[-1].stop - writes[-1].start
-            continue
-        if old is not None and old.nrows == nr:
-            k = int(counts[i]) if counts is not None else 0
-            if k == 0:
-                slots.append(old)
-                continue
-            assert new_fp is not None and cuts is not None  # rows changed: fingerprints
-            lo, hi = cuts[i], cuts[i + 1]
-            slot, local, pbase = next_slot(
-                old, block_key(name, block_offset + i), changed[lo:hi] - start,
-                None if old_fp is None else old_fp[lo:hi], new_fp[lo:hi], rnb, max_chain)
-        else:
-            slot, local, pbase = BlockSlot(nr), None, None
-        slots.append(slot)
-        if local is None:
-            parts.append((start, start + nr))
-            writes.append(BlockWrite(i, FULL, pos, pos + nr, None))
-        else:
-            parts.append(local + start)
-            writes.append(BlockWrite(i, PATCH, pos, pos + len(local), local, pbase))
-        pos += writes[-1].stop - writes[-1].start
+    if layout == "grouped":
+        slots, writes, parts, pos, rewritten = grouped_writes(changed, cbase, rows, rnb,
+                                                              block_rows, step)
+    else:
+        slots, writes, parts, pos = block_writes(name, fp, changed, cbase, rows, table.dtype,
+                                                 width, scheme, rnb, block_rows, max_chain,
+                                                 block_offset)
+    nblocks = len(slots)
     # A table written whole (first put, new encoding) is encoded without an index array:
     # an arange over 10^9 rows would cost 8 GB.
     idx = None if pos == rows else np.concatenate(

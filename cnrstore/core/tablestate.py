@@ -183,6 +183,17 @@ class TableState:
     # Reads the store a base was seeded from: a put of the grouped layout loads a
     # block's list from it (grouppolicy.load_group) the first time the block changes.
     reader: Callable[[bytes], Any] | None = None
+    # Set once the writer thread has planned this state (a non-blocking put's deferred
+    # plan, snapshot.py): until then its slots and fingerprints are not filled in, and a
+    # put that diffs against it waits (``settle``). None: planned when made.
+    planning: threading.Event | None = None
+
+    def settle(self) -> None:
+        """Wait until the writer has planned this state (a deferred plan): its slots and
+        fingerprints are then filled in, or, where that plan failed, it has no diff data
+        and no slots (the next put writes every block full: never a wrong base)."""
+        if self.planning is not None:
+            self.planning.wait()
 
     @property
     def rows(self) -> int:

@@ -20,8 +20,8 @@ from typing import TypeVar
 import numpy as np
 
 from cnrstore.codec.cores import start_thread
+from cnrstore.core.blockplan import FULL, GROUPED, TablePlan
 from cnrstore.core.groupwrite import write_fresh, write_grouped
-from cnrstore.core.snapshot import FULL, GROUPED, TablePlan
 from cnrstore.core.tablestate import TableState, dtype_name
 from cnrstore.errors import StepExists, WriteFailed
 from cnrstore.format.blocks import encode_full, encode_patch, plane_width

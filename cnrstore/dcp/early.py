@@ -22,7 +22,7 @@ import engine
 from cnrstore.codec.cores import start_thread
 from cnrstore.format.load import load_step, load_table_manifest
 
-__all__ = ["EARLY_BYTES", "Locations", "hint", "locations", "plan"]
+__all__ = ["EARLY_BYTES", "Locations", "even_split", "hint", "locations", "plan"]
 
 EARLY_BYTES = 32 << 20  # hinted at the plan: about the disk's reads until read_data reads
 
@@ -80,6 +80,29 @@ def plan(locs: Locations, spans: list[tuple[str, int, int]],
                 chains.append(per_block[b])
                 total += sum(engine.RecordLocation.from_wire(w).length for w in per_block[b])
     return chains
+
+
+def even_split(locs: Locations, world: int, budget: int = EARLY_BYTES) -> list[list[tuple]]:
+    """``plan``'s chains of the first ``budget`` bytes of each of ``world`` ranks, were each
+    to read an even share of every table's rows (DCP's cut of a row-sharded tensor at
+    ``world`` ranks), taken a block of each rank in turn: what the coordinator hints as it
+    opens, before any rank knows its plan. A guess: a rank that reads other rows hints
+    its own at its plan, as without it."""
+    per_rank = []
+    for r in range(world):
+        spans = []
+        for fqn, (block_rows, per_block) in locs.items():
+            share = -(-len(per_block) // world) * block_rows
+            spans.append((fqn, r * share, (r + 1) * share))
+        per_rank.append(plan(locs, spans, budget))
+    out: list[list[tuple]] = []
+    seen: set[bytes] = set()  # a block at the cut is in two ranks' shares
+    for k in range(max((len(c) for c in per_rank), default=0)):
+        for chains in per_rank:
+            if k < len(chains) and chains[k][0][0] not in seen:
+                seen.add(chains[k][0][0])
+                out.append(chains[k])
+    return out
 
 
 def hint(source: Any, chains: list[list[tuple]]) -> threading.Thread | None:

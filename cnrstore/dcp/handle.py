@@ -43,12 +43,13 @@ class Target:
                               f"store, got {type(store).__name__}")
         self.group = group
         self.open_kwargs = dict(open_kwargs)
+        self.first: Any = None  # the open's first answer, to take (``open``)
 
     def __getstate__(self) -> dict:
         if self.path is None:
             raise InvalidInput("an open cnrstore store cannot be sent to another process "
                                "(DCP's process executor): give the writer the store's path")
-        return {**self.__dict__, "store": None}
+        return {**self.__dict__, "store": None, "first": None}
 
     def reset(self, checkpoint_id: Any) -> None:
         """DCP's checkpoint_id, when given, is the store's path."""
@@ -59,7 +60,7 @@ class Target:
                                "given an open store")
         self.path = os.fspath(checkpoint_id)
 
-    def _group(self) -> Any:
+    def group_of(self) -> Any:
         if self.group is False:  # this process alone (no_dist=True inside a many-rank job)
             return None
         if self.group is not None:
@@ -68,15 +69,23 @@ class Target:
             return dist.group.WORLD
         return None
 
-    def open(self) -> Any:
+    def open(self, first: Any = None) -> Any:
         """The store, opened now if given as a path (collective with a group): the one
-        kept open from this process's last save or load of the path (stores.py)."""
+        kept open from this process's last save or load of the path (stores.py).
+        ``first``: a coordinated call (``fn(coordinator's store)``) that the open's own
+        round carries where the path is opened anew with a group; its answer is then
+        ``self.first`` (``DistributedStore.take_first``), else None."""
+        self.first = None
         if self.store is None:
             assert self.path is not None
-            path, group, kwargs = self.path, self._group(), self.open_kwargs
+            path, group, kwargs = self.path, self.group_of(), self.open_kwargs
 
             def opener() -> Any:
-                return open_store(path, group=group, **kwargs)
+                if group is None or first is None:
+                    return open_store(path, group=group, **kwargs)
+                store = open_store(path, group=group, first=first, **kwargs)
+                self.first = store.take_first
+                return store
 
             self.store = (stores.checkout(path, group, kwargs, opener)
                           if stores.cacheable(path, kwargs) else opener())

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from cnrstore.errors import CheckpointError, CollectiveMismatch, RankFailed, translate
 from engine import StoreError
 
-__all__ = ["Comm", "wire_error", "rebuild_error", "payloads"]
+__all__ = ["Comm", "coordinator_box", "payloads", "rebuild_error", "unbox", "wire_error"]
 
 
 
@@ -76,6 +76,13 @@ def coordinator_box(world: int, fn: Callable[[], Any], scatter: bool) -> Any:
             exc = translate(exc)
         wire = ("err", wire_error(exc))
         return [wire] * world if scatter else wire
+
+
+def unbox(box: Any) -> Any:
+    """The value of one of ``coordinator_box``'s answers, or its error raised."""
+    if box[0] == "err":
+        raise rebuild_error(box[1], 0)
+    return box[1]
 
 
 class Comm:
@@ -176,10 +183,7 @@ class Comm:
         """``fn()`` run on the coordinator: a list with one answer per rank (``scatter``)
         or one answer for all; its error is raised on every rank."""
         box = coordinator_box(self.world, fn, scatter) if self.coordinator else None
-        got = self.scatter(box, what) if scatter else self.bcast(box, what)
-        if got[0] == "err":
-            raise rebuild_error(got[1], 0)
-        return got[1]
+        return unbox(self.scatter(box, what) if scatter else self.bcast(box, what))
 
     def exchange(self, buf: torch.Tensor, sizes: list[int], expect: list[int], what: str,
                  out: torch.Tensor | None = None) -> list[torch.Tensor]:

@@ -36,6 +36,7 @@ DistributedStore = Any
 # (CNRSTORE_CRASH_AT, engine/crashpoints.py; docs/FORMAT.md "Distributed commit"). With
 # the engine's sink.*, adopt.* and writer.* points they cover every step of the protocol.
 CRASH_POINTS = (
+    "dist.rank_after_plan",       # a non-blocking put's first run planned on the writer
     "dist.rank_after_encode",     # blocks encoded and ids known; nothing written
     "dist.rank_before_seal",      # a rank's records appended to its packs, not sealed
     "dist.rank_after_seal",       # a rank's packs sealed, locations not yet reported
@@ -97,11 +98,14 @@ class CoordinatorCommit:
     core/commit.py): every rank encodes its blocks into a collector on its writer thread,
     writes those the store lacks into packs of its own, and the coordinator adopts them
     and commits the step. A rank cannot read the store, so it keeps no full codes and
-    borrows no table (its runs are planned in full before the put returns)."""
+    borrows no table (the rows its runs write are copied before the put returns)."""
 
     def plan_options(self, ds: DistributedStore, req: Request, *, blocking: bool,
                      keep_full: bool) -> list[dict]:
-        return [{} for _ in req.works]
+        # A non-blocking put's tracked runs are planned on the writer thread, their rows
+        # copied in the stall (snapshot.py, ``_Deferred``; issue 26); ``_write_round``
+        # plans them before its first round, so a failure there fails every rank's step.
+        return [{"defer_plan": not blocking} for _ in req.works]
 
     def known_widths(self, ds: DistributedStore, req: Request) -> dict[str, int] | None:
         """Without an intN table every row width follows from the scheme and dtype, so
@@ -158,6 +162,9 @@ def _write_round(ds: DistributedStore, job: Step) -> StepInfo:
     try:
         if job.error is not None:
             raise job.error
+        for _, _, plan in job.plans:
+            plan.encoded()  # a deferred plan is made here, before its writes are read
+            _point("dist.rank_after_plan")
         known = {s.oid for _, _, p in job.plans for s in (p.base_slots or []) if s and s.oid}
         known |= {bw.base.oid for _, _, p in job.plans for bw in p.writes
                   if bw.base is not None and bw.base.oid}  # merged patches' full blocks

@@ -33,7 +33,7 @@ from cnrstore.core.store import CheckpointStore
 from cnrstore.core.store import open as open_plain
 from cnrstore.core.writer import BackgroundWriter, StepInfo
 from cnrstore.distributed import read, statestore, structure, transfer
-from cnrstore.distributed.comm import Comm
+from cnrstore.distributed.comm import Comm, coordinator_box, unbox
 from cnrstore.distributed.commit import CoordinatorCommit
 from cnrstore.distributed.put import RowGrid
 from cnrstore.errors import CheckpointError, InvalidInput, translating
@@ -51,7 +51,8 @@ class DistributedStore:
     ``cnrstore.open(path, group=pg)``. Same methods as CheckpointStore, all collective."""
 
     def __init__(self, path: str | os.PathLike, options: Options | None, *, group: Any,
-                 timeout: float = _DEFAULT_TIMEOUT, **kwargs: Any):
+                 timeout: float = _DEFAULT_TIMEOUT,
+                 first: Callable[[CheckpointStore], Any] | None = None, **kwargs: Any):
         if not dist.is_available() or not dist.is_initialized():
             raise InvalidInput("cnrstore.open(group=...): torch.distributed is not "
                                "initialized (call dist.init_process_group first)")
@@ -72,9 +73,10 @@ class DistributedStore:
         self._staging: str | None = None
         if self.comm.coordinator:
             try:
-                self.local = open_plain(path, options, **kwargs)
-                self.storage = transfer.storage_of(self.local.objects)
-                resolved = (self.local.options, transfer.locator(self.storage))
+                local = self.local = open_plain(path, options, **kwargs)
+                self.storage = transfer.storage_of(local.objects)
+                resolved = (local.options, transfer.locator(self.storage),
+                            first and coordinator_box(1, lambda: first(local), scatter=False))
             except BaseException as exc:
                 err = exc
         else:
@@ -102,6 +104,7 @@ class DistributedStore:
             self.wcomm.close()
             raise
         self._options: Options = got[0][0]
+        self._first: Any = got[0][2]
         assert self.options.decode_threads is not None
         self.lock = threading.RLock()
         self.writer = BackgroundWriter(max_inflight=self.options.max_inflight)
@@ -146,6 +149,11 @@ class DistributedStore:
     @property
     def is_coordinator(self) -> bool:
         return self.comm.coordinator
+
+    def take_first(self) -> Any:
+        """The open's ``first(coordinator's store)`` (its round carried it), or its error."""
+        box, self._first = self._first, None
+        return None if box is None else unbox(box)
 
     def check_open(self) -> None:
         if self.closed:

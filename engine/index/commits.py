@@ -123,7 +123,7 @@ def apply_change(txn: ix.Txn, index: ix.Index, change: IndexChange) -> None:
         txn.put(ix.pack_key(n), packed.encode(), db=index.packs)
     if change.roots:
         _move_roots(txn, index, change.roots, derive=change.roots_sum is None)
-    next_pack = max(change.next_pack, ix.get_u64(txn, index.meta, ix.META_NEXT_PACK))
+    next_pack = max(change.next_pack, ix.get_next_pack(txn, index.meta))
     txn.put(ix.META_NEXT_PACK, ix.U64.pack(next_pack), db=index.meta)
     if change.seq is not None:
         txn.put(ix.META_SEQ, ix.U64.pack(change.seq), db=index.meta)

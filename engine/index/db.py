@@ -37,15 +37,18 @@ from .meta import (  # noqa: F401 - meta helpers, re-exported for index users
     I64,
     META_CHAIN,
     META_META_SUM,
+    META_NEXT_PACK,
     META_OPTIONS,
     META_ROOTS_SUM,
     META_SEQ,
     META_SNAPSHOT_PACK,
     META_VERSION,
+    PACK_NUMBERS,
     U64,
     Txn,
     chain_value,
     get_chain,
+    get_next_pack,
     get_snapshot_pack,
     get_u64,
     meta_problem,
@@ -64,7 +67,6 @@ DB_META = b"meta"
 
 _REFRESH_S = 1.0  # how often readers look for an index directory swapped by repair
 
-META_NEXT_PACK = b"next_pack"
 META_ENTRY_SUMS = b"entry_checksums"  # u64 1: every object entry carries its checksum
 
 

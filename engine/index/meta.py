@@ -11,6 +11,8 @@ import lmdb
 import msgpack
 import xxhash
 
+from .lmdbcheck import DamagedIndex
+
 
 class _Tables(Protocol):
     """The databases of an ``Index`` (engine/index/db.py) these helpers read."""
@@ -32,6 +34,7 @@ META_META_SUM = b"meta_checksum"  # u64 meta_digest of the values in META_SUMMED
 # changed the tuning of every later open. Counters that every commit moves are not here.
 META_SUMMED = (META_VERSION, META_OPTIONS)
 META_SEQ = b"commit_seq"
+META_NEXT_PACK = b"next_pack"
 META_SNAPSHOT_PACK = b"snapshot_pack"
 META_CHAIN = b"roots_chain"  # msgpack [packs of the current roots chain, delta bytes, full]
 META_ROOTS_SUM = b"roots_checksum"  # u64 roots_digest of the roots db
@@ -40,6 +43,21 @@ META_ROOTS_SUM = b"roots_checksum"  # u64 roots_digest of the roots db
 def get_u64(txn: lmdb.Transaction, db: Any, key: bytes) -> int:
     raw = txn.get(key, db=db)
     return U64.unpack(raw)[0] if raw is not None else 0
+
+
+# Pack numbers are u32 in a pack's header. next_pack (no checksum: every commit moves it)
+# past them is a flipped high bit, which made every later write fail with a struct error,
+# and a repair keeps the old value (lest it reuse a deleted pack's number) so kept it so.
+PACK_NUMBERS = 1 << 32
+
+
+def get_next_pack(txn: lmdb.Transaction, db: Any) -> int:
+    """``next_pack``; DamagedIndex when it is past the pack numbers."""
+    n = get_u64(txn, db, META_NEXT_PACK)
+    if n > PACK_NUMBERS:
+        raise DamagedIndex(f"the index's next pack number {n} is past the largest a pack "
+                           "can have (a damaged meta table; repair rebuilds the index)")
+    return n
 
 
 def get_snapshot_pack(txn: lmdb.Transaction, db: Any) -> int:

@@ -87,7 +87,7 @@ class Adoption:
         def state(txn: ix.Txn) -> tuple[set[bytes], set[int], int]:
             have = {loc.oid for loc in batch if txn.get(loc.oid, db=index.objects) is not None}
             listed = {n for n in wanted if txn.get(ix.pack_key(n), db=index.packs) is not None}
-            return have, listed, ix.get_u64(txn, index.meta, ix.META_NEXT_PACK)
+            return have, listed, ix.get_next_pack(txn, index.meta)
 
         have, listed, next_pack = index.read(state)
         fresh: dict[bytes, RecordLocation] = {}

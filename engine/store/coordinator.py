@@ -33,7 +33,7 @@ def reserve(core: PackStoreState, leases: Leases, n: int) -> range:
     if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= MAX_RESERVE:
         raise ValueError(f"n must be an int in 0..{MAX_RESERVE}, got {n!r}")
     index = core.index
-    start = index.read(lambda t: ix.get_u64(t, index.meta, ix.META_NEXT_PACK))
+    start = index.read(lambda t: ix.get_next_pack(t, index.meta))
     start = max(start, max(pack_numbers(core.path), default=-1) + 1)
     packs = range(start, start + n)
     if not n:
@@ -41,7 +41,7 @@ def reserve(core: PackStoreState, leases: Leases, n: int) -> range:
     leases.take(packs)  # before the reservation commits: a crash between leaves a stale file
 
     def advance(txn: ix.Txn) -> None:
-        current = ix.get_u64(txn, index.meta, ix.META_NEXT_PACK)
+        current = ix.get_next_pack(txn, index.meta)
         txn.put(ix.META_NEXT_PACK, ix.U64.pack(max(current, packs.stop)), db=index.meta)
 
     try:

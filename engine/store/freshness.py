@@ -250,7 +250,7 @@ def stale_problem(store: PackStoreState, *, full: bool = True) -> str | None:
     left its packs there, numbered consecutively from the ``next_pack`` it read."""
     index = store.index
     if not full:
-        next_pack, seq = index.read(lambda t: (ix.get_u64(t, index.meta, ix.META_NEXT_PACK),
+        next_pack, seq = index.read(lambda t: (ix.get_next_pack(t, index.meta),
                                                ix.get_u64(t, index.meta, ix.META_SEQ)))
         n = next_pack
         while (store.path / "packs" / pack_name(n)).exists():

@@ -34,6 +34,7 @@ from ..index.commits import IndexChange, apply_change, pack_doc
 from ..packs.pack import PackSet, pack_name
 from .gcplan import Plan, plan_packs
 from .lease import leased
+from .rootschain import chain_holds
 from .walk import Via, describe, walk
 
 if TYPE_CHECKING:
@@ -216,13 +217,19 @@ def collect(store: PackStoreState, *, threshold: float, progress: ProgressFn | N
     # its commit adopts them, so neither dropped, rewritten nor deleted as leftovers.
     held = leased(store.path)
     plan = plan_packs(store, threshold, set(live.values()), held)
+    if plan.chain and not chain_holds(store, plan.chain, plan.roots):
+        # The chain the index names (no checksum) does not replay to its roots: damage.
+        # Keeping its packs' records would keep the wrong ones; a fresh full snapshot
+        # below replaces them.
+        plan.chain, plan.chain_only = set(), set()
     unreadable: list[Problem] = []
     out = PackSet(store.storage, plan.next_pack, store.options.pack_target_size)
     published = keep_uploaded = False
     # Dropping any record of the current roots chain (full snapshot + deltas) would leave
     # repair without it: a fresh full snapshot restarts the chain. Packs rewritten have
     # their chain records copied instead; dropped ones are not even read.
-    fresh = bool(set(plan.drop) & plan.chain) or (not plan.chain and plan.seq > 0)
+    fresh = bool(set(plan.drop) & plan.chain) or (
+        not plan.chain and (plan.seq > 0 or bool(plan.roots)))
     try:
         copied = _copy_live(store, plan, out, unreadable, copy_chain=not fresh)
         moves = copied.moves

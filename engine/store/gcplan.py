@@ -44,7 +44,7 @@ def plan_packs(store: PackStoreState, threshold: float, live_packs: set[int],
 
     def read(txn: ix.Txn) -> Plan:
         plan = Plan()
-        plan.next_pack = ix.get_u64(txn, index.meta, ix.META_NEXT_PACK)
+        plan.next_pack = ix.get_next_pack(txn, index.meta)
         plan.seq = ix.get_u64(txn, index.meta, ix.META_SEQ)
         plan.snapshot_pack = ix.get_snapshot_pack(txn, index.meta)
         packs, delta_bytes, full_bytes = ix.get_chain(txn, index.meta)

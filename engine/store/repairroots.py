@@ -54,6 +54,16 @@ def lost_under(objects: dict[bytes, ix.ObjectEntry], starts: list[bytes]) -> set
     return lost
 
 
+def in_order(snapshots: list[Snapshot]) -> list[Snapshot]:
+    """The roots records by sequence; of records sharing one (a dead writer's and the
+    next commit's) the one with the highest (pack, offset)."""
+    by_seq: dict[int, Snapshot] = {}
+    for snap in snapshots:
+        if snap[0] not in by_seq or snap[1:3] > by_seq[snap[0]][1:3]:
+            by_seq[snap[0]] = snap
+    return [by_seq[k] for k in sorted(by_seq)]
+
+
 def choose_roots(snapshots: list[Snapshot], objects: dict[bytes, ix.ObjectEntry],
                  damaged: list[Problem], old_seq: int | None,
                  old_roots: dict[str, bytes] | None = None) -> ChosenRoots:
@@ -66,11 +76,7 @@ def choose_roots(snapshots: list[Snapshot], objects: dict[bytes, ix.ObjectEntry]
     ``old_roots`` its roots when they pass their checksum: an index at least as new as
     every roots record the packs still hold names the roots better than a replay that
     lost records to damage ("roots-from-index")."""
-    by_seq: dict[int, Snapshot] = {}
-    for snap in snapshots:
-        if snap[0] not in by_seq or snap[1:3] > by_seq[snap[0]][1:3]:
-            by_seq[snap[0]] = snap
-    ordered = [by_seq[k] for k in sorted(by_seq)]
+    ordered = in_order(snapshots)
     if not ordered:
         return ChosenRoots()
     out = ChosenRoots(max_seq=ordered[-1][0], newest_pack=ordered[-1][1])

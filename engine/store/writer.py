@@ -55,7 +55,7 @@ class PackWriter(Writer):
         self._store = owner
         self._done_cb = done
         self._index = core.index
-        next_pack = self._index.read(lambda t: ix.get_u64(t, self._index.meta, ix.META_NEXT_PACK))
+        next_pack = self._index.read(lambda t: ix.get_next_pack(t, self._index.meta))
         self._packs = PackSet(core.storage, next_pack, core.options.pack_target_size)
         # A bucket store commits as the successor of the commit its cache showed now.
         self._base = core.log.seq(core)

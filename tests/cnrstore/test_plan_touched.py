@@ -51,3 +51,75 @@ def test_no_touched_rows_changes_nothing():
     p = _plan(x, base, torch.zeros(0, dtype=torch.int64))
     assert p.rows_changed == 0 and p.writes == []
     assert torch.equal(p.state.fingerprints, base.fingerprints)
+
+
+def _writes(p):
+    """What a plan writes, down to each patch's base (its last version, or, merged, its
+    chain's full block)."""
+    return [(w.index, w.kind, w.start, w.stop, None if w.rows is None else w.rows.tolist(),
+             None if w.base is None else w.base is p.base_slots[w.index]) for w in p.writes]
+
+
+def _slots(state):
+    return [None if s is None else (s.nrows, s.depth, s.chain_bytes,
+                                    None if s.union is None else s.union.tolist())
+            for s in state.slots]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_plan_deferred_to_the_writer_is_the_plan_made_at_once(seed):
+    # A non-blocking put's tracker-driven plan (``defer_plan``) copies the touched rows and
+    # the blocks it may write whole in the stall, and is made from that copy later: the
+    # same writes, codes, slots and fingerprints as the plan made at once, over a run of
+    # puts whose chains go through patches, merged patches and full rewrites, the table
+    # overwritten as soon as the deferred put returns (training goes on).
+    from cnrstore.core.hostcodes import HostBuffers
+
+    def plan(x, base, touched, defer):
+        return plan_table("t", x, scheme="exact", base=base, block_rows=32, fanout=4,
+                          max_chain=3, touched=touched, buffers=HostBuffers(),
+                          defer_plan=defer)
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(200, 4, generator=g)
+    eager = deferred = plan(x, None, None, False).state
+    hot = torch.randint(0, 200, (30,), generator=g)
+    kinds = set()
+    for _ in range(25):
+        changed = hot[torch.randint(0, len(hot), (10,), generator=g)]
+        changed = torch.cat([changed, torch.randint(0, 200, (3,), generator=g)])
+        x[changed] += 1.0
+        touched = torch.cat([changed, torch.randint(0, 200, (4,), generator=g)])
+        now = plan(x.clone(), eager, touched, False)
+        held = x.clone()
+        later = plan(held, deferred, touched, True)
+        assert later.plan_later is not None and later.writes == []
+        held.fill_(float("nan"))  # the caller's table moves on before the writer plans
+        later.encoded()
+        assert later.rows_changed == now.rows_changed
+        assert _writes(later) == _writes(now)
+        assert np.array_equal(later.codes, now.codes)
+        assert torch.equal(later.state.fingerprints, now.state.fingerprints)
+        assert _slots(later.state) == _slots(now.state)
+        kinds |= {(w[1], w[5]) for w in _writes(now)}
+        later.release()
+        eager, deferred = now.state, later.state
+    # full blocks, patches on their last version, merged patches on the full block
+    assert kinds == {(0, None), (1, True), (1, False)}
+
+
+def test_a_deferred_plan_never_made_leaves_a_base_that_writes_full():
+    # Its put failed before the writer planned it: the release unblocks a put diffing
+    # against its state, and that put finds no diff data (every block full: never wrong).
+    from cnrstore.core.hostcodes import HostBuffers
+
+    kw = dict(scheme="exact", block_rows=32, fanout=4, max_chain=3, buffers=HostBuffers())
+    x = torch.randn(100, 4)
+    base = plan_table("t", x, base=None, **kw).state
+    x[5] += 1.0
+    p = plan_table("t", x, base=base, touched=torch.tensor([5]), defer_plan=True, **kw)
+    p.release()
+    again = plan_table("t", x, base=p.state, touched=torch.tensor([5]), defer_plan=True,
+                       **kw)
+    assert again.plan_later is None  # no diff base: planned at once, every block full
+    assert [w.kind for w in again.writes] == [0, 0, 0, 0]

@@ -23,7 +23,8 @@ EXTRA_NAMES = {
     CheckpointStore: {"objects"},
     DistributedStore: {"rank", "world_size", "is_coordinator", "check_open",
                        "from_coordinator", "coordinated", "coordinator_store", "drain",
-                       "structure", "load_agreed"},  # the TorchRec load's one round
+                       "structure", "load_agreed",  # the TorchRec load's one round
+                       "take_first"},  # what the open's round carried (a DCP path load)
 }
 
 

@@ -330,3 +330,28 @@ def load_rounds(rank: int, world: int, path: str) -> list:
             out.append(store.comm.rounds - r0 - meta)
             check(target, 1)
     return out
+
+
+def path_load_rounds(rank: int, world: int, path: str) -> list:
+    """Rounds of the store's own group in a dcp.load of a path that it opens: the given
+    step, the latest (step=None), and a step the store lacks (its error, on every rank)."""
+    from cnrstore.dcp import close_stores, stores
+
+    dcp.save(state("dtensor", 1, rank, world),
+             storage_writer=StorageWriter(path, step=1, block_rows=32))
+    close_stores()
+    out: list = []
+    for step in (1, None):
+        target = zeroed(state("dtensor", 1, rank, world))
+        dcp.load(target, storage_reader=StorageReader(path, step=step))
+        check(target, 1)
+        (entry,) = stores._entries.values()
+        out.append(entry.store.comm.rounds)
+        close_stores()
+    try:
+        dcp.load(zeroed(state("dtensor", 1, rank, world)),
+                 storage_reader=StorageReader(path, step=9))
+    except BaseException as exc:  # noqa: BLE001 - DCP raises CheckpointException, a BaseException
+        out.append(type(exc).__name__ + ": " + str(exc))
+    close_stores()
+    return out

@@ -85,3 +85,21 @@ def test_a_load_with_hints_of_a_closed_store_reads_the_same(tmp_path):
     assert t is not None
     t.join(10)
     assert not t.is_alive()
+
+
+def test_the_coordinator_hints_each_ranks_first_blocks_of_an_even_cut_in_turn(tmp_path):
+    path = str(tmp_path / "ckpt")
+    _saved(path)
+    with cnrstore.open(path) as store:
+        locs = early.locations(store.objects, 2, ["emb", "acc"])
+    assert locs is not None
+    emb, acc = locs["emb"][1], locs["acc"][1]  # 16 and 5 blocks of 64 rows
+    # two ranks: emb's blocks 0..7 and 8..15, acc's 0..2 and 3..4, a block of each in turn
+    want = [c for pair in zip(emb[:8], emb[8:]) for c in pair] + [acc[0], acc[3], acc[1],
+                                                                  acc[4], acc[2]]
+    assert early.even_split(locs, 2, budget=1 << 30) == want
+    assert early.even_split(locs, 1, budget=1 << 30) == [*emb, *acc]
+    # the budget is each rank's: one block each
+    assert early.even_split(locs, 2, budget=1) == [emb[0], emb[8]]
+    # more ranks than blocks: a block is hinted once
+    assert early.even_split({"acc": locs["acc"]}, 8, budget=1 << 30) == acc

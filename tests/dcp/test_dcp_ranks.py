@@ -108,3 +108,13 @@ def test_a_load_reads_every_kind_of_piece_in_one_collective_read(tmp_path):
     # the store's group (the read's request, its answer, its closing round); a plan round
     # of its own and a read per kind of piece made it seven (seen before the change).
     assert _ok(run(2, W.load_rounds, str(tmp_path / "ckpt"))) == [[3, 3]] * 2
+
+
+def test_a_path_load_reads_the_document_in_the_opens_own_round(tmp_path):
+    # The open's two rounds bring the step's document (and the latest step, for
+    # step=None), then the kept store's reuse check (two) and the read (three): 7. The
+    # metadata's own rounds made it 9, and 11 with step=None (seen before the change).
+    res = _ok(run(2, W.path_load_rounds, str(tmp_path / "ckpt")))
+    for got in res:
+        assert got[:2] == [7, 7]
+        assert "rank 0: step 9 not found" in got[2]  # the coordinator's, on every rank

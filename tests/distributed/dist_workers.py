@@ -552,3 +552,70 @@ def changing_structure(rank: int, world: int, path: str) -> list:
                 good &= torch.equal(back["opt"]["m"], opt)
             ok.append(bool(good))
         return [rounds, errors, s.steps(), ok]
+
+
+def tracked_steps(seed: int, steps: int):
+    """(table, touched rows) of each step of a run whose hot rows change again and again,
+    the touched rows also holding some looked up and not changed: the same on every rank."""
+    g = torch.Generator().manual_seed(seed)
+    t = _table(1)
+    hot = torch.randint(0, 200, (40,), generator=g)
+    out = [(t.clone(), None)]
+    for _ in range(steps - 1):
+        changed = torch.cat([hot[torch.randint(0, 40, (12,), generator=g)],
+                             torch.randint(0, 200, (4,), generator=g)])
+        t[changed] += 1.0
+        out.append((t.clone(), torch.cat([changed, torch.randint(0, 200, (5,), generator=g)])))
+    return out
+
+
+def deferred_puts(rank: int, world: int, path: str, max_chain: int):
+    """Non-blocking tracker-driven puts, planned on the writer thread, each rank's table
+    overwritten with the next step's values as soon as its put returns: the step ids."""
+    import torch.distributed as dist
+
+    run = tracked_steps(7, 14)
+    t = run[0][0].clone()
+    mine = _mine(t, rank, world)  # a view of ``t``: the caller's table, as a DMP's
+    lo, hi = mine.row_offset, mine.row_end
+    with cnrstore.open(path, group=dist.group.WORLD, block_rows=BLOCK_ROWS, fanout=FANOUT,
+                       max_chain=max_chain, timeout=20.0) as s:
+        futs = [s.put_tables(1, {"t": mine}, blocking=False)]
+        for step, (values, touched) in enumerate(run[1:], start=2):
+            t.copy_(values)
+            own = touched[(touched >= lo) & (touched < hi)]
+            futs.append(s.put_tables(step, {"t": mine}, blocking=False, touched={"t": own}))
+        t.fill_(float("nan"))
+        return [f.result().tables for f in futs], s.verify().ok
+
+
+def deferred_failing(rank: int, world: int, path: str, victim: int,
+                     point: str = "dist.rank_after_plan"):
+    """Rank ``victim``'s writer fails after planning the first run of a deferred plan
+    (two tables): every rank's Future fails with the same WriteFailed, and the next
+    tracker-driven put stores its step (its values read back)."""
+    import torch.distributed as dist
+
+    tabs = {n: _table(i) for i, n in ((1, "a"), (2, "b"))}
+    with cnrstore.open(path, group=dist.group.WORLD, block_rows=BLOCK_ROWS, fanout=FANOUT,
+                       timeout=20.0) as s:
+        s.put_tables(1, {n: _mine(t, rank, world) for n, t in tabs.items()})
+        rows = torch.tensor([3, 76, 77, 78, 150, 199])
+        for t in tabs.values():
+            t[rows] += 1.0
+        mine = {n: _mine(t, rank, world) for n, t in tabs.items()}
+        own = {n: rows[(rows >= m.row_offset) & (rows < m.row_end)] for n, m in mine.items()}
+        if rank == victim:
+            os.environ["CNRSTORE_DIST_FAIL_AT"] = point
+        try:
+            s.put_tables(2, mine, blocking=False, touched=own).result()
+            err = None
+        except cnrstore.CheckpointError as exc:
+            err = (type(exc).__name__, str(exc))
+        os.environ.pop("CNRSTORE_DIST_FAIL_AT", None)
+        for t in tabs.values():
+            t[rows] += 1.0
+        s.put_tables(3, mine, blocking=False, touched=own).result()
+        back = s.get_tables(3, names=list(tabs))
+        same = all(torch.equal(back[n], t) for n, t in tabs.items())
+        return err, s.steps(), same, s.verify().ok

@@ -9,7 +9,15 @@ from __future__ import annotations
 import pytest
 import torch
 from dist_util import BLOCK_ROWS, FANOUT, Failed, run, survivors
-from dist_workers import _table, bad_input, failing, hung, killed, late_failure
+from dist_workers import (
+    _table,
+    bad_input,
+    deferred_failing,
+    failing,
+    hung,
+    killed,
+    late_failure,
+)
 
 import cnrstore
 from engine.packs.pack import list_pack_files
@@ -126,3 +134,18 @@ def test_a_write_failing_on_one_rank_fails_the_step_everywhere(tmp_path, victim,
     with cnrstore.open(tmp_path / "s") as s:
         s.gc(threshold=0.0)
         assert len(list_pack_files(s.objects.path)) == s.objects.stats().packs
+
+
+def test_a_deferred_plan_failing_on_one_rank_fails_the_step_everywhere(tmp_path):
+    # A non-blocking tracker-driven put is planned on the writer thread (core/snapshot.py):
+    # rank 1's writer fails after planning one of its two runs, before the first round,
+    # so every rank's Future fails with its error, nothing is stored, and the next put
+    # stores its step.
+    res = run(2, deferred_failing, str(tmp_path / "s"), 1)
+    for r in res:
+        assert not isinstance(r, Failed), r.trace
+        err, steps, same, ok = r
+        assert err[0] == "WriteFailed" and "No space left" in err[1], err
+        assert "dist.rank_after_plan" in err[1]
+        assert steps == [1, 3] and same and ok
+    assert res[0][0] == res[1][0]

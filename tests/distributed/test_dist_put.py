@@ -75,6 +75,27 @@ def test_touched_takes_global_row_ids_of_the_ranks_own_rows(tmp_path):
         assert written["t"] == 6  # patches: only the touched rows are encoded
 
 
+@pytest.mark.parametrize("world,max_chain", [(2, 3), (3, 64)])
+def test_a_deferred_plan_stores_the_step_a_plan_made_at_once_stores(tmp_path, world,
+                                                                   max_chain):
+    # A non-blocking tracker-driven put copies the rows in its stall and is planned on the
+    # writer thread (core/snapshot.py, issue 26); each rank overwrites its table as soon
+    # as its put returns. Every step is the one a single-process blocking put (planned at
+    # once) stores, byte for byte: the same ids, through patches, merged patches (a short
+    # chain) and full rewrites, boundary blocks assembled from two ranks' rows among them.
+    from dist_workers import deferred_puts, tracked_steps
+
+    with cnrstore.open(tmp_path / "o", block_rows=BLOCK_ROWS, fanout=FANOUT,
+                       max_chain=max_chain) as o:
+        want = [o.put_tables(step, {"t": t}, touched=None if tt is None else {"t": tt}
+                             ).tables
+                for step, (t, tt) in enumerate(tracked_steps(7, 14), start=1)]
+    for r in run(world, deferred_puts, str(tmp_path / "d"), max_chain):
+        assert not isinstance(r, Failed), r.trace
+        ids, ok = r
+        assert ok and ids == want
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_boundary_rows_go_point_to_point_to_their_owner(world):
     """Comm.exchange (what a put moves boundary rows with): each rank receives exactly
