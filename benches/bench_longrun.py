@@ -45,7 +45,7 @@ if str(REPO) not in sys.path:
 import cnrstore  # noqa: E402
 from benches.measure import disk_bytes, evict_page_cache, timed  # noqa: E402
 from benches.workload import Workload, apply_update, make_tables  # noqa: E402
-from cnrstore.core import chainpolicy  # noqa: E402
+from cnrstore.core import chainpolicy, grouppolicy  # noqa: E402
 from cnrstore.format.blocks import KIND_BLOCK_LIST  # noqa: E402
 from cnrstore.format.load import load_step, load_table_manifest  # noqa: E402
 
@@ -70,6 +70,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="close and reopen the store every N steps (a restarted job)")
     p.add_argument("--layout", nargs="+", default=[None],
                    help="block layouts (Options.layout: chains, grouped; default the store's)")
+    p.add_argument("--read-target", type=float, default=None,
+                   help="grouped layout: the share of a block its listed bytes are cleaned "
+                        "back to (core/grouppolicy.py READ_TARGET, a what-if like --budget)")
     p.add_argument("--time-restore", action="store_true",
                    help="time get_tables of the last step, warm (best of 3) and cold "
                         "(the store's files evicted, best of 2)")
@@ -110,6 +113,9 @@ def restore_bytes(store, step: int) -> tuple[int, int]:
 def run_one(args: argparse.Namespace, fraction: float, quant: str, max_chain: int | None,
             budget: tuple[float, float] | None = None, layout: str | None = None) -> dict:
     saved = chainpolicy.BUDGET_RANGE, chainpolicy.MERGE_SHARE
+    target = grouppolicy.READ_TARGET
+    if args.read_target is not None:
+        grouppolicy.READ_TARGET = args.read_target
     if budget is not None:
         chainpolicy.BUDGET_RANGE = budget
     if args.merge_share is not None:
@@ -118,6 +124,7 @@ def run_one(args: argparse.Namespace, fraction: float, quant: str, max_chain: in
         return _run_one(args, fraction, quant, max_chain, layout)
     finally:
         chainpolicy.BUDGET_RANGE, chainpolicy.MERGE_SHARE = saved
+        grouppolicy.READ_TARGET = target
 
 
 def _restore_times(store, path: Path, step: int) -> dict:
@@ -188,6 +195,7 @@ def _run_one(args: argparse.Namespace, fraction: float, quant: str, max_chain: i
     tail_med = statistics.median(wrote[-first:])
     return {
         "label": args.label or used_layout, "layout": used_layout,
+        "read_target": grouppolicy.READ_TARGET,
         "objects_per_block": listed, **times,
         "reopen_every": args.reopen_every, "workload": work.name,
         "quant": quant, "max_chain": used,
