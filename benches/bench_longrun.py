@@ -15,6 +15,8 @@ scheme (rows x row bytes).
     .venv/bin/python benches/bench_longrun.py --steps 150 --budget 0.3:0.6 0.5:1 0.7:1.4 \
         --fractions 0.05 --quant exact --out /tmp/sweep    # the trade-off, steady state
     .venv/bin/python benches/bench_longrun.py --plot docs/longrun.png A.json B.json
+    .venv/bin/python benches/bench_longrun.py --layout grouped chains --steps 150 \
+        --time-restore --out /tmp/grouped   # rows grouped by rate against chains
 
 The first steps after the full put rewrite no block (every block starts fresh), so the
 amortized figure of a short run is below what a long run settles at: the "last 45" columns
@@ -41,9 +43,10 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 import cnrstore  # noqa: E402
-from benches.measure import disk_bytes  # noqa: E402
+from benches.measure import disk_bytes, evict_page_cache, timed  # noqa: E402
 from benches.workload import Workload, apply_update, make_tables  # noqa: E402
-from cnrstore.core import chainpolicy  # noqa: E402
+from cnrstore.core import chainpolicy, grouppolicy  # noqa: E402
+from cnrstore.format.blocks import KIND_BLOCK_LIST  # noqa: E402
 from cnrstore.format.load import load_step, load_table_manifest  # noqa: E402
 
 
@@ -65,6 +68,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="largest merged patch, share of the chain budget (default: the policy's)")
     p.add_argument("--reopen-every", type=int, default=0,
                    help="close and reopen the store every N steps (a restarted job)")
+    p.add_argument("--layout", nargs="+", default=[None],
+                   help="block layouts (Options.layout: chains, grouped; default the store's)")
+    p.add_argument("--read-target", type=float, default=None,
+                   help="grouped layout: the share of a block its listed bytes are cleaned "
+                        "back to (core/grouppolicy.py READ_TARGET, a what-if like --budget)")
+    p.add_argument("--time-restore", action="store_true",
+                   help="time get_tables of the last step, warm (best of 3) and cold "
+                        "(the store's files evicted, best of 2)")
     p.add_argument("--label", default="", help="name of this code version in the plot")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="tiny tables, few steps")
@@ -100,22 +111,50 @@ def restore_bytes(store, step: int) -> tuple[int, int]:
 
 
 def run_one(args: argparse.Namespace, fraction: float, quant: str, max_chain: int | None,
-            budget: tuple[float, float] | None = None) -> dict:
+            budget: tuple[float, float] | None = None, layout: str | None = None) -> dict:
     saved = chainpolicy.BUDGET_RANGE, chainpolicy.MERGE_SHARE
+    target = grouppolicy.READ_TARGET
+    if args.read_target is not None:
+        grouppolicy.READ_TARGET = args.read_target
     if budget is not None:
         chainpolicy.BUDGET_RANGE = budget
     if args.merge_share is not None:
         chainpolicy.MERGE_SHARE = args.merge_share
     try:
-        return _run_one(args, fraction, quant, max_chain)
+        return _run_one(args, fraction, quant, max_chain, layout)
     finally:
         chainpolicy.BUDGET_RANGE, chainpolicy.MERGE_SHARE = saved
+        grouppolicy.READ_TARGET = target
 
 
-def _run_one(args: argparse.Namespace, fraction: float, quant: str, max_chain: int | None
-             ) -> dict:
+def _restore_times(store, path: Path, step: int) -> dict:
+    """Seconds of get_tables(step): warm (best of 3) and cold (files evicted, best of 2)."""
+    store.get_tables(step)
+    warm = min(timed(lambda: store.get_tables(step))[0] for _ in range(3))
+    cold = []
+    for _ in range(2):
+        evict_page_cache(path)
+        cold.append(timed(lambda: store.get_tables(step))[0])
+    return {"restore_warm_s": warm, "restore_cold_s": min(cold)}
+
+
+def _objects_listed(store, step: int) -> int:
+    """The most objects a block of ``step`` reads: its list, or its chain's depth + 1."""
+    objects = store.objects
+    _, node = load_step(objects, step)
+    most = 0
+    for tid in node.table_ids:
+        tm = load_table_manifest(objects, tid)
+        most = max([most, *(d + (objects.info(b).kind != KIND_BLOCK_LIST)
+                            for b, d in zip(tm.block_ids, tm.depth))])
+    return most
+
+
+def _run_one(args: argparse.Namespace, fraction: float, quant: str, max_chain: int | None,
+             layout: str | None = None) -> dict:
     work = Workload(fraction, "zipf")
-    path = Path(args.out) / f"store-{work.name}-{quant}-{max_chain}-{chainpolicy.BUDGET_RANGE}"
+    path = Path(args.out) / (f"store-{work.name}-{quant}-{max_chain}-"
+                             f"{chainpolicy.BUDGET_RANGE}-{layout}")
     shutil.rmtree(path, ignore_errors=True)
     per = args.rows // args.tables
     tables = make_tables({f"t{i}": (per, args.dim) for i in range(args.tables)}, seed=args.seed)
@@ -124,6 +163,8 @@ def _run_one(args: argparse.Namespace, fraction: float, quant: str, max_chain: i
         opts["max_chain"] = max_chain
     if args.block_rows:
         opts["block_rows"] = args.block_rows
+    if layout is not None:
+        opts["layout"] = layout
     store = cnrstore.open(path, **opts)
     try:
         store.put_tables(0, tables, quant=quant)
@@ -143,6 +184,9 @@ def _run_one(args: argparse.Namespace, fraction: float, quant: str, max_chain: i
             before = now
         reads = [restore_bytes(store, s)[0] / table_bytes for s in range(args.steps + 1)]
         used = store.options.max_chain
+        used_layout = store.options.layout
+        listed = _objects_listed(store, args.steps)
+        times = _restore_times(store, path, args.steps) if args.time_restore else {}
     finally:
         store.close()
     shutil.rmtree(path, ignore_errors=True)
@@ -150,7 +194,10 @@ def _run_one(args: argparse.Namespace, fraction: float, quant: str, max_chain: i
     first = min(45, len(wrote))
     tail_med = statistics.median(wrote[-first:])
     return {
-        "label": args.label, "reopen_every": args.reopen_every, "workload": work.name,
+        "label": args.label or used_layout, "layout": used_layout,
+        "read_target": grouppolicy.READ_TARGET,
+        "objects_per_block": listed, **times,
+        "reopen_every": args.reopen_every, "workload": work.name,
         "quant": quant, "max_chain": used,
         "budget": list(chainpolicy.BUDGET_RANGE), "merge_share": chainpolicy.MERGE_SHARE,
         "rows": per * args.tables, "steps": args.steps, "row_nbytes": rnb,
@@ -168,8 +215,9 @@ def _run_one(args: argparse.Namespace, fraction: float, quant: str, max_chain: i
 def markdown(results: list[dict]) -> str:
     lines = ["| code | workload | scheme | max_chain | budget | steps | write/raw "
              "| write/raw (first 45) | write/raw (last 45) | max/median step "
-             "| max/median (last 45) | max restore read |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| max/median (last 45) | max restore read | objects / block (last step) "
+             "| restore warm / cold (s) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         budget = ":".join(f"{v:g}" for v in r.get("budget", (0.5, 1.0)))
         if r.get("merge_share", 0.5) != 0.5:
@@ -180,8 +228,15 @@ def markdown(results: list[dict]) -> str:
             f"| {r['label']} | {r['workload']} | {r['quant']} | {r['max_chain']} | {budget} "
             f"| {r['steps']} | {r['amortized']:.2f}x | {r['amortized_45']:.2f}x | {last:.2f}x "
             f"| {r['max_over_median']:.1f}x | {last_spike:.1f}x "
-            f"| {r['max_restore_read']:.2f}x |")
+            f"| {r['max_restore_read']:.2f}x | {r.get('objects_per_block', '-')} "
+            f"| {_times(r)} |")
     return "\n".join(lines) + "\n"
+
+
+def _times(r: dict) -> str:
+    if "restore_warm_s" not in r:
+        return "-"
+    return f"{r['restore_warm_s']:.2f} / {r['restore_cold_s']:.2f}"
 
 
 def plot(out: str, inputs: list[str]) -> None:
@@ -240,9 +295,10 @@ def main(argv: list[str] | None = None) -> int:
         for quant in args.quant:
             for mc in args.max_chain:
                 for budget in args.budget:
-                    r = run_one(args, fraction, quant, mc, budget)
-                    results.append(r)
-                    print(markdown([r]).splitlines()[-1], flush=True)
+                    for layout in args.layout:
+                        r = run_one(args, fraction, quant, mc, budget, layout)
+                        results.append(r)
+                        print(markdown([r]).splitlines()[-1], flush=True)
     (out / "bench_longrun.json").write_text(json.dumps({"results": results}, indent=1))
     (out / "bench_longrun.md").write_text(markdown(results))
     return 0

@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -16,10 +17,11 @@ from cnrstore.core.chainpolicy import block_key, next_slot, patch_fits
 from cnrstore.core.hostcodes import HostBuffers
 from cnrstore.core.tablestate import BlockSlot, TableState
 
-__all__ = ["BlockWrite", "Deferred", "FULL", "PATCH", "TablePlan", "block_writes"]
+__all__ = ["BlockWrite", "Deferred", "FULL", "PATCH", "GROUPED", "TablePlan", "block_writes"]
 
 FULL = 0
 PATCH = 1
+GROUPED = 2   # the grouped layout: new row objects and a list (BlockWrite.group)
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,9 @@ class BlockWrite:
     rows: np.ndarray | None     # block-local row indices of a patch
     base: BlockSlot | None = None   # a patch's base: the previous version, or (merged) the
                                     # chain's full block
+    # GROUPED: the objects to write (a grouppolicy.GroupWrite; grouppolicy plans with
+    # these types, so they cannot name its own)
+    group: Any = None
 
 
 @dataclass
@@ -69,6 +74,8 @@ class TablePlan:
     # (``_Deferred``): ``encoded()`` fills ``writes``, ``codes``, ``rows_changed`` and the
     # state's slots and fingerprints on the writer thread, before any block is written.
     plan_later: Callable[[], None] | None = None
+    step: int = 0               # the put's step (the grouped layout's objects carry it)
+    layout: str = "chains"
 
     def encoded(self) -> None:
         """Run a deferred plan and encode (once; a no-op for plans made when planned)."""

@@ -130,6 +130,7 @@ class HandleState:
         ``deferred``: the diff data is still being computed (seed.seed_later)."""
         if deferred is not None:
             state = TableState.from_manifest(tm, anchor=anchor, deferred=deferred)
+            state.reader = self.objects.get
             with self.lock:
                 if self.states.setdefault(name, state) is not state:
                     deferred.cancel()
@@ -139,5 +140,6 @@ class HandleState:
                                              anchor=anchor)
         else:
             state = TableState.from_manifest(tm, fingerprints=fps, anchor=anchor)
+        state.reader = self.objects.get
         with self.lock:
             self.states.setdefault(name, state)

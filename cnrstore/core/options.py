@@ -15,6 +15,7 @@ import dataclasses
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import msgpack
 
@@ -23,13 +24,17 @@ from cnrstore.format.load import list_steps, load_step, load_table
 from engine import ObjectStore, StoreError, Writer
 
 __all__ = ["Options", "OptionsMismatch", "DATA_OPTIONS", "OPTIONS_ROOT", "KIND_OPTIONS",
-           "positive", "make_options", "read_stored", "resolve_stored", "ensure_stored"]
+           "positive", "make_options", "read_stored", "resolve_stored", "ensure_stored",
+           "LAYOUTS"]
 
 OPTIONS_ROOT = "cnrstore/options"
 KIND_OPTIONS = 6
 # The options that describe stored data (persisted, checked on open).
 DATA_OPTIONS = ("block_rows", "fanout")
 _DEFAULT_GEOMETRY = {"block_rows": 32768, "fanout": 256}
+# The block layouts (the first the default); stored only when not the default, so the
+# options object of a store of chains is what it always was.
+LAYOUTS = ("chains", "grouped")
 
 
 class OptionsMismatch(InvalidInput):
@@ -54,6 +59,9 @@ class Options:
     - ``host_buffer_bytes`` (2 GiB): host staging buffers kept for reuse across puts.
     - ``progress_min_bytes`` (64 MiB): calls given ``progress=`` report only when their
       work is at least this large (cnrstore/core/progress.py).
+    - ``layout`` (stored; new store "chains"): how a block's versions are stored:
+      "chains" (full blocks and patch chains) or "grouped" (lists of row objects grouped
+      by change rate, docs/design/diff-base.md "Rows grouped by rate"). None: the store's.
     """
 
     block_rows: int | None = None
@@ -66,8 +74,12 @@ class Options:
     lock_timeout: float | None = 60.0
     host_buffer_bytes: int = 2 << 30
     progress_min_bytes: int = 64 << 20
+    layout: str | None = None
 
     def __post_init__(self) -> None:
+        if self.layout is not None and self.layout not in LAYOUTS:
+            raise InvalidInput(f"layout must be one of {', '.join(LAYOUTS)}, got "
+                               f"{self.layout!r}")
         for name in DATA_OPTIONS:
             if getattr(self, name) is not None:
                 positive(name, getattr(self, name))
@@ -94,6 +106,11 @@ class Options:
         return self.block_rows or _DEFAULT_GEOMETRY["block_rows"]
 
     @property
+    def block_layout(self) -> str:
+        """layout of a resolved options object (never None)."""
+        return self.layout or LAYOUTS[0]
+
+    @property
     def segment_fanout(self) -> int:
         """fanout of a resolved options object (never None)."""
         return self.fanout or _DEFAULT_GEOMETRY["fanout"]
@@ -117,7 +134,7 @@ def make_options(options: Options | None, overrides: Mapping[str, object]) -> Op
     return dataclasses.replace(options or Options(), **overrides)  # type: ignore[arg-type]
 
 
-def read_stored(objects: ObjectStore) -> dict[str, int] | None:
+def read_stored(objects: ObjectStore) -> dict[str, int | str] | None:
     """The stored data-describing options, None when the store holds none; ManifestError
     (or the engine's error) when the options object is damaged."""
     oid = objects.root(OPTIONS_ROOT)
@@ -134,7 +151,12 @@ def read_stored(objects: ObjectStore) -> dict[str, int] | None:
     for k, v in stored.items():
         if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= 1 << 31:
             raise ManifestError(f"options object holds {k}={v!r}", oid=oid)
-    return stored  # type: ignore[return-value]
+    layout = doc.get("layout", LAYOUTS[0])
+    if layout not in LAYOUTS:
+        raise ManifestError(f"options object holds layout={layout!r}", oid=oid)
+    out: dict[str, int | str] = {k: int(v) for k, v in stored.items()}  # type: ignore[arg-type]
+    out["layout"] = layout
+    return out
 
 
 def resolve_stored(objects: ObjectStore, options: Options) -> Options:
@@ -149,20 +171,21 @@ def resolve_stored(objects: ObjectStore, options: Options) -> Options:
         stored = {}
     if not stored:
         stored = _steps_geometry(objects)
-    resolved: dict[str, int] = {}
-    for name in DATA_OPTIONS:
+    resolved: dict[str, Any] = {}
+    for name in (*DATA_OPTIONS, "layout"):
         given, have = getattr(options, name), stored.get(name)
         if given is not None and have is not None and given != have:
             raise OptionsMismatch(
                 f"{name}={given} was given, but the store was written with {name}={have}; "
                 f"leave {name} out to use the store's")
-        resolved[name] = given or have or _DEFAULT_GEOMETRY[name]
+        resolved[name] = given or have or _DEFAULT_GEOMETRY.get(name, LAYOUTS[0])
     threads = options.decode_threads or min(8, os.cpu_count() or 1)
     return dataclasses.replace(options, decode_threads=threads,
-                               block_rows=resolved["block_rows"], fanout=resolved["fanout"])
+                               block_rows=resolved["block_rows"], fanout=resolved["fanout"],
+                               layout=resolved["layout"])
 
 
-def _steps_geometry(objects: ObjectStore) -> dict[str, int]:
+def _steps_geometry(objects: ObjectStore) -> dict[str, int | str]:
     """The geometry of the newest step's first table, for a store holding steps but no
     (readable) options object: one written before options were stored, when a new store
     took 4096-row blocks. Opened with today's default it would write every table of its
@@ -188,7 +211,9 @@ def ensure_stored(objects: ObjectStore, w: Writer, options: Options) -> None:
             return
     except StoreError:
         return  # never let the options record stop a checkpoint
-    doc = {"v": 1, "block_rows": options.rows, "fanout": options.segment_fanout}
+    doc: dict = {"v": 1, "block_rows": options.rows, "fanout": options.segment_fanout}
+    if options.block_layout != LAYOUTS[0]:
+        doc["layout"] = options.block_layout
     oid = w.put(KIND_OPTIONS, msgpack.packb(doc, use_bin_type=True), (), meta=True)
     # set_root, not create_root: the check above ran under the writer lock, and a lost
     # race must not turn into a refused step (create_root's RootExists).

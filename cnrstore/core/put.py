@@ -94,6 +94,7 @@ class Request:
     # Gives back the placement's scratch buffers (the rows it assembled runs from), once
     # every run is planned: a plan keeps copies, never these (distributed/put.py).
     release: Callable[[], None] | None = None
+    step: int = 0                # the step put (set by ``put``)
 
 
 @dataclass
@@ -162,6 +163,7 @@ def put(h: Any, step: int, tables: Mapping, *, quant: Any, metadata: Mapping | N
         h.check_open()
         req = place.prepare(h, step, tables, quant=quant, metadata=metadata,
                             touched=touched, state=state, progress=progress)
+        req.step = step
         if report is None:  # a put planned again (below) goes on from where it was
             # This rank's own work: the bytes of the runs it plans; done == total once
             # the step committed.
@@ -258,7 +260,8 @@ def _plan(h: Any, req: Request, w: Work, rows: torch.Tensor, base: TableState | 
         return plan_table(w.name, rows, scheme=req.schemes[w.name], base=base, wide=wide,
                           block_rows=opt.rows, fanout=opt.segment_fanout,
                           max_chain=opt.max_chain, block_offset=w.b0, touched=touched,
-                          buffers=h.buffers, **kwargs)
+                          buffers=h.buffers, layout=opt.block_layout, step=req.step,
+                          **kwargs)
     except (NonFiniteValues, ValueOutOfRange) as exc:
         if not w.lo:
             raise

@@ -93,6 +93,7 @@ def seed_blocks(objects: Any, tm: TableManifest, anchor: Anchor, *, shape: tuple
                            scheme=scheme, block_rows=block_rows, fanout=fanout,
                            row_nbytes=node.row_nbytes, slots=state.slots[first:end],
                            anchor=anchor)
+    state.reader = objects.get  # the grouped layout's lists, loaded when a block changes
     damaged: set[int] = set()
     try:
         codes = read_codes(objects, tm, pool, damaged=damaged, blocks=(first, end))

@@ -27,6 +27,7 @@ from cnrstore.codec.quantize import (
     row_nbytes,
 )
 from cnrstore.core.blockplan import FULL, PATCH, BlockWrite, Deferred, TablePlan, block_writes
+from cnrstore.core.grouppolicy import grouped_writes
 from cnrstore.core.hostcodes import HostBuffers, encode_checked, gather_encode, snapshot_rows
 from cnrstore.core.tablestate import TableState
 from cnrstore.errors import NonFiniteValues
@@ -134,6 +135,8 @@ def _plan_table(
     borrow: bool = False,
     defer_encode: bool = False,
     defer_plan: bool = False,
+    layout: str = "chains",
+    step: int = 0,
 ) -> TablePlan:
     x = _as_rows(table)
     rows, width = x.shape
@@ -147,7 +150,9 @@ def _plan_table(
     compatible = cbase is not None
     common = min(rows, cbase.rows) if cbase is not None else 0
 
-    if (defer_plan and cbase is not None and touched is not None and scheme == "exact"
+    # Not the grouped layout: its cleaning copies rows the tracker did not touch.
+    if (defer_plan and layout == "chains" and cbase is not None and touched is not None
+            and scheme == "exact"
             and cbase.fingerprints is not None and cbase.fingerprints.device.type == "cpu"
             and rows == cbase.rows and x.device.type == "cpu" and width and buffers is not None
             and not keep_full and not borrow):
@@ -186,9 +191,14 @@ def _plan_table(
             else np.zeros(0, dtype=np.int64)
         )
 
-    slots, writes, parts, pos = block_writes(name, fp, changed, cbase, rows, table.dtype,
-                                             width, scheme, rnb, block_rows, max_chain,
-                                             block_offset)
+    rewritten = 0
+    if layout == "grouped":
+        slots, writes, parts, pos, rewritten = grouped_writes(changed, cbase, rows, rnb,
+                                                              block_rows, step)
+    else:
+        slots, writes, parts, pos = block_writes(name, fp, changed, cbase, rows, table.dtype,
+                                                 width, scheme, rnb, block_rows, max_chain,
+                                                 block_offset)
     nblocks = len(slots)
     # A table written whole (first put, new encoding) is encoded without an index array:
     # an arange over 10^9 rows would cost 8 GB.
@@ -222,11 +232,13 @@ def _plan_table(
         slots=slots,
         fingerprints=fp,
         segments=list(cbase.segments) if cbase is not None else [],
+        reader=cbase.reader if cbase is not None else None,
     )
     logical = table.numel() * table.element_size()
     base_slots = cbase.slots if cbase is not None else None
     nchanged = len(changed) + rows - common if compatible else rows
     plan = TablePlan(name, state, writes, codes, nchanged, logical, base_slots, release)
+    plan.step, plan.layout, plan.rewritten_blocks = step, layout, rewritten
     plan.borrowed = borrowed
     if later is not None:
         plan.encode_later = later[0]

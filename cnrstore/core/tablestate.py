@@ -41,7 +41,7 @@ class BlockSlot:
     had in the full block. ``union`` None: not known (a base seeded from the store, or
     a chain on a filler block): the block is then never merged, only rewritten full."""
 
-    __slots__ = ("oid", "nrows", "depth", "chain_bytes", "full", "union", "fsig")
+    __slots__ = ("oid", "nrows", "depth", "chain_bytes", "full", "union", "fsig", "group")
 
     def __init__(self, nrows: int, depth: int = 0, chain_bytes: int = 0, oid: bytes | None = None,
                  *, full: BlockSlot | None = None, union: np.ndarray | None = None,
@@ -55,6 +55,9 @@ class BlockSlot:
             union, fsig = _EMPTY, _EMPTY  # a full block: nothing differs from itself
         self.union = union
         self.fsig = fsig
+        # The grouped layout's writer state of this version (grouppolicy.Group); None for
+        # a chain, or a list not loaded yet (TableState.reader loads it).
+        self.group: Any = None
 
     def set_full(self) -> None:
         """The slot now holds a full block (the writer rewrote it)."""
@@ -177,6 +180,9 @@ class TableState:
     # A restored table's diff data, still being computed from the stored step (a restore
     # returns without it): materialize() puts it into fingerprints / seed_codes.
     deferred: DeferredBase | None = None
+    # Reads the store a base was seeded from: a put of the grouped layout loads a
+    # block's list from it (grouppolicy.load_group) the first time the block changes.
+    reader: Callable[[bytes], Any] | None = None
     # Set once the writer thread has planned this state (a non-blocking put's deferred
     # plan, snapshot.py): until then its slots and fingerprints are not filled in, and a
     # put that diffs against it waits (``settle``). None: planned when made.

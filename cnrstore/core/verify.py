@@ -18,10 +18,13 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import numpy as np
+
 from cnrstore.core.options import OPTIONS_ROOT, read_stored
 from cnrstore.errors import CheckpointError, ManifestError, StepNotFound
 from cnrstore.format.blocks import (
     KIND_BLOCK_FULL,
+    KIND_BLOCK_LIST,
     KIND_BLOCK_PATCH,
     MAX_CHAIN,
     decode_full,
@@ -30,6 +33,7 @@ from cnrstore.format.blocks import (
 )
 from cnrstore.format.load import list_steps, load_manifest
 from cnrstore.format.manifest import StepManifest, root_name
+from cnrstore.format.rowlists import decode_list, decode_rows_object
 from engine import ObjectStore, Problem, StoreError
 from engine.api import ProgressFn
 
@@ -135,7 +139,8 @@ def _check_blocks(objects: ObjectStore, manifests: list[tuple[int, StepManifest]
     return problems
 
 
-_Checked = tuple[int, int] | CheckpointError | StoreError  # a chain's shape, or its error
+# A chain's shape, or its error; for a row object, its shape, entry and rows (_list_shape).
+_Checked = tuple | CheckpointError | StoreError
 
 
 def _chain_shape(objects: ObjectStore, oid: bytes, want: tuple[int, int],
@@ -149,6 +154,9 @@ def _chain_shape(objects: ObjectStore, oid: bytes, want: tuple[int, int],
     while cur not in checked:
         try:
             obj = objects.get(cur)
+            if obj.kind == KIND_BLOCK_LIST and cur == oid:
+                checked[cur] = _list_shape(objects, obj, oid, want, checked)
+                break
             if obj.kind == KIND_BLOCK_FULL:
                 checked[cur] = decode_full(obj, cur).shape
                 break
@@ -170,6 +178,42 @@ def _chain_shape(objects: ObjectStore, oid: bytes, want: tuple[int, int],
     if isinstance(base, Exception):
         raise base
     return base
+
+
+def _list_shape(objects: ObjectStore, node, oid: bytes, want: tuple[int, int],
+                checked: dict[bytes, _Checked]) -> tuple[int, int]:
+    """The shape of a grouped block version: every listed row object decoded once (its
+    ids ascending and inside the block, its class, rows and step those of its entry),
+    and together they hold a copy of every row of the block."""
+    refs, cls, counts, steps = decode_list(node, oid)
+    covered = np.zeros(want[0], dtype=bool)
+    for k, ref in enumerate(refs):
+        got = checked.get(ref)
+        if got is None:
+            try:
+                part = objects.get(ref)
+                head, idx, _, _ = decode_rows_object(part, ref)
+            except (CheckpointError, StoreError) as exc:
+                checked[ref] = exc
+                raise
+            # (shape, entry, rows: a span or the ids), kept for the lists that share it
+            got = checked[ref] = (head.nrows, head.row_nbytes, head.count, head.cls,
+                                  head.step,
+                                  (head.start, head.start + head.count) if idx is None else idx)
+        if isinstance(got, Exception):
+            raise got
+        if got[:2] != want or got[2:5] != (counts[k], cls[k], steps[k]):
+            raise ManifestError(f"row object {ref.hex()} does not match its list entry "
+                                "or block", oid=oid)
+        at = got[5]
+        if isinstance(at, tuple):
+            covered[at[0]:at[1]] = True
+        else:
+            covered[at] = True
+    if not covered.all():
+        raise ManifestError(f"block list leaves {int((~covered).sum())} rows with no copy",
+                            oid=oid)
+    return want
 
 
 def _still_there(objects: ObjectStore, step: int) -> bool:

@@ -19,7 +19,7 @@ from typing import Any
 
 from cnrstore.core.blockread import Located
 from cnrstore.errors import ManifestError
-from cnrstore.format.blocks import KIND_BLOCK_PATCH, plan_chain
+from cnrstore.format.blocks import KIND_BLOCK_LIST, KIND_BLOCK_PATCH, plan_chain
 from cnrstore.format.manifest import TableManifest
 from engine import Object, ObjectStore, StoreClosed, StoreError
 
@@ -93,6 +93,11 @@ def _patches(objects: ObjectStore, found: dict[bytes, Any], window: list[Block]
             continue
         while True:
             loc = found[oid]
+            if loc.kind == KIND_BLOCK_LIST:  # a list and its row objects, all read here
+                locs[oid] = loc
+                for ref in loc.refs:
+                    locs[ref] = found[ref]
+                break
             if loc.kind != KIND_BLOCK_PATCH:
                 break
             locs[oid] = loc

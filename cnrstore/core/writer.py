@@ -20,7 +20,8 @@ from typing import TypeVar
 import numpy as np
 
 from cnrstore.codec.cores import start_thread
-from cnrstore.core.snapshot import FULL, TablePlan
+from cnrstore.core.blockplan import FULL, GROUPED, TablePlan
+from cnrstore.core.groupwrite import write_fresh, write_grouped
 from cnrstore.core.tablestate import TableState, dtype_name
 from cnrstore.errors import StepExists, WriteFailed
 from cnrstore.format.blocks import encode_full, encode_patch, plane_width
@@ -126,7 +127,11 @@ def write_blocks(w, plan: TablePlan, get) -> None:
         slot = state.slots[bw.index]
         assert slot is not None  # plan_table gives every block of a new state a slot
         codes = plan.codes[bw.start:bw.stop]
-        if bw.kind == FULL:
+        if bw.kind == GROUPED:
+            if not write_grouped(w, plan, slot, bw, codes, elem):
+                raise _MissingBase(f"table {plan.name!r} block {bw.index}: a listed row "
+                                   "object is missing (an earlier put failed or gc dropped it)")
+        elif bw.kind == FULL:
             _write_full(w, get, plan, slot, codes, elem, bw.index)
         else:
             assert plan.base_slots is not None and bw.rows is not None  # a patch has both
@@ -162,8 +167,11 @@ def write_blocks(w, plan: TablePlan, get) -> None:
             # In place: a put planned meanwhile on this state shares the slot object, and
             # the new full block decodes to what the lost one did.
             start = i * state.block_rows
-            slot.oid = w.put(KIND_BLOCK_FULL, encode_full(
-                plan.full_codes[start:start + slot.nrows], elem=elem))
+            full = plan.full_codes[start:start + slot.nrows]
+            if plan.layout == "grouped":
+                write_fresh(w, plan, slot, full, elem)
+                continue
+            slot.oid = w.put(KIND_BLOCK_FULL, encode_full(full, elem=elem))
             slot.set_full()
             plan.rewritten_blocks += 1
         if slot.oid is None:

@@ -10,7 +10,8 @@ element order hides (docs/MANIFEST.md, "Blocks"; measured there).
     PATCH = "CNRP" | version u8 | index_size u8 | elem u16 | nrows u32 | row_nbytes u32
             | nchanged u32 | indices (u16/u32 le, ascending) | planes of the changed rows
 
-A patch refers to its base block (refs = [base]); ``resolve`` applies a chain.
+A patch refers to its base block (refs = [base]); ``resolve`` applies a chain, or a
+block list (the grouped layout, below).
 """
 
 from __future__ import annotations
@@ -23,6 +24,13 @@ from typing import Any
 import numpy as np
 
 from cnrstore.errors import ManifestError
+from cnrstore.format.planes import PLANE_WIDTHS, check_elem, planes, unplanes
+from cnrstore.format.rowlists import (
+    KIND_BLOCK_LIST,
+    KIND_BLOCK_ROWS,
+    plan_list,
+    resolve_list,
+)
 from engine import Object
 
 __all__ = [
@@ -40,15 +48,18 @@ __all__ = [
     "plan_chain",
     "full_nbytes",
     "patch_max_nbytes",
+    "KIND_BLOCK_ROWS",
+    "KIND_BLOCK_LIST",
 ]
 
 # Engine object kinds of blocks (docs/MANIFEST.md, "Object kinds"); manifest.py re-exports
 # them with the node kinds, so blocks stay below the manifest in the layering.
 KIND_BLOCK_FULL = 4
 KIND_BLOCK_PATCH = 5
+# KIND_BLOCK_ROWS = 7 and KIND_BLOCK_LIST = 8 (the grouped layout) come from rowlists.py;
+# kind 6 is the options object (cnrstore/core/options.py).
 BLOCK_VERSION = 2
 LAYOUT_ELEMENT_PLANES = 2
-_PLANE_WIDTHS = (1, 2, 4, 8)
 _FULL = struct.Struct("<4sBBHII")
 _PATCH = struct.Struct("<4sBBHIII")
 _FULL_MAGIC = b"CNRB"
@@ -80,41 +91,7 @@ def plane_width(scheme: str, itemsize: int, row_nbytes: int, *,
         k = 2
     else:
         k = 1
-    return k if k in _PLANE_WIDTHS and row_nbytes % k == 0 else 1
-
-
-def _planes(codes: np.ndarray, elem: int) -> np.ndarray:
-    # Splitting [elements, elem] into [elem, elements] is one strided copy that numpy runs
-    # at ~1.3 GB/s here, 5x a transpose of whole rows (docs/MANIFEST.md, "Blocks").
-    if elem == 1:
-        return np.ascontiguousarray(codes)
-    return np.ascontiguousarray(codes.reshape(-1, elem).T)
-
-
-def _unplanes(
-    buf: memoryview | bytes, n: int, row_nbytes: int, elem: int, out: np.ndarray | None = None
-) -> np.ndarray:
-    """Rows ``uint8[n, row_nbytes]`` from planes: into ``out`` (C-contiguous, that shape)
-    when given, so a restore can decode straight into the table it returns."""
-    flat = np.frombuffer(buf, dtype=np.uint8, count=n * row_nbytes)
-    if out is None:
-        out = np.empty((n, row_nbytes), dtype=np.uint8)  # writable: patches apply in place
-    elif out.shape != (n, row_nbytes) or out.dtype != np.uint8 or not out.flags.c_contiguous:
-        raise ValueError(f"out must be C-contiguous uint8{[n, row_nbytes]}")
-    if elem == 1:
-        out[...] = flat.reshape(n, row_nbytes)
-        return out
-    planes = flat.reshape(elem, (n * row_nbytes) // elem)
-    # One strided write per plane runs ~5x faster here than a transposing copy.
-    dest = out.reshape(-1, elem)
-    for k in range(elem):
-        dest[:, k] = planes[k]
-    return out
-
-
-def _check_elem(elem: int, row_nbytes: int) -> None:
-    if elem not in _PLANE_WIDTHS or row_nbytes % elem:
-        raise ValueError(f"element width {elem} does not divide row_nbytes {row_nbytes}")
+    return k if k in PLANE_WIDTHS and row_nbytes % k == 0 else 1
 
 
 def _index_dtype(nrows: int) -> np.dtype:
@@ -127,9 +104,9 @@ def encode_full(codes: np.ndarray, *, elem: int = 1) -> bytes:
     if codes.dtype != np.uint8 or codes.ndim != 2:
         raise ValueError(f"block codes must be uint8[nrows, row_nbytes], got {codes.dtype}")
     n, rnb = codes.shape
-    _check_elem(elem, rnb)
+    check_elem(elem, rnb)
     head = _FULL.pack(_FULL_MAGIC, BLOCK_VERSION, LAYOUT_ELEMENT_PLANES, elem, n, rnb)
-    return b"".join((head, _planes(codes, elem).data))
+    return b"".join((head, planes(codes, elem).data))
 
 
 def encode_patch(nrows: int, index: np.ndarray, codes: np.ndarray, *, elem: int = 1) -> bytes:
@@ -137,13 +114,13 @@ def encode_patch(nrows: int, index: np.ndarray, codes: np.ndarray, *, elem: int 
     ``nrows`` rows with ``codes`` (``uint8[len(index), row_nbytes]``)."""
     if codes.dtype != np.uint8 or codes.ndim != 2 or len(index) != codes.shape[0]:
         raise ValueError("patch codes must be uint8[len(index), row_nbytes]")
-    _check_elem(elem, codes.shape[1])
+    check_elem(elem, codes.shape[1])
     idt = _index_dtype(nrows)
     idx = np.asarray(index).astype(idt, copy=False)
     head = _PATCH.pack(
         _PATCH_MAGIC, BLOCK_VERSION, idt.itemsize, elem, nrows, codes.shape[1], len(idx)
     )
-    return b"".join((head, idx.tobytes(), _planes(codes, elem).data))
+    return b"".join((head, idx.tobytes(), planes(codes, elem).data))
 
 
 def patch_nbytes(nrows: int, nchanged: int, row_nbytes: int) -> int:
@@ -174,6 +151,9 @@ def plan_chain(info: Callable[[bytes], Any], oid: bytes, nrows: int, row_nbytes:
     patch_max, total, cur = patch_max_nbytes(nrows, row_nbytes), 0, oid
     for _ in range(max_depth + 1):
         got = info(cur)
+        if got.kind == KIND_BLOCK_LIST and cur == oid:
+            plan_list(info, oid, nrows, row_nbytes)
+            return
         if got.kind == KIND_BLOCK_FULL:
             want = full_nbytes(nrows, row_nbytes)
             if got.raw_len != want:
@@ -218,7 +198,7 @@ def read_header(obj: Object, oid: bytes | None = None) -> BlockHeader:
         body = k * (isz + rnb)
     else:
         raise ManifestError(f"object kind {obj.kind} is not a block", oid=oid)
-    if head.elem not in _PLANE_WIDTHS or head.row_nbytes % head.elem:
+    if head.elem not in PLANE_WIDTHS or head.row_nbytes % head.elem:
         raise ManifestError(f"block element width {head.elem} is invalid", oid=oid)
     if len(p) != head.header_size + body:
         raise ManifestError(
@@ -236,7 +216,7 @@ def decode_full(obj: Object, oid: bytes | None = None, *, out: np.ndarray | None
         raise ManifestError(
             f"block holds {(head.nrows, head.row_nbytes)} codes, expected {out.shape}", oid=oid
         )
-    return _unplanes(
+    return unplanes(
         memoryview(obj.payload)[head.header_size:], head.nrows, head.row_nbytes, head.elem, out
     )
 
@@ -258,7 +238,7 @@ def decode_patch(
     if head.elem == 1:  # rows as stored: a read-only view of the payload, not a copy
         codes = np.frombuffer(rows, dtype=np.uint8, count=head.nchanged * head.row_nbytes)
         return head, idx, codes.reshape(head.nchanged, head.row_nbytes)
-    return head, idx, _unplanes(rows, head.nchanged, head.row_nbytes, head.elem)
+    return head, idx, unplanes(rows, head.nchanged, head.row_nbytes, head.elem)
 
 
 def _direct(get_into: Callable, oid: bytes, out: np.ndarray) -> Object | None:
@@ -276,8 +256,8 @@ def _direct(get_into: Callable, oid: bytes, out: np.ndarray) -> Object | None:
         raise ManifestError(f"block holds {(n, rnb)} codes, expected {out.shape}", oid=oid)
     if elem != 1:
         # Same size, other layout: the planes were read in; reorder them in place.
-        _check_elem(elem, rnb)
-        _unplanes(out.tobytes(), n, rnb, elem, out)
+        check_elem(elem, rnb)
+        unplanes(out.tobytes(), n, rnb, elem, out)
     return None
 
 
@@ -316,6 +296,8 @@ def resolve(
         if obj.kind == KIND_BLOCK_FULL:
             codes = decode_full(obj, cur, out=out)
             break
+        if obj.kind == KIND_BLOCK_LIST and not chain:
+            return resolve_list(get, cur, obj, out=out)
         chain.append((cur, obj))
         if len(chain) > max_depth:
             raise ManifestError("patch chain too deep (cycle?)", oid=oid)

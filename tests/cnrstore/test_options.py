@@ -46,7 +46,7 @@ def test_conflicting_stored_options_are_refused_clearly(tmp_path, given):
 def test_the_options_object_and_keywords_agree(tmp_path):
     opts = Options(block_rows=8, fanout=4, max_inflight=3)
     with cnrstore.open(tmp_path / "c", opts, max_chain=2) as s:
-        assert s.options == dataclasses.replace(opts, max_chain=2,
+        assert s.options == dataclasses.replace(opts, max_chain=2, layout="chains",
                                                 decode_threads=s.options.decode_threads)
     with pytest.raises(dataclasses.FrozenInstanceError):
         opts.block_rows = 3  # type: ignore[misc]

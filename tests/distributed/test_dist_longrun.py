@@ -26,3 +26,21 @@ def test_merged_chains_give_single_process_ids(tmp_path, world):
     with cnrstore.open(tmp_path / "d") as d:
         for step in range(STEPS):
             assert bool((d.get_tables(step)["t"] == longrun_tables(step)).all())
+
+
+def test_grouped_lists_give_single_process_ids(tmp_path):
+    """The grouped layout's classes and cleaning depend on each block's own history, so
+    a world of 2 writes the ids one process does."""
+    from longrun_workers import GROUPED, grouped_put
+
+    with cnrstore.open(tmp_path / "o", **GROUPED) as o:
+        want = [o.put_tables(step, {"t": longrun_tables(step)}).tables
+                for step in range(STEPS)]
+    for r in run(2, grouped_put, str(tmp_path / "d")):
+        assert not isinstance(r, Failed), r.trace
+        assert r == want
+    with cnrstore.open(tmp_path / "d") as d:
+        assert d.options.layout == "grouped"
+        for step in range(STEPS):
+            assert bool((d.get_tables(step)["t"] == longrun_tables(step)).all())
+        assert d.verify(deep=True).ok

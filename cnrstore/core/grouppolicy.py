@@ -1,0 +1,250 @@
+"""The grouped layout's write policy: a block version is a list of row objects, each
+holding rows of one change-rate class, and a cleaner that keeps a version's read near
+1.5x the block (docs/design/diff-base.md, "Rows grouped by rate"; benches/model_longrun.py
+``piece_policy`` is the reference replay).
+
+The writer's state of a block version (``Group``) is its listed objects and, per row,
+which of them holds the row's newest copy and the row's change rate at that write (a u8
+code, ``blocks.rate_code``, stored with the copy). A row's rate at a later step is that
+code's rate decayed by (1 - ALPHA) per step since, plus ALPHA at a step that changes it:
+the design's exponential average, quantized only where a row is written. Everything is
+a function of the stored list, so a handle reopened on the store (``load_group``) decides
+exactly as one that never closed, and ids are the same at any world size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from cnrstore.core.blockplan import GROUPED, BlockWrite
+from cnrstore.core.tablestate import BlockSlot, TableState
+from cnrstore.errors import CheckpointError, ManifestError
+from cnrstore.format.rowlists import (
+    KIND_BLOCK_LIST,
+    decode_list,
+    decode_rows_object,
+    rate_code,
+    rate_value,
+    rows_nbytes,
+)
+from engine import Object, StoreError
+
+__all__ = ["ALPHA", "THRESHOLDS", "HYSTERESIS", "READ_TARGET", "CHUNK_ROWS", "Piece",
+           "Group", "GroupWrite", "fresh_group", "next_group", "load_group", "grouped_writes"]
+
+ALPHA = 0.02                      # weight of "changed this step" in a row's rate
+THRESHOLDS = (0.04, 0.1, 0.3)     # four classes (setting A of the design)
+HYSTERESIS = 0.5                  # a row leaves a class only below half its threshold
+# A version's listed payload is cleaned back to this share of the block's bytes. The
+# estimate counts each row's id and rate, so the records, list nodes and index entries
+# stay within it: a restore read 1.486-1.494x on the bench at 1.49 (1.466-1.474x at 1.47,
+# which wrote 0.02-0.04x more; docs/design/diff-base.md, "As built").
+READ_TARGET = 1.49
+CHUNK_ROWS = 2048                 # rows of each object of a block written fresh
+_CLASSES = len(THRESHOLDS) + 1
+
+
+class Piece:
+    """One listed row object: its id (None until the writer writes it), class, step, row
+    count and payload bytes. Shared by every version that lists it."""
+
+    __slots__ = ("oid", "cls", "step", "count", "nbytes")
+
+    def __init__(self, oid: bytes | None, cls: int, step: int, count: int, nbytes: int):
+        self.oid, self.cls, self.step, self.count, self.nbytes = oid, cls, step, count, nbytes
+
+
+@dataclass
+class Group:
+    """A block version: ``pieces`` in list order, ``owner[r]`` the position of the piece
+    holding row r's newest copy, ``rq[r]`` row r's rate code at that write."""
+
+    pieces: list[Piece]
+    owner: np.ndarray   # int32[nrows]
+    rq: np.ndarray      # uint8[nrows]
+
+
+# (piece, positions of its rows among the written rows or None for a span, span start,
+# rate codes or None)
+NewPiece = tuple[Piece, "np.ndarray | None", int, "np.ndarray | None"]
+
+
+@dataclass(frozen=True)
+class GroupWrite:
+    """What a put writes of one block: the new pieces, each with the positions of its rows
+    among the block's written rows (None: the span of a fresh chunk, ``start``), and the
+    rows' rate codes (None: a fresh chunk's, all zero)."""
+
+    group: Group
+    new: list[NewPiece]
+    rows: np.ndarray | None   # block-local ids written, ascending (None: every row)
+
+
+def fresh_group(nrows: int, row_nbytes: int, step: int) -> GroupWrite:
+    """A block written whole: chunk objects of CHUNK_ROWS rows (no ids, no rates), so no
+    cleaning ever copies more than one chunk's rows at once."""
+    new: list[NewPiece] = []
+    for start in range(0, nrows, CHUNK_ROWS):
+        count = min(CHUNK_ROWS, nrows - start)
+        piece = Piece(None, 0, step, count,
+                      rows_nbytes(nrows, count, row_nbytes, span=True, rated=False))
+        new.append((piece, None, start, None))
+    owner = (np.arange(nrows, dtype=np.int64) // CHUNK_ROWS).astype(np.int32)
+    group = Group([p for p, *_ in new], owner, np.full(nrows, 255, dtype=np.uint8))
+    return GroupWrite(group, new, None)
+
+
+def next_group(old: Group, changed: np.ndarray, step: int, row_nbytes: int) -> GroupWrite:
+    """The version after rows ``changed`` (block-local, ascending) changed at ``step``:
+    the changed rows go to their class's object; if the version would then read more
+    than READ_TARGET of the block, the objects of most (stale bytes / live rows) x age
+    are cleaned (their newest rows written again into this step's class objects) until
+    it would not."""
+    nrows = len(old.owner)
+    pieces = old.pieces
+    npieces = len(pieces)
+    pstep = np.array([p.step for p in pieces], dtype=np.int64)
+    pcls = np.array([p.cls for p in pieces], dtype=np.int64)
+    pbytes = np.array([p.nbytes for p in pieces], dtype=np.float64)
+    owner = old.owner.astype(np.int64)
+    rate = rate_value(old.rq) * (1.0 - ALPHA) ** (step - pstep[owner]).astype(np.float64)
+    rate[changed] += ALPHA
+    cur = pcls[owner]
+    th = np.asarray(THRESHOLDS)
+    up = np.searchsorted(th, rate, side="right")
+    down = np.searchsorted(th * HYSTERESIS, rate, side="right")
+    target_cls = np.where(up > cur, up, np.where(down < cur, down, cur))
+
+    live = np.bincount(owner, minlength=npieces)
+    live_after = live - np.bincount(owner[changed], minlength=npieces)
+    keep = live_after > 0
+    per_row = row_nbytes + 3  # a row's copy with its u16 id and rate code
+    est = float(pbytes[keep].sum()) + len(changed) * per_row + 36.0 * _CLASSES
+    target = READ_TARGET * nrows * row_nbytes
+    gone = np.zeros(npieces, dtype=bool)
+    if est > target:
+        freed = np.where(keep, pbytes - live_after * per_row - 36.0, 0.0)
+        stale = np.where(keep, pbytes - live_after * row_nbytes, 0.0)
+        gain = stale / np.maximum(live_after, 1) * (step - pstep + 1)
+        order = np.argsort(-np.where(keep, gain, -np.inf), kind="stable")
+        need = int(np.searchsorted(np.cumsum(freed[order]), est - target)) + 1
+        gone[order[:need]] = True
+        gone &= keep
+    mask = np.zeros(nrows, dtype=bool)
+    mask[changed] = True
+    mask |= gone[owner]
+    rows = np.flatnonzero(mask)
+    dest = target_cls[rows]
+
+    kept = np.flatnonzero(keep & ~gone)
+    remap = np.full(npieces, -1, dtype=np.int64)
+    remap[kept] = np.arange(len(kept))
+    new_owner = remap[owner]
+    listed = [pieces[j] for j in kept]
+    new_rq = old.rq.copy()
+    codes = rate_code(rate[rows])
+    new_rq[rows] = codes
+    new: list[NewPiece] = []
+    for k in range(_CLASSES):
+        sel = np.flatnonzero(dest == k)
+        if not len(sel):
+            continue
+        piece = Piece(None, k, step, len(sel), rows_nbytes(nrows, len(sel), row_nbytes))
+        new_owner[rows[sel]] = len(listed)
+        listed.append(piece)
+        new.append((piece, sel, 0, codes[sel]))
+    assert (new_owner >= 0).all()  # every row keeps one newest copy
+    return GroupWrite(Group(listed, new_owner.astype(np.int32), new_rq), new, rows)
+
+
+def load_group(get: Callable[[bytes], Object], oid: bytes, nrows: int, row_nbytes: int
+               ) -> Group | None:
+    """The writer state of stored block version ``oid``, rebuilt from its list and its
+    objects' row ids and rate codes (None: not a list, e.g. a chain of an older layout).
+    ManifestError or the engine's error when a listed object cannot be read."""
+    node = get(oid)
+    if node.kind != KIND_BLOCK_LIST:
+        return None
+    refs, cls, counts, steps = decode_list(node, oid)
+    owner = np.full(nrows, -1, dtype=np.int32)
+    rq = np.full(nrows, 255, dtype=np.uint8)
+    pieces = []
+    for k, ref in enumerate(refs):
+        obj = get(ref)
+        head, idx, rates, _ = decode_rows_object(obj, ref, codes=False)
+        if (head.nrows, head.row_nbytes, head.count, head.cls, head.step) != (
+                nrows, row_nbytes, counts[k], cls[k], steps[k]):
+            raise ManifestError(f"row object {ref.hex()} does not match its list entry "
+                                "or block", oid=oid)
+        at: slice | np.ndarray = slice(head.start, head.start + head.count) if idx is None \
+            else idx
+        owner[at] = k
+        rq[at] = rates
+        pieces.append(Piece(ref, head.cls, head.step, head.count, len(obj.payload)))
+    if (owner < 0).any():
+        raise ManifestError("block list leaves rows with no copy", oid=oid)
+    return Group(pieces, owner, rq)
+
+
+
+def _group_of(old: BlockSlot, base: TableState | None, row_nbytes: int
+              ) -> tuple[Group | None, int]:
+    """(the grouped writer state of ``old``, 1 if its stored list could not be read):
+    loaded from the store the base was seeded from when the handle has none. None: not
+    a list (a chain of the other layout) or unreadable; the block is then written fresh."""
+    if old.group is not None:
+        return old.group, 0
+    if base is None or base.reader is None or old.oid is None:
+        return None, 0
+    try:
+        old.group = load_group(base.reader, old.oid, old.nrows, row_nbytes)
+    except (StoreError, CheckpointError):
+        return None, 1
+    return old.group, 0
+
+
+def grouped_writes(changed: np.ndarray, cbase: TableState | None, rows: int, rnb: int,
+                   block_rows: int, step: int
+                   ) -> tuple[list[BlockSlot | None], list[BlockWrite], list, int, int]:
+    """``blockplan.block_writes`` of the grouped layout (and the blocks whose stored list
+    could not be read, written fresh): a changed block's next version, a new block's
+    chunks, an unchanged block's slot as it was."""
+    nblocks = -(-rows // block_rows)
+    counts = np.bincount(changed // block_rows, minlength=nblocks) if len(changed) else None
+    cuts = np.searchsorted(changed, np.arange(nblocks + 1, dtype=np.int64) * block_rows
+                           ).tolist() if len(changed) else None
+    slots: list[BlockSlot | None] = []
+    writes: list[BlockWrite] = []
+    parts: list = []
+    pos = rewritten = 0
+    for i in range(nblocks):
+        start = i * block_rows
+        nr = min(start + block_rows, rows) - start
+        old = cbase.slots[i] if cbase is not None and i < len(cbase.slots) else None
+        k = int(counts[i]) if counts is not None else 0
+        if old is not None and old.nrows == nr and k == 0:
+            slots.append(old)
+            continue
+        gw = None
+        if old is not None and old.nrows == nr:
+            group, lost = _group_of(old, cbase, rnb)
+            rewritten += lost
+            if group is not None:
+                assert cuts is not None
+                gw = next_group(group, changed[cuts[i]:cuts[i + 1]] - start, step, rnb)
+        if gw is None:
+            gw = fresh_group(nr, rnb, step)
+        slot = BlockSlot(nr, len(gw.group.pieces), sum(p.nbytes for p in gw.group.pieces))
+        slot.group = gw.group
+        slots.append(slot)
+        if gw.rows is None:
+            parts.append((start, start + nr))
+            writes.append(BlockWrite(i, GROUPED, pos, pos + nr, None, group=gw))
+        else:
+            parts.append(gw.rows + start)
+            writes.append(BlockWrite(i, GROUPED, pos, pos + len(gw.rows), gw.rows, group=gw))
+        pos += writes[-1].stop - writes[-1].start
+    return slots, writes, parts, pos, rewritten

@@ -1,0 +1,64 @@
+"""Writing the grouped layout's objects (core/grouppolicy.py decides them): a block
+version's new row objects, then its list node. Apart from writer.py, which calls it for
+every block the grouped layout writes, local or a rank's part of a distributed put."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from cnrstore.core.blockplan import BlockWrite, TablePlan
+from cnrstore.core.grouppolicy import GroupWrite, fresh_group
+from cnrstore.format.rowlists import KIND_BLOCK_LIST, KIND_BLOCK_ROWS, encode_list, encode_rows
+
+__all__ = ["write_group", "write_fresh", "write_grouped"]
+
+
+def write_group(w, slot, gw: GroupWrite, codes: np.ndarray, elem: int) -> bool:
+    """Put a grouped block version through ``w`` (``put`` and ``has``): its new row
+    objects (``codes``: the block's written rows), then its list node, whose id goes
+    into ``slot``. False (the list not written) when a listed object of an earlier put
+    is missing."""
+    for piece, sel, start, rates in gw.new:
+        if sel is None:
+            payload = encode_rows(slot.nrows, codes[start:start + piece.count],
+                                  step=piece.step, cls=piece.cls, elem=elem, start=start)
+        else:
+            assert gw.rows is not None
+            payload = encode_rows(slot.nrows, codes[sel], step=piece.step, cls=piece.cls,
+                                  elem=elem, index=gw.rows[sel], rates=rates)
+        piece.oid = w.put(KIND_BLOCK_ROWS, payload)
+    pieces = gw.group.pieces
+    refs = tuple(p.oid for p in pieces)
+    if any(r is None or not w.has(r) for r in refs):
+        return False
+    payload, refs = encode_list(refs, np.array([p.cls for p in pieces]),  # type: ignore[arg-type]
+                                np.array([p.count for p in pieces]),
+                                np.array([p.step for p in pieces]))
+    slot.oid = w.put(KIND_BLOCK_LIST, payload, refs, meta=True)
+    return True
+
+
+def write_fresh(w, plan: TablePlan, slot, codes: np.ndarray, elem: int) -> bool:
+    """Block ``slot`` written whole again as chunk objects (its listed objects were gone
+    under the writer lock, or it was reused and its list is gone); counted rewritten."""
+    gw = fresh_group(slot.nrows, plan.state.row_nbytes, plan.step)
+    slot.group = gw.group
+    slot.depth, slot.chain_bytes = len(gw.group.pieces), sum(p.nbytes for p in gw.group.pieces)
+    plan.rewritten_blocks += 1
+    return write_group(w, slot, gw, codes, elem)
+
+
+def write_grouped(w, plan: TablePlan, slot, bw: BlockWrite, codes: np.ndarray, elem: int
+                  ) -> bool:
+    """Block write ``bw`` of the grouped layout; False when an object it lists is gone
+    and the plan kept no full codes to write the block fresh from."""
+    assert bw.group is not None
+    gone = bw.rows is not None and any(
+        p.oid is None or not w.has(p.oid) for p in bw.group.group.pieces
+        if p.step != plan.step)
+    if gone and plan.full_codes is not None:
+        start = bw.index * plan.state.block_rows
+        return write_fresh(w, plan, slot, plan.full_codes[start:start + slot.nrows], elem)
+    if bw.index in plan.damaged_blocks:
+        plan.rewritten_blocks += 1
+    return write_group(w, slot, bw.group, codes, elem)

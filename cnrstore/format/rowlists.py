@@ -1,0 +1,300 @@
+"""The grouped layout's payloads (docs/design/diff-base.md, "Rows grouped by rate"):
+row objects and block list nodes. A block version is a list node whose refs are row
+objects, applied in list order (cnrstore/core/grouppolicy.py writes them).
+
+    ROWS = "CNRR" | version u8 | ids u8 | elem u8 | rated u8 | nrows u32 | row_nbytes u32
+           | count u32 | start u32 | step i64 | cls u8 | 3 pad
+           | row ids (none: the span [start, start + count); u16/u32 le ascending; or a
+             bitmap of the block's rows, lsb first) | rates u8[count] if rated | planes
+    LIST = msgpack {"v": 1, "cls": u8[k], "rows": u32[k], "step": i64[k]} (bin fields),
+           refs = the k row objects in the order they apply
+
+A row's value is its copy in the last listed object that holds it. The step is in the
+row object, so objects of different steps never share an id: a block written fresh over
+a damaged object never dedups onto it. Each row's change rate at its write (rate_code)
+rides with its copy, so a handle reopened on the store rebuilds exactly the writer state
+of one that never closed (cnrstore/core/grouppolicy.py), and ids do not depend on it.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from cnrstore.errors import ManifestError
+from cnrstore.format.planes import PLANE_WIDTHS, check_elem, planes, unplanes
+from engine import Object
+
+__all__ = ["KIND_BLOCK_ROWS", "KIND_BLOCK_LIST", "LIST_READ_CAP", "RowsHeader", "rate_code",
+           "rate_value", "rows_nbytes", "encode_rows", "read_rows_header",
+           "decode_rows_object", "encode_list", "decode_list", "plan_list", "resolve_list"]
+
+KIND_BLOCK_ROWS = 7
+KIND_BLOCK_LIST = 8
+ROWS_VERSION = 1
+
+_ROWS = struct.Struct("<4sBBBBIIIIqB3x")
+_ROWS_MAGIC = b"CNRR"
+IDS_SPAN, IDS_U16, IDS_U32, IDS_BITMAP = 0, 1, 2, 3
+_LIST_VERSION = 1
+_LIST_ENTRY_BYTES = 13       # u8 class + u32 rows + i64 step, per listed object
+_LIST_HEAD_BYTES = 64
+# A listed version may read at most this many times its block's bytes (writers clean to
+# ~1.5x, cnrstore/core/grouppolicy.py): a crafted list is refused from the index.
+LIST_READ_CAP = 4
+
+
+@dataclass(frozen=True)
+class RowsHeader:
+    nrows: int           # rows of the block the object belongs to
+    row_nbytes: int
+    count: int           # rows carried
+    start: int           # first row of a span object (ids == IDS_SPAN)
+    ids: int             # IDS_SPAN, IDS_U16, IDS_U32 or IDS_BITMAP
+    rated: bool
+    step: int
+    cls: int
+    elem: int
+    header_size: int
+
+
+def rate_code(rate: np.ndarray) -> np.ndarray:
+    """u8 codes of change rates in [0, 1]: 2^(-k/16) for k in 0..254, 255 for 0 (below
+    2^-15.9). Relative steps of 4.4%: far finer than the classes' thresholds."""
+    r = np.asarray(rate, dtype=np.float64)
+    with np.errstate(divide="ignore"):
+        k = np.rint(-16.0 * np.log2(np.maximum(r, 1e-300)))
+    return np.where(r > 2.0 ** (-254.5 / 16), np.clip(k, 0, 254), 255).astype(np.uint8)
+
+
+def rate_value(code: np.ndarray) -> np.ndarray:
+    """The rates ``rate_code`` codes stand for (float64)."""
+    c = np.asarray(code).astype(np.float64)
+    return np.where(c >= 255, 0.0, np.exp2(-c / 16.0))
+
+
+def _ids_size(mode: int, nrows: int, count: int) -> int:
+    if mode == IDS_SPAN:
+        return 0
+    if mode == IDS_BITMAP:
+        return -(-nrows // 8)
+    return count * (2 if mode == IDS_U16 else 4)
+
+
+def _ids_mode(nrows: int, count: int) -> int:
+    wide = IDS_U16 if nrows <= 1 << 16 else IDS_U32
+    return IDS_BITMAP if _ids_size(IDS_BITMAP, nrows, count) < _ids_size(wide, nrows, count) \
+        else wide
+
+
+def rows_nbytes(nrows: int, count: int, row_nbytes: int, *, span: bool = False,
+                rated: bool = True) -> int:
+    """Payload size of a row object, without building it (the writer's read estimate)."""
+    mode = IDS_SPAN if span else _ids_mode(nrows, count)
+    return (_ROWS.size + _ids_size(mode, nrows, count) + (count if rated else 0)
+            + count * row_nbytes)
+
+
+def encode_rows(nrows: int, codes: np.ndarray, *, step: int, cls: int, elem: int = 1,
+                index: np.ndarray | None = None, start: int = 0,
+                rates: np.ndarray | None = None) -> bytes:
+    """Payload of a row object of a block of ``nrows`` rows: ``codes``
+    (``uint8[count, row_nbytes]``) are rows ``index`` (ascending, unique, < nrows) or,
+    with ``index`` None, the span from ``start``. ``rates``: u8 rate codes of the rows
+    (None: all zero, the full put's chunks)."""
+    if codes.dtype != np.uint8 or codes.ndim != 2:
+        raise ValueError("row codes must be uint8[count, row_nbytes]")
+    count, rnb = codes.shape
+    check_elem(elem, rnb)
+    if index is None:
+        mode, ids = IDS_SPAN, b""
+        if start < 0 or start + count > nrows:
+            raise ValueError("span past the block")
+    else:
+        if len(index) != count:
+            raise ValueError("row ids and codes differ in length")
+        start = 0
+        mode = _ids_mode(nrows, count)
+        idx = np.asarray(index, dtype=np.int64)
+        if mode == IDS_BITMAP:
+            bits = np.zeros(nrows, dtype=bool)
+            bits[idx] = True
+            ids = np.packbits(bits, bitorder="little").tobytes()
+        else:
+            ids = idx.astype("<u2" if mode == IDS_U16 else "<u4").tobytes()
+    rated = rates is not None
+    if rates is not None and len(rates) != count:
+        raise ValueError("rates and codes differ in length")
+    head = _ROWS.pack(_ROWS_MAGIC, ROWS_VERSION, mode, elem, int(rated), nrows, rnb, count,
+                      start, step, cls)
+    parts = [head, ids]
+    if rated:
+        parts.append(np.asarray(rates, dtype=np.uint8).tobytes())
+    parts.append(planes(codes, elem).data)  # type: ignore[arg-type]
+    return b"".join(parts)
+
+
+def read_rows_header(obj: Object, oid: bytes | None = None) -> RowsHeader:
+    """Parse and check a row object's header and size."""
+    p = obj.payload
+    if obj.kind != KIND_BLOCK_ROWS or obj.refs:
+        raise ManifestError(f"object kind {obj.kind} is not a row object", oid=oid)
+    if len(p) < _ROWS.size:
+        raise ManifestError("row object shorter than its header", oid=oid)
+    magic, ver, mode, elem, rated, n, rnb, count, start, step, cls = _ROWS.unpack_from(p)
+    if magic != _ROWS_MAGIC or ver != ROWS_VERSION or mode > IDS_BITMAP or rated > 1:
+        raise ManifestError(f"row object has bad magic/version {magic!r}/{ver}", oid=oid)
+    if elem not in PLANE_WIDTHS or rnb % elem or count > n or (
+            mode == IDS_SPAN and start + count > n) or (mode == IDS_U16 and n > 1 << 16):
+        raise ManifestError("row object header is invalid", oid=oid)
+    head = RowsHeader(n, rnb, count, start, mode, bool(rated), step, cls, elem, _ROWS.size)
+    want = _ROWS.size + _ids_size(mode, n, count) + (count if rated else 0) + count * rnb
+    if len(p) != want:
+        raise ManifestError(f"row object is {len(p)} bytes, its header says {want}", oid=oid)
+    return head
+
+
+def decode_rows_object(obj: Object, oid: bytes | None = None, *, codes: bool = True
+                       ) -> tuple[RowsHeader, np.ndarray | None, np.ndarray, np.ndarray | None]:
+    """(header, row ids int64 (None for a span: see header.start), rate codes u8,
+    codes ``uint8[count, row_nbytes]`` (None unless ``codes``; maybe a read-only view))."""
+    head = read_rows_header(obj, oid)
+    view = memoryview(obj.payload)[head.header_size:]
+    n, count = head.nrows, head.count
+    idx: np.ndarray | None = None
+    size = _ids_size(head.ids, n, count)
+    if head.ids == IDS_BITMAP:
+        bits = np.unpackbits(np.frombuffer(view, dtype=np.uint8, count=size),
+                             bitorder="little")[:n]
+        idx = np.flatnonzero(bits).astype(np.int64)
+        if len(idx) != count:
+            raise ManifestError("row object bitmap holds another row count", oid=oid)
+    elif head.ids != IDS_SPAN:
+        dt = "<u2" if head.ids == IDS_U16 else "<u4"
+        idx = np.frombuffer(view, dtype=dt, count=count).astype(np.int64)
+        if count and (idx[-1] >= n or np.any(np.diff(idx) <= 0)):
+            raise ManifestError("row object ids are out of range or not ascending", oid=oid)
+    view = view[size:]
+    if head.rated:
+        rates = np.frombuffer(view, dtype=np.uint8, count=count)
+        view = view[count:]
+    else:
+        rates = np.full(count, 255, dtype=np.uint8)
+    rows: np.ndarray | None = None
+    if codes:
+        if head.elem == 1:
+            rows = np.frombuffer(view, dtype=np.uint8, count=count * head.row_nbytes
+                                 ).reshape(count, head.row_nbytes)
+        else:
+            rows = unplanes(view, count, head.row_nbytes, head.elem)
+    return head, idx, rates, rows
+
+
+def encode_list(refs: tuple[bytes, ...], cls: np.ndarray, rows: np.ndarray,
+                steps: np.ndarray) -> tuple[bytes, tuple[bytes, ...]]:
+    """(payload, refs) of a block's list node: its row objects in the order they apply,
+    with each one's class, row count and step."""
+    if not len(refs) == len(cls) == len(rows) == len(steps):
+        raise ValueError("list entries differ in length")
+    doc = {"v": _LIST_VERSION, "cls": np.asarray(cls, dtype=np.uint8).tobytes(),
+           "rows": np.asarray(rows, dtype="<u4").tobytes(),
+           "step": np.asarray(steps, dtype="<i8").tobytes()}
+    return msgpack.packb(doc, use_bin_type=True), tuple(refs)
+
+
+def _list_cap(nrefs: int) -> int:
+    return _LIST_HEAD_BYTES + _LIST_ENTRY_BYTES * nrefs
+
+
+def decode_list(obj: Object, oid: bytes | None = None
+                ) -> tuple[tuple[bytes, ...], np.ndarray, np.ndarray, np.ndarray]:
+    """(refs, classes u8, row counts int64, steps int64) of a list node."""
+    if obj.kind != KIND_BLOCK_LIST:
+        raise ManifestError(f"object kind {obj.kind} is not a block list", oid=oid)
+    k = len(obj.refs)
+    if len(obj.payload) > _list_cap(k):
+        raise ManifestError("block list payload is larger than its entries take", oid=oid)
+    try:
+        doc = msgpack.unpackb(obj.payload, raw=False, max_array_len=0, max_map_len=8,
+                              max_str_len=16, max_bin_len=8 * k + 8)
+        if not isinstance(doc, dict) or doc.get("v") != _LIST_VERSION:
+            raise ValueError("bad version")
+        cls = np.frombuffer(doc["cls"], dtype=np.uint8)
+        rows = np.frombuffer(doc["rows"], dtype="<u4").astype(np.int64)
+        steps = np.frombuffer(doc["step"], dtype="<i8").astype(np.int64)
+    except Exception as exc:  # msgpack and numpy raise several unrelated types
+        raise ManifestError(f"malformed block list: {exc}", oid=oid) from None
+    if not len(cls) == len(rows) == len(steps) == k:
+        raise ManifestError("block list entries and refs differ in length", oid=oid)
+    return tuple(obj.refs), cls, rows, steps
+
+
+def plan_list(info: Callable[[bytes], Any], oid: bytes, nrows: int, row_nbytes: int) -> None:
+    """``plan_chain`` for a list node: every listed object a row object of at most a
+    whole block's rows, all of them together within LIST_READ_CAP block bytes, checked
+    in the index before any is read."""
+    got = info(oid)
+    if got.kind != KIND_BLOCK_LIST or got.raw_len > _list_cap(len(got.refs)):
+        raise ManifestError(f"object {oid.hex()} is not a block list of its size", oid=oid)
+    one = rows_nbytes(nrows, nrows, row_nbytes)
+    cap = LIST_READ_CAP * nrows * row_nbytes + len(got.refs) * _ROWS.size
+    total = 0
+    for ref in got.refs:
+        r = info(ref)
+        if r.kind != KIND_BLOCK_ROWS or r.raw_len > one:
+            raise ManifestError(f"object {ref.hex()} listed by block {oid.hex()} is not a "
+                                f"row object of {nrows} rows", oid=ref)
+        total += r.raw_len
+        if total > cap:
+            raise ManifestError(f"block list {oid.hex()} lists more than {cap} bytes",
+                                oid=oid)
+
+
+def resolve_list(get: Callable[[bytes], Object], oid: bytes, obj: Object | None = None, *,
+                 out: np.ndarray | None = None) -> np.ndarray:
+    """Encoded rows of the block whose version is list node ``oid``: its objects applied
+    in list order (into ``out`` when given). ManifestError when an object does not fit
+    its entry or the block, or a row has no copy."""
+    node = get(oid) if obj is None else obj
+    refs, cls, rows, steps = decode_list(node, oid)
+    if not refs:
+        raise ManifestError("block list is empty", oid=oid)
+    codes = out
+    covered: np.ndarray | None = None
+    for k, ref in enumerate(refs):
+        part = get(ref)
+        head = read_rows_header(part, ref)
+        if (head.count, head.cls, head.step) != (rows[k], cls[k], steps[k]):
+            raise ManifestError(f"row object {ref.hex()} does not match its list entry",
+                                oid=oid)
+        if codes is None:
+            codes = np.empty((head.nrows, head.row_nbytes), dtype=np.uint8)
+        if covered is None:
+            covered = np.zeros(len(codes), dtype=bool)
+        if (head.nrows, head.row_nbytes) != codes.shape:
+            raise ManifestError("row object does not match its block's shape", oid=ref)
+        if head.ids == IDS_SPAN and head.elem != 1:
+            view = memoryview(part.payload)[head.header_size + (head.count if head.rated
+                                                                else 0):]
+            unplanes(view, head.count, head.row_nbytes, head.elem,
+                      codes[head.start:head.start + head.count])
+            covered[head.start:head.start + head.count] = True
+            continue
+        _, idx, _, got = decode_rows_object(part, ref)
+        assert got is not None
+        if idx is None:
+            codes[head.start:head.start + head.count] = got
+            covered[head.start:head.start + head.count] = True
+        else:
+            codes[idx] = got
+            covered[idx] = True
+    assert codes is not None and covered is not None
+    if not covered.all():
+        raise ManifestError(f"block list leaves {int((~covered).sum())} rows with no copy",
+                            oid=oid)
+    return codes

@@ -1,0 +1,243 @@
+"""The grouped layout (Options.layout="grouped", docs/design/diff-base.md "Rows grouped by
+rate"): block versions as lists of row objects. Every kept step restores what a plain
+in-memory model of the tables says (exactly under "exact", within the quantizer's bound
+under int8), whatever the changed rows and however the handle is closed, restored and
+reopened between puts; the ids do not depend on that; verify, gc and a damaged listed
+object behave as they do for chains."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from ckpt_util import assert_identical
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_damaged_base import _rot
+
+import cnrstore
+from cnrstore.core import grouppolicy
+from cnrstore.core.options import OptionsMismatch
+from cnrstore.errors import ManifestError
+from cnrstore.format.blocks import resolve
+from cnrstore.format.load import load_manifest
+from cnrstore.format.rowlists import (
+    KIND_BLOCK_LIST,
+    KIND_BLOCK_ROWS,
+    decode_list,
+    decode_rows_object,
+    encode_list,
+    encode_rows,
+    rate_code,
+    rate_value,
+)
+from engine import Object
+
+OPTS = {"block_rows": 64, "fanout": 4, "layout": "grouped"}
+# int8 codes of rows of values within +-3: a row's error is at most half a step of its
+# own range over 255 levels (docs/QUANTIZATION.md); 6/255/2 with room for the fp16 scale.
+INT8_BOUND = 0.02
+
+
+def _tables(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"a": (torch.rand(300, 4, generator=g) * 6 - 3),
+            "b": (torch.rand(70, 2, generator=g) * 6 - 3)}
+
+
+def _check(got: dict, want: dict, scheme: str) -> None:
+    for name, x in want.items():
+        if scheme == "exact":
+            assert_identical(got[name], x)
+        else:
+            assert (got[name] - x).abs().max().item() <= INT8_BOUND
+
+
+def _run(path, scheme: str, plan: list[tuple[int, list[int], str]]) -> list[dict]:
+    """Put step 0, then for each (table index, rows changed, what the handle does
+    before the put: "keep", "reopen", "restore", or "async": a non-blocking put told the
+    touched rows) a step; return each step's table ids
+    after checking every kept step against the model."""
+    model = _tables(0)
+    kept: dict[int, dict[str, torch.Tensor]] = {}
+    ids = []
+    s = cnrstore.open(path, **OPTS)
+    try:
+        s.put_tables(0, model, quant=scheme)
+        kept[0] = {k: v.clone() for k, v in model.items()}
+        ids.append(s.steps()[-1])
+        for step, (which, rows, before) in enumerate(plan, start=1):
+            name = "ab"[which]
+            x = model[name]
+            idx = torch.tensor(sorted({r % x.shape[0] for r in rows}), dtype=torch.long)
+            if len(idx):
+                g = torch.Generator().manual_seed(step)
+                x[idx] = torch.rand(len(idx), x.shape[1], generator=g) * 6 - 3
+            if before == "reopen":
+                s.close()
+                s = cnrstore.open(path)
+            elif before == "restore":
+                s.close()
+                s = cnrstore.open(path)
+                _check(s.get_tables(step - 1), kept[step - 1], scheme)
+            if before == "async":  # non-blocking, told the touched rows: the deferred encode
+                touched = {name: idx, "ab"[1 - which]: torch.zeros(0, dtype=torch.long)}
+                info = s.put_tables(step, model, quant=scheme, blocking=False,
+                                    touched=touched).result()
+            else:
+                info = s.put_tables(step, model, quant=scheme)
+            assert info.rewritten_blocks == 0
+            kept[step] = {k: v.clone() for k, v in model.items()}
+            ids.append(info.tables)
+        for step, want in kept.items():
+            _check(s.get_tables(step), want, scheme)
+        assert s.verify(deep=True).ok
+    finally:
+        s.close()
+    return ids
+
+
+_step = st.tuples(st.integers(0, 1), st.lists(st.integers(0, 400), max_size=60),
+                  st.sampled_from(["keep", "async", "reopen", "restore"]))
+
+
+@pytest.mark.parametrize("scheme", ["exact", "int8"])
+@settings(max_examples=25, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(plan=st.lists(_step, min_size=1, max_size=14))
+def test_every_kept_step_restores_the_model(tmp_path_factory, scheme, plan):
+    _run(tmp_path_factory.mktemp("g"), scheme, plan)
+
+
+@pytest.mark.parametrize("scheme", ["exact", "int8"])
+def test_ids_do_not_depend_on_reopening(tmp_path, scheme):
+    rng = np.random.default_rng(5)
+    # Zipf-drawn rows, 40 steps: classes move and the cleaner runs (asserted below).
+    plan = [(int(rng.integers(2)), (rng.zipf(1.4, size=40) * 7).tolist(), "keep")
+            for _ in range(40)]
+    a = _run(tmp_path / "a", scheme, plan)
+    b = _run(tmp_path / "b", scheme, [(w, r, "reopen" if i % 3 else "restore")
+                                      for i, (w, r, _) in enumerate(plan)])
+    assert a[1:] == b[1:]
+    with cnrstore.open(tmp_path / "a") as s:
+        tm = load_manifest(s.objects, 40).tables["a"]
+        classes = set()
+        for oid in tm.block_ids:
+            refs, cls, _, steps = decode_list(s.objects.get(oid))
+            classes |= set(cls.tolist())
+            assert len(refs) < 40  # cleaned: the full put's chunks and stale objects left
+        assert classes - {0}, "no row ever left class 0"
+
+
+def test_layout_is_stored_and_a_reopen_uses_it(tmp_path):
+    path = tmp_path / "s"
+    with cnrstore.open(path, layout="grouped", block_rows=64) as s:
+        s.put_tables(0, _tables(1))
+    with cnrstore.open(path) as s:
+        assert s.options.layout == "grouped"
+        t = _tables(1)
+        t["a"][3] += 1
+        s.put_tables(1, t)
+        tm = load_manifest(s.objects, 1).tables["a"]
+        assert s.objects.info(tm.block_ids[0]).kind == KIND_BLOCK_LIST
+    with pytest.raises(OptionsMismatch):
+        cnrstore.open(path, layout="chains")
+    with cnrstore.open(tmp_path / "c", block_rows=64) as s:
+        s.put_tables(0, _tables(1))
+    with pytest.raises(OptionsMismatch):
+        cnrstore.open(tmp_path / "c", layout="grouped")
+    with pytest.raises(cnrstore.InvalidInput):
+        cnrstore.open(tmp_path / "d", layout="rows")
+
+
+def test_gc_keeps_what_the_kept_lists_name(tmp_path):
+    path = tmp_path / "s"
+    model = _tables(2)
+    with cnrstore.open(path, **OPTS) as s:
+        for step in range(30):
+            model["a"][torch.randint(0, 300, (20,))] += 0.5
+            s.put_tables(step, model)
+        want = {k: v.clone() for k, v in model.items()}
+        s.gc(keep_last=1)
+        assert s.steps() == [29]
+        _check(s.get_tables(29), want, "exact")
+        assert s.verify(deep=True).ok
+        model["a"][5] += 1
+        s.put_tables(30, model)
+        _check(s.get_tables(30), model, "exact")
+
+
+@pytest.mark.parametrize("scheme", ["exact", "int8"])
+def test_a_damaged_listed_object_makes_the_next_put_write_the_block_fresh(tmp_path, scheme):
+    path = tmp_path / "s"
+    model = _tables(3)
+    with cnrstore.open(path, compression_level=0, **OPTS) as s:
+        s.put_tables(0, model, quant=scheme)
+        model["a"][[1, 2, 70]] += 1
+        s.put_tables(1, model, quant=scheme)
+        tm = load_manifest(s.objects, 1).tables["a"]
+        refs = s.objects.get(tm.block_ids[0]).refs
+        _rot(path, s.objects.get(refs[0]).payload)  # a chunk of the full put
+    with cnrstore.open(path) as s:
+        assert not s.verify(deep=True).ok
+        model["a"][200] += 1  # block 0 unchanged: its listed chunk is the damaged one
+        info = s.put_tables(2, model, quant=scheme)
+        assert info.rewritten_blocks == 1
+        _check(s.get_tables(2), model, scheme)
+        model["a"][3] += 1  # and block 0 is an ordinary list again
+        info = s.put_tables(3, model, quant=scheme)
+        assert info.rewritten_blocks == 0
+        _check(s.get_tables(3), model, scheme)
+
+
+def test_cleaning_holds_the_listed_bytes_at_the_read_target(tmp_path):
+    rng = np.random.default_rng(7)
+    x = torch.zeros(4096, 16)
+    with cnrstore.open(tmp_path / "s", block_rows=2048, layout="grouped") as s:
+        s.put_tables(0, {"t": x})
+        for step in range(1, 60):
+            rows = np.unique(rng.zipf(1.2, size=400) % 4096)
+            x[torch.from_numpy(rows)] += 1
+            s.put_tables(step, {"t": x})
+            tm = load_manifest(s.objects, step).tables["t"]
+            for oid in tm.block_ids:
+                listed = sum(s.objects.info(r).raw_len for r in s.objects.info(oid).refs)
+                assert listed <= (grouppolicy.READ_TARGET + 0.02) * 2048 * 64
+        assert_identical(s.get_tables(59)["t"], x)
+
+
+def test_row_objects_round_trip():
+    g = np.random.default_rng(1)
+    for n, count, elem in ((64, 5, 1), (64, 60, 4), (70000, 3, 2), (1000, 900, 1)):
+        idx = np.sort(g.choice(n, size=count, replace=False))
+        codes = g.integers(0, 256, size=(count, 8), dtype=np.uint8)
+        rates = rate_code(g.random(count))
+        p = encode_rows(n, codes, step=7, cls=2, elem=elem, index=idx, rates=rates)
+        head, got_idx, got_rates, got = decode_rows_object(Object(KIND_BLOCK_ROWS, (), p))
+        assert (head.nrows, head.count, head.step, head.cls) == (n, count, 7, 2)
+        assert np.array_equal(got_idx, idx) and np.array_equal(got_rates, rates)
+        assert np.array_equal(got, codes)
+    r = np.array([0.0, 1e-6, 0.02, 0.3, 1.0])
+    assert np.allclose(rate_value(rate_code(r)), r, rtol=0.05, atol=3e-5)
+
+
+def test_a_list_that_leaves_a_row_without_a_copy_is_refused():
+    codes = np.arange(16 * 4, dtype=np.uint8).reshape(16, 4)
+    objs = {}
+    chunk = encode_rows(16, codes[:8], step=0, cls=0, start=0)
+    objs[b"c" * 16] = Object(KIND_BLOCK_ROWS, (), chunk)
+    payload, refs = encode_list((b"c" * 16,), np.array([0]), np.array([8]), np.array([0]))
+    objs[b"l" * 16] = Object(KIND_BLOCK_LIST, refs, payload)
+    with pytest.raises(ManifestError, match="no copy"):
+        resolve(objs.__getitem__, b"l" * 16)
+    rest = encode_rows(16, codes[8:], step=1, cls=1, index=np.arange(8, 16))
+    objs[b"r" * 16] = Object(KIND_BLOCK_ROWS, (), rest)
+    payload, refs = encode_list((b"c" * 16, b"r" * 16), np.array([0, 1]), np.array([8, 8]),
+                                np.array([0, 1]))
+    objs[b"m" * 16] = Object(KIND_BLOCK_LIST, refs, payload)
+    assert np.array_equal(resolve(objs.__getitem__, b"m" * 16), codes)
+    payload, refs = encode_list((b"c" * 16, b"r" * 16), np.array([0, 2]), np.array([8, 8]),
+                                np.array([0, 1]))
+    objs[b"x" * 16] = Object(KIND_BLOCK_LIST, refs, payload)
+    with pytest.raises(ManifestError, match="list entry"):
+        resolve(objs.__getitem__, b"x" * 16)
