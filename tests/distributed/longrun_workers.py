@@ -22,13 +22,13 @@ def longrun_tables(step: int) -> torch.Tensor:
     return t
 
 
-def longrun_put(rank: int, world: int, path: str):
+def longrun_put(rank: int, world: int, path: str, options: dict | None = None):
     """STEPS puts of the table, the ranks holding uneven pieces of it."""
     import torch.distributed as dist
 
     cut = [0, 50, ROWS] if world == 2 else [0, 30, 100, ROWS]
     ids = []
-    with cnrstore.open(path, group=dist.group.WORLD, timeout=30, **OPTS) as s:
+    with cnrstore.open(path, group=dist.group.WORLD, timeout=30, **(options or OPTS)) as s:
         for step in range(STEPS):
             t = longrun_tables(step)
             mine = cnrstore.Shard(t[cut[rank]:cut[rank + 1]], row_offset=cut[rank], rows=ROWS)
@@ -41,13 +41,4 @@ GROUPED = {"block_rows": 16, "fanout": 3, "layout": "grouped"}
 
 def grouped_put(rank: int, world: int, path: str):
     """longrun_put in the grouped layout (lists of row objects, core/grouppolicy.py)."""
-    import torch.distributed as dist
-
-    cut = [0, 50, ROWS] if world == 2 else [0, 30, 100, ROWS]
-    ids = []
-    with cnrstore.open(path, group=dist.group.WORLD, timeout=30, **GROUPED) as s:
-        for step in range(STEPS):
-            t = longrun_tables(step)
-            mine = cnrstore.Shard(t[cut[rank]:cut[rank + 1]], row_offset=cut[rank], rows=ROWS)
-            ids.append(s.put_tables(step, {"t": [mine]}).tables)
-    return ids
+    return longrun_put(rank, world, path, GROUPED)
