@@ -50,7 +50,7 @@ STAGES = (
     ("cnrstore.core.hostcodes", "encode_rows", "quantize / encode rows"),
     ("cnrstore.core.snapshot", "gather_encode", "gather + copy to host"),
     ("cnrstore.core.snapshot", "snapshot_rows", "copy changed rows (encode deferred)"),
-    ("cnrstore.core.snapshot", "next_slot", "chain policy (next_slot)"),
+    ("cnrstore.core.blockplan", "next_slot", "chain policy (next_slot)"),
     ("cnrstore.core.put", "plan_table", "plan blocks (other)"),
     ("cnrstore.core.put", "queued", "queue the step (drops the old bases)"),
     ("cnrstore.core.writer", "encode_full", "block payload (full)"),
