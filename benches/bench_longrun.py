@@ -72,6 +72,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="close and reopen the store every N steps (a restarted job)")
     p.add_argument("--layout", nargs="+", default=[None],
                    help="block layouts (Options.layout: chains, grouped; default the store's)")
+    p.add_argument("--delta-share", type=float, default=None,
+                   help="grouped layout: write a list whole once its delta passes this "
+                        "share of its base (core/grouppolicy.py DELTA_SHARE; a what-if)")
     p.add_argument("--read-target", type=float, default=None,
                    help="grouped layout: the share of a block its listed bytes are cleaned "
                         "back to (core/grouppolicy.py READ_TARGET, a what-if like --budget)")
@@ -127,7 +130,9 @@ def restore_bytes(store, step: int, closure: bool = False) -> tuple[int, int]:
 def run_one(args: argparse.Namespace, fraction: float, quant: str, max_chain: int | None,
             budget: tuple[float, float] | None = None, layout: str | None = None) -> dict:
     saved = chainpolicy.BUDGET_RANGE, chainpolicy.MERGE_SHARE
-    target = grouppolicy.READ_TARGET
+    target, share = grouppolicy.READ_TARGET, grouppolicy.DELTA_SHARE
+    if args.delta_share is not None:
+        grouppolicy.DELTA_SHARE = args.delta_share
     if args.read_target is not None:
         grouppolicy.READ_TARGET = args.read_target
     if budget is not None:
@@ -138,7 +143,7 @@ def run_one(args: argparse.Namespace, fraction: float, quant: str, max_chain: in
         return _run_one(args, fraction, quant, max_chain, layout)
     finally:
         chainpolicy.BUDGET_RANGE, chainpolicy.MERGE_SHARE = saved
-        grouppolicy.READ_TARGET = target
+        grouppolicy.READ_TARGET, grouppolicy.DELTA_SHARE = target, share
 
 
 def _restore_times(store, path: Path, step: int) -> dict:
@@ -211,7 +216,7 @@ def _run_one(args: argparse.Namespace, fraction: float, quant: str, max_chain: i
     tail_med = statistics.median(wrote[-first:])
     return {
         "label": args.label or used_layout, "layout": used_layout,
-        "read_target": grouppolicy.READ_TARGET,
+        "read_target": grouppolicy.READ_TARGET, "delta_share": grouppolicy.DELTA_SHARE,
         "objects_per_block": listed, **times,
         "reopen_every": args.reopen_every, "workload": work.name,
         "quant": quant, "max_chain": used,

@@ -11,12 +11,10 @@ objects, applied in list order (cnrstore/core/grouppolicy.py writes them).
     LIST (delta) = msgpack {"v": 2, "drop": u32[d], "bb": u64, "cls", "rows", "step" of
            the k added objects}, refs = (base list, the k added row objects)
 
-A delta names a full list (never another delta: one level of base) and lists the base's
-entries but the ``drop`` positions (ascending), then the k added objects: the order the
-writer keeps, so a version is read exactly as its full list would be. It saves writing a
-long list whole at every step the block changes; the dropped objects stay in the delta's
-closure (kept for gc) but are not read. ``bb``: the base's listed bytes, the writer's
-state only (when to write the list whole again), never trusted by a read.
+A delta names a full list (never a delta: one level of base): the base's entries but the
+``drop`` positions (ascending), then the k added objects, the order the writer keeps. It
+saves writing a long list whole at every step; the dropped objects stay in its closure
+(for gc), never read. ``bb``: the base's listed bytes, writer state a read never trusts.
 
 A row's value is its copy in the last listed object that holds it. The step is in the
 row object, so objects of different steps never share an id: a block written fresh over
