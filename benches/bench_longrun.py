@@ -7,8 +7,9 @@ exactly ``fraction`` of each table's rows, Zipf-drawn). Per setting (fraction, s
 step: bytes the store's files gained on disk (``st_blocks``, so what the file system
 allocated), against the changed rows' bytes (rows changed x the scheme's row bytes: raw
 fp32 rows under exact, int8 codes under int8). Then per kept step the stored bytes of
-every object its restore reads (the step's closure), against the table's bytes in that
-scheme (rows x row bytes).
+every object its restore reads (the step's closure, but a grouped delta's dropped objects,
+which its base still names for gc; the whole closure's bytes as "max closure"), against
+the table's bytes in that scheme (rows x row bytes).
 
     .venv/bin/python benches/bench_longrun.py --out /tmp/longrun             # 1 M rows, 60 steps
     .venv/bin/python benches/bench_longrun.py --quick --out /tmp/quick        # smoke
@@ -48,6 +49,7 @@ from benches.workload import Workload, apply_update, make_tables  # noqa: E402
 from cnrstore.core import chainpolicy, grouppolicy  # noqa: E402
 from cnrstore.format.blocks import KIND_BLOCK_LIST  # noqa: E402
 from cnrstore.format.load import load_step, load_table_manifest  # noqa: E402
+from cnrstore.format.rowlists import read_list  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -70,6 +72,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="close and reopen the store every N steps (a restarted job)")
     p.add_argument("--layout", nargs="+", default=[None],
                    help="block layouts (Options.layout: chains, grouped; default the store's)")
+    p.add_argument("--delta-share", type=float, default=None,
+                   help="grouped layout: write a list whole once its delta passes this "
+                        "share of its base (core/grouppolicy.py DELTA_SHARE; a what-if)")
     p.add_argument("--read-target", type=float, default=None,
                    help="grouped layout: the share of a block its listed bytes are cleaned "
                         "back to (core/grouppolicy.py READ_TARGET, a what-if like --budget)")
@@ -98,22 +103,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return a
 
 
-def restore_bytes(store, step: int) -> tuple[int, int]:
-    """(stored bytes of every object a restore of ``step`` reads, its tables' bytes)."""
+def restore_bytes(store, step: int, closure: bool = False) -> tuple[int, int]:
+    """(stored bytes of every object a restore of ``step`` reads, its tables' bytes):
+    the step's closure but the objects only a grouped delta's base still names (dropped
+    from the version, kept for gc, never read); with ``closure``, the whole closure."""
     objects = store.objects
     _, node = load_step(objects, step)
-    read = sum(loc.length for loc in objects.locate_closure(list(node.table_ids)).values())
+    found = objects.locate_closure(list(node.table_ids))
+    read = sum(loc.length for loc in found.values())
     table = 0
+    listed: set[bytes] = set()
+    dropped: set[bytes] = set()
     for tid in node.table_ids:
-        tn = load_table_manifest(objects, tid).node
+        tm = load_table_manifest(objects, tid)
+        tn = tm.node
         table += tn.rows * tn.row_nbytes
+        for b in set(tm.block_ids):
+            if not closure and found[b].kind == KIND_BLOCK_LIST:
+                entries = read_list(objects.get, b)
+                listed.update(entries.refs)
+                dropped.update(set(entries.base_refs) - set(entries.refs))
+    read -= sum(found[o].length for o in dropped - listed)
     return read, table
 
 
 def run_one(args: argparse.Namespace, fraction: float, quant: str, max_chain: int | None,
             budget: tuple[float, float] | None = None, layout: str | None = None) -> dict:
     saved = chainpolicy.BUDGET_RANGE, chainpolicy.MERGE_SHARE
-    target = grouppolicy.READ_TARGET
+    target, share = grouppolicy.READ_TARGET, grouppolicy.DELTA_SHARE
+    if args.delta_share is not None:
+        grouppolicy.DELTA_SHARE = args.delta_share
     if args.read_target is not None:
         grouppolicy.READ_TARGET = args.read_target
     if budget is not None:
@@ -124,7 +143,7 @@ def run_one(args: argparse.Namespace, fraction: float, quant: str, max_chain: in
         return _run_one(args, fraction, quant, max_chain, layout)
     finally:
         chainpolicy.BUDGET_RANGE, chainpolicy.MERGE_SHARE = saved
-        grouppolicy.READ_TARGET = target
+        grouppolicy.READ_TARGET, grouppolicy.DELTA_SHARE = target, share
 
 
 def _restore_times(store, path: Path, step: int) -> dict:
@@ -183,6 +202,8 @@ def _run_one(args: argparse.Namespace, fraction: float, quant: str, max_chain: i
             raw.append(sum(info.rows_changed.values()) * rnb)
             before = now
         reads = [restore_bytes(store, s)[0] / table_bytes for s in range(args.steps + 1)]
+        closures = [restore_bytes(store, s, closure=True)[0] / table_bytes
+                    for s in range(args.steps + 1)]
         used = store.options.max_chain
         used_layout = store.options.layout
         listed = _objects_listed(store, args.steps)
@@ -195,7 +216,7 @@ def _run_one(args: argparse.Namespace, fraction: float, quant: str, max_chain: i
     tail_med = statistics.median(wrote[-first:])
     return {
         "label": args.label or used_layout, "layout": used_layout,
-        "read_target": grouppolicy.READ_TARGET,
+        "read_target": grouppolicy.READ_TARGET, "delta_share": grouppolicy.DELTA_SHARE,
         "objects_per_block": listed, **times,
         "reopen_every": args.reopen_every, "workload": work.name,
         "quant": quant, "max_chain": used,
@@ -208,6 +229,8 @@ def _run_one(args: argparse.Namespace, fraction: float, quant: str, max_chain: i
         "max_over_median_last45": max(wrote[-first:]) / tail_med if tail_med else float("inf"),
         "max_restore_read_last45": max(reads[-first:]),
         "max_restore_read": max(reads), "last_restore_read": reads[-1],
+        "max_closure": max(closures), "max_closure_last45": max(closures[-first:]),
+        "closure": closures,
         "step_bytes": wrote, "raw_bytes": raw, "restore_read": reads,
     }
 
@@ -216,8 +239,8 @@ def markdown(results: list[dict]) -> str:
     lines = ["| code | workload | scheme | max_chain | budget | steps | write/raw "
              "| write/raw (first 45) | write/raw (last 45) | max/median step "
              "| max/median (last 45) | max restore read | objects / block (last step) "
-             "| restore warm / cold (s) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| restore warm / cold (s) | max closure |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         budget = ":".join(f"{v:g}" for v in r.get("budget", (0.5, 1.0)))
         if r.get("merge_share", 0.5) != 0.5:
@@ -229,8 +252,12 @@ def markdown(results: list[dict]) -> str:
             f"| {r['steps']} | {r['amortized']:.2f}x | {r['amortized_45']:.2f}x | {last:.2f}x "
             f"| {r['max_over_median']:.1f}x | {last_spike:.1f}x "
             f"| {r['max_restore_read']:.2f}x | {r.get('objects_per_block', '-')} "
-            f"| {_times(r)} |")
+            f"| {_times(r)} | {_closure(r)} |")
     return "\n".join(lines) + "\n"
+
+
+def _closure(r: dict) -> str:
+    return f"{r['max_closure']:.2f}x" if "max_closure" in r else "-"
 
 
 def _times(r: dict) -> str:

@@ -6,9 +6,17 @@ from __future__ import annotations
 
 import numpy as np
 
+from cnrstore.core import grouppolicy
 from cnrstore.core.blockplan import BlockWrite, TablePlan
-from cnrstore.core.grouppolicy import GroupWrite, fresh_group
-from cnrstore.format.rowlists import KIND_BLOCK_LIST, KIND_BLOCK_ROWS, encode_list, encode_rows
+from cnrstore.core.grouppolicy import GroupWrite, ListBase, Piece, fresh_group
+from cnrstore.format.rowlists import (
+    KIND_BLOCK_LIST,
+    KIND_BLOCK_ROWS,
+    LIST_READ_CAP,
+    encode_list,
+    encode_list_delta,
+    encode_rows,
+)
 
 __all__ = ["write_group", "write_fresh", "write_grouped"]
 
@@ -31,11 +39,48 @@ def write_group(w, slot, gw: GroupWrite, codes: np.ndarray, elem: int) -> bool:
     refs = tuple(p.oid for p in pieces)
     if any(r is None or not w.has(r) for r in refs):
         return False
-    payload, refs = encode_list(refs, np.array([p.cls for p in pieces]),  # type: ignore[arg-type]
-                                np.array([p.count for p in pieces]),
-                                np.array([p.step for p in pieces]))
-    slot.oid = w.put(KIND_BLOCK_LIST, payload, refs, meta=True)
+    base = gw.group.base
+    delta = None if base is None else _delta(base, refs, pieces,  # type: ignore[arg-type]
+                                             slot.nrows * codes.shape[1])
+    if delta is not None and w.has(base.oid):  # type: ignore[union-attr]
+        drop, m = delta
+        added = pieces[m:]
+        payload, nrefs = encode_list_delta(
+            base.oid, base.nbytes, drop, refs[m:],  # type: ignore[union-attr,arg-type]
+            np.array([p.cls for p in added]), np.array([p.count for p in added]),
+            np.array([p.step for p in added]))
+        slot.oid = w.put(KIND_BLOCK_LIST, payload, nrefs, meta=True)
+        return True
+    payload, nrefs = encode_list(refs, np.array([p.cls for p in pieces]),  # type: ignore[arg-type]
+                                 np.array([p.count for p in pieces]),
+                                 np.array([p.step for p in pieces]))
+    slot.oid = w.put(KIND_BLOCK_LIST, payload, nrefs, meta=True)
+    gw.group.base = ListBase(slot.oid, refs, sum(p.nbytes for p in pieces))  # type: ignore[arg-type]
     return True
+
+
+def _delta(base: ListBase, refs: tuple[bytes, ...], pieces: list[Piece], block_nbytes: int
+           ) -> tuple[np.ndarray, int] | None:
+    """(base positions dropped, how many leading entries come from the base) of the list
+    ``refs`` as a delta of ``base``; None when it should be written whole: its entries
+    past DELTA_SHARE of the base's, or the base's and added objects past what a read
+    plans for (rowlists.plan_list), or not the base's order (never, as next_group keeps
+    it)."""
+    at = {r: i for i, r in enumerate(base.refs)}
+    m = 0
+    while m < len(refs) and refs[m] in at:
+        m += 1
+    pos = np.array([at[r] for r in refs[:m]], dtype=np.int64)
+    if any(r in at for r in refs[m:]) or np.any(np.diff(pos) <= 0):
+        return None
+    keep = np.zeros(len(base.refs), dtype=bool)
+    keep[pos] = True
+    drop = np.flatnonzero(~keep)
+    if len(drop) + len(refs) - m > grouppolicy.DELTA_SHARE * len(base.refs):
+        return None
+    if base.nbytes + sum(p.nbytes for p in pieces[m:]) > (LIST_READ_CAP - 1) * block_nbytes:
+        return None
+    return drop, m
 
 
 def write_fresh(w, plan: TablePlan, slot, codes: np.ndarray, elem: int) -> bool:

@@ -33,7 +33,7 @@ from cnrstore.format.blocks import (
 )
 from cnrstore.format.load import list_steps, load_manifest
 from cnrstore.format.manifest import StepManifest, root_name
-from cnrstore.format.rowlists import decode_list, decode_rows_object
+from cnrstore.format.rowlists import decode_rows_object, read_list
 from engine import ObjectStore, Problem, StoreError
 from engine.api import ProgressFn
 
@@ -184,8 +184,10 @@ def _list_shape(objects: ObjectStore, node, oid: bytes, want: tuple[int, int],
                 checked: dict[bytes, _Checked]) -> tuple[int, int]:
     """The shape of a grouped block version: every listed row object decoded once (its
     ids ascending and inside the block, its class, rows and step those of its entry),
-    and together they hold a copy of every row of the block."""
-    refs, cls, counts, steps = decode_list(node, oid)
+    and together they hold a copy of every row of the block (a delta's through its base,
+    which is checked a full list)."""
+    entries = read_list(objects.get, oid, node)
+    refs, cls, counts, steps = entries.refs, entries.cls, entries.rows, entries.steps
     covered = np.zeros(want[0], dtype=bool)
     for k, ref in enumerate(refs):
         got = checked.get(ref)

@@ -18,9 +18,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from cnrstore.core.blockread import Located
-from cnrstore.errors import ManifestError
+from cnrstore.errors import CheckpointError, ManifestError
 from cnrstore.format.blocks import KIND_BLOCK_LIST, KIND_BLOCK_PATCH, plan_chain
 from cnrstore.format.manifest import TableManifest
+from cnrstore.format.rowlists import read_list
 from engine import Object, ObjectStore, StoreClosed, StoreError
 
 __all__ = ["WINDOW_BYTES", "Block", "can_locate", "read_windows", "windows"]
@@ -76,6 +77,27 @@ def read_windows(objects: ObjectStore, window: list[Block]) -> None:
         one(i, located)
 
 
+def _listed(objects: ObjectStore, found: dict[bytes, Any], oid: bytes) -> tuple[bytes, ...]:
+    """The objects list node ``oid`` reads: its refs, or a delta's base and the entries it
+    keeps (both nodes read here, small), not the dropped objects its closure holds."""
+    refs = tuple(found[oid].refs)
+    if not refs or found[refs[0]].kind != KIND_BLOCK_LIST:
+        return refs
+    nodes: dict[bytes, Object] = {}
+
+    def get(ref: bytes) -> Object:
+        if ref not in nodes:
+            nodes[ref] = objects.get_at(found[ref])
+        return nodes[ref]
+
+    try:
+        return (refs[0], *read_list(get, oid).refs)
+    except StoreClosed:
+        raise
+    except (StoreError, CheckpointError):
+        return refs[:1]  # the block's own read reports it
+
+
 def _patches(objects: ObjectStore, found: dict[bytes, Any], window: list[Block]
              ) -> dict[bytes, Object]:
     """The patch records of ``window``'s chains, read in (pack, offset) order. Only the
@@ -95,7 +117,7 @@ def _patches(objects: ObjectStore, found: dict[bytes, Any], window: list[Block]
             loc = found[oid]
             if loc.kind == KIND_BLOCK_LIST:  # a list and its row objects, all read here
                 locs[oid] = loc
-                for ref in loc.refs:
+                for ref in _listed(objects, found, oid):
                     locs[ref] = found[ref]
                 break
             if loc.kind != KIND_BLOCK_PATCH:

@@ -24,12 +24,14 @@ from cnrstore.format.load import load_manifest
 from cnrstore.format.rowlists import (
     KIND_BLOCK_LIST,
     KIND_BLOCK_ROWS,
-    decode_list,
     decode_rows_object,
     encode_list,
+    encode_list_delta,
     encode_rows,
+    plan_list,
     rate_code,
     rate_value,
+    read_list,
 )
 from engine import Object
 
@@ -51,6 +53,17 @@ def _check(got: dict, want: dict, scheme: str) -> None:
             assert_identical(got[name], x)
         else:
             assert (got[name] - x).abs().max().item() <= INT8_BOUND
+
+
+def _forms(path, steps) -> set[str]:
+    """"full" and/or "delta": the forms of the list nodes the kept ``steps`` name."""
+    got = set()
+    with cnrstore.open(path) as s:
+        for step in steps:
+            for tm in load_manifest(s.objects, step).tables.values():
+                for oid in tm.block_ids:
+                    got.add("full" if read_list(s.objects.get, oid).base == oid else "delta")
+    return got
 
 
 def _run(path, scheme: str, plan: list[tuple[int, list[int], str]]) -> list[dict]:
@@ -104,9 +117,16 @@ _step = st.tuples(st.integers(0, 1), st.lists(st.integers(0, 400), max_size=60),
 @pytest.mark.parametrize("scheme", ["exact", "int8"])
 @settings(max_examples=25, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(plan=st.lists(_step, min_size=1, max_size=14))
-def test_every_kept_step_restores_the_model(tmp_path_factory, scheme, plan):
-    _run(tmp_path_factory.mktemp("g"), scheme, plan)
+@given(plan=st.lists(_step, min_size=1, max_size=14),
+       share=st.sampled_from([grouppolicy.DELTA_SHARE, 0.0, 8.0]))
+def test_every_kept_step_restores_the_model(tmp_path_factory, scheme, plan, share):
+    # share: when a list is written whole again (as built; every list a delta of zero
+    # entries or whole; deltas up to what a read plans for, rowlists.plan_list)
+    saved, grouppolicy.DELTA_SHARE = grouppolicy.DELTA_SHARE, share
+    try:
+        _run(tmp_path_factory.mktemp("g"), scheme, plan)
+    finally:
+        grouppolicy.DELTA_SHARE = saved
 
 
 @pytest.mark.parametrize("scheme", ["exact", "int8"])
@@ -119,13 +139,15 @@ def test_ids_do_not_depend_on_reopening(tmp_path, scheme):
     b = _run(tmp_path / "b", scheme, [(w, r, "reopen" if i % 3 else "restore")
                                       for i, (w, r, _) in enumerate(plan)])
     assert a[1:] == b[1:]
+    # deltas, and lists written whole again once their delta passed DELTA_SHARE
+    assert _forms(tmp_path / "a", range(1, 41)) == {"full", "delta"}
     with cnrstore.open(tmp_path / "a") as s:
         tm = load_manifest(s.objects, 40).tables["a"]
         classes = set()
         for oid in tm.block_ids:
-            refs, cls, _, steps = decode_list(s.objects.get(oid))
-            classes |= set(cls.tolist())
-            assert len(refs) < 40  # cleaned: the full put's chunks and stale objects left
+            entries = read_list(s.objects.get, oid)
+            classes |= set(entries.cls.tolist())
+            assert len(entries.refs) < 40  # cleaned: the full put's chunks, stale objects left
         assert classes - {0}, "no row ever left class 0"
 
 
@@ -201,7 +223,8 @@ def test_cleaning_holds_the_listed_bytes_at_the_read_target(tmp_path):
             s.put_tables(step, {"t": x})
             tm = load_manifest(s.objects, step).tables["t"]
             for oid in tm.block_ids:
-                listed = sum(s.objects.info(r).raw_len for r in s.objects.info(oid).refs)
+                refs = read_list(s.objects.get, oid).refs
+                listed = sum(s.objects.info(r).raw_len for r in refs)
                 assert listed <= (grouppolicy.READ_TARGET + 0.02) * 2048 * 64
         assert_identical(s.get_tables(59)["t"], x)
 
@@ -241,3 +264,67 @@ def test_a_list_that_leaves_a_row_without_a_copy_is_refused():
     objs[b"x" * 16] = Object(KIND_BLOCK_LIST, refs, payload)
     with pytest.raises(ManifestError, match="list entry"):
         resolve(objs.__getitem__, b"x" * 16)
+
+
+def _delta_store():
+    """Block of 16 rows of 4 bytes: full list "l" (two chunks), delta "d" of it that drops
+    the second chunk for its rows written again, and the codes "d" stands for."""
+    codes = np.arange(16 * 4, dtype=np.uint8).reshape(16, 4)
+    objs = {}
+    objs[b"c" * 16] = Object(KIND_BLOCK_ROWS, (), encode_rows(16, codes[:8], step=0, cls=0))
+    objs[b"e" * 16] = Object(KIND_BLOCK_ROWS, (), encode_rows(16, codes[8:], step=0, cls=0,
+                                                              start=8))
+    payload, refs = encode_list((b"c" * 16, b"e" * 16), np.array([0, 0]), np.array([8, 8]),
+                                np.array([0, 0]))
+    objs[b"l" * 16] = Object(KIND_BLOCK_LIST, refs, payload)
+    codes = codes.copy()
+    codes[8:] += 1
+    objs[b"r" * 16] = Object(KIND_BLOCK_ROWS, (), encode_rows(16, codes[8:], step=1, cls=1,
+                                                              index=np.arange(8, 16)))
+    payload, refs = encode_list_delta(b"l" * 16, 2 * len(objs[b"c" * 16].payload),
+                                      np.array([1]), (b"r" * 16,), np.array([1]),
+                                      np.array([8]), np.array([1]))
+    objs[b"d" * 16] = Object(KIND_BLOCK_LIST, refs, payload)
+    return objs, codes
+
+
+class _Info:
+    def __init__(self, obj: Object):
+        self.kind, self.refs, self.raw_len = obj.kind, obj.refs, len(obj.payload)
+
+
+def test_a_delta_list_reads_its_base_but_the_dropped_entries():
+    objs, codes = _delta_store()
+    entries = read_list(objs.__getitem__, b"d" * 16)
+    assert entries.refs == (b"c" * 16, b"r" * 16) and entries.base == b"l" * 16
+    read = []
+    assert np.array_equal(resolve(lambda o: read.append(o) or objs[o], b"d" * 16), codes)
+    assert b"e" * 16 not in read  # dropped: in the closure (the base names it), not read
+    plan_list(lambda o: _Info(objs[o]), b"d" * 16, 16, 4)
+
+
+def test_a_delta_of_a_delta_or_past_its_base_is_refused():
+    objs, _ = _delta_store()
+    payload, refs = encode_list_delta(b"d" * 16, 0, np.array([], dtype=np.int64), (),
+                                      np.array([]), np.array([]), np.array([]))
+    objs[b"x" * 16] = Object(KIND_BLOCK_LIST, refs, payload)
+    with pytest.raises(ManifestError, match="not a full list"):
+        resolve(objs.__getitem__, b"x" * 16)
+    with pytest.raises(ManifestError, match="not a row object"):
+        plan_list(lambda o: _Info(objs[o]), b"x" * 16, 16, 4)
+    payload, refs = encode_list_delta(b"l" * 16, 0, np.array([2]), (), np.array([]),
+                                      np.array([]), np.array([]))
+    objs[b"y" * 16] = Object(KIND_BLOCK_LIST, refs, payload)
+    with pytest.raises(ManifestError, match="out of range"):
+        resolve(objs.__getitem__, b"y" * 16)
+
+
+def test_the_default_layout_writes_no_list(tmp_path):
+    with cnrstore.open(tmp_path / "s", block_rows=64) as s:
+        t = _tables(4)
+        s.put_tables(0, t)
+        for step in range(1, 6):
+            t["a"][step] += 1
+            s.put_tables(step, t)
+        for tm in load_manifest(s.objects, 5).tables.values():
+            assert all(s.objects.info(o).kind != KIND_BLOCK_LIST for o in tm.block_ids)
