@@ -3,7 +3,7 @@ holding rows of one change-rate class, and a cleaner that keeps a version's read
 1.5x the block (docs/design/diff-base.md, "Rows grouped by rate"; benches/model_longrun.py
 ``piece_policy`` is the reference replay).
 
-The writer's state of a block version (``Group``) is its listed objects and, per row,
+The writer's state of a block version (``ListedVersion``) is its listed objects and, per row,
 which of them holds the row's newest copy and the row's change rate at that write (a u8
 code, ``blocks.rate_code``, stored with the copy). A row's rate at a later step is that
 code's rate decayed by (1 - ALPHA) per step since, plus ALPHA at a step that changes it:
@@ -33,8 +33,8 @@ from cnrstore.format.rowlists import (
 from engine import Object, StoreError
 
 __all__ = ["ALPHA", "THRESHOLDS", "HYSTERESIS", "READ_TARGET", "CHUNK_ROWS", "DELTA_SHARE",
-           "Piece", "ListBase", "Group", "GroupWrite", "fresh_group", "next_group", "load_group",
-           "grouped_writes"]
+           "Piece", "ListBase", "ListedVersion", "GroupWrite", "fresh_group", "next_group",
+           "load_group", "grouped_writes"]
 
 ALPHA = 0.02                      # weight of "changed this step" in a row's rate
 THRESHOLDS = (0.04, 0.1, 0.3)     # four classes (setting A of the design)
@@ -75,7 +75,7 @@ class ListBase:
 
 
 @dataclass
-class Group:
+class ListedVersion:
     """A block version: ``pieces`` in list order, ``owner[r]`` the position of the piece
     holding row r's newest copy, ``rq[r]`` row r's rate code at that write; ``base`` the
     full list a delta of it would name (None: none written yet)."""
@@ -97,7 +97,7 @@ class GroupWrite:
     among the block's written rows (None: the span of a fresh chunk, ``start``), and the
     rows' rate codes (None: a fresh chunk's, all zero)."""
 
-    group: Group
+    group: ListedVersion
     new: list[NewPiece]
     rows: np.ndarray | None   # block-local ids written, ascending (None: every row)
 
@@ -112,11 +112,11 @@ def fresh_group(nrows: int, row_nbytes: int, step: int) -> GroupWrite:
                       rows_nbytes(nrows, count, row_nbytes, span=True, rated=False))
         new.append((piece, None, start, None))
     owner = (np.arange(nrows, dtype=np.int64) // CHUNK_ROWS).astype(np.int32)
-    group = Group([p for p, *_ in new], owner, np.full(nrows, 255, dtype=np.uint8))
+    group = ListedVersion([p for p, *_ in new], owner, np.full(nrows, 255, dtype=np.uint8))
     return GroupWrite(group, new, None)
 
 
-def next_group(old: Group, changed: np.ndarray, step: int, row_nbytes: int) -> GroupWrite:
+def next_group(old: ListedVersion, changed: np.ndarray, step: int, row_nbytes: int) -> GroupWrite:
     """The version after rows ``changed`` (block-local, ascending) changed at ``step``:
     the changed rows go to their class's object; if the version would then read more
     than READ_TARGET of the block, the objects of most (stale bytes / live rows) x age
@@ -176,11 +176,12 @@ def next_group(old: Group, changed: np.ndarray, step: int, row_nbytes: int) -> G
         listed.append(piece)
         new.append((piece, sel, 0, codes[sel]))
     assert (new_owner >= 0).all()  # every row keeps one newest copy
-    return GroupWrite(Group(listed, new_owner.astype(np.int32), new_rq, old.base), new, rows)
+    version = ListedVersion(listed, new_owner.astype(np.int32), new_rq, old.base)
+    return GroupWrite(version, new, rows)
 
 
 def load_group(get: Callable[[bytes], Object], oid: bytes, nrows: int, row_nbytes: int
-               ) -> Group | None:
+               ) -> ListedVersion | None:
     """The writer state of stored block version ``oid``, rebuilt from its list (a delta
     through its base) and its objects' row ids and rate codes (None: not a list, e.g. a
     chain of an older layout). ManifestError or the engine's error when a listed object
@@ -210,12 +211,12 @@ def load_group(get: Callable[[bytes], Object], oid: bytes, nrows: int, row_nbyte
     bb = entries.base_nbytes
     base = ListBase(entries.base, entries.base_refs,
                     sum(p.nbytes for p in pieces) if bb is None else bb)
-    return Group(pieces, owner, rq, base)
+    return ListedVersion(pieces, owner, rq, base)
 
 
 
 def _group_of(old: BlockSlot, base: TableState | None, row_nbytes: int
-              ) -> tuple[Group | None, int]:
+              ) -> tuple[ListedVersion | None, int]:
     """(the grouped writer state of ``old``, 1 if its stored list could not be read):
     loaded from the store the base was seeded from when the handle has none. None: not
     a list (a chain of the other layout) or unreadable; the block is then written fresh."""

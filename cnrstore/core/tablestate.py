@@ -55,7 +55,7 @@ class BlockSlot:
             union, fsig = _EMPTY, _EMPTY  # a full block: nothing differs from itself
         self.union = union
         self.fsig = fsig
-        # The grouped layout's writer state of this version (grouppolicy.Group); None for
+        # The grouped layout's writer state of this version (grouppolicy.ListedVersion); None for
         # a chain, or a list not loaded yet (TableState.reader loads it).
         self.group: Any = None
 
