@@ -17,7 +17,8 @@ from cnrstore.core.chainpolicy import block_key, next_slot, patch_fits
 from cnrstore.core.hostcodes import HostBuffers
 from cnrstore.core.tablestate import BlockSlot, TableState
 
-__all__ = ["BlockWrite", "Deferred", "FULL", "PATCH", "GROUPED", "TablePlan", "block_writes"]
+__all__ = ["BlockWrite", "Deferred", "FULL", "PATCH", "GROUPED", "TablePlan", "block_cuts",
+           "block_writes"]
 
 FULL = 0
 PATCH = 1
@@ -71,7 +72,7 @@ class TablePlan:
     # ``encoded()`` fills ``codes`` on the writer thread, before any block is written.
     encode_later: Callable[[], np.ndarray] | None = None
     # A non-blocking tracker-driven put's plan, its rows copied but not planned yet
-    # (``_Deferred``): ``encoded()`` fills ``writes``, ``codes``, ``rows_changed`` and the
+    # (``Deferred``): ``encoded()`` fills ``writes``, ``codes``, ``rows_changed`` and the
     # state's slots and fingerprints on the writer thread, before any block is written.
     plan_later: Callable[[], None] | None = None
     step: int = 0               # the put's step (the grouped layout's objects carry it)
@@ -86,6 +87,17 @@ class TablePlan:
             self.codes, self.encode_later = self.encode_later(), None
 
 
+def block_cuts(changed: np.ndarray, nblocks: int, block_rows: int
+               ) -> tuple[np.ndarray | None, list[int] | None]:
+    """Per block, how many of the rows ``changed`` (ascending) fall in it, and where each
+    block's rows start in ``changed`` (None, None when no row changed)."""
+    if not len(changed):
+        return None, None
+    counts = np.bincount(changed // block_rows, minlength=nblocks)
+    cuts = np.searchsorted(changed, np.arange(nblocks + 1, dtype=np.int64) * block_rows)
+    return counts, cuts.tolist()
+
+
 def block_writes(name: str, fp: torch.Tensor | None, changed: np.ndarray,
                  cbase: TableState | None, rows: int, dtype: torch.dtype, width: int,
                  scheme: str, rnb: int, block_rows: int, max_chain: int, block_offset: int
@@ -95,7 +107,7 @@ def block_writes(name: str, fp: torch.Tensor | None, changed: np.ndarray,
     ``changed`` (ascending) differ from its diff base ``cbase`` (None: every block full);
     ``fp``: the new fingerprints (None: not known yet, a first put)."""
     nblocks = -(-rows // block_rows)
-    counts = np.bincount(changed // block_rows, minlength=nblocks) if len(changed) else None
+    counts, cuts = block_cuts(changed, nblocks, block_rows)
     new_fp = old_fp = None
     if len(changed) and fp is not None:
         sel = torch.from_numpy(changed)
@@ -110,8 +122,6 @@ def block_writes(name: str, fp: torch.Tensor | None, changed: np.ndarray,
     writes: list[BlockWrite] = []
     parts: list = []   # rows to encode, ascending: (start, stop) of a full block, or ids
     pos = 0
-    cuts = np.searchsorted(changed, np.arange(nblocks + 1, dtype=np.int64) * block_rows
-                           ).tolist() if len(changed) else None
     for i in range(nblocks):
         start = i * block_rows
         nr = min(start + block_rows, rows) - start

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cnrstore.core.blockplan import GROUPED, BlockWrite
+from cnrstore.core.blockplan import GROUPED, BlockWrite, block_cuts
 from cnrstore.core.tablestate import BlockSlot, TableState
 from cnrstore.errors import CheckpointError, ManifestError
 from cnrstore.format.rowlists import (
@@ -214,7 +214,6 @@ def load_group(get: Callable[[bytes], Object], oid: bytes, nrows: int, row_nbyte
     return ListedVersion(pieces, owner, rq, base)
 
 
-
 def _group_of(old: BlockSlot, base: TableState | None, row_nbytes: int
               ) -> tuple[ListedVersion | None, int]:
     """(the grouped writer state of ``old``, 1 if its stored list could not be read):
@@ -238,9 +237,7 @@ def grouped_writes(changed: np.ndarray, cbase: TableState | None, rows: int, rnb
     could not be read, written fresh): a changed block's next version, a new block's
     chunks, an unchanged block's slot as it was."""
     nblocks = -(-rows // block_rows)
-    counts = np.bincount(changed // block_rows, minlength=nblocks) if len(changed) else None
-    cuts = np.searchsorted(changed, np.arange(nblocks + 1, dtype=np.int64) * block_rows
-                           ).tolist() if len(changed) else None
+    counts, cuts = block_cuts(changed, nblocks, block_rows)
     slots: list[BlockSlot | None] = []
     writes: list[BlockWrite] = []
     parts: list = []

@@ -36,26 +36,28 @@ def write_group(w, slot, gw: GroupWrite, codes: np.ndarray, elem: int) -> bool:
                                   elem=elem, index=gw.rows[sel], rates=rates)
         piece.oid = w.put(KIND_BLOCK_ROWS, payload)
     pieces = gw.group.pieces
-    refs = tuple(p.oid for p in pieces)
-    if any(r is None or not w.has(r) for r in refs):
-        return False
+    refs: list[bytes] = []
+    for p in pieces:
+        if p.oid is None or not w.has(p.oid):
+            return False
+        refs.append(p.oid)
     base = gw.group.base
-    delta = None if base is None else _delta(base, refs, pieces,  # type: ignore[arg-type]
-                                             slot.nrows * codes.shape[1])
-    if delta is not None and w.has(base.oid):  # type: ignore[union-attr]
+    delta = (None if base is None or not w.has(base.oid)
+             else _delta(base, tuple(refs), pieces, slot.nrows * codes.shape[1]))
+    if base is not None and delta is not None:
         drop, m = delta
         added = pieces[m:]
         payload, nrefs = encode_list_delta(
-            base.oid, base.nbytes, drop, refs[m:],  # type: ignore[union-attr,arg-type]
+            base.oid, base.nbytes, drop, tuple(refs[m:]),
             np.array([p.cls for p in added]), np.array([p.count for p in added]),
             np.array([p.step for p in added]))
         slot.oid = w.put(KIND_BLOCK_LIST, payload, nrefs, meta=True)
         return True
-    payload, nrefs = encode_list(refs, np.array([p.cls for p in pieces]),  # type: ignore[arg-type]
+    payload, nrefs = encode_list(tuple(refs), np.array([p.cls for p in pieces]),
                                  np.array([p.count for p in pieces]),
                                  np.array([p.step for p in pieces]))
     slot.oid = w.put(KIND_BLOCK_LIST, payload, nrefs, meta=True)
-    gw.group.base = ListBase(slot.oid, refs, sum(p.nbytes for p in pieces))  # type: ignore[arg-type]
+    gw.group.base = ListBase(slot.oid, tuple(refs), sum(p.nbytes for p in pieces))
     return True
 
 

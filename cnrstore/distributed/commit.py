@@ -103,7 +103,7 @@ class CoordinatorCommit:
     def plan_options(self, ds: DistributedStore, req: Request, *, blocking: bool,
                      keep_full: bool) -> list[dict]:
         # A non-blocking put's tracked runs are planned on the writer thread, their rows
-        # copied in the stall (snapshot.py, ``_Deferred``; issue 26); ``_write_round``
+        # copied in the stall (blockplan.py, ``Deferred``; issue 26); ``_write_round``
         # plans them before its first round, so a failure there fails every rank's step.
         return [{"defer_plan": not blocking} for _ in req.works]
 

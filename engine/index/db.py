@@ -43,7 +43,6 @@ from .meta import (  # noqa: F401 - meta helpers, re-exported for index users
     META_SEQ,
     META_SNAPSHOT_PACK,
     META_VERSION,
-    PACK_NUMBERS,
     U64,
     Txn,
     chain_value,

@@ -179,8 +179,9 @@ class _OldMeta:
 
 
 def _read_old(txn: Any, meta: Any, packs: Any, roots_db: Any) -> _OldMeta:
-    nxt = ix.get_u64(txn, meta, ix.META_NEXT_PACK)
-    if nxt > ix.PACK_NUMBERS:  # damage (engine/index/meta.py): the packs say better
+    try:
+        nxt = ix.get_next_pack(txn, meta)
+    except ix.DamagedIndex:  # past the pack numbers: the packs say better
         nxt = 0
     if not txn.stat(packs)["entries"]:
         return _OldMeta(nxt)
