@@ -1,0 +1,58 @@
+"""The first use of the store API in a fresh process (issue 27, "the first put of a fresh
+process, start-up included"): once torch is imported a process tracks ~10^6 objects, and
+the allocations of importing cnrstore's modules used to set off a full (generation 2)
+collection over all of them, ~0.1 s of the first ``open``. The lazy import pauses the
+collector and restores its state.
+
+Each case runs in a fresh interpreter, since a module imported once is not imported again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+_PROBE = """
+import gc, json, sys, time
+import torch  # the objects a training process holds before it opens a store
+disable = {disable!r}
+if disable:
+    gc.disable()
+full = []
+gc.callbacks.append(lambda phase, info: full.append(info["generation"])
+                    if phase == "start" and info["generation"] == 2 else None)
+import cnrstore
+store = cnrstore.open(sys.argv[1])
+store.put_tables(0, {{"t": torch.arange(64.0).reshape(8, 8)}}, quant="exact")
+got = store.get_tables(0)["t"]
+store.close()
+print(json.dumps({{"full": len(full), "enabled": gc.isenabled(),
+                   "same": bool(torch.equal(got, torch.arange(64.0).reshape(8, 8)))}}))
+"""
+
+
+def _probe(tmp_path: pathlib.Path, *, disable: bool) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-c", _PROBE.format(disable=disable),
+                           str(tmp_path / "store")], capture_output=True, text=True,
+                          timeout=180, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_first_open_runs_no_full_collection(tmp_path: pathlib.Path) -> None:
+    doc = _probe(tmp_path, disable=False)
+    assert doc["same"]
+    assert doc["full"] == 0  # before the pause: 1 (0.08-0.10 s on the 2-core VM)
+    assert doc["enabled"]  # the collector runs again after the import
+
+
+def test_a_disabled_collector_stays_disabled(tmp_path: pathlib.Path) -> None:
+    doc = _probe(tmp_path, disable=True)
+    assert doc["same"] and doc["full"] == 0
+    assert not doc["enabled"]
