@@ -269,6 +269,23 @@ def test_golden_row_objects_still_read(payload, rates, version):
                            rates=np.array(rates, dtype=np.uint8)) == payload
 
 
+def test_a_version_1_object_listed_with_version_2_ones_restores_and_seeds_the_writer():
+    # a store written before version 2, put to again: its lists hold both versions
+    base = np.arange(64 * 3, dtype=np.uint8).reshape(64, 3)
+    objs = {b"c" * 16: Object(KIND_BLOCK_ROWS, (), encode_rows(64, base, step=0, cls=0)),
+            b"g" * 16: Object(KIND_BLOCK_ROWS, (), _GOLDEN_V1)}
+    payload, refs = encode_list((b"c" * 16, b"g" * 16), np.array([0, 2]), np.array([64, 4]),
+                                np.array([0, 9]))
+    objs[b"l" * 16] = Object(KIND_BLOCK_LIST, refs, payload)
+    want = base.copy()
+    want[[1, 5, 6, 60]] = _CODES
+    assert np.array_equal(resolve(objs.__getitem__, b"l" * 16), want)
+    group = grouppolicy.load_group(objs.__getitem__, b"l" * 16, 64, 3)
+    assert group is not None and group.owner[[1, 5, 6, 60]].tolist() == [1] * 4
+    assert group.rq[[1, 5, 6, 60]].tolist() == [0, 16, 255, 40]
+    assert group.pieces[1].nbytes == len(_GOLDEN_V1)
+
+
 def test_version_2_row_objects_take_less_than_version_1():
     # ids and rates of an int8 block's objects: ~1.5 bytes a row where v1 took 3
     g = np.random.default_rng(3)
