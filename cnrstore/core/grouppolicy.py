@@ -140,8 +140,14 @@ def next_group(old: ListedVersion, changed: np.ndarray, step: int, row_nbytes: i
     live = np.bincount(owner, minlength=npieces)
     live_after = live - np.bincount(owner[changed], minlength=npieces)
     keep = live_after > 0
-    per_row = row_nbytes + 3  # a row's copy with its u16 id and rate code
-    est = float(pbytes[keep].sum()) + len(changed) * per_row + 36.0 * _CLASSES
+    # A copied row's bytes: its codes, its id and rate code (Elias-Fano and packed, at
+    # most ~2 bytes in objects of 1/64 of a block and more: rowlists.py)
+    per_row = row_nbytes + 2
+    ccodes = rate_code(rate[changed])
+    ccls = target_cls[changed]
+    est = float(pbytes[keep].sum()) + sum(
+        rows_nbytes(nrows, int((ccls == k).sum()), row_nbytes, rates=ccodes[ccls == k])
+        for k in range(_CLASSES) if (ccls == k).any())
     target = READ_TARGET * nrows * row_nbytes
     gone = np.zeros(npieces, dtype=bool)
     if est > target:
@@ -171,7 +177,8 @@ def next_group(old: ListedVersion, changed: np.ndarray, step: int, row_nbytes: i
         sel = np.flatnonzero(dest == k)
         if not len(sel):
             continue
-        piece = Piece(None, k, step, len(sel), rows_nbytes(nrows, len(sel), row_nbytes))
+        piece = Piece(None, k, step, len(sel),
+                      rows_nbytes(nrows, len(sel), row_nbytes, rates=codes[sel]))
         new_owner[rows[sel]] = len(listed)
         listed.append(piece)
         new.append((piece, sel, 0, codes[sel]))

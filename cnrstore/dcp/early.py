@@ -6,10 +6,11 @@ Between ``read_metadata`` and the first block read of ``read_data`` a cold load 
 the read's request and answer rounds. The metadata read brings, with the step's
 document, where every block's records are (the coordinator's ``locate_closure`` of the
 step's blocks: a few KB); ``prepare_local_plan`` (the first point a rank knows the rows
-it reads) hints the first ``EARLY_BYTES`` of its blocks, in the order the read takes
-them, on a thread of its own. Hints only: the read locates every record again through
-the request round and checks what it reads; a stale or failed hint costs nothing but
-the hint.
+it reads) hints the patch records of its blocks (all at once: they are small and the
+read takes each window's patches first), then the first ``EARLY_BYTES`` of its blocks,
+in the order the read takes them, on a thread of its own. Hints only: the read locates
+every record again through the request round and checks what it reads; a stale or
+failed hint costs nothing but the hint.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import engine
 from cnrstore.codec.cores import start_thread
 from cnrstore.format.load import load_step, load_table_manifest
 
-__all__ = ["EARLY_BYTES", "Locations", "even_split", "hint", "locations", "plan"]
+__all__ = ["EARLY_BYTES", "Locations", "even_split", "hint", "locations", "patches", "plan"]
 
 EARLY_BYTES = 32 << 20  # hinted at the plan: about the disk's reads until read_data reads
 
@@ -105,14 +106,48 @@ def even_split(locs: Locations, world: int, budget: int = EARLY_BYTES) -> list[l
     return out
 
 
-def hint(source: Any, chains: list[list[tuple]]) -> threading.Thread | None:
-    """Hint ``chains`` (``plan``'s) through ``source.prefetch_at``, block by block, on a
-    thread of its own (the caller goes on to DCP's planning rounds)."""
-    if not chains:
+def patches(locs: Locations, spans: list[tuple[str, int, int]] | None = None,
+            budget: int = EARLY_BYTES) -> list[tuple]:
+    """The patch records (every record of a block's chain but its largest, the full
+    block) of the blocks overlapping each (fqn, lo, hi) row span (None: every block), in
+    this order, until ``budget`` stored bytes. A window's patches are read before its
+    blocks, a few small reads in as many small packs: cold, each stalled its decode
+    thread's stream of full blocks for several ms."""
+    out: list[tuple] = []
+    seen: set[tuple[str, int]] = set()
+    total = 0
+    if spans is None:
+        spans = [(fqn, 0, len(per_block) * block_rows)
+                 for fqn, (block_rows, per_block) in locs.items()]
+    for fqn, lo, hi in spans:
+        if fqn not in locs or hi <= lo:
+            continue
+        block_rows, per_block = locs[fqn]
+        for b in range(lo // block_rows, min(len(per_block), -(-hi // block_rows))):
+            if (fqn, b) in seen or len(per_block[b]) < 2:
+                continue
+            if total >= budget:
+                return out
+            seen.add((fqn, b))
+            sizes = [engine.RecordLocation.from_wire(w).length for w in per_block[b]]
+            big = sizes.index(max(sizes))
+            out.extend(w for i, w in enumerate(per_block[b]) if i != big)
+            total += sum(sizes) - sizes[big]
+    return out
+
+
+def hint(source: Any, chains: list[list[tuple]],
+         small: list[tuple] | None = None) -> threading.Thread | None:
+    """Hint ``small`` (``patches``'), all at once, then ``chains`` (``plan``'s), block by
+    block, through ``source.prefetch_at``, on a thread of its own (the caller goes on to
+    DCP's planning rounds)."""
+    if not chains and not small:
         return None
 
     def run() -> None:
         try:
+            if small:
+                source.prefetch_at([engine.RecordLocation.from_wire(w) for w in small])
             for chain in chains:
                 source.prefetch_at([engine.RecordLocation.from_wire(w) for w in chain])
         except Exception:  # noqa: BLE001 - a hint (the store may close meanwhile)

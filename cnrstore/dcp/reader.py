@@ -118,7 +118,8 @@ class StorageReader(_DCPReader):
         got = _latest_document(coordinator, self.step)
         if got[2] is not None:
             early.hint(coordinator.objects, early.even_split(
-                got[2], dist.get_world_size(self.target.group_of())))
+                got[2], dist.get_world_size(self.target.group_of())),
+                early.patches(got[2]))
         return got
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any,
@@ -130,9 +131,9 @@ class StorageReader(_DCPReader):
         if self.early is not None:
             source, locs = self.early
             self.early = None
-            early.hint(source, early.plan(locs, [(i.storage_index.fqn, *_rows(i))
-                                                 for i in plan.items
-                                                 if i.type != LoadItemType.BYTE_IO]))
+            spans = [(i.storage_index.fqn, *_rows(i)) for i in plan.items
+                     if i.type != LoadItemType.BYTE_IO]
+            early.hint(source, early.plan(locs, spans), early.patches(locs, spans))
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:

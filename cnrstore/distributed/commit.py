@@ -168,6 +168,10 @@ def _write_round(ds: DistributedStore, job: Step) -> StepInfo:
         known = {s.oid for _, _, p in job.plans for s in (p.base_slots or []) if s and s.oid}
         known |= {bw.base.oid for _, _, p in job.plans for bw in p.writes
                   if bw.base is not None and bw.base.oid}  # merged patches' full blocks
+        # the grouped layout's listed row objects of earlier steps, which its next
+        # versions list again (the coordinator checks the store has them: coll.bases)
+        known |= {p.oid for _, _, pl in job.plans for s in (pl.base_slots or [])
+                  if s and s.group is not None for p in s.group.pieces if p.oid}
         coll = _Collector(known, job.damaged)
         for _, _, plan in job.plans:
             write_blocks(coll, plan, coll.get)

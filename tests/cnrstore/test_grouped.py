@@ -32,6 +32,7 @@ from cnrstore.format.rowlists import (
     rate_code,
     rate_value,
     read_list,
+    rows_nbytes,
 )
 from engine import Object
 
@@ -242,6 +243,99 @@ def test_row_objects_round_trip():
         assert np.array_equal(got, codes)
     r = np.array([0.0, 1e-6, 0.02, 0.3, 1.0])
     assert np.allclose(rate_value(rate_code(r)), r, rtol=0.05, atol=3e-5)
+
+
+# Frozen payloads of a row object (4 rows of 3 bytes of a 64-row block, step 9, class 2):
+# version 1 (u16 ids, u8 rates), which stores written before 2026-12 hold, and version 2
+# (Elias-Fano ids, packed rates), what writers write now. Both must read as they are.
+_CODES = np.arange(12, dtype=np.uint8).reshape(4, 3)
+_GOLDEN_V1 = bytes.fromhex(
+    "434e525201010101400000000300000004000000000000000900000000000000020000000100050006"
+    "003c000010ff28000102030405060708090a0b")
+_GOLDEN_V2 = bytes.fromhex(
+    "434e5252020401024000000003000000040000000000000009000000000000000200000051c6471005"
+    "041c0c000102030405060708090a0b")
+
+
+@pytest.mark.parametrize("payload, rates, version", [
+    (_GOLDEN_V1, [0, 16, 255, 40], 1), (_GOLDEN_V2, [20, 16, 23, 40], 2)])
+def test_golden_row_objects_still_read(payload, rates, version):
+    head, idx, got_rates, got = decode_rows_object(Object(KIND_BLOCK_ROWS, (), payload))
+    assert (head.version, head.nrows, head.count, head.step, head.cls) == (version, 64, 4, 9, 2)
+    assert idx.tolist() == [1, 5, 6, 60] and got_rates.tolist() == rates
+    assert np.array_equal(got, _CODES)
+    if version == 2:  # writers write this version, byte for byte
+        assert encode_rows(64, _CODES, step=9, cls=2, index=np.array([1, 5, 6, 60]),
+                           rates=np.array(rates, dtype=np.uint8)) == payload
+
+
+def test_a_version_1_object_listed_with_version_2_ones_restores_and_seeds_the_writer():
+    # a store written before version 2, put to again: its lists hold both versions
+    base = np.arange(64 * 3, dtype=np.uint8).reshape(64, 3)
+    objs = {b"c" * 16: Object(KIND_BLOCK_ROWS, (), encode_rows(64, base, step=0, cls=0)),
+            b"g" * 16: Object(KIND_BLOCK_ROWS, (), _GOLDEN_V1)}
+    payload, refs = encode_list((b"c" * 16, b"g" * 16), np.array([0, 2]), np.array([64, 4]),
+                                np.array([0, 9]))
+    objs[b"l" * 16] = Object(KIND_BLOCK_LIST, refs, payload)
+    want = base.copy()
+    want[[1, 5, 6, 60]] = _CODES
+    assert np.array_equal(resolve(objs.__getitem__, b"l" * 16), want)
+    group = grouppolicy.load_group(objs.__getitem__, b"l" * 16, 64, 3)
+    assert group is not None and group.owner[[1, 5, 6, 60]].tolist() == [1] * 4
+    assert group.rq[[1, 5, 6, 60]].tolist() == [0, 16, 255, 40]
+    assert group.pieces[1].nbytes == len(_GOLDEN_V1)
+
+
+def test_version_2_row_objects_take_less_than_version_1():
+    # ids and rates of an int8 block's objects: ~1.5 bytes a row where v1 took 3
+    g = np.random.default_rng(3)
+    for count in (300, 3000):
+        idx = np.sort(g.choice(32768, size=count, replace=False))
+        rates = rate_code(0.02 + 0.02 * g.random(count))
+        p = encode_rows(32768, np.zeros((count, 68), dtype=np.uint8), step=1, cls=0,
+                        index=idx, rates=rates)
+        assert len(p) - 36 - 68 * count < 1.75 * count
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(1, 70000), st.data())
+def test_row_ids_and_rates_round_trip(nrows, data):
+    count = data.draw(st.integers(1, min(nrows, 300)))
+    if data.draw(st.booleans()):  # dense: up to every row
+        count = data.draw(st.integers(1, min(nrows, 5000)))
+    seed = data.draw(st.integers(0, 2 ** 32 - 1))
+    g = np.random.default_rng(seed)
+    idx = np.sort(g.choice(nrows, size=count, replace=False))
+    lo, hi = sorted(data.draw(st.tuples(st.integers(0, 255), st.integers(0, 255))))
+    rates = g.integers(lo, hi + 1, size=count).astype(np.uint8)
+    codes = g.integers(0, 256, size=(count, 2), dtype=np.uint8)
+    p = encode_rows(nrows, codes, step=3, cls=1, index=idx, rates=rates)
+    assert len(p) == rows_nbytes(nrows, count, 2, rates=rates)
+    head, got_idx, got_rates, got = decode_rows_object(Object(KIND_BLOCK_ROWS, (), p))
+    assert np.array_equal(got_idx, idx) and np.array_equal(got_rates, rates)
+    assert np.array_equal(got, codes) and head.version == 2
+
+
+def test_crafted_version_2_ids_and_rates_are_refused():
+    idx = np.array([1, 5, 6, 60])
+    p = bytearray(encode_rows(64, _CODES, step=9, cls=2, index=idx,
+                              rates=np.array([20, 16, 23, 40], dtype=np.uint8)))
+    v1 = bytearray(p)
+    v1[4] = 1  # Elias-Fano ids in a version 1 object
+    with pytest.raises(ManifestError, match="version"):
+        decode_rows_object(Object(KIND_BLOCK_ROWS, (), bytes(v1)))
+    extra = bytearray(p)
+    extra[36 + 2] |= 0x80  # a fifth id in the upper bits (after 2 bytes of low bits)
+    with pytest.raises(ManifestError, match="Elias-Fano"):
+        decode_rows_object(Object(KIND_BLOCK_ROWS, (), bytes(extra)))
+    wide = bytearray(p)
+    wide[36 + 3 + 1] = 9  # rate codes of 9 bits
+    with pytest.raises(ManifestError, match="rate codes"):
+        decode_rows_object(Object(KIND_BLOCK_ROWS, (), bytes(wide)))
+    past = bytearray(p)
+    past[36 + 3] = 250  # lo + a code's offset past 255
+    with pytest.raises(ManifestError, match="rate codes"):
+        decode_rows_object(Object(KIND_BLOCK_ROWS, (), bytes(past)))
 
 
 def test_a_list_that_leaves_a_row_without_a_copy_is_refused():

@@ -103,3 +103,26 @@ def test_the_coordinator_hints_each_ranks_first_blocks_of_an_even_cut_in_turn(tm
     assert early.even_split(locs, 2, budget=1) == [emb[0], emb[8]]
     # more ranks than blocks: a block is hinted once
     assert early.even_split({"acc": locs["acc"]}, 8, budget=1 << 30) == acc
+
+
+def test_the_patches_hinted_are_every_record_of_a_chain_but_its_full_block(tmp_path):
+    path = str(tmp_path / "ckpt")
+    s = _saved(path)
+    with cnrstore.open(path) as store:
+        locs = early.locations(store.objects, 2, ["emb", "acc"])
+    assert locs is not None
+    emb = locs["emb"][1]
+    # step 2 changed rows 0..3 of emb: block 0 is a patch over step 1's full block
+    assert len(emb[0]) == 2 and all(len(c) == 1 for c in emb[1:])
+    sizes = [RecordLocation.from_wire(w).length for w in emb[0]]
+    patch = emb[0][sizes.index(min(sizes))]
+    assert early.patches(locs) == [patch]
+    assert early.patches(locs, [("emb", 0, 10), ("emb", 5, 64), ("gone", 0, 5)]) == [patch]
+    assert early.patches(locs, [("emb", 64, 1000), ("acc", 0, 300)]) == []
+    assert early.patches(locs, [("emb", 0, 10)], budget=0) == []
+    # a load that hints them reads the same
+    r = StorageReader(path, step=2)
+    target = {"emb": torch.zeros(1000, 8), "acc": torch.zeros(300)}
+    dcp.load(target, storage_reader=r)
+    close_stores()
+    assert all(torch.equal(target[k], s[k]) for k in s)

@@ -39,6 +39,10 @@ def longrun_put(rank: int, world: int, path: str, options: dict | None = None):
 GROUPED = {"block_rows": 16, "fanout": 3, "layout": "grouped"}
 
 
-def grouped_put(rank: int, world: int, path: str):
+# 64-row blocks: objects of a step stay listed at later steps (the hot rows leave them)
+GROUPED_WIDE = {"block_rows": 64, "fanout": 3, "layout": "grouped"}
+
+
+def grouped_put(rank: int, world: int, path: str, options: dict | None = None):
     """longrun_put in the grouped layout (lists of row objects, core/grouppolicy.py)."""
-    return longrun_put(rank, world, path, GROUPED)
+    return longrun_put(rank, world, path, options or GROUPED)

@@ -28,15 +28,24 @@ def test_merged_chains_give_single_process_ids(tmp_path, world):
             assert bool((d.get_tables(step)["t"] == longrun_tables(step)).all())
 
 
-def test_grouped_lists_give_single_process_ids(tmp_path):
+@pytest.mark.parametrize("wide", [False, True])
+def test_grouped_lists_give_single_process_ids(tmp_path, wide):
     """The grouped layout's classes and cleaning depend on each block's own history, so
-    a world of 2 writes the ids one process does."""
-    from longrun_workers import GROUPED, grouped_put
+    a world of 2 writes the ids one process does; also where a version lists objects of
+    earlier steps again (``wide``), which a rank cannot look up in the store."""
+    from longrun_workers import GROUPED, GROUPED_WIDE, grouped_put
 
-    with cnrstore.open(tmp_path / "o", **GROUPED) as o:
+    from cnrstore.format.rowlists import read_list
+
+    opts = GROUPED_WIDE if wide else GROUPED
+    with cnrstore.open(tmp_path / "o", **opts) as o:
         want = [o.put_tables(step, {"t": longrun_tables(step)}).tables
                 for step in range(STEPS)]
-    for r in run(2, grouped_put, str(tmp_path / "d")):
+        if wide:
+            last = load_manifest(o.objects, STEPS - 1).tables["t"].block_ids
+            steps = {int(s) for b in last for s in read_list(o.objects.get, b).steps}
+            assert steps - {0, STEPS - 1}, "no object outlived its step"
+    for r in run(2, grouped_put, str(tmp_path / "d"), opts):
         assert not isinstance(r, Failed), r.trace
         assert r == want
     with cnrstore.open(tmp_path / "d") as d:
