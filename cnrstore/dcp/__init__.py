@@ -13,8 +13,11 @@ A store given as a path stays open for the next save or load of the path in this
 while nothing else changes it (stores.py); ``close_stores()`` closes those.
 """
 
-from cnrstore.dcp.reader import StorageReader
-from cnrstore.dcp.stores import close_stores
-from cnrstore.dcp.writer import StorageWriter
+from cnrstore import _paused_collector
+
+with _paused_collector():  # torch.distributed.checkpoint and the store API: cnrstore/__init__
+    from cnrstore.dcp.reader import StorageReader
+    from cnrstore.dcp.stores import close_stores
+    from cnrstore.dcp.writer import StorageWriter
 
 __all__ = ["StorageReader", "StorageWriter", "close_stores"]

@@ -28,11 +28,14 @@ import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import torch
+from cnrstore import _paused_collector
 
-from cnrstore.distributed.leaves import global_shape, is_sharded_leaf, row_spans, uniform
-from cnrstore.distributed.shard import Shard
-from cnrstore.errors import CheckpointError, InvalidInput, InvalidType
+with _paused_collector():  # an entry point users import directly: cnrstore/__init__
+    import torch
+
+    from cnrstore.distributed.leaves import global_shape, is_sharded_leaf, row_spans, uniform
+    from cnrstore.distributed.shard import Shard
+    from cnrstore.errors import CheckpointError, InvalidInput, InvalidType
 
 __all__ = ["state_dict", "load", "load_unsharded", "touched_rows", "plan_note",
            "is_tracker", "resolve_touched"]
