@@ -227,7 +227,10 @@ def advise(readers: PackReaders, locs: Iterable[RecordLocation],
     for pack, runs in spans.items():
         if closed():
             return
-        readers.advise(pack, [(a, b - a) for a, b in runs])
+        if os.environ.get("CNR_WARM") == "1":
+            readers.warm(pack, [(a, b - a) for a, b in runs])
+        else:
+            readers.advise(pack, [(a, b - a) for a, b in runs])
 
 
 def read_raw_into(readers: PackReaders, oid: bytes, entry: ix.ObjectEntry | RecordLocation,
