@@ -143,9 +143,6 @@ def hint(source: Any, chains: list[list[tuple]],
     DCP's planning rounds)."""
     if not chains and not small:
         return None
-    import os
-    if os.environ.get("CNR_WARM") == "off":
-        return None
 
     def run() -> None:
         try:

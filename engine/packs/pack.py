@@ -290,27 +290,6 @@ class PackReaders:
         finally:
             self._checkin(entry)
 
-    def warm(self, n: int, spans: Sequence[tuple[int, int]], chunk: int = 4 << 20) -> None:
-        """PROTOTYPE: read (offset, length) spans of pack ``n`` forwards into a scratch
-        buffer, so the kernel's own read-ahead (large folios) fills the page cache."""
-        if self._remote is not None or self._closed:
-            return
-        try:
-            entry = self._checkout(n)
-        except OSError:
-            return
-        buf = memoryview(bytearray(chunk))
-        try:
-            for offset, length in spans:
-                end = offset + length
-                while offset < end and not self._closed:
-                    k = os.preadv(entry.fd, [buf[:min(chunk, end - offset)]], offset)
-                    if k <= 0:
-                        break
-                    offset += k
-        finally:
-            self._checkin(entry)
-
     def forget(self, n: int) -> None:
         with self._lock:
             entry = self._open.pop(n, None)

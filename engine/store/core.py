@@ -227,10 +227,7 @@ def advise(readers: PackReaders, locs: Iterable[RecordLocation],
     for pack, runs in spans.items():
         if closed():
             return
-        if os.environ.get("CNR_WARM") == "1":
-            readers.warm(pack, [(a, b - a) for a, b in runs])
-        else:
-            readers.advise(pack, [(a, b - a) for a, b in runs])
+        readers.advise(pack, [(a, b - a) for a, b in runs])
 
 
 def read_raw_into(readers: PackReaders, oid: bytes, entry: ix.ObjectEntry | RecordLocation,
