@@ -20,13 +20,11 @@ cnrstore`` and the read-only commands do not pay for torch.
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import importlib
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from cnrstore.codec.layout import SCHEMES
+from cnrstore.core.importing import paused_collector as _paused_collector
 from cnrstore.errors import (
     BadPath,
     CheckpointError,
@@ -129,28 +127,8 @@ _TOOLS = {
 }
 
 
-@contextlib.contextmanager
-def _paused_collector() -> Iterator[None]:
-    """The cyclic garbage collector paused while cnrstore's modules import. Once torch is
-    imported a process tracks ~10^6 objects, and the allocations of importing the store
-    API set off full collections over all of them: 0.10 s of a fresh process's first
-    ``open`` (0.157 s against 0.056 s with the collector paused,
-    benches/results/bench_put.md, 2026-12-06), 2 full and 19 younger collections of
-    ``import cnrstore.dcp``. Imports make no garbage cycles worth collecting; the
-    collector's state is restored, so a caller that disabled it keeps it disabled. The
-    entry points a user imports directly (cnrstore.dcp, cnrstore.distributed.torchrec)
-    import under it too."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
-
-
 def _import(module: str) -> Any:
-    with _paused_collector():
+    with _paused_collector():  # cnrstore/core/importing.py
         return importlib.import_module(module)
 
 

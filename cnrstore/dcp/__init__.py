@@ -13,9 +13,9 @@ A store given as a path stays open for the next save or load of the path in this
 while nothing else changes it (stores.py); ``close_stores()`` closes those.
 """
 
-from cnrstore import _paused_collector
+from cnrstore.core.importing import paused_collector
 
-with _paused_collector():  # torch.distributed.checkpoint and the store API: cnrstore/__init__
+with paused_collector():  # torch.distributed.checkpoint and the store API: core/importing.py
     from cnrstore.dcp.reader import StorageReader
     from cnrstore.dcp.stores import close_stores
     from cnrstore.dcp.writer import StorageWriter

@@ -28,9 +28,9 @@ import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from cnrstore import _paused_collector
+from cnrstore.core.importing import paused_collector
 
-with _paused_collector():  # an entry point users import directly: cnrstore/__init__
+with paused_collector():  # an entry point users import directly: core/importing.py
     import torch
 
     from cnrstore.distributed.leaves import global_shape, is_sharded_leaf, row_spans, uniform
