@@ -32,13 +32,13 @@ import numpy as np
 from cnrstore.errors import ManifestError
 from cnrstore.format.planes import unplanes
 from cnrstore.format.rowobjects import (
-    _ROWS,
     IDS_SPAN,
     KIND_BLOCK_ROWS,
+    ROWS_HEADER_BYTES,
     RowsHeader,
-    _max_rows_nbytes,
     decode_rows_object,
     encode_rows,
+    max_rows_nbytes,
     rate_code,
     rate_value,
     rate_width,
@@ -199,8 +199,8 @@ def plan_list(info: Callable[[bytes], Any], oid: bytes, nrows: int, row_nbytes: 
         listed = tuple(base.refs) + listed[1:]
     if got.raw_len > _list_cap(len(got.refs)) + extra:
         raise ManifestError(f"object {oid.hex()} is not a block list of its size", oid=oid)
-    one = _max_rows_nbytes(nrows, row_nbytes)
-    cap = LIST_READ_CAP * nrows * row_nbytes + len(listed) * _ROWS.size
+    one = max_rows_nbytes(nrows, row_nbytes)
+    cap = LIST_READ_CAP * nrows * row_nbytes + len(listed) * ROWS_HEADER_BYTES
     total = 0
     for ref in listed:
         r = info(ref)

@@ -26,14 +26,16 @@ from cnrstore.errors import ManifestError
 from cnrstore.format.planes import PLANE_WIDTHS, check_elem, planes, unplanes
 from engine import Object
 
-__all__ = ["KIND_BLOCK_ROWS", "RowsHeader", "rate_code", "rate_value", "rate_width",
-           "rows_nbytes", "encode_rows", "read_rows_header", "decode_rows_object"]
+__all__ = ["KIND_BLOCK_ROWS", "ROWS_HEADER_BYTES", "RowsHeader", "rate_code", "rate_value",
+           "rate_width", "rows_nbytes", "max_rows_nbytes", "encode_rows", "read_rows_header",
+           "decode_rows_object"]
 
 KIND_BLOCK_ROWS = 7
 ROWS_VERSION = 2          # what writers write; version 1 still reads
 
 _ROWS = struct.Struct("<4sBBBBIIIIqB3x")
 _ROWS_MAGIC = b"CNRR"
+ROWS_HEADER_BYTES = _ROWS.size
 IDS_SPAN, IDS_U16, IDS_U32, IDS_BITMAP, IDS_EF = 0, 1, 2, 3, 4
 RATED_NONE, RATED_U8, RATED_PACKED = 0, 1, 2
 # per version: the largest ids and rated values it has
@@ -172,7 +174,7 @@ def rows_nbytes(nrows: int, count: int, row_nbytes: int, *, span: bool = False,
             + (_rates_size(RATED_PACKED, count, width) if rated else 0) + count * row_nbytes)
 
 
-def _max_rows_nbytes(nrows: int, row_nbytes: int) -> int:
+def max_rows_nbytes(nrows: int, row_nbytes: int) -> int:
     """The largest row object of a whole block any writer writes (either version)."""
     return (_ROWS.size + _ids_size(IDS_BITMAP, nrows, nrows)
             + _rates_size(RATED_PACKED, nrows) + nrows * row_nbytes)
