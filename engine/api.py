@@ -220,6 +220,13 @@ class ObjectStore(abc.ABC):
         ``get``."""
         return self.get(loc.oid)
 
+    def get_many_at(self, locs: Sequence[RecordLocation]) -> list[Object]:
+        """``get_at`` of every location in ``locs``, the objects in their order. A pack
+        store reads the records lying close together in one pack with one read
+        (engine/store/batchread.py) and checks each as ``get_at`` does; errors are
+        ``get_at``'s (the first in (pack, offset) order)."""
+        return [self.get_at(loc) for loc in locs]
+
     def get_into_at(self, loc: RecordLocation, kind: int, prefix: int, out: memoryview, *,
                     id_check: bool = True, fallback: bool = False) -> bytes | Object | None:
         """``get_into(loc.oid, ...)`` reading first at ``loc``, as ``get_at``."""

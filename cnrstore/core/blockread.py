@@ -10,13 +10,14 @@ is about one block's bytes and where they are, not about assembling tables.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
+from cnrstore.core.groupread import resolve_grouped
 from cnrstore.errors import CorruptData, ManifestError
-from cnrstore.format.blocks import resolve
+from cnrstore.format.blocks import KIND_BLOCK_LIST, plan_chain, resolve
 from cnrstore.format.manifest import TableManifest
 from engine import CorruptObject, Object, ObjectNotFound, ObjectStore, StoreClosed, StoreError
 
@@ -34,13 +35,17 @@ def block_codes(
     oid = tm.block_ids[i]
     start, stop = node.block_range(i)
     reads = _chain_reads(objects, oid, located)
-    get, get_into, info = (reads if reads is not None
-                           else (objects.get, objects.get_into, objects.info))
+    get, get_into, info, get_many = (reads if reads is not None else (
+        objects.get, objects.get_into, objects.info, lambda o: list(objects.get_many(o))))
+    shape = (stop - start, node.row_nbytes)
     try:
         # The chain's sizes are checked in the index against the block's rows first: a
         # crafted record that zstd expands to a gigabyte is refused before it is read.
-        codes = resolve(get, oid, out=out, get_into=get_into, info=info,
-                        shape=(stop - start, node.row_nbytes))
+        plan_chain(info, oid, *shape)
+        if info(oid).kind == KIND_BLOCK_LIST:  # grouped: its row objects read together
+            codes = resolve_grouped(get, get_many, oid, out=out)
+        else:
+            codes = resolve(get, oid, out=out, get_into=get_into)
     except (CorruptObject, ObjectNotFound, CorruptData) as exc:
         # Name the table and block: after a repair that kept a damaged step, this is how
         # a user learns which table lost what (the type stays, for the callers' checks).
@@ -83,8 +88,9 @@ Located = tuple[dict[bytes, Any], dict[bytes, Object]]
 
 
 def _chain_reads(objects: ObjectStore, oid: bytes, located: Located | None = None
-                 ) -> tuple[Callable, Callable, Callable] | None:
-    """(get, get_into, info) reading block ``oid`` and its patch chain at the locations one
+                 ) -> tuple[Callable, Callable, Callable, Callable] | None:
+    """(get, get_into, info, get_many) reading block ``oid`` and its patch chain (or its
+    list's row objects, ``get_many`` reading those together) at the locations one
     ``locate_closure`` (one read transaction) found when the block's read starts: a
     block and its ~3 patches otherwise cost an index lookup each. None where the store
     cannot locate (then the reads look up as before). Located per block (or per window
@@ -125,4 +131,9 @@ def _chain_reads(objects: ObjectStore, oid: bytes, located: Located | None = Non
         loc = found.get(oid)
         return objects.info(oid) if loc is None else loc
 
-    return get, get_into, info
+    def get_many(oids: Sequence[bytes]) -> list[Object]:
+        todo = [found[o] for o in dict.fromkeys(oids) if o not in pre and o in found]
+        got = dict(zip((loc.oid for loc in todo), objects.get_many_at(todo)))
+        return [pre.get(o) or got.get(o) or objects.get(o) for o in oids]
+
+    return get, get_into, info, get_many

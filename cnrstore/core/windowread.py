@@ -124,8 +124,15 @@ def _patches(objects: ObjectStore, found: dict[bytes, Any], window: list[Block]
                 break
             locs[oid] = loc
             oid = loc.refs[0]
+    todo = sorted(locs.values(), key=lambda c: (c.pack, c.offset))
+    try:  # the records close together in a pack with one read each (a list's ~175)
+        return {loc.oid: obj for loc, obj in zip(todo, objects.get_many_at(todo))}
+    except StoreClosed:
+        raise
+    except StoreError:
+        pass  # one record fails: read the others alone, as below
     got: dict[bytes, Object] = {}
-    for loc in sorted(locs.values(), key=lambda c: (c.pack, c.offset)):
+    for loc in todo:
         try:
             got[loc.oid] = objects.get_at(loc)
         except StoreClosed:

@@ -252,10 +252,12 @@ def read_rows_header(obj: Object, oid: bytes | None = None) -> RowsHeader:
     return head
 
 
-def decode_rows_object(obj: Object, oid: bytes | None = None, *, codes: bool = True
+def decode_rows_object(obj: Object, oid: bytes | None = None, *, codes: bool = True,
+                       rates: bool = True
                        ) -> tuple[RowsHeader, np.ndarray | None, np.ndarray, np.ndarray | None]:
-    """(header, row ids int64 (None for a span: see header.start), rate codes u8,
-    codes ``uint8[count, row_nbytes]`` (None unless ``codes``; maybe a read-only view))."""
+    """(header, row ids int64 (None for a span: see header.start), rate codes u8 (empty
+    unless ``rates``: a restore has no use for them), codes ``uint8[count, row_nbytes]``
+    (None unless ``codes``; maybe a read-only view))."""
     head = read_rows_header(obj, oid)
     payload = memoryview(obj.payload)
     view = payload[head.header_size:]
@@ -277,16 +279,18 @@ def decode_rows_object(obj: Object, oid: bytes | None = None, *, codes: bool = T
         idx = np.frombuffer(view, dtype=dt, count=count).astype(np.int64)
         if count and (idx[-1] >= n or np.any(np.diff(idx) <= 0)):
             raise ManifestError("row object ids are out of range or not ascending", oid=oid)
-    if head.rated_mode == RATED_U8:
-        rates = np.frombuffer(payload, dtype=np.uint8, count=count, offset=head.rates_at)
+    if not rates:
+        rate_codes = np.zeros(0, dtype=np.uint8)
+    elif head.rated_mode == RATED_U8:
+        rate_codes = np.frombuffer(payload, dtype=np.uint8, count=count, offset=head.rates_at)
     elif head.rated_mode == RATED_PACKED:
         lo, width = payload[head.rates_at], payload[head.rates_at + 1]
         got = lo + _unbits_le(payload, head.rates_at + 2, count, width)
         if count and got.max() > 255:
             raise ManifestError("row object's rate codes are out of range", oid=oid)
-        rates = got.astype(np.uint8)
+        rate_codes = got.astype(np.uint8)
     else:
-        rates = np.full(count, 255, dtype=np.uint8)
+        rate_codes = np.full(count, 255, dtype=np.uint8)
     view = payload[head.body_at:]
     rows: np.ndarray | None = None
     if codes:
@@ -295,4 +299,4 @@ def decode_rows_object(obj: Object, oid: bytes | None = None, *, codes: bool = T
                                  ).reshape(count, head.row_nbytes)
         else:
             rows = unplanes(view, count, head.row_nbytes, head.elem)
-    return head, idx, rates, rows
+    return head, idx, rate_codes, rows

@@ -126,7 +126,8 @@ class PackStoreState:
         """The index entry of ``oid`` (ObjectNotFound when it has none)."""
         return self.index.read(lambda txn: self.entry(txn, oid))
 
-    def _dctx(self) -> zstandard.ZstdDecompressor:
+    def dctx(self) -> zstandard.ZstdDecompressor:
+        """This thread's decompression context."""
         dctx = getattr(self._local, "dctx", None)
         if dctx is None:
             dctx = self._local.dctx = zstandard.ZstdDecompressor()
@@ -136,7 +137,7 @@ class PackStoreState:
         """Read and check one record; None when its pack vanished (gc moved it: look up
         again in a fresh transaction)."""
         return read_checked(self.readers, oid, entry.pack, entry.offset, entry.length,
-                            entry.kind, self._dctx(), raw_len=entry.raw_len)
+                            entry.kind, self.dctx(), raw_len=entry.raw_len)
 
     def pack_missing(self, n: int) -> None:
         """A read found pack ``n`` gone (a gc moved its objects): drop its descriptor and,
@@ -191,7 +192,7 @@ class PackStoreState:
         for _ in range(_READ_RETRIES):
             entry = self.lookup(oid)
             if read_checked(self.readers, oid, entry.pack, entry.offset, entry.length,
-                            entry.kind, self._dctx(), raw_len=entry.raw_len,
+                            entry.kind, self.dctx(), raw_len=entry.raw_len,
                             keep=False) is not None:
                 return
             self.pack_missing(entry.pack)
@@ -316,6 +317,16 @@ def read_checked(readers: PackReaders, oid: bytes, pack: int, offset: int, lengt
     except CorruptObject as exc:  # a short read: the pack was truncated
         raise CorruptObject(f"object {hexid(oid)}: {exc}", oid=oid, pack=name,
                             offset=offset) from exc
+    return checked_record(data, oid, pack, offset, kind, dctx, raw_len=raw_len, keep=keep)
+
+
+def checked_record(data: bytes | memoryview, oid: bytes, pack: int, offset: int, kind: int,
+                   dctx: zstandard.ZstdDecompressor, *, raw_len: int | None = None,
+                   keep: bool = True) -> Object:
+    """``read_checked``'s checks of ``data``, exactly the bytes of the record read at
+    (pack, offset): also those of a record cut out of a longer read
+    (engine/store/batchread.py), so a batched read refuses what a single one does."""
+    name = pack_name(pack)
     try:
         decode = fmt.decode_record if keep else fmt.check_payload
         rec = decode(data, 0, pack=name, dctx=dctx, raw_len=raw_len)

@@ -4,11 +4,12 @@ read-ahead hints, on the store's ``PackStoreState`` (engine/store/core.py). A mi
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from ..api import Object
 from ..format.ids import check_id
 from ..format.location import RecordLocation
+from .batchread import read_many_at
 from .coordinator import locate_closure
 from .core import PackStoreState
 
@@ -33,6 +34,12 @@ class DirectReads:
     def get_at(self, loc: RecordLocation) -> Object:
         self._core.check_open()
         return self._core.read(loc.oid, at=loc)
+
+    def get_many_at(self, locs: Sequence[RecordLocation]) -> list[Object]:
+        self._core.check_open()
+        core = self._core
+        return read_many_at(core.readers, list(locs), core.dctx(),
+                            lambda loc: core.read(loc.oid, at=loc))
 
     def get_into_at(self, loc: RecordLocation, kind: int, prefix: int, out: memoryview, *,
                     id_check: bool = True, fallback: bool = False
