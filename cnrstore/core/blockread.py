@@ -15,10 +15,10 @@ from typing import Any
 
 import numpy as np
 
-from cnrstore.core.groupread import resolve_grouped
 from cnrstore.errors import CorruptData, ManifestError
 from cnrstore.format.blocks import KIND_BLOCK_LIST, plan_chain, resolve
 from cnrstore.format.manifest import TableManifest
+from cnrstore.format.rowlists import resolve_list
 from engine import CorruptObject, Object, ObjectNotFound, ObjectStore, StoreClosed, StoreError
 
 __all__ = ["Located", "block_codes", "codes_buffer"]
@@ -43,7 +43,7 @@ def block_codes(
         # crafted record that zstd expands to a gigabyte is refused before it is read.
         plan_chain(info, oid, *shape)
         if info(oid).kind == KIND_BLOCK_LIST:  # grouped: its row objects read together
-            codes = resolve_grouped(get, get_many, oid, out=out)
+            codes = resolve_list(get, oid, out=out, get_many=get_many)
         else:
             codes = resolve(get, oid, out=out, get_into=get_into)
     except (CorruptObject, ObjectNotFound, CorruptData) as exc:

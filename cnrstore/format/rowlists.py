@@ -22,7 +22,7 @@ of one that never closed (cnrstore/core/grouppolicy.py), and ids do not depend o
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,7 +50,7 @@ from engine import Object
 __all__ = ["KIND_BLOCK_ROWS", "KIND_BLOCK_LIST", "LIST_READ_CAP", "RowsHeader", "rate_code",
            "rate_value", "rate_width", "rows_nbytes", "encode_rows", "read_rows_header",
            "decode_rows_object", "encode_list", "encode_list_delta", "decode_list", "ListEntries",
-           "read_list", "plan_list", "resolve_list"]
+           "read_list", "plan_list", "resolve_list", "apply_list"]
 
 KIND_BLOCK_LIST = 8
 _LIST_VERSION = 1
@@ -214,20 +214,34 @@ def plan_list(info: Callable[[bytes], Any], oid: bytes, nrows: int, row_nbytes: 
 
 
 def resolve_list(get: Callable[[bytes], Object], oid: bytes, obj: Object | None = None, *,
-                 out: np.ndarray | None = None) -> np.ndarray:
+                 out: np.ndarray | None = None,
+                 get_many: Callable[[Sequence[bytes]], Sequence[Object]] | None = None
+                 ) -> np.ndarray:
     """Encoded rows of the block whose version is list node ``oid``: its objects applied
-    in list order (into ``out`` when given). ManifestError when an object does not fit
-    its entry or the block, or a row has no copy."""
-    got_list = read_list(get, oid, obj)
-    refs, cls, rows, steps = got_list.refs, got_list.cls, got_list.rows, got_list.steps
-    if not refs:
+    in list order (into ``out`` when given). ``get_many`` reads the listed objects
+    together (the objects of the ids given, in their order: a restore's batched read,
+    cnrstore/core/blockread.py); without it each is one ``get``. ManifestError when an
+    object does not fit its entry or the block, or a row has no copy."""
+    entries = read_list(get, oid, obj)
+    if not entries.refs:
         raise ManifestError("block list is empty", oid=oid)
+    parts = (get_many(entries.refs) if get_many is not None
+             else [get(ref) for ref in entries.refs])
+    if len(parts) != len(entries.refs):
+        raise ManifestError("block list's objects were not all read", oid=oid)
+    return apply_list(entries, parts, oid, out=out)
+
+
+def apply_list(entries: ListEntries, parts: Sequence[Object], oid: bytes, *,
+               out: np.ndarray | None = None) -> np.ndarray:
+    """The block's codes from its list ``entries`` and their row objects ``parts`` (in
+    list order): a row's value is its copy in the last object holding it."""
     codes = out
     covered: np.ndarray | None = None
-    for k, ref in enumerate(refs):
-        part = get(ref)
+    for k, (ref, part) in enumerate(zip(entries.refs, parts)):
         head = read_rows_header(part, ref)
-        if (head.count, head.cls, head.step) != (rows[k], cls[k], steps[k]):
+        if (head.count, head.cls, head.step) != (entries.rows[k], entries.cls[k],
+                                                 entries.steps[k]):
             raise ManifestError(f"row object {ref.hex()} does not match its list entry",
                                 oid=oid)
         if codes is None:
@@ -236,20 +250,17 @@ def resolve_list(get: Callable[[bytes], Object], oid: bytes, obj: Object | None 
             covered = np.zeros(len(codes), dtype=bool)
         if (head.nrows, head.row_nbytes) != codes.shape:
             raise ManifestError("row object does not match its block's shape", oid=ref)
-        if head.ids == IDS_SPAN and head.elem != 1:
+        if head.ids == IDS_SPAN:
+            # a span (the full put's chunks): its planes straight into the block's rows
             view = memoryview(part.payload)[head.body_at:]
             unplanes(view, head.count, head.row_nbytes, head.elem,
-                      codes[head.start:head.start + head.count])
+                     codes[head.start:head.start + head.count])
             covered[head.start:head.start + head.count] = True
             continue
-        _, idx, _, got = decode_rows_object(part, ref)
-        assert got is not None
-        if idx is None:
-            codes[head.start:head.start + head.count] = got
-            covered[head.start:head.start + head.count] = True
-        else:
-            codes[idx] = got
-            covered[idx] = True
+        _, idx, _, got = decode_rows_object(part, ref, rates=False)
+        assert idx is not None and got is not None
+        codes[idx] = got
+        covered[idx] = True
     assert codes is not None and covered is not None
     if not covered.all():
         raise ManifestError(f"block list leaves {int((~covered).sum())} rows with no copy",

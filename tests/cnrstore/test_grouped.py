@@ -428,8 +428,7 @@ def test_the_default_layout_writes_no_list(tmp_path):
 @given(st.data())
 def test_the_batched_resolve_gives_what_resolve_list_gives(data):
     # lists of version 1 and 2 row objects (spans and id sets), full and delta, applied
-    # by groupread (all objects read by one get_many) and by resolve_list (one get each)
-    from cnrstore.core.groupread import resolve_grouped
+    # by resolve_list with get_many (all objects read together) and without (one get each)
     from cnrstore.format.rowlists import resolve_list
 
     n = data.draw(st.integers(1, 80))
@@ -437,14 +436,16 @@ def test_the_batched_resolve_gives_what_resolve_list_gives(data):
     g = np.random.default_rng(data.draw(st.integers(0, 2 ** 32 - 1)))
     objs: dict[bytes, Object] = {}
     refs, cls, rows, steps = [], [], [], []
+    writes: list[tuple[np.ndarray, np.ndarray]] = []  # the plain model: (rows, codes)
 
     def add(payload: bytes, c: int, count: int, step: int) -> None:
         oid = bytes([len(objs)]) * 16
         objs[oid] = Object(KIND_BLOCK_ROWS, (), payload)
         refs.append(oid), cls.append(c), rows.append(count), steps.append(step)
 
-    add(encode_rows(n, g.integers(0, 256, (n, rnb), dtype=np.uint8), step=0, cls=0,
-                    elem=elem), 0, n, 0)
+    first = g.integers(0, 256, (n, rnb), dtype=np.uint8)
+    add(encode_rows(n, first, step=0, cls=0, elem=elem), 0, n, 0)
+    writes.append((np.arange(n), first))
     for step in range(1, data.draw(st.integers(0, 6)) + 1):
         count = data.draw(st.integers(1, n))
         idx = np.sort(g.choice(n, size=count, replace=False))
@@ -453,6 +454,7 @@ def test_the_batched_resolve_gives_what_resolve_list_gives(data):
             start = data.draw(st.integers(0, n - count))
             add(encode_rows(n, codes, step=step, cls=1, elem=elem, start=start), 1, count,
                 step)
+            writes.append((np.arange(start, start + count), codes))
         else:
             rates = g.integers(0, 256, count).astype(np.uint8)
             p = encode_rows(n, codes, step=step, cls=2, elem=elem, index=idx, rates=rates)
@@ -462,13 +464,15 @@ def test_the_batched_resolve_gives_what_resolve_list_gives(data):
                 p = (bytes(head) + idx.astype("<u2").tobytes() + rates.tobytes()
                      + codes.tobytes())
             add(p, 2, count, step)
+            writes.append((idx, codes))
     payload, lrefs = encode_list(tuple(refs), np.array(cls), np.array(rows),
                                  np.array(steps))
     objs[b"L" * 16] = Object(KIND_BLOCK_LIST, lrefs, payload)
     top = b"L" * 16
     if len(refs) > 1 and data.draw(st.booleans()):  # a delta dropping the last entry
-        extra = encode_rows(n, g.integers(0, 256, (1, rnb), dtype=np.uint8), step=99,
-                            cls=3, elem=elem, index=np.array([0]))
+        row0 = g.integers(0, 256, (1, rnb), dtype=np.uint8)
+        extra = encode_rows(n, row0, step=99, cls=3, elem=elem, index=np.array([0]))
+        writes[-1:] = [(np.array([0]), row0)]
         objs[b"X" * 16] = Object(KIND_BLOCK_ROWS, (), extra)
         payload, drefs = encode_list_delta(top, 0, np.array([len(refs) - 1]), (b"X" * 16,),
                                            np.array([3]), np.array([1]), np.array([99]))
@@ -484,10 +488,15 @@ def test_the_batched_resolve_gives_what_resolve_list_gives(data):
         want = resolve_list(objs.__getitem__, top)
     except ManifestError as exc:  # a delta dropping a row's only copy, say
         with pytest.raises(ManifestError, match=str(exc).split(":")[0][:20]):
-            resolve_grouped(objs.__getitem__, get_many, top)
+            resolve_list(objs.__getitem__, top, get_many=get_many)
         return
-    got = resolve_grouped(objs.__getitem__, get_many, top)
+    model = np.zeros((n, rnb), dtype=np.uint8)
+    covered = np.zeros(n, dtype=bool)
+    for at, codes in writes:  # a row's value: its copy in the last object holding it
+        model[at], covered[at] = codes, True
+    assert covered.all() and np.array_equal(want, model)
+    got = resolve_list(objs.__getitem__, top, get_many=get_many)
     assert np.array_equal(got, want) and len(asked) == 1
     out = np.zeros_like(want)
-    assert resolve_grouped(objs.__getitem__, get_many, top, out=out) is out
+    assert resolve_list(objs.__getitem__, top, out=out, get_many=get_many) is out
     assert np.array_equal(out, want)
