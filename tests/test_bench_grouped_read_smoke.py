@@ -1,0 +1,28 @@
+"""benches/bench_grouped_read.py at a tiny scale: it builds both layouts' stores, restores
+the last step of each (which must agree), and prints one JSON line a run."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from benches import bench_grouped_read  # noqa: E402
+
+
+def test_tiny_build_and_time_report_both_layouts(tmp_path, capsys):
+    bench_grouped_read.main(["--build", "--time", "--dir", str(tmp_path), "--rows", "4000",
+                             "--steps", "6", "--fraction", "0.05", "--runs", "2",
+                             "--block-rows", "256"])
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()
+             if x.startswith("{")]
+    assert [r["run"] for r in lines] == [0, 1]
+    for r in lines:
+        for key in ("grouped_warm_s", "grouped_cold_s", "chains_warm_s", "chains_cold_s"):
+            assert r[key] > 0
+        ratio = r["grouped_warm_s"] / r["chains_warm_s"]
+        assert abs(r["warm_ratio"] - ratio) < 0.01 * ratio
+    assert json.loads((tmp_path / "grouped.json").read_text())["step"] == 6
