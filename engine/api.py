@@ -229,15 +229,6 @@ class ObjectStore(abc.ABC):
     def prefetch_at(self, locs: Iterable[RecordLocation]) -> None:  # noqa: B027 - a hint
         """``prefetch`` of the records at ``locs`` alone (no walk of their refs)."""
 
-    def warm_at(self, locs: Iterable[RecordLocation],
-                scratch: bytearray | memoryview | None = None) -> None:
-        """``prefetch_at`` by reading the records forwards (a store of local files: each
-        pack's adjacent records as one run, in pieces of ``scratch``, reused, else a fresh
-        4 MiB), so the page cache fills in long requests; its bytes are thrown away. A
-        hint, as ``prefetch_at``: a record gone or moved meanwhile is skipped. The default
-        is ``prefetch_at``."""
-        self.prefetch_at(locs)
-
     @abc.abstractmethod
     def info(self, oid: bytes) -> ObjectInfo:
         """Index entry of an object (kind, refs, sizes) without reading the payload."""

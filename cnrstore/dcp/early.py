@@ -8,8 +8,7 @@ document, where every block's records are (the coordinator's ``locate_closure`` 
 step's blocks: a few KB); ``prepare_local_plan`` (the first point a rank knows the rows
 it reads) hints the patch records of its blocks (all at once: they are small and the
 read takes each window's patches first), then the first ``EARLY_BYTES`` of its blocks,
-in the order the read takes them, on a thread of its own, each read forwards and thrown
-away (``warm_at``: the page cache fills in long requests). Hints only: the read locates
+in the order the read takes them, on a thread of its own. Hints only: the read locates
 every record again through the request round and checks what it reads; a stale or
 failed hint costs nothing but the hint.
 """
@@ -27,7 +26,6 @@ from cnrstore.format.load import load_step, load_table_manifest
 __all__ = ["EARLY_BYTES", "Locations", "even_split", "hint", "locations", "patches", "plan"]
 
 EARLY_BYTES = 32 << 20  # hinted at the plan: about the disk's reads until read_data reads
-SCRATCH_BYTES = 4 << 20  # a forward read's piece: long disk requests, little memory
 
 # {fqn: (block_rows, [[wire location of each record of the block's chain]])}
 Locations = dict[str, tuple[int, list[list[tuple]]]]
@@ -140,21 +138,18 @@ def patches(locs: Locations, spans: list[tuple[str, int, int]] | None = None,
 
 def hint(source: Any, chains: list[list[tuple]],
          small: list[tuple] | None = None) -> threading.Thread | None:
-    """Read ahead ``small`` (``patches'``), all at once, then ``chains`` (``plan``'s),
-    block by block, through ``source.warm_at`` (forward reads into one scratch buffer of
-    the thread's: the page cache fills in long requests, where a WILLNEED per block was
-    read in small ones), on a thread of its own (the caller goes on to DCP's planning
-    rounds)."""
+    """Hint ``small`` (``patches``'), all at once, then ``chains`` (``plan``'s), block by
+    block, through ``source.prefetch_at``, on a thread of its own (the caller goes on to
+    DCP's planning rounds)."""
     if not chains and not small:
         return None
 
     def run() -> None:
-        scratch = bytearray(SCRATCH_BYTES)
         try:
             if small:
-                source.warm_at([engine.RecordLocation.from_wire(w) for w in small], scratch)
+                source.prefetch_at([engine.RecordLocation.from_wire(w) for w in small])
             for chain in chains:
-                source.warm_at([engine.RecordLocation.from_wire(w) for w in chain], scratch)
+                source.prefetch_at([engine.RecordLocation.from_wire(w) for w in chain])
         except Exception:  # noqa: BLE001 - a hint (the store may close meanwhile)
             pass
 

@@ -290,32 +290,6 @@ class PackReaders:
         finally:
             self._checkin(entry)
 
-    def warm(self, n: int, spans: Sequence[tuple[int, int]], scratch: memoryview) -> None:
-        """Read (offset, length) spans of pack ``n`` forwards into ``scratch`` (its bytes
-        thrown away), so the page cache fills through the read's own read-ahead in long
-        requests, where WILLNEED reads in small pieces (docs/design/dcp-speed.md, "The
-        early hints read forwards"). A hint: a pack gone or remote, a closed reader, a span
-        past the pack's end (it stops there) do nothing else."""
-        if self._remote is not None or self._closed or not len(scratch):
-            return
-        try:
-            entry = self._checkout(n)
-        except OSError:
-            return
-        try:
-            for offset, length in spans:
-                end = offset + length
-                while offset < end and not self._closed:
-                    k = os.preadv(entry.fd, [scratch[:min(len(scratch), end - offset)]],
-                                  offset)
-                    if k <= 0:
-                        break
-                    offset += k
-        except OSError:
-            pass
-        finally:
-            self._checkin(entry)
-
     def forget(self, n: int) -> None:
         with self._lock:
             entry = self._open.pop(n, None)

@@ -185,11 +185,6 @@ class PackStoreState:
         """Read-ahead hint for located records (adjacent ones merge into one range)."""
         advise(self.readers, locs, lambda: self.closed)
 
-    def warm(self, locs: Iterable[RecordLocation],
-             scratch: bytearray | memoryview | None = None) -> None:
-        """``advise`` by forward reads (``warm``)."""
-        warm(self.readers, locs, lambda: self.closed, scratch)
-
     def check(self, oid: bytes) -> None:
         """``read``'s checks without keeping the payload (deep verify: a record that
         expands to gigabytes is hashed as it streams, never held)."""
@@ -218,9 +213,10 @@ class PackStoreState:
                             pack=name, offset=entry.offset)
 
 
-def _runs(locs: Iterable[RecordLocation]) -> dict[int, list[tuple[int, int]]]:
-    """(offset, length) runs of ``locs`` per pack, in file order, records closer than 64
-    KiB merged into one run."""
+def advise(readers: PackReaders, locs: Iterable[RecordLocation],
+           closed: Callable[[], bool]) -> None:
+    """Ask the kernel to read the records at ``locs`` ahead (adjacent ones merge into one
+    range), pack by pack until ``closed()`` (a hint may run on a thread of its own)."""
     spans: dict[int, list[list[int]]] = {}
     for loc in sorted(locs, key=lambda c: (c.pack, c.offset)):
         runs = spans.setdefault(loc.pack, [])
@@ -228,32 +224,10 @@ def _runs(locs: Iterable[RecordLocation]) -> dict[int, list[tuple[int, int]]]:
             runs[-1][1] = max(runs[-1][1], loc.offset + loc.length)
         else:
             runs.append([loc.offset, loc.offset + loc.length])
-    return {pack: [(a, b - a) for a, b in runs] for pack, runs in spans.items()}
-
-
-def advise(readers: PackReaders, locs: Iterable[RecordLocation],
-           closed: Callable[[], bool]) -> None:
-    """Ask the kernel to read the records at ``locs`` ahead (adjacent ones merge into one
-    range), pack by pack until ``closed()`` (a hint may run on a thread of its own)."""
-    for pack, runs in _runs(locs).items():
+    for pack, runs in spans.items():
         if closed():
             return
-        readers.advise(pack, runs)
-
-
-WARM_SCRATCH = 4 << 20  # a forward read's piece: long requests, little memory
-
-
-def warm(readers: PackReaders, locs: Iterable[RecordLocation], closed: Callable[[], bool],
-         scratch: bytearray | memoryview | None = None) -> None:
-    """``advise`` by reading: the records at ``locs`` read forwards, each pack's adjacent
-    ones as one run, in pieces of ``scratch`` (reused; None: a fresh ``WARM_SCRATCH``),
-    pack by pack until ``closed()``."""
-    buf = memoryview(scratch if scratch is not None else bytearray(WARM_SCRATCH)).cast("B")
-    for pack, runs in _runs(locs).items():
-        if closed():
-            return
-        readers.warm(pack, runs, buf)
+        readers.advise(pack, [(a, b - a) for a, b in runs])
 
 
 def read_raw_into(readers: PackReaders, oid: bytes, entry: ix.ObjectEntry | RecordLocation,

@@ -39,7 +39,7 @@ from ..format.location import RecordLocation
 from ..packs.pack import PackReaders, as_storage, pack_name
 from ..packs.storage import PackStorage
 from ..storage import ObjectBackend
-from .core import advise, read_checked, read_raw_into, warm
+from .core import advise, read_checked, read_raw_into
 
 
 class LocatedReader:
@@ -102,11 +102,6 @@ class LocatedReader:
     def advise(self, locs: Iterable[RecordLocation]) -> None:
         """Read-ahead hint for the records at ``locs``."""
         advise(self._readers, locs, lambda: self._closed)
-
-    def warm(self, locs: Iterable[RecordLocation],
-             scratch: bytearray | memoryview | None = None) -> None:
-        """``advise`` by forward reads (``warm`` in engine/store/core.py)."""
-        warm(self._readers, locs, lambda: self._closed, scratch)
 
     def close(self) -> None:
         self._closed = True
@@ -178,11 +173,6 @@ class LocatedObjects(ObjectStore):
     def prefetch_at(self, locs: Iterable[RecordLocation]) -> None:
         if not self._closed:
             self._reader.advise(locs)
-
-    def warm_at(self, locs: Iterable[RecordLocation],
-                scratch: bytearray | memoryview | None = None) -> None:
-        if not self._closed:
-            self._reader.warm(locs, scratch)
 
     def info(self, oid: bytes) -> ObjectInfo:
         loc = self._loc(oid)

@@ -44,8 +44,3 @@ class DirectReads:
     def prefetch_at(self, locs: Iterable[RecordLocation]) -> None:
         self._core.check_open()
         self._core.advise(locs)
-
-    def warm_at(self, locs: Iterable[RecordLocation],
-                scratch: bytearray | memoryview | None = None) -> None:
-        self._core.check_open()
-        self._core.warm(locs, scratch)
