@@ -16,9 +16,8 @@ from typing import Any
 import numpy as np
 
 from cnrstore.errors import CorruptData, ManifestError
-from cnrstore.format.blocks import KIND_BLOCK_LIST, plan_chain, resolve
+from cnrstore.format.blocks import resolve
 from cnrstore.format.manifest import TableManifest
-from cnrstore.format.rowlists import resolve_list
 from engine import CorruptObject, Object, ObjectNotFound, ObjectStore, StoreClosed, StoreError
 
 __all__ = ["Located", "block_codes", "codes_buffer"]
@@ -37,15 +36,12 @@ def block_codes(
     reads = _chain_reads(objects, oid, located)
     get, get_into, info, get_many = (reads if reads is not None else (
         objects.get, objects.get_into, objects.info, lambda o: list(objects.get_many(o))))
-    shape = (stop - start, node.row_nbytes)
     try:
         # The chain's sizes are checked in the index against the block's rows first: a
         # crafted record that zstd expands to a gigabyte is refused before it is read.
-        plan_chain(info, oid, *shape)
-        if info(oid).kind == KIND_BLOCK_LIST:  # grouped: its row objects read together
-            codes = resolve_list(get, oid, out=out, get_many=get_many)
-        else:
-            codes = resolve(get, oid, out=out, get_into=get_into)
+        # A grouped block's row objects are read together (get_many).
+        codes = resolve(get, oid, out=out, get_into=get_into, info=info,
+                        shape=(stop - start, node.row_nbytes), get_many=get_many)
     except (CorruptObject, ObjectNotFound, CorruptData) as exc:
         # Name the table and block: after a repair that kept a damaged step, this is how
         # a user learns which table lost what (the type stays, for the callers' checks).

@@ -17,7 +17,7 @@ block list (the grouped layout, below).
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -270,13 +270,16 @@ def resolve(
     get_into: Callable | None = None,
     info: Callable[[bytes], Any] | None = None,
     shape: tuple[int, int] | None = None,
+    get_many: Callable[[Sequence[bytes]], Sequence[Object]] | None = None,
 ) -> np.ndarray:
     """Encoded rows of block ``oid``: follow patch refs down to the full block, then apply
     the patches oldest first. ``get`` reads an object (e.g. ``store.get``). With ``out``
     (uint8, the block's shape) the rows are decoded into it; with ``get_into`` too
     (``store.get_into``) a full block stored raw is read straight into ``out``. With
     ``info`` (``store.info``) and ``shape`` (rows, row_nbytes: what the table gives the
-    block) the chain's sizes are checked first (``plan_chain``), before any read."""
+    block) the chain's sizes are checked first (``plan_chain``), before any read. A list
+    node (the grouped layout) reads its row objects with ``get_many`` where given
+    (``rowlists.resolve_list``)."""
     if info is not None and shape is not None:
         plan_chain(info, oid, *shape, max_depth=max_depth)
     chain: list[tuple[bytes, Object]] = []
@@ -297,7 +300,7 @@ def resolve(
             codes = decode_full(obj, cur, out=out)
             break
         if obj.kind == KIND_BLOCK_LIST and not chain:
-            return resolve_list(get, cur, obj, out=out)
+            return resolve_list(get, cur, obj, out=out, get_many=get_many)
         chain.append((cur, obj))
         if len(chain) > max_depth:
             raise ManifestError("patch chain too deep (cycle?)", oid=oid)
