@@ -332,7 +332,10 @@ def spawn(world: int, fn: str, *fargs: Any, timeout: float) -> list:
             p.kill()
             raise SystemExit(f"{fn}: ranks still ran after {timeout} s")
     results = []
-    for path in outs:
+    for rank, path in enumerate(outs):
+        if not os.path.exists(path):  # died before its result: a signal, or os._exit
+            raise RuntimeError(f"{fn}: rank {rank} left no result "
+                               f"(exit codes {[p.exitcode for p in procs]})")
         with open(path, "rb") as f:
             r = pickle.load(f)
         if isinstance(r, BaseException):

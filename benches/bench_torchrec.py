@@ -34,7 +34,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -517,19 +516,6 @@ def overhead(a, root: str) -> dict:
     return out
 
 
-def _rank_main(rank: int, world: int, port: int, out: str, fn: str, fargs: tuple) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    result = globals()[fn](rank, world, *fargs)
-    with open(f"{out}.{rank}", "w") as f:
-        json.dump(result, f)
-    dist.destroy_process_group()
-
-
 def _bytecode() -> None:
     """Compiled bytecode of cnrstore for the ranks, as an installed package has it (torch's
     and TorchRec's are compiled in site-packages): where PYTHONDONTWRITEBYTECODE is set
@@ -547,31 +533,18 @@ def _bytecode() -> None:
 
 
 def spawn(world: int, fn: str, *fargs: Any, timeout: float = 1800) -> Any:
-    import torch.multiprocessing as mp
+    """Run this module's rank program ``fn`` on ``world`` spawned gloo ranks through
+    bench_dist's plumbing (the one the other many-rank benches use): a rank leaves by
+    ``os._exit`` once its result is written, so a crash in the interpreter's teardown (a
+    spawned gloo rank here aborted there now and then, after all its work, with
+    "terminate called without an active exception") cannot fail a finished run, and a
+    rank's exception reaches the caller with its traceback instead of an exit code."""
+    from benches.bench_dist import spawn as spawn_ranks
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ["OMP_NUM_THREADS"] = "1"
+    os.environ["OMP_NUM_THREADS"] = "1"  # before the ranks import torch, as torchrun sets it
     _bytecode()
-    out = tempfile.mktemp()
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, out, fn, fargs))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout)
-        if p.is_alive():
-            p.kill()
-    if any(p.exitcode != 0 for p in procs):
-        raise RuntimeError(f"{fn}: exit codes {[p.exitcode for p in procs]}")
-    results = []
-    for r in range(world):
-        with open(f"{out}.{r}") as f:
-            results.append(json.load(f))
-        os.remove(f"{out}.{r}")
-    return results
+    program = fn if ":" in fn else f"benches.bench_torchrec:{fn}"
+    return spawn_ranks(world, program, *fargs, timeout=timeout)
 
 
 def run(a) -> dict:
