@@ -15,7 +15,7 @@ import torch
 from cnrstore.codec.fingerprint import row_fingerprints
 from cnrstore.core.chainpolicy import block_key, next_slot, patch_fits
 from cnrstore.core.hostcodes import HostBuffers
-from cnrstore.core.tablestate import BlockSlot, TableState
+from cnrstore.core.tablestate import BlockSlot, TableState, Undo
 
 __all__ = ["BlockWrite", "Deferred", "FULL", "PATCH", "GROUPED", "TablePlan", "block_cuts",
            "block_writes"]
@@ -204,6 +204,7 @@ class Deferred:
             shape=tuple(table.shape), dtype=table.dtype, scheme="exact",
             block_rows=block_rows, fanout=fanout, row_nbytes=rnb, slots=[None] * nblocks,
             segments=list(cbase.segments), planning=threading.Event())
+        self.state.undo = Undo(cbase, None)  # until planned: the base itself
         self.plan = TablePlan(name, self.state, [], np.zeros((0, rnb), dtype=np.uint8), 0,
                               table.numel() * table.element_size(), cbase.slots,
                               self.release)
@@ -262,6 +263,8 @@ class Deferred:
             self.copy_buf = None
         self.plan.writes, self.plan.codes, self.plan.rows_changed = writes, codes, len(changed)
         self.state.slots, self.state.fingerprints = slots, fp
+        if self.state.outcome is None or self.state.outcome.failed is None:
+            self.state.undo = Undo(cbase, changed)  # the rows this plan changed, not the base
 
     def _unplanned(self) -> None:
         self.state.slots = [None] * len(self.state.slots)

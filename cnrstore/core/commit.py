@@ -17,7 +17,7 @@ from typing import Any
 
 from cnrstore.core import lineage
 from cnrstore.core.options import ensure_stored
-from cnrstore.core.put import Plans, Request, marking_failed
+from cnrstore.core.put import Plans, Request
 from cnrstore.core.tablestate import TableState
 from cnrstore.core.writer import StepInfo, write_step
 from cnrstore.errors import StepExists, StepOrderError, WriteFailed
@@ -73,13 +73,10 @@ def _write(h: Any, step: int, plans: list, metadata: dict, stall: float,
         ensure_stored(h.objects, w, h.options)
 
     try:
-        def write() -> StepInfo:
-            for p in plans:  # a non-blocking put's deferred encodes, before the writer lock
-                p.encoded()
-            return write_step(h.objects, step, plans, metadata=metadata,
-                              stall_seconds=stall, lock_timeout=h.options.lock_timeout,
-                              state=state, check=check)
-        return marking_failed(h, write)
+        for p in plans:  # a non-blocking put's deferred encodes, before the writer lock
+            p.encoded()
+        return write_step(h.objects, step, plans, metadata=metadata, stall_seconds=stall,
+                          lock_timeout=h.options.lock_timeout, state=state, check=check)
     except BaseException as exc:
         if isinstance(exc, (WriteFailed, StepOrderError, StepExists)):
             raise

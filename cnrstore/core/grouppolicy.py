@@ -78,12 +78,22 @@ class ListBase:
 class ListedVersion:
     """A block version: ``pieces`` in list order, ``owner[r]`` the position of the piece
     holding row r's newest copy, ``rq[r]`` row r's rate code at that write; ``base`` the
-    full list a delta of it would name (None: none written yet)."""
+    full list a delta of it would name (None: none written yet). ``after``: the version
+    this one was planned on, until this one is written; its base is taken then
+    (``settle_base``), since writing that version may set a new one."""
 
     pieces: list[Piece]
     owner: np.ndarray   # int32[nrows]
     rq: np.ndarray      # uint8[nrows]
     base: ListBase | None = None
+    after: ListedVersion | None = None
+
+    def settle_base(self) -> None:
+        """Before this version is written (the writer writes versions in put order): the
+        base its predecessor left. Taken when planned instead, a put planned while the one
+        before it was still queued named an older base: other ids, by timing."""
+        if self.after is not None:
+            self.base, self.after = self.after.base, None
 
 
 # (piece, positions of its rows among the written rows or None for a span, span start,
@@ -183,7 +193,7 @@ def next_group(old: ListedVersion, changed: np.ndarray, step: int, row_nbytes: i
         listed.append(piece)
         new.append((piece, sel, 0, codes[sel]))
     assert (new_owner >= 0).all()  # every row keeps one newest copy
-    version = ListedVersion(listed, new_owner.astype(np.int32), new_rq, old.base)
+    version = ListedVersion(listed, new_owner.astype(np.int32), new_rq, old.base, after=old)
     return GroupWrite(version, new, rows)
 
 

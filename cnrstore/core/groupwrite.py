@@ -41,6 +41,7 @@ def write_group(w, slot, gw: GroupWrite, codes: np.ndarray, elem: int) -> bool:
         if p.oid is None or not w.has(p.oid):
             return False
         refs.append(p.oid)
+    gw.group.settle_base()
     base = gw.group.base
     delta = (None if base is None or not w.has(base.oid)
              else _delta(base, tuple(refs), pieces, slot.nrows * codes.shape[1]))

@@ -45,7 +45,6 @@ class HandleState:
     lock: threading.RLock = field(default_factory=threading.RLock)
     states: dict[str, TableState] = field(default_factory=dict)
     pending: dict[int, Future] = field(default_factory=dict)
-    failed: bool = False  # a background put failed: its diff bases cannot be trusted
     last_root: str | None = None  # root of this handle's latest queued put
     # The put pipeline (core/put.py): a world of one (core/group.py Solo,
     # core/placement.py WholeTables, core/commit.py EngineCommit; set by CheckpointStore);

@@ -46,7 +46,7 @@ class WholeTables:
         meta_doc = pack_metadata(metadata)
         check_step_fits(step, list(tables), meta_doc, state)  # docs/MANIFEST.md "Memory caps"
         rows_touched = check_touched(touched, tables)
-        forget_failed(h)
+        forget_failed(h, h.objects.has)
         check_new_step(h.objects, h.pending, step)
         rows = h.options.rows
         works = [Work(name, name, 0, -(-int(t.shape[0]) // rows), 0,

@@ -18,9 +18,9 @@ put_tables and put_state; docs/ARCHITECTURE.md, "A put and a get"; docs/MANIFEST
 The rounds among ranks are the handle's ``group`` (core/group.py). The queued-put
 bookkeeping is kept here for both: a handle keeps ``pending`` (each queued step's Future),
 ``states`` (the diff bases the queued puts leave, keyed by ``Work.key``: a table name,
-or (table, first block) on a rank) and ``failed`` (a background put failed, so the bases
-cannot be trusted). A new step must be neither pending nor stored, and not below the
-highest stored or pending step (lineage.py)."""
+or (table, first block) on a rank; a failed put's are put back, ``forget_failed``). A
+new step must be neither pending nor stored, and not below the highest stored or
+pending step (lineage.py)."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ import torch
 
 from cnrstore.core.progress import Reporter
 from cnrstore.core.snapshot import TablePlan, plan_table
-from cnrstore.core.tablestate import TableState
+from cnrstore.core.tablestate import PutOutcome, TableState
 from cnrstore.core.writer import BaseGone, StepInfo
 from cnrstore.errors import NonFiniteValues, StepExists, StepOrderError, ValueOutOfRange
 from cnrstore.format.load import list_steps
@@ -182,8 +182,10 @@ def put(h: Any, step: int, tables: Mapping, *, quant: Any, metadata: Mapping | N
         job = commit.job(h, step, req, plans, widths, time.perf_counter() - req.t0,
                          req.state if req.state is not None else state, error=failed)
         fut: Future = Future()
+        outcome = PutOutcome([p.state for _, _, p in plans])
         try:
-            h.writer.submit(job, cleanup=lambda: _release(plans), future=fut)
+            h.writer.submit(lambda: marking_failed(outcome, job), future=fut,
+                            cleanup=lambda: _release(plans))
         except BaseException:
             for p in _plans(plans):  # the caller does not wait: a borrowed table is not read
                 if p.borrowed is not None:
@@ -321,12 +323,12 @@ def _release(plans: Plans) -> None:
 
 
 def _queued(h: Any, step: int, req: Request, plans: Plans, fut: Future) -> None:
-    # The step will be written, so the next put diffs against it. A Ctrl-C while the
-    # caller waits leaves it to finish; steps() tells whether it committed. A diff base
-    # left on an older committed step stays correct (its blocks exist), only larger.
+    # The next put diffs against this one (a Ctrl-C while the caller waits leaves it to
+    # finish), unless this rank's planning failed: it fails everywhere, bases kept.
     h.last_root = root_name(step)
+    ok = len(plans) == len(req.works)
     queued(h, step, fut, {w.key: p.state for w, (_, _, p) in zip(req.works, plans)},
-           req.tables)
+           req.tables if ok else ())
 
 
 class PutBook(Protocol):
@@ -334,7 +336,6 @@ class PutBook(Protocol):
 
     states: dict[Any, Any]
     pending: dict[int, Future]
-    failed: bool
 
 
 def check_new_step(objects: ObjectStore, pending: Mapping[int, Future], step: int) -> None:
@@ -348,21 +349,30 @@ def check_new_step(objects: ObjectStore, pending: Mapping[int, Future], step: in
         raise StepOrderError(step, highest)
 
 
-def forget_failed(book: PutBook) -> None:
-    """Before planning a put: a background put failed, so its diff bases are not trusted
-    (the put writes every block full)."""
-    if book.failed:
-        book.states.clear()
-        book.failed = False
+def forget_failed(book: PutBook, has: Callable[[bytes], bool] | None = None) -> None:
+    """Before planning a put: a base left by a put that failed, or planned on one, is put
+    back as the last committed put left it, else dropped (seeded again). ``has`` (a world
+    of one): forget the put-back slots whose blocks the store lacks."""
+    for key, state in list(book.states.items()):
+        back = state.trusted()
+        if back is None:
+            del book.states[key]
+        elif back is not state:
+            book.states[key] = back
+            if has is not None:
+                back.drop_missing(has)
 
 
-def marking_failed(book: PutBook, write: Callable[[], T]) -> T:
-    """``write()`` on the writer thread; its failure marks the bases untrusted."""
+def marking_failed(outcome: PutOutcome, write: Callable[[], T]) -> T:
+    """``write()`` on the writer thread; its outcome (set before its Future is done)
+    says whether the bases it leaves are trusted."""
     try:
-        return write()
+        info = write()
     except BaseException:
-        book.failed = True
+        outcome.settle(False)
         raise
+    outcome.settle(True)
+    return info
 
 
 def queued(book: PutBook, step: int, fut: Future, states: Mapping[Any, Any],

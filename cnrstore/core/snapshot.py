@@ -29,7 +29,7 @@ from cnrstore.codec.quantize import (
 from cnrstore.core.blockplan import FULL, PATCH, BlockWrite, Deferred, TablePlan, block_writes
 from cnrstore.core.grouppolicy import grouped_writes
 from cnrstore.core.hostcodes import HostBuffers, encode_checked, gather_encode, snapshot_rows
-from cnrstore.core.tablestate import TableState
+from cnrstore.core.tablestate import TableState, Undo
 from cnrstore.errors import NonFiniteValues
 
 __all__ = ["BlockWrite", "TablePlan", "HostBuffers", "plan_table", "FULL", "PATCH"]
@@ -106,6 +106,8 @@ def plan_table(name: str, table: torch.Tensor, *, scheme: str, base: TableState 
     put), which the chain policy spreads bounds by (chainpolicy.py)."""
     if base is not None:
         base.settle()  # a deferred plan of the last put: the writer fills it in first
+        if base.untracked:  # the caller tracked rows since a put that failed: not enough
+            kwargs["touched"] = None
     width = math.prod(table.shape[1:])
     if wide is None:
         wide = (
@@ -234,6 +236,8 @@ def _plan_table(
         segments=list(cbase.segments) if cbase is not None else [],
         reader=cbase.reader if cbase is not None else None,
     )
+    if cbase is not None and cbase.fingerprints is not None and rows >= cbase.rows:
+        state.undo = Undo(cbase, changed)  # back to the base, should this put fail
     logical = table.numel() * table.element_size()
     base_slots = cbase.slots if cbase is not None else None
     nchanged = len(changed) + rows - common if compatible else rows

@@ -26,8 +26,8 @@ import torch
 from cnrstore.codec.cores import thread_pool
 from cnrstore.format.manifest import TableManifest, dtype_name, parse_dtype
 
-__all__ = ["BlockSlot", "DeferredBase", "TableState", "cancel_deferred", "dtype_name",
-           "parse_dtype"]
+__all__ = ["BlockSlot", "DeferredBase", "PutOutcome", "TableState", "Undo", "cancel_deferred",
+           "dtype_name", "parse_dtype"]
 
 
 class BlockSlot:
@@ -149,6 +149,58 @@ def cancel_deferred(owner: object) -> None:
         d.cancel()
 
 
+class PutOutcome:
+    """Whether the put that planned some states committed: ``failed`` None while it is
+    pending, then False or True (set on the writer thread before its Future is done)."""
+
+    __slots__ = ("failed", "states")
+
+    def __init__(self, states: list[TableState]):
+        self.failed: bool | None = None
+        self.states = states
+        for st in states:
+            st.outcome = self
+
+    def settle(self, committed: bool) -> None:
+        self.failed = not committed
+        if committed:  # its states are trusted now: the way back to their bases is dropped
+            for st in self.states:
+                if st.undo is not None:
+                    st.undo.clear()
+                    st.undo = None
+        self.states = []
+
+
+class Undo:
+    """How a state planned by a pending put goes back to its diff base, should that put
+    fail: the base's slots and row count, and the fingerprints the base held for the rows
+    this put changed (a few rows: never a copy of the base's fingerprints). ``base``:
+    the base itself, kept whole (a deferred plan not made yet). The base's own put, while
+    pending, and its Undo chain on."""
+
+    __slots__ = ("slots", "rows", "changed", "was", "base", "base_outcome", "base_undo",
+                 "damaged_blocks", "damaged_ids", "anchor", "cleared")
+
+    def __init__(self, base: TableState, changed: np.ndarray | None):
+        self.slots, self.rows, self.anchor = base.slots, base.rows, base.anchor
+        self.damaged_blocks, self.damaged_ids = base.damaged_blocks, base.damaged_ids
+        self.base: TableState | None = base if changed is None else None
+        self.changed = self.was = None
+        if changed is not None:
+            assert base.fingerprints is not None
+            fps = base.fingerprints
+            self.changed = torch.from_numpy(np.ascontiguousarray(changed, dtype=np.int64))
+            self.was = torch.index_select(fps, 0, self.changed.to(fps.device))
+        pending = base.outcome is not None and base.outcome.failed is not False
+        self.base_outcome = base.outcome if pending else None
+        self.base_undo = base.undo if pending else None
+        self.cleared = False
+
+    def clear(self) -> None:
+        self.cleared = True
+        self.slots, self.changed, self.was, self.base, self.base_undo = [], None, None, None, None
+
+
 @dataclass
 class TableState:
     """Diff base of one table. ``fingerprints`` or ``seed_codes`` (not both) says how the next
@@ -187,6 +239,52 @@ class TableState:
     # plan, snapshot.py): until then its slots and fingerprints are not filled in, and a
     # put that diffs against it waits (``settle``). None: planned when made.
     planning: threading.Event | None = None
+    # The put that planned this state (None: committed, seeded or restored), and how to go
+    # back to its base if that put or one it was planned on fails (``trusted``).
+    outcome: PutOutcome | None = None
+    undo: Undo | None = None
+    # The caller's touched rows of the next put are not relative to this base (the base of
+    # a failed put, put back): that put compares every row.
+    untracked: bool = False
+
+    def trusted(self) -> TableState | None:
+        """This state, or where a put it comes from failed, the base that put was planned
+        on, as the last committed put left it: a failed put is as if it never happened, so
+        the next put diffs as a handle that never tried it does (same ids). None: that base
+        cannot be rebuilt (it had no fingerprints, or the table shrank): the next put
+        seeds it from the store."""
+        start, failed = self, False
+        ops: list[Undo] = []
+        outcome, undo = self.outcome, self.undo
+        while outcome is not None and outcome.failed is not False:
+            failed = failed or outcome.failed is True
+            if undo is None or undo.cleared:
+                return None if failed else self
+            if undo.base is not None:
+                start, ops = undo.base, []
+                outcome, undo = start.outcome, start.undo
+            else:
+                ops.append(undo)
+                outcome, undo = undo.base_outcome, undo.base_undo
+        if not failed:
+            return self
+        if not ops:
+            start.untracked = True
+            return start
+        if start.fingerprints is None:
+            return None
+        fp = start.fingerprints.clone()  # a put planned on ``start`` may still read it
+        for u in ops:
+            if u.changed is None or u.was is None:  # cleared meanwhile: never a wrong base
+                return None
+            fp.index_copy_(0, u.changed.to(fp.device), u.was.to(fp.device))
+            fp = fp[:u.rows]
+        last = ops[-1]
+        return TableState(shape=(last.rows, *self.shape[1:]), dtype=self.dtype,
+                          scheme=self.scheme, block_rows=self.block_rows, fanout=self.fanout,
+                          row_nbytes=self.row_nbytes, slots=list(last.slots), fingerprints=fp,
+                          damaged_blocks=last.damaged_blocks, damaged_ids=last.damaged_ids,
+                          anchor=last.anchor, reader=self.reader, untracked=True)
 
     def settle(self) -> None:
         """Wait until the writer has planned this state (a deferred plan): its slots and

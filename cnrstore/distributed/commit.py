@@ -18,7 +18,7 @@ from typing import Any
 from cnrstore.codec.quantize import row_nbytes, scheme_bits
 from cnrstore.core.lineage import commit_check
 from cnrstore.core.options import ensure_stored
-from cnrstore.core.put import Plans, Request, marking_failed
+from cnrstore.core.put import Plans, Request
 from cnrstore.core.snapshot import TablePlan
 from cnrstore.core.tablestate import BlockSlot, TableState
 from cnrstore.core.writer import StepInfo, write_blocks, write_nodes
@@ -103,7 +103,7 @@ class CoordinatorCommit:
     def plan_options(self, ds: DistributedStore, req: Request, *, blocking: bool,
                      keep_full: bool) -> list[dict]:
         # A non-blocking put's tracked runs are planned on the writer thread, their rows
-        # copied in the stall (blockplan.py, ``Deferred``; issue 26); ``_write_round``
+        # copied in the stall (blockplan.py, ``Deferred``; issue 26); ``write``
         # plans them before its first round, so a failure there fails every rank's step.
         return [{"defer_plan": not blocking} for _ in req.works]
 
@@ -151,10 +151,6 @@ def _local(err: BaseException | None, step: int) -> BaseException | None:
 
 def write(ds: DistributedStore, job: Step) -> StepInfo:
     """The writer round of one step, on every rank in step order (ds.wcomm)."""
-    return marking_failed(ds, lambda: _write_round(ds, job))
-
-
-def _write_round(ds: DistributedStore, job: Step) -> StepInfo:
     comm = ds.wcomm
     err: BaseException | None = None
     coll = None

@@ -133,8 +133,10 @@ class RowGrid:
             # each on every rank for every rank's tables (the tracker's rows, issue 26).
             moved = {n: layout.moved_ids(lt, rows_touched[n], R).numpy()
                      for n, lt in local.items() if n in rows_touched and not lt.plain}
-            have = sorted(k for k in ds.states if isinstance(k, tuple)) \
-                if opt.seed_from_store else []
+            # A base is a run's only for the same blocks: a run that grew or shrank with
+            # the shards is seeded, as its blocks' owner would diff them in one process.
+            have = sorted((*k, len(st.slots)) for k, st in ds.states.items()
+                          if isinstance(k, tuple)) if opt.seed_from_store else []
             mine = ({n: t.spec() for n, t in local.items()}, args, sorted(rows_touched),
                     None if structure is None else structure.doc, moved, have)
         except BaseException as exc:
@@ -218,7 +220,12 @@ class RowGrid:
         # A rank cannot read the store while it writes: its collector is told which
         # records of the seeded bases were unreadable (distributed/commit.py).
         req.damaged = frozenset().union(*(b.damaged_ids for b in seeded.values()))
-        return {w.key: ds.states.get(w.key) or seeded.get(w.key) for w in req.works}
+        out: dict[Any, TableState | None] = {}
+        for w in req.works:
+            own = ds.states.get(w.key)
+            fits = own is not None and len(own.slots) == w.b1 - w.b0  # see ``have``
+            out[w.key] = own if fits else seeded.get(w.key)
+        return out
 
 
 def _check_round(comm: Any, err: BaseException | None, mine: Any, cached: bool | None
@@ -255,7 +262,7 @@ def _announced(got: tuple, rank: int, gtables: dict, R: int, seed: bool
             msgs.append((dest, name, a, n, ids))
         if seed:
             needs += [(name, run.b0, run.b1) for run in layout.runs(gt, R)
-                      if run.rank == rank and (name, run.b0) not in have]
+                      if run.rank == rank and (name, run.b0, run.b1 - run.b0) not in have]
     return msgs, needs
 
 
@@ -292,6 +299,10 @@ def _seed(ds: DistributedStore, needs: list[list], gtables: dict, schemes: dict
     A damaged or unreadable store never stops a checkpoint: those runs get no base."""
     if not any(needs):
         return {}
+    # The newest stored version once the queued puts are in, as a world of one seeds
+    # (core/placement.py): read with one still queued, a base (so the ids) depended on
+    # whether the writer had committed it yet. Every rank sees the same needs.
+    ds.drain()
     opt = ds.options
     answers = ds.group.from_coordinator("put_tables: seed",
                                         lambda: seed.answer(ds.local.objects, needs))

@@ -118,7 +118,6 @@ class DistributedStore:
         self.last_skeletons: list | None = None
         self.segments: dict[str, list] = {}      # coordinator's segment id cache per table
         self.pending: dict[int, Future] = {}
-        self.failed = False
         self.last_root: str | None = None   # root of this rank's latest queued put
         self.closed = False
         # The put pipeline (core/put.py): its rounds, where the rows are planned, and

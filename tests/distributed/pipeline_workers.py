@@ -42,3 +42,30 @@ def put_over_rot(rank: int, world: int, path: str, table: torch.Tensor, scheme: 
                               rows=table.shape[0])
         info = s.put_tables(3, {"t": mine}, quant=scheme)
         return info.tables, info.rewritten_blocks
+
+
+CUTS = [[0, 77, 200], [0, 130, 200], [0, 40, 200], [0, 100, 200]]
+
+
+def moving_steps(steps: int = 8) -> list[torch.Tensor]:
+    """A table whose rows change a little at every step (the same on every rank)."""
+    g = torch.Generator().manual_seed(1)
+    t = torch.randn(200, 4, generator=g)
+    out = [t.clone()]
+    for _ in range(steps - 1):
+        t[torch.randint(0, 200, (12,), generator=g)] += 1.0
+        out.append(t.clone())
+    return out
+
+
+def moving_queued(rank: int, world: int, path: str):
+    """Non-blocking puts, none waited for before the next, whose shards move at every
+    step (CUTS), so blocks change owner and their runs are seeded from the store: the
+    step ids."""
+    futs = []
+    with _open(path) as s:
+        for step, t in enumerate(moving_steps()):
+            c = CUTS[step % len(CUTS)]
+            mine = cnrstore.Shard(t[c[rank]:c[rank + 1]], row_offset=c[rank], rows=200)
+            futs.append(s.put_tables(step, {"t": mine}, blocking=False))
+        return [f.result().tables for f in futs]

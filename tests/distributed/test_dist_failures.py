@@ -18,6 +18,7 @@ from dist_workers import (
     killed,
     late_failure,
 )
+from failure_workers import failed_then_tracked, small_steps
 
 import cnrstore
 from engine.packs.pack import list_pack_files
@@ -149,3 +150,32 @@ def test_a_deferred_plan_failing_on_one_rank_fails_the_step_everywhere(tmp_path)
         assert "dist.rank_after_plan" in err[1]
         assert steps == [1, 3] and same and ok
     assert res[0][0] == res[1][0]
+
+
+@pytest.mark.parametrize("quant,delta,victim,point", [
+    ("int8", 1e-3, 1, "dist.rank_before_seal"),
+    ("exact", 1.0, 1, "dist.rank_after_plan"),   # a deferred plan, never made
+    pytest.param("int8", 1e-3, 0, "dist.coord_before_commit", marks=pytest.mark.slow)])
+def test_the_puts_after_a_failed_step_store_the_ids_of_a_job_that_never_tried_it(
+        tmp_path, quant, delta, victim, point):
+    # A failed put is as if never tried: every rank diffs the next tracker-driven put
+    # against the bases the last committed put left (docs/ARCHITECTURE.md, "Determinism"),
+    # so its ids are those of a single process that put the other steps alone, its
+    # touched rows covering every change since its last put.
+    res = run(2, failed_then_tracked, str(tmp_path / "s"), quant, delta, point, victim)
+    for r in res:
+        assert not isinstance(r, Failed), r.trace
+    steps = small_steps(delta)
+    want = {}
+    with cnrstore.open(tmp_path / "o", block_rows=BLOCK_ROWS, fanout=FANOUT) as o:
+        want[0] = o.put_tables(0, {"t": steps[0][0]}, quant=quant).tables
+        since = []
+        for step, (t, touched) in enumerate(steps[1:], start=1):
+            since.append(touched)
+            if step != 2:
+                want[step] = o.put_tables(step, {"t": t}, quant=quant,
+                                          touched={"t": torch.cat(since)}).tables
+                since = []
+    for ids, same, ok in res:
+        assert ids.pop(2) == "WriteFailed"
+        assert ids == want and ok and same in (None, True)

@@ -77,3 +77,18 @@ def test_a_rotten_base_block_is_not_reused_by_a_distributed_put(tmp_path, scheme
     for r, res in enumerate(got):
         assert not isinstance(res, Failed), res.trace
         assert res[1] == 1, f"rank {r}: {res}"  # counted as a single-process put counts
+
+
+def test_queued_puts_seed_moved_blocks_once_the_puts_before_them_are_in(tmp_path):
+    # A block whose owner changed is seeded from the store (its new owner holds no base
+    # of it). Read while the puts before were still queued, the base was an older step's
+    # (or none), and the ids depended on how far the writer had got; read after them, as
+    # a world of one seeds, they are the ids of a single process's puts.
+    from pipeline_workers import moving_queued, moving_steps
+
+    res = run(2, moving_queued, str(tmp_path / "d"))
+    for r in res:
+        assert not isinstance(r, Failed), r.trace
+    with cnrstore.open(tmp_path / "o", **OPTS) as o:
+        want = [o.put_tables(step, {"t": t}).tables for step, t in enumerate(moving_steps())]
+    assert res[0] == res[1] == want

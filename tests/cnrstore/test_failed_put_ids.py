@@ -1,0 +1,122 @@
+"""A put that fails changes no later id (docs/ARCHITECTURE.md, "Determinism"; docs/MANIFEST.md,
+"Failed background put"): after it, the handle's tracker-driven puts store every table
+under the ids a handle that never tried it stores, whatever the scheme and whether bases
+are seeded from the store, and the stored rows are right even though the caller's
+tracker was consumed by the failed put.
+
+The background writer fails for real: the test holds the engine's writer lock (as another
+process's writer would) past ``lock_timeout``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import cnrstore
+
+OPTS = {"block_rows": 32, "fanout": 4}
+
+
+def _steps(delta: float, n: int = 7) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """(table, rows touched since the step before) of a run whose hot rows change again
+    and again, by ``delta`` (small: an int8 row's codes often stay the same), the touched
+    rows also holding some looked up and not changed."""
+    g = torch.Generator().manual_seed(11)
+    t = torch.randn(200, 8, generator=g)
+    hot = torch.randint(0, 200, (30,), generator=g)
+    out: list[tuple[torch.Tensor, torch.Tensor | None]] = [(t.clone(), None)]
+    for _ in range(n - 1):
+        changed = torch.cat([hot[torch.randint(0, 30, (10,), generator=g)],
+                             torch.randint(0, 200, (4,), generator=g)])
+        t[changed] += delta * torch.randn(len(changed), 8, generator=g)
+        out.append((t.clone(), torch.cat([changed, torch.randint(0, 200, (3,), generator=g)])))
+    return out
+
+
+def _never_failed(path, run, skip: set[int], quant: str, seed: bool) -> dict[int, dict]:
+    """The ids of a handle that puts every step but ``skip``, its touched rows covering
+    every change since its last put."""
+    ids = {}
+    with cnrstore.open(path, seed_from_store=seed, **OPTS) as s:
+        ids[0] = s.put_tables(0, {"t": run[0][0]}, quant=quant).tables
+        since: list[torch.Tensor] = []
+        for step, (t, touched) in enumerate(run[1:], start=1):
+            assert touched is not None
+            since.append(touched)
+            if step in skip:
+                continue
+            fut = s.put_tables(step, {"t": t}, quant=quant, blocking=False,
+                               touched={"t": torch.cat(since)})
+            ids[step] = fut.result(timeout=60).tables
+            since = []
+    return ids
+
+
+@pytest.mark.parametrize("quant,delta,seed", [
+    ("int8", 1e-3, True),    # a seeded lossy base compares codes, the handle's own values
+    ("exact", 1.0, False),   # without seeding, a dropped base wrote every block full
+    ("exact", 1.0, True),
+])
+def test_the_puts_after_a_failed_put_store_the_ids_of_a_handle_that_never_tried_it(
+        tmp_path, quant, delta, seed):
+    run = _steps(delta)
+    ids = {}
+    with cnrstore.open(tmp_path / "s", seed_from_store=seed, lock_timeout=0.2, **OPTS) as s:
+        ids[0] = s.put_tables(0, {"t": run[0][0]}, quant=quant).tables
+        for step, (t, touched) in enumerate(run[1:], start=1):
+            if step == 2:
+                held = s.objects.writer()
+                try:
+                    fut = s.put_tables(step, {"t": t}, quant=quant, blocking=False,
+                                       touched={"t": touched})
+                    with pytest.raises(cnrstore.WriteFailed):
+                        fut.result(timeout=60)
+                finally:
+                    held.abort()
+                continue
+            # The tracker was consumed by the failed put: the rows it changed are not
+            # touched again, and must still be stored.
+            fut = s.put_tables(step, {"t": t}, quant=quant, blocking=False,
+                               touched={"t": touched})
+            ids[step] = fut.result(timeout=60).tables
+        assert s.steps() == [0, 1, 3, 4, 5, 6]
+        got = s.get_tables(6)["t"]
+        assert s.verify().ok
+    assert ids == _never_failed(tmp_path / "o", run, {2}, quant, seed)
+    with cnrstore.open(tmp_path / "whole", **OPTS) as o:
+        o.put_tables(1, {"t": run[-1][0]}, quant=quant)
+        assert torch.equal(got, o.get_tables(1)["t"])
+
+
+def test_a_put_planned_after_a_failure_keeps_its_base_when_an_earlier_put_fails_later(
+        tmp_path):
+    # Put 2 fails; put 3 was planned on it and fails after put 4, planned once put 2's
+    # failure was known, so on step 1's base: put 4's base is not one of theirs and the
+    # puts after it diff against it, as a handle that never tried 2 and 3 does.
+    run = _steps(1e-3)
+    ids = {}
+    with cnrstore.open(tmp_path / "s", lock_timeout=1.0, **OPTS) as s:
+        ids[0] = s.put_tables(0, {"t": run[0][0]}, quant="int8").tables
+        ids[1] = s.put_tables(1, {"t": run[1][0]}, quant="int8", blocking=False,
+                              touched={"t": run[1][1]}).result(timeout=60).tables
+        held = s.objects.writer()
+        try:
+            f2 = s.put_tables(2, {"t": run[2][0]}, quant="int8", blocking=False,
+                              touched={"t": run[2][1]})
+            f3 = s.put_tables(3, {"t": run[3][0]}, quant="int8", blocking=False,
+                              touched={"t": run[3][1]})
+            with pytest.raises(cnrstore.WriteFailed):
+                f2.result(timeout=60)
+            f4 = s.put_tables(4, {"t": run[4][0]}, quant="int8", blocking=False,
+                              touched={"t": run[4][1]})
+        finally:
+            held.abort()
+        with pytest.raises(cnrstore.WriteFailed):
+            f3.result(timeout=60)
+        ids[4] = f4.result(timeout=60).tables
+        for step in (5, 6):
+            ids[step] = s.put_tables(step, {"t": run[step][0]}, quant="int8", blocking=False,
+                                     touched={"t": run[step][1]}).result(timeout=60).tables
+        assert s.steps() == [0, 1, 4, 5, 6] and s.verify().ok
+    assert ids == _never_failed(tmp_path / "o", run, {2, 3}, "int8", True)
