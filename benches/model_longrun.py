@@ -48,7 +48,8 @@ Parts, all on the rows benches/workload.py changes (Zipf s=1.05, the bench's two
     .venv/bin/python benches/model_longrun.py --steps 300 --no-bounds --row-bytes 68 \
         --pieces 0.02:0.04,0.1,0.3                           # the same, int8 codes
     .venv/bin/python benches/model_longrun.py --grouped --steps 300 --row-bytes 68
-        # the grouped layout's own code replayed (grouped_replay), int8 codes
+        # the grouped layout's own code replayed (grouped_replay), int8 codes, at the
+        # layout's block_rows (core/options.py GROUPED_BLOCK_ROWS; --block-rows N to vary)
 """
 
 from __future__ import annotations

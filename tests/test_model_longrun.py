@@ -102,7 +102,7 @@ def test_bench_scale_figures_of_the_design_doc():
     assert r["last45"] >= 1 + model_longrun.bound(0.05, read=0.48)[0]
 
 
-@pytest.mark.slow  # ~2-3 min: the grouped layout's own code on the bench's rows, int8
+@pytest.mark.slow  # ~80 s: the grouped layout's own code on the bench's rows, int8
 def test_grouped_layout_int8_long_run_figures():
     """Issue 27's long-run target for int8 rows in the replay of the layout's own code
     (grouped_replay, its defaults: 131072-row blocks, ALPHA 0.01, nine classes): 1% Zipf
