@@ -48,7 +48,8 @@ Parts, all on the rows benches/workload.py changes (Zipf s=1.05, the bench's two
     .venv/bin/python benches/model_longrun.py --steps 300 --no-bounds --row-bytes 68 \
         --pieces 0.02:0.04,0.1,0.3                           # the same, int8 codes
     .venv/bin/python benches/model_longrun.py --grouped --steps 300 --row-bytes 68
-        # the grouped layout's own code replayed (grouped_replay), int8 codes
+        # the grouped layout's own code replayed (grouped_replay), int8 codes, at the
+        # layout's block_rows (core/options.py GROUPED_BLOCK_ROWS; --block-rows N to vary)
 """
 
 from __future__ import annotations
@@ -530,12 +531,14 @@ def grouped_replay(rows_of: list[list[np.ndarray]], row_nbytes: int, elem: int =
     core/groupwrite.py write_group, the code a store runs) replayed per block on the
     changed rows, without a store: per step the bytes of every object it writes (payload,
     OBJECT_DISK each, REF per ref) and COMMIT_DISK, per version the listed objects'
-    bytes (with RECORD each) and its list node(s) as a restore reads them."""
+    bytes (with RECORD each) and its list node(s) as a restore reads them. ``block``:
+    rows a block (default the grouped layout's, core/options.py GROUPED_BLOCK_ROWS)."""
     from cnrstore.core import groupwrite
     from cnrstore.core.grouppolicy import fresh_group, next_group
+    from cnrstore.core.options import GROUPED_BLOCK_ROWS
     rows = ROWS if rows is None else rows
     tables = TABLES if tables is None else tables
-    block = BLOCK if block is None else block
+    block = GROUPED_BLOCK_ROWS if block is None else block
     steps = len(rows_of[0])
     cost = np.full(steps, float(COMMIT_DISK))
     read = np.zeros(steps)
@@ -604,7 +607,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fractions", type=float, nargs="+", default=[0.01, 0.05])
     ap.add_argument("--budget", nargs="+", default=["0.5:1"], metavar="LO:HI")
     ap.add_argument("--merge-share", type=float, default=0.5)
-    ap.add_argument("--block-rows", type=int, default=BLOCK)
+    ap.add_argument("--block-rows", type=int, default=None,
+                    help=f"rows a block (default {BLOCK}; --grouped: the grouped layout's, "
+                         "core/options.py GROUPED_BLOCK_ROWS)")
     ap.add_argument("--ratio", type=float, nargs="+", default=[1.0],
                     help="compression ratio of patch bytes (1.18: exact rows in planes)")
     ap.add_argument("--hot", nargs="*", default=[], metavar="ALPHA:ENTER:LEAVE",
@@ -639,7 +644,7 @@ def main(argv: list[str] | None = None) -> int:
             work = Workload(frac, "zipf")
             rows_of = [[changed_rows(ROWS, work, seed=0, step=s, table_index=t)
                         for s in range(1, a.steps + 1)] for t in range(TABLES)]
-            g = grouped_replay(rows_of, a.row_bytes)
+            g = grouped_replay(rows_of, a.row_bytes, block=a.block_rows)
             last = ", ".join(f"last 45 of {k[7:]} {v:.3f}x (max/median {g['spike' + k[4:]]:.2f}x)"
                              for k, v in g.items() if k.startswith("last45@"))
             print(f"{work.name}: grouped, {a.row_bytes}-byte rows: write/raw {last}, all "
@@ -647,7 +652,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{g['copies']:.3f}x; " + ", ".join(f"{k} {v:.3f}" for k, v in
                                                       g["parts"].items()), flush=True)
         return 0
-    BLOCK, RNB = a.block_rows, a.row_bytes
+    BLOCK, RNB = a.block_rows or BLOCK, a.row_bytes
     for frac in a.fractions:
         work = Workload(frac, "zipf")
         rows_of = [[changed_rows(ROWS, work, seed=0, step=s, table_index=t)

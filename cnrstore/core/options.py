@@ -24,14 +24,19 @@ from cnrstore.format.load import list_steps, load_step, load_table
 from engine import ObjectStore, StoreError, Writer
 
 __all__ = ["Options", "OptionsMismatch", "DATA_OPTIONS", "OPTIONS_ROOT", "KIND_OPTIONS",
-           "positive", "make_options", "read_stored", "resolve_stored", "ensure_stored",
-           "LAYOUTS"]
+           "GROUPED_BLOCK_ROWS", "positive", "default_block_rows", "make_options", "read_stored",
+           "resolve_stored", "ensure_stored", "LAYOUTS"]
 
 OPTIONS_ROOT = "cnrstore/options"
 KIND_OPTIONS = 6
 # The options that describe stored data (persisted, checked on open).
 DATA_OPTIONS = ("block_rows", "fanout")
 _DEFAULT_GEOMETRY = {"block_rows": 32768, "fanout": 256}
+# A new store of the grouped layout takes larger blocks: a block's row objects and list
+# node per step cost the same whatever its rows, and at 1% changed int8 rows those were
+# 0.13x of a step's changed bytes at 32768 rows (docs/design/grouped-layout.md, "Larger
+# blocks and five classes"). Stores that hold their block_rows keep it.
+GROUPED_BLOCK_ROWS = 131072
 # The block layouts (the first the default); stored only when not the default, so the
 # options object of a store of chains is what it always was.
 LAYOUTS = ("chains", "grouped")
@@ -45,8 +50,8 @@ class OptionsMismatch(InvalidInput):
 class Options:
     """Options of a store handle (``cnrstore.open(path, **options)`` takes the same names).
 
-    - ``block_rows`` (stored; new store 32768): rows per block, the unit of patching and of
-      partial restores. None: the store's.
+    - ``block_rows`` (stored; new store 32768, 131072 of the grouped layout): rows per
+      block, the unit of patching and of partial restores. None: the store's.
     - ``fanout`` (stored; new store 256): blocks per segment node. None: the store's.
     - ``max_chain`` (64): most patches above a full block; each block's own cap lies in
       [max_chain/2, max_chain] (core/chainpolicy.py), so blocks are not rewritten at once.
@@ -103,7 +108,7 @@ class Options:
     @property
     def rows(self) -> int:
         """block_rows of a resolved options object (never None)."""
-        return self.block_rows or _DEFAULT_GEOMETRY["block_rows"]
+        return self.block_rows or default_block_rows(self.layout)
 
     @property
     def block_layout(self) -> str:
@@ -114,6 +119,11 @@ class Options:
     def segment_fanout(self) -> int:
         """fanout of a resolved options object (never None)."""
         return self.fanout or _DEFAULT_GEOMETRY["fanout"]
+
+
+def default_block_rows(layout: str | None) -> int:
+    """block_rows of a new store of ``layout`` (None: the default layout)."""
+    return GROUPED_BLOCK_ROWS if layout == "grouped" else _DEFAULT_GEOMETRY["block_rows"]
 
 
 def positive(name: str, value, *, lo: int = 1) -> int:
@@ -179,6 +189,8 @@ def resolve_stored(objects: ObjectStore, options: Options) -> Options:
                 f"{name}={given} was given, but the store was written with {name}={have}; "
                 f"leave {name} out to use the store's")
         resolved[name] = given or have or _DEFAULT_GEOMETRY.get(name, LAYOUTS[0])
+    if not (options.block_rows or stored.get("block_rows")):
+        resolved["block_rows"] = default_block_rows(resolved["layout"])
     threads = options.decode_threads or min(8, os.cpu_count() or 1)
     return dataclasses.replace(options, decode_threads=threads,
                                block_rows=resolved["block_rows"], fanout=resolved["fanout"],

@@ -12,7 +12,7 @@ import torch
 
 import cnrstore
 import engine
-from cnrstore.core.options import OPTIONS_ROOT, Options, OptionsMismatch
+from cnrstore.core.options import GROUPED_BLOCK_ROWS, OPTIONS_ROOT, Options, OptionsMismatch
 
 
 def _put(path, **opts):
@@ -93,6 +93,30 @@ def test_a_store_without_stored_options_keeps_its_steps_geometry(tmp_path):
         assert s.options.block_rows == 4096
     with cnrstore.open(tmp_path / "e") as s:  # a new store takes the default
         assert s.options.block_rows == 32768
+
+
+def test_a_new_grouped_store_takes_larger_blocks_and_an_old_one_keeps_its_own(tmp_path):
+    """The grouped layout's new stores take GROUPED_BLOCK_ROWS rows a block (its per-block
+    objects a step cost less there: docs/design/grouped-layout.md); a grouped store that
+    stored 32768 keeps it when reopened without block_rows, and so does a chains store."""
+    t = torch.randn(200_000, 2, generator=torch.Generator().manual_seed(5))
+    with cnrstore.open(tmp_path / "g", layout="grouped") as s:
+        assert s.options.block_rows == GROUPED_BLOCK_ROWS == 131072
+        s.put_tables(1, {"t": t})
+    with cnrstore.open(tmp_path / "g") as s:
+        assert (s.options.block_rows, s.options.layout) == (GROUPED_BLOCK_ROWS, "grouped")
+        t[7] += 1
+        info = s.put_tables(2, {"t": t})
+        assert info.rewritten_blocks == 0 and info.rows_written == {"t": 1}
+        assert torch.equal(s.get_tables(2)["t"], t)
+    with cnrstore.open(tmp_path / "o", layout="grouped", block_rows=32768) as s:
+        s.put_tables(1, {"t": t})
+    with cnrstore.open(tmp_path / "o") as s:
+        assert (s.options.block_rows, s.options.layout) == (32768, "grouped")
+    with cnrstore.open(tmp_path / "c", layout="chains") as s:
+        assert s.options.block_rows == 32768
+    assert Options(layout="grouped").rows == GROUPED_BLOCK_ROWS
+    assert Options().rows == Options(layout="chains").rows == 32768
 
 
 def test_the_memory_twin_stores_options_too():
