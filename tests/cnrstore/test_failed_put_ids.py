@@ -10,8 +10,12 @@ process's writer would) past ``lock_timeout``.
 
 from __future__ import annotations
 
+from concurrent.futures import Future
+
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import cnrstore
 
@@ -120,3 +124,54 @@ def test_a_put_planned_after_a_failure_keeps_its_base_when_an_earlier_put_fails_
                                      touched={"t": run[step][1]}).result(timeout=60).tables
         assert s.steps() == [0, 1, 4, 5, 6] and s.verify().ok
     assert ids == _never_failed(tmp_path / "o", run, {2, 3}, "int8", True)
+
+
+@pytest.mark.slow
+@settings(max_examples=30, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(quant=st.sampled_from(["exact", "int8"]),
+       seed=st.booleans(),
+       steps=st.lists(st.tuples(st.booleans(), st.booleans(), st.booleans()),
+                      min_size=2, max_size=8))
+def test_any_run_with_failed_puts_stores_what_a_handle_that_skipped_them_stores(
+        tmp_path_factory, quant, seed, steps):
+    """A property over random runs: each step (fails, tracks its rows, waited at once) puts
+    the table non-blocking; a failed put is the writer's (its lock held past
+    ``lock_timeout``), the caller's tracker consumed by it as by any put. Every committed
+    step stores the ids that a handle putting only the committed steps, blocking and
+    untracked, stores, and the newest step's rows are that handle's."""
+    path = tmp_path_factory.mktemp("run")
+    run = _steps(1e-3 if quant == "int8" else 1.0, n=len(steps) + 1)
+    ids: dict[int, dict] = {}
+    pending: dict[int, Future] = {}
+    with cnrstore.open(path / "s", seed_from_store=seed, lock_timeout=0.2, **OPTS) as s:
+        ids[0] = s.put_tables(0, {"t": run[0][0]}, quant=quant).tables
+        for step, (fails, tracked, wait) in enumerate(steps, start=1):
+            t, touched = run[step]
+            kw = {"touched": {"t": touched}} if tracked else {}
+            if fails:
+                for k, f in pending.items():  # only this put fails: the queue first
+                    ids[k] = f.result(timeout=60).tables
+                pending.clear()
+                held = s.objects.writer()
+                try:
+                    fut = s.put_tables(step, {"t": t}, quant=quant, blocking=False, **kw)
+                    with pytest.raises(cnrstore.WriteFailed):
+                        fut.result(timeout=60)
+                finally:
+                    held.abort()
+                continue
+            pending[step] = s.put_tables(step, {"t": t}, quant=quant, blocking=False, **kw)
+            if wait:
+                ids[step] = pending.pop(step).result(timeout=60).tables
+        for k, f in pending.items():
+            ids[k] = f.result(timeout=60).tables
+        committed = sorted(ids)
+        assert s.steps() == committed
+        got = s.get_tables(committed[-1])["t"]
+    want = {}
+    with cnrstore.open(path / "o", seed_from_store=seed, **OPTS) as o:
+        for step in committed:
+            want[step] = o.put_tables(step, {"t": run[step][0]}, quant=quant).tables
+        assert torch.equal(got, o.get_tables(committed[-1])["t"])
+    assert ids == want
