@@ -110,3 +110,20 @@ def on_kernel_path(path: str, fallback: str):
     if native.kernel(wait=True) is None:
         pytest.skip(f"no native kernel here: {native.status()['reason']}")
     yield path
+
+
+def tracked_run(delta: float, n: int, *, seed: int, width: int
+                ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """(table, rows touched since the step before) of an ``n``-step run of a 200-row table
+    whose hot rows change by ``delta`` again and again (small: an int8 row's codes often
+    stay the same), the touched rows also holding some looked up and not changed."""
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randn(200, width, generator=g)
+    hot = torch.randint(0, 200, (30,), generator=g)
+    out: list[tuple[torch.Tensor, torch.Tensor | None]] = [(t.clone(), None)]
+    for _ in range(n - 1):
+        changed = torch.cat([hot[torch.randint(0, 30, (10,), generator=g)],
+                             torch.randint(0, 200, (4,), generator=g)])
+        t[changed] += delta * torch.randn(len(changed), width, generator=g)
+        out.append((t.clone(), torch.cat([changed, torch.randint(0, 200, (3,), generator=g)])))
+    return out

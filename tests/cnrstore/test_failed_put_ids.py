@@ -14,6 +14,7 @@ from concurrent.futures import Future
 
 import pytest
 import torch
+from ckpt_util import tracked_run
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -23,19 +24,7 @@ OPTS = {"block_rows": 32, "fanout": 4}
 
 
 def _steps(delta: float, n: int = 7) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-    """(table, rows touched since the step before) of a run whose hot rows change again
-    and again, by ``delta`` (small: an int8 row's codes often stay the same), the touched
-    rows also holding some looked up and not changed."""
-    g = torch.Generator().manual_seed(11)
-    t = torch.randn(200, 8, generator=g)
-    hot = torch.randint(0, 200, (30,), generator=g)
-    out: list[tuple[torch.Tensor, torch.Tensor | None]] = [(t.clone(), None)]
-    for _ in range(n - 1):
-        changed = torch.cat([hot[torch.randint(0, 30, (10,), generator=g)],
-                             torch.randint(0, 200, (4,), generator=g)])
-        t[changed] += delta * torch.randn(len(changed), 8, generator=g)
-        out.append((t.clone(), torch.cat([changed, torch.randint(0, 200, (3,), generator=g)])))
-    return out
+    return tracked_run(delta, n, seed=11, width=8)
 
 
 def _never_failed(path, run, skip: set[int], quant: str, seed: bool) -> dict[int, dict]:

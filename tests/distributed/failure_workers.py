@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 import torch
+from ckpt_util import tracked_run
 from dist_util import BLOCK_ROWS, FANOUT
 from dist_workers import _mine
 
@@ -13,19 +14,8 @@ import cnrstore
 
 
 def small_steps(delta: float, n: int = 6) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-    """(table, rows touched since the step before) of a run whose hot rows change by
-    ``delta`` again and again (small: an int8 row's codes often stay the same), the touched
-    rows also holding some looked up and not changed: the same on every rank."""
-    g = torch.Generator().manual_seed(5)
-    t = torch.randn(200, 4, generator=g)
-    hot = torch.randint(0, 200, (30,), generator=g)
-    out: list[tuple[torch.Tensor, torch.Tensor | None]] = [(t.clone(), None)]
-    for _ in range(n - 1):
-        changed = torch.cat([hot[torch.randint(0, 30, (10,), generator=g)],
-                             torch.randint(0, 200, (4,), generator=g)])
-        t[changed] += delta * torch.randn(len(changed), 4, generator=g)
-        out.append((t.clone(), torch.cat([changed, torch.randint(0, 200, (3,), generator=g)])))
-    return out
+    """The run every rank puts (ckpt_util.tracked_run): the same on every rank."""
+    return tracked_run(delta, n, seed=5, width=4)
 
 
 def failed_then_tracked(rank: int, world: int, path: str, quant: str, delta: float,
