@@ -26,6 +26,7 @@ def write_group(w, slot, gw: GroupWrite, codes: np.ndarray, elem: int) -> bool:
     objects (``codes``: the block's written rows), then its list node, whose id goes
     into ``slot``. False (the list not written) when a listed object of an earlier put
     is missing."""
+    gw.group.settle_base()  # first: a version not written must not keep its predecessor
     for piece, sel, start, rates in gw.new:
         if sel is None:
             payload = encode_rows(slot.nrows, codes[start:start + piece.count],
@@ -41,7 +42,6 @@ def write_group(w, slot, gw: GroupWrite, codes: np.ndarray, elem: int) -> bool:
         if p.oid is None or not w.has(p.oid):
             return False
         refs.append(p.oid)
-    gw.group.settle_base()
     base = gw.group.base
     delta = (None if base is None or not w.has(base.oid)
              else _delta(base, tuple(refs), pieces, slot.nrows * codes.shape[1]))
