@@ -150,8 +150,10 @@ def _check_all_or_nothing(path, full, k) -> list[int]:
     return steps
 
 
-@pytest.mark.parametrize("point", ["writer.after_pack_write", "writer.after_pack_fsync",
-                                   "writer.after_index_commit"])
+@pytest.mark.parametrize("point", [  # one point by default, the others with the crash suite
+    pytest.param("writer.after_pack_write", marks=pytest.mark.slow),
+    pytest.param("writer.after_pack_fsync", marks=pytest.mark.slow),
+    "writer.after_index_commit"])
 def test_rollback_killed_at_each_commit_point_is_all_or_nothing(tmp_path, point):
     path, full = tmp_path / "s", [0, 1, 2, 3, 4]
     _fill(path, full)

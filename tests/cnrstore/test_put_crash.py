@@ -41,7 +41,11 @@ def _tables():
 
 
 @pytest.mark.parametrize(
-    "point", ["writer.after_pack_write", "writer.after_pack_fsync", "writer.after_index_commit"]
+    # The point where a pack is durable but not indexed runs by default; the other two
+    # with the crash suite (-m slow).
+    "point", [pytest.param("writer.after_pack_write", marks=pytest.mark.slow),
+              "writer.after_pack_fsync",
+              pytest.param("writer.after_index_commit", marks=pytest.mark.slow)]
 )
 def test_kill_during_put_leaves_whole_steps_only(tmp_path, point):
     path = tmp_path / "s"

@@ -59,6 +59,11 @@ def check_clean(path, steps: list[int], *, absent: list[int] = ()) -> None:
         assert report.ok, report.problems
 
 
+# One crash point of each kind runs in the default suite; its twin (the same kind at
+# the next point) runs with the crash suite under -m slow.
+SLOW = pytest.mark.slow
+
+
 @pytest.fixture
 def seeded(tmp_path):
     path = tmp_path / "store"
@@ -94,7 +99,8 @@ def test_a_gc_in_another_process_spares_a_put_in_flight(seeded):
     check_clean(seeded, [1, 2])
 
 
-@pytest.mark.parametrize("point", ["sink.after_pack_write", "sink.after_seal"])
+@pytest.mark.parametrize("point", ["sink.after_pack_write",
+                                   pytest.param("sink.after_seal", marks=SLOW)])
 def test_a_rank_killed_before_reporting_fails_the_step_and_gc_reclaims(seeded, point):
     baseline = pack_bytes(seeded)
     rc, lines, err = coord(seeded, 2, rank_crash=f"1:{point}")
@@ -114,7 +120,8 @@ def test_a_rank_killed_before_reporting_fails_the_step_and_gc_reclaims(seeded, p
     check_clean(seeded, [1, 3])
 
 
-@pytest.mark.parametrize("point", ["adopt.after_check", "writer.after_pack_write"])
+@pytest.mark.parametrize("point", ["adopt.after_check",
+                                   pytest.param("writer.after_pack_write", marks=SLOW)])
 def test_the_coordinator_killed_before_its_fsync_leaves_orphans_for_gc(seeded, point):
     rc, lines, err = coord(seeded, 2, crash=point)
     assert rc == -signal.SIGKILL, f"coordinator did not reach {point}: {rc} {err}"
@@ -128,7 +135,8 @@ def test_the_coordinator_killed_before_its_fsync_leaves_orphans_for_gc(seeded, p
     check_clean(seeded, [1], absent=[2])
 
 
-@pytest.mark.parametrize("point", ["writer.after_pack_fsync", "writer.after_index_commit"])
+@pytest.mark.parametrize("point", [pytest.param("writer.after_pack_fsync", marks=SLOW),
+                                   "writer.after_index_commit"])
 def test_the_coordinator_killed_after_its_fsync_comes_back_whole(seeded, point):
     rc, lines, err = coord(seeded, 2, crash=point)
     assert rc == -signal.SIGKILL, err

@@ -71,7 +71,8 @@ def _model_run(store, rnd: random.Random, model: dict, commits: int) -> None:
             store.gc(threshold=rnd.choice([0.0, 0.25, 1.0]))
 
 
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", [0, 1] + [pytest.param(s, marks=pytest.mark.slow)
+                                      for s in range(2, 6)])
 def test_repair_replays_full_snapshots_and_deltas(tmp_path, seed):
     rnd = random.Random(seed)
     model: dict[str, bytes] = {}

@@ -33,7 +33,7 @@ def _machine(moto):
 
 def test_s3_store_machine(moto_s3):
     run_state_machine_as_test(_machine(moto_s3), settings=settings(
-        max_examples=8, stateful_step_count=15, **_SETTINGS))
+        max_examples=5, stateful_step_count=15, **_SETTINGS))
 
 
 @pytest.mark.slow

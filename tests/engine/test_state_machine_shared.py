@@ -35,7 +35,7 @@ _SETTINGS = dict(deadline=None,
                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 TestSharedStoreMachine = SharedMachine.TestCase
-TestSharedStoreMachine.settings = settings(max_examples=8, stateful_step_count=20,
+TestSharedStoreMachine.settings = settings(max_examples=5, stateful_step_count=20,
                                            **_SETTINGS)
 
 
