@@ -5,18 +5,25 @@ a block's rows, or some of them, with their change rates; block list nodes
     ROWS = "CNRR" | version u8 | ids u8 | elem u8 | rated u8 | nrows u32 | row_nbytes u32
            | count u32 | start u32 | step i64 | cls u8 | 3 pad
            | row ids (ids 0: none, the span [start, start + count); 1/2: u16/u32 le
-             ascending; 3: a bitmap of the block's rows, lsb first; 4, version 2 only:
-             Elias-Fano, see _ef_encode) | rates | planes
+             ascending; 3: a bitmap of the block's rows, lsb first; 4, version 2 and 3:
+             Elias-Fano, see _ef_encode; 5, version 3 only: Rice-coded gaps, see
+             _rice_encode) | rates | planes
       rates: rated 0: none (every code 255); 1: u8[count]; 2, version 2 only: lo u8 |
-             width u8 | each code - lo in ``width`` bits, lsb first (width 0: all lo)
+             width u8 | each code - lo in ``width`` bits, lsb first (width 0: all lo);
+             3, version 3 only: lo u8 | n u8 | a canonical Huffman code's lengths of
+             the n + 1 codes lo..lo + n, 4 bits each, lsb first | each row's codeword,
+             msb first, the bits lsb first, to the end of the section, which ends
+             where the planes begin (_huff_encode)
 
-Writers write version 2: of the id encodings the smallest for the object, the rates
-packed, ~1.5 bytes a row where version 1 took 3 (4.4% of an int8 row). Version 1
-objects (ids 0-3, rated 0-1) read as they always did.
+Writers write version 2, or version 3 where the object takes Rice ids or Huffman rates:
+of the id encodings the smallest for the object, the rates packed or Huffman-coded,
+whichever is smaller, ~1.3 bytes a row where version 1 took 3 (4.4% of an int8 row).
+Version 1 objects (ids 0-3, rated 0-1) and version 2 objects read as they always did.
 """
 
 from __future__ import annotations
 
+import heapq
 import struct
 from dataclasses import dataclass
 
@@ -31,16 +38,23 @@ __all__ = ["KIND_BLOCK_ROWS", "ROWS_HEADER_BYTES", "RowsHeader", "rate_code", "r
            "decode_rows_object"]
 
 KIND_BLOCK_ROWS = 7
-ROWS_VERSION = 2          # what writers write; version 1 still reads
+ROWS_VERSION = 2          # what writers write (3 for Huffman-coded rates); 1 still reads
 
 _ROWS = struct.Struct("<4sBBBBIIIIqB3x")
 _ROWS_MAGIC = b"CNRR"
 ROWS_HEADER_BYTES = _ROWS.size
-IDS_SPAN, IDS_U16, IDS_U32, IDS_BITMAP, IDS_EF = 0, 1, 2, 3, 4
-RATED_NONE, RATED_U8, RATED_PACKED = 0, 1, 2
-# per version: the largest ids and rated values it has
-_MAX_IDS = {1: IDS_BITMAP, 2: IDS_EF}
-_MAX_RATED = {1: RATED_U8, 2: RATED_PACKED}
+IDS_SPAN, IDS_U16, IDS_U32, IDS_BITMAP, IDS_EF, IDS_RICE = 0, 1, 2, 3, 4, 5
+RATED_NONE, RATED_U8, RATED_PACKED, RATED_HUFF = 0, 1, 2, 3
+# per version: the largest ids and rated values it has. Version 3 is version 2 with Rice
+# ids and Huffman-coded rates, written only for objects that use either: a reader that
+# predates them refuses such an object by its version, and every other object is the
+# version 2 object it was, byte for byte.
+_MAX_IDS = {1: IDS_BITMAP, 2: IDS_EF, 3: IDS_RICE}
+_MAX_RATED = {1: RATED_U8, 2: RATED_PACKED, 3: RATED_HUFF}
+_V3 = 3
+_RICE_HEAD = struct.Struct("<BI")   # k, bits of the unary part
+# Longest Huffman codeword: the lengths are stored in 4 bits.
+_HUFF_MAX_LEN = 15
 
 
 @dataclass(frozen=True)
@@ -97,9 +111,79 @@ def _ids_size(mode: int, nrows: int, count: int) -> int:
 
 
 def _ids_mode(nrows: int, count: int) -> int:
-    """The smallest id encoding of ``count`` rows (the lowest mode of equal size)."""
+    """The smallest id encoding of ``count`` rows whose size does not depend on the ids
+    (the lowest mode of equal size)."""
     wide = IDS_U16 if nrows <= 1 << 16 else IDS_U32
     return min((wide, IDS_BITMAP, IDS_EF), key=lambda m: (_ids_size(m, nrows, count), m))
+
+
+def _rice_plan(idx: np.ndarray) -> tuple[int, int, int]:
+    """(k, bits of the unary part, bytes) of the smallest Rice code of ascending unique
+    ids ``idx`` (int64, not empty; the smallest k of equal size)."""
+    gaps = np.diff(idx, prepend=-1) - 1
+    ks = np.arange(min(int(gaps.max()).bit_length(), 31) + 1, dtype=np.int64)
+    nup = len(idx) + (gaps[None, :] >> ks[:, None]).sum(axis=1)
+    size = _RICE_HEAD.size + -(-len(idx) * ks // 8) + -(-nup // 8)
+    k = int(np.argmin(size))
+    return k, int(nup[k]), int(size[k])
+
+
+def _ids_plan(nrows: int, idx: np.ndarray) -> tuple[int, int]:
+    """(mode, bytes) of the smallest id encoding of ascending unique ids ``idx``: the
+    mode _ids_mode picks, or Rice where smaller."""
+    mode = _ids_mode(nrows, len(idx))
+    size = _ids_size(mode, nrows, len(idx))
+    if len(idx):
+        rice = _rice_plan(idx)[2]
+        if rice < size:
+            return IDS_RICE, rice
+    return mode, size
+
+
+def _rice_encode(idx: np.ndarray) -> bytes:
+    """Rice code of ascending unique ids (not empty): the gaps g_0 = id_0, g_i = id_i -
+    id_(i-1) - 1, and with k and the unary part's bit count from _rice_plan: k u8 |
+    bits u32 | the low k bits of every gap (_bits_le) | for each gap, (gap >> k) zero
+    bits then a one, lsb first; each part padded to whole bytes. Elias-Fano's upper
+    bits code the ids' high parts, which lose each gap's carry out of the low bits; the
+    gaps' do not, ~0.4 bits an id less where a block's objects hold 500 rows and more."""
+    k, nup, _ = _rice_plan(idx)
+    gaps = np.diff(idx, prepend=-1) - 1
+    upper = np.zeros(nup, dtype=np.uint8)
+    upper[np.cumsum((gaps >> k) + 1) - 1] = 1
+    return (_RICE_HEAD.pack(k, nup) + _bits_le(gaps & ((1 << k) - 1), k)
+            + np.packbits(upper, bitorder="little").tobytes())
+
+
+def _rice_size(view, offset: int, nrows: int, count: int) -> int | None:
+    """Bytes of the Rice ids at ``offset`` of ``view`` (whose k and bit count are
+    there); None when the header is short or the counts cannot hold ``count`` ids
+    below ``nrows``."""
+    if not count or len(view) < offset + _RICE_HEAD.size:
+        return None
+    k, nup = _RICE_HEAD.unpack_from(view, offset)
+    if k > 31 or not count <= nup <= count + ((nrows - count) >> k):
+        return None
+    return _RICE_HEAD.size + -(-count * k // 8) + -(-nup // 8)
+
+
+def _rice_decode(view, offset: int, nrows: int, count: int) -> np.ndarray | None:
+    """The ids of a Rice code (_rice_encode) at ``offset`` of ``view``, whose size
+    _rice_size checked; None when its unary part holds another count, ends in a zero or
+    sets a pad bit, or an id is past the block."""
+    k, nup = _RICE_HEAD.unpack_from(view, offset)
+    at = offset + _RICE_HEAD.size
+    nlow = -(-count * k // 8)
+    upper = np.unpackbits(np.frombuffer(view, dtype=np.uint8, count=-(-nup // 8),
+                                        offset=at + nlow), bitorder="little")
+    if upper[nup:].any() or not upper[nup - 1]:
+        return None
+    ends = np.flatnonzero(upper)
+    if len(ends) != count:
+        return None
+    gaps = ((np.diff(ends, prepend=-1) - 1) << k) | _unbits_le(view, at, count, k)
+    idx = np.cumsum(gaps + 1) - 1
+    return None if idx[-1] >= nrows else idx
 
 
 def _bits_le(values: np.ndarray, width: int) -> bytes:
@@ -163,19 +247,160 @@ def _rates_size(mode: int, count: int, width: int = 8) -> int:
     return 2 + -(-count * width // 8)
 
 
+def _huff_lengths(counts: np.ndarray) -> np.ndarray | None:
+    """Codeword lengths (int64, 0 for a symbol that does not occur) of a Huffman code of
+    symbols occurring ``counts`` times, at most _HUFF_MAX_LEN bits (the counts halved,
+    each kept at 1 or more, until the code fits: the rare codes of a large object would
+    pass it); None when fewer than two symbols occur. Ties merge the earliest-made node
+    first, so the lengths are a function of the counts (ids depend on nothing else)."""
+    syms = np.flatnonzero(counts)
+    if len(syms) < 2:
+        return None
+    weights = np.asarray(counts, dtype=np.int64)[syms]
+    while True:
+        heap = [(int(w), i, [i]) for i, w in enumerate(weights.tolist())]
+        heapq.heapify(heap)
+        depth = np.zeros(len(syms), dtype=np.int64)
+        made = len(heap)
+        while len(heap) > 1:
+            na, _, a = heapq.heappop(heap)
+            nb, _, b = heapq.heappop(heap)
+            depth[a] += 1
+            depth[b] += 1
+            heapq.heappush(heap, (na + nb, made, a + b))
+            made += 1
+        if depth.max() <= _HUFF_MAX_LEN:
+            lengths = np.zeros(len(counts), dtype=np.int64)
+            lengths[syms] = depth
+            return lengths
+        weights = np.maximum(weights >> 1, 1)
+
+
+def _huff_codewords(lengths: np.ndarray) -> np.ndarray:
+    """The canonical codewords (int64) of codeword ``lengths``: by length, then symbol,
+    each the previous one plus 1, shifted left to its length."""
+    order = np.lexsort((np.arange(len(lengths)), lengths))
+    order = order[lengths[order] > 0]
+    words = np.zeros(len(lengths), dtype=np.int64)
+    word, prev = 0, int(lengths[order[0]])
+    for s in order.tolist():
+        word <<= int(lengths[s]) - prev
+        prev = int(lengths[s])
+        words[s] = word
+        word += 1
+    return words
+
+
+def _huff_size(values: np.ndarray) -> int | None:
+    """Bytes of the Huffman rate section of codes ``lo + values`` (values int64, min 0);
+    None where there is no code (fewer than two distinct values)."""
+    counts = np.bincount(values)
+    lengths = _huff_lengths(counts)
+    if lengths is None:
+        return None
+    return 2 + -(-len(counts) // 2) + -(-int(counts @ lengths) // 8)
+
+
+def _huff_encode(values: np.ndarray) -> bytes:
+    """The Huffman rate section's table and codewords (after lo) of ``values`` (int64,
+    min 0, a code _huff_size sizes): n = max + 1 - 1, the n + 1 lengths 4 bits each,
+    lsb first, padded to a byte, then each value's canonical codeword msb first, the
+    bits lsb first, padded with zero bits to a byte."""
+    counts = np.bincount(values)
+    lengths = _huff_lengths(counts)
+    assert lengths is not None
+    words = _huff_codewords(lengths)
+    ln, cw = lengths[values], words[values]
+    j = np.arange(_HUFF_MAX_LEN, dtype=np.int64)
+    bits = (cw[:, None] >> np.maximum(ln[:, None] - 1 - j, 0)) & 1
+    stream = np.packbits(bits[j < ln[:, None]].astype(np.uint8), bitorder="little")
+    return bytes((len(counts) - 1,)) + _bits_le(lengths, 4) + stream.tobytes()
+
+
+def _huff_decode(view, offset: int, end: int, count: int) -> np.ndarray | None:
+    """The ``count`` values of a Huffman rate section (_huff_encode) in ``view`` from
+    ``offset`` (its n byte) to ``end``; None when the table is not a complete prefix
+    code, a pad bit is set, or the codewords do not end in the section's last byte."""
+    nsym = view[offset] + 1
+    at = offset + 1 + -(-nsym // 2)
+    if at > end or not count:
+        return None
+    lengths = _unbits_le(view, offset + 1, nsym + nsym % 2, 4)
+    if lengths[nsym:].any():
+        return None
+    lengths = lengths[:nsym]
+    used = lengths > 0
+    top = int(lengths.max())
+    # complete: every window of top bits starts with exactly one codeword
+    if used.sum() < 2 or int((np.int64(1) << (top - lengths[used])).sum()) != 1 << top:
+        return None
+    words = _huff_codewords(lengths)
+    sym_of = np.zeros(1 << top, dtype=np.int64)
+    len_of = np.zeros(1 << top, dtype=np.int64)
+    for s in np.flatnonzero(used).tolist():
+        span = 1 << (top - int(lengths[s]))
+        first = int(words[s]) << (top - int(lengths[s]))
+        sym_of[first:first + span] = s
+        len_of[first:first + span] = lengths[s]
+    bits = np.unpackbits(np.frombuffer(view, dtype=np.uint8, count=end - at, offset=at),
+                         bitorder="little").astype(np.int64)
+    nbits = len(bits)
+    padded = np.concatenate([bits, np.zeros(top, dtype=np.int64)])
+    window = np.zeros(nbits, dtype=np.int64)
+    for k in range(top):
+        window = (window << 1) | padded[k:k + nbits]
+    # jump[p]: where the codeword starting at bit p ends; nbits + 1 (absorbing) where it
+    # would run past the section or starts at its end. The i-th codeword starts at
+    # jump applied i times to 0: by doubling, log2(count) gathers, no loop over rows.
+    sink = nbits + 1
+    jump = np.full(nbits + 2, sink, dtype=np.int64)
+    ends = np.arange(nbits, dtype=np.int64) + len_of[window]
+    jump[:nbits] = np.where(ends <= nbits, ends, sink)
+    starts = np.zeros(count + 1, dtype=np.int64)
+    which = np.arange(count + 1, dtype=np.int64)
+    for b in range(count.bit_length()):
+        sel = (which >> b) & 1 == 1
+        starts[sel] = jump[starts[sel]]
+        jump = jump[jump]
+    last = int(starts[count])
+    if last > nbits or last <= nbits - 8 or bits[last:].any():
+        return None
+    return sym_of[window[starts[:count]]]
+
+
+def _rates_plan(rates: np.ndarray) -> tuple[int, int]:
+    """(rated mode, bytes) of the rate section writers write for ``rates``: packed, or
+    the Huffman code where smaller."""
+    r = np.asarray(rates, dtype=np.int64)
+    packed = _rates_size(RATED_PACKED, len(r), rate_width(r))
+    huff = _huff_size(r - r.min()) if len(r) else None
+    return (RATED_HUFF, huff) if huff is not None and huff < packed else (RATED_PACKED,
+                                                                        packed)
+
+
 def rows_nbytes(nrows: int, count: int, row_nbytes: int, *, span: bool = False,
-                rated: bool = True, rates: np.ndarray | None = None) -> int:
+                rated: bool = True, rates: np.ndarray | None = None,
+                index: np.ndarray | None = None) -> int:
     """Payload size of a row object as writers write it, without building it (the
-    writer's read estimate); ``rates`` the rows' codes where known (else 8 bits each,
-    the most)."""
-    mode = IDS_SPAN if span else _ids_mode(nrows, count)
-    width = 8 if rates is None else rate_width(rates)
-    return (_ROWS.size + _ids_size(mode, nrows, count)
-            + (_rates_size(RATED_PACKED, count, width) if rated else 0) + count * row_nbytes)
+    writer's read estimate); ``rates`` the rows' codes and ``index`` their ids where
+    known (else 8 bits a rate and the id encodings that do not depend on the ids: at
+    most what is written)."""
+    if span:
+        ids_size = 0
+    elif index is not None:
+        ids_size = _ids_plan(nrows, np.asarray(index, dtype=np.int64))[1]
+    else:
+        ids_size = _ids_size(_ids_mode(nrows, count), nrows, count)
+    rated_size = 0
+    if rated:
+        rated_size = (_rates_size(RATED_PACKED, count) if rates is None
+                      else _rates_plan(rates)[1])
+    return _ROWS.size + ids_size + rated_size + count * row_nbytes
 
 
 def max_rows_nbytes(nrows: int, row_nbytes: int) -> int:
-    """The largest row object of a whole block any writer writes (either version)."""
+    """The largest row object of a whole block any writer writes (any version: Huffman-
+    coded rates are written only where smaller than packed)."""
     return (_ROWS.size + _ids_size(IDS_BITMAP, nrows, nrows)
             + _rates_size(RATED_PACKED, nrows) + nrows * row_nbytes)
 
@@ -199,9 +424,11 @@ def encode_rows(nrows: int, codes: np.ndarray, *, step: int, cls: int, elem: int
         if len(index) != count:
             raise ValueError("row ids and codes differ in length")
         start = 0
-        mode = _ids_mode(nrows, count)
         idx = np.asarray(index, dtype=np.int64)
-        if mode == IDS_BITMAP:
+        mode = _ids_plan(nrows, idx)[0]
+        if mode == IDS_RICE:
+            ids = _rice_encode(idx)
+        elif mode == IDS_BITMAP:
             bits = np.zeros(nrows, dtype=bool)
             bits[idx] = True
             ids = np.packbits(bits, bitorder="little").tobytes()
@@ -209,18 +436,22 @@ def encode_rows(nrows: int, codes: np.ndarray, *, step: int, cls: int, elem: int
             ids = _ef_encode(idx, nrows)
         else:
             ids = idx.astype("<u2" if mode == IDS_U16 else "<u4").tobytes()
-    rated = RATED_NONE if rates is None else RATED_PACKED
-    parts = [_ROWS.pack(_ROWS_MAGIC, ROWS_VERSION, mode, elem, rated, nrows, rnb, count,
-                        start, step, cls), ids]
+    rated, section = RATED_NONE, b""
     if rates is not None:
         if len(rates) != count:
             raise ValueError("rates and codes differ in length")
         r = np.asarray(rates, dtype=np.uint8).astype(np.int64)
         lo = int(r.min()) if count else 0
-        width = rate_width(r)
-        parts += [bytes((lo, width)), _bits_le(r - lo, width)]
-    parts.append(planes(codes, elem).data)  # type: ignore[arg-type]
-    return b"".join(parts)
+        rated = _rates_plan(r)[0]
+        if rated == RATED_HUFF:
+            section = bytes((lo,)) + _huff_encode(r - lo)
+        else:
+            width = rate_width(r)
+            section = bytes((lo, width)) + _bits_le(r - lo, width)
+    version = _V3 if rated == RATED_HUFF or mode == IDS_RICE else ROWS_VERSION
+    return b"".join([_ROWS.pack(_ROWS_MAGIC, version, mode, elem, rated, nrows, rnb, count,
+                                start, step, cls), ids, section,
+                     planes(codes, elem).data])
 
 
 def read_rows_header(obj: Object, oid: bytes | None = None) -> RowsHeader:
@@ -237,13 +468,29 @@ def read_rows_header(obj: Object, oid: bytes | None = None) -> RowsHeader:
     if elem not in PLANE_WIDTHS or rnb % elem or count > n or (
             mode == IDS_SPAN and start + count > n) or (mode == IDS_U16 and n > 1 << 16):
         raise ManifestError("row object header is invalid", oid=oid)
-    rates_at = _ROWS.size + _ids_size(mode, n, count)
+    if mode == IDS_RICE:
+        ids_size = _rice_size(p, _ROWS.size, n, count)
+        if ids_size is None:
+            raise ManifestError("row object's Rice ids are invalid", oid=oid)
+    else:
+        ids_size = _ids_size(mode, n, count)
+    rates_at = _ROWS.size + ids_size
     width = 8
     if rated == RATED_PACKED:
         if len(p) < rates_at + 2 or p[rates_at + 1] > 8:
             raise ManifestError("row object's rate codes are invalid", oid=oid)
         width = p[rates_at + 1]
-    body_at = rates_at + _rates_size(rated, count, width)
+    if rated == RATED_HUFF:
+        # the codewords run to the planes: the section's size is the payload's rest,
+        # within what count codewords of 1 to _HUFF_MAX_LEN bits take
+        body_at = len(p) - count * rnb
+        if len(p) < rates_at + 2 or p[rates_at] + p[rates_at + 1] > 255:
+            raise ManifestError("row object's rate codes are invalid", oid=oid)
+        stream = body_at - rates_at - 2 - -(-(p[rates_at + 1] + 1) // 2)
+        if not -(-count // 8) <= stream <= -(-count * _HUFF_MAX_LEN // 8):
+            raise ManifestError("row object's rate codes are invalid", oid=oid)
+    else:
+        body_at = rates_at + _rates_size(rated, count, width)
     head = RowsHeader(n, rnb, count, start, mode, bool(rated), step, cls, elem, _ROWS.size,
                       ver, rates_at, body_at, rated)
     want = body_at + count * rnb
@@ -264,7 +511,11 @@ def decode_rows_object(obj: Object, oid: bytes | None = None, *, codes: bool = T
     n, count = head.nrows, head.count
     idx: np.ndarray | None = None
     size = _ids_size(head.ids, n, count)
-    if head.ids == IDS_BITMAP:
+    if head.ids == IDS_RICE:
+        idx = _rice_decode(payload, head.header_size, n, count)
+        if idx is None:
+            raise ManifestError("row object's Rice ids are invalid", oid=oid)
+    elif head.ids == IDS_BITMAP:
         bits = np.unpackbits(np.frombuffer(view, dtype=np.uint8, count=size),
                              bitorder="little")[:n]
         idx = np.flatnonzero(bits).astype(np.int64)
@@ -289,6 +540,11 @@ def decode_rows_object(obj: Object, oid: bytes | None = None, *, codes: bool = T
         if count and got.max() > 255:
             raise ManifestError("row object's rate codes are out of range", oid=oid)
         rate_codes = got.astype(np.uint8)
+    elif head.rated_mode == RATED_HUFF:
+        values = _huff_decode(payload, head.rates_at + 1, head.body_at, count)
+        if values is None:
+            raise ManifestError("row object's Huffman-coded rate codes are invalid", oid=oid)
+        rate_codes = (payload[head.rates_at] + values).astype(np.uint8)
     else:
         rate_codes = np.full(count, 255, dtype=np.uint8)
     view = payload[head.body_at:]
