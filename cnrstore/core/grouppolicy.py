@@ -33,8 +33,8 @@ from cnrstore.format.rowlists import (
 from engine import Object, StoreError
 
 __all__ = ["ALPHA", "THRESHOLDS", "HYSTERESIS", "READ_TARGET", "OVERSHOOT", "CHUNK_ROWS",
-           "DELTA_SHARE", "Piece", "ListBase", "ListedVersion", "GroupWrite", "fresh_group", "next_group",
-           "load_group", "grouped_writes"]
+           "DELTA_SHARE", "Piece", "ListBase", "ListedVersion", "GroupWrite", "fresh_group",
+           "next_group", "load_group", "grouped_writes"]
 
 # A row's rate is an exponential average of "changed this step" with weight ALPHA, and
 # its class the interval of THRESHOLDS it lies in. Nine classes at 0.01 (the design's
@@ -163,8 +163,8 @@ def next_group(old: ListedVersion, changed: np.ndarray, step: int, row_nbytes: i
     live = np.bincount(owner, minlength=npieces)
     live_after = live - np.bincount(owner[changed], minlength=npieces)
     keep = live_after > 0
-    # A copied row's bytes: its codes, its id and rate code (Elias-Fano and packed, at
-    # most ~2 bytes in objects of 1/64 of a block and more: rowlists.py)
+    # A copied row's bytes: its codes, its id and rate code (Elias-Fano or Rice, packed
+    # or Huffman: at most ~2 bytes in objects of 1/64 of a block and more: rowobjects.py)
     per_row = row_nbytes + 2
     ccodes = rate_code(rate[changed])
     ccls = target_cls[changed]

@@ -17,12 +17,14 @@ a block's rows, or some of them, with their change rates; block list nodes
 
 Writers write version 2, or version 3 where the object takes Rice ids or Huffman rates:
 of the id encodings the smallest for the object, the rates packed or Huffman-coded,
-whichever is smaller, ~1.3 bytes a row where version 1 took 3 (4.4% of an int8 row).
-Version 1 objects (ids 0-3, rated 0-1) and version 2 objects read as they always did.
+whichever is smaller (version 2 took ~1.5 bytes a row for both where version 1 took 3,
+4.4% of an int8 row; docs/design/grouped-layout.md has what version 3 saves). Version 1
+objects (ids 0-3, rated 0-1) and version 2 objects read as they always did.
 """
 
 from __future__ import annotations
 
+import functools
 import heapq
 import struct
 from dataclasses import dataclass
@@ -38,7 +40,7 @@ __all__ = ["KIND_BLOCK_ROWS", "ROWS_HEADER_BYTES", "RowsHeader", "rate_code", "r
            "decode_rows_object"]
 
 KIND_BLOCK_ROWS = 7
-ROWS_VERSION = 2          # what writers write (3 for Huffman-coded rates); 1 still reads
+ROWS_VERSION = 2          # what writers write (3 for Rice ids or Huffman rates); 1 reads
 
 _ROWS = struct.Struct("<4sBBBBIIIIqB3x")
 _ROWS_MAGIC = b"CNRR"
@@ -249,31 +251,39 @@ def _rates_size(mode: int, count: int, width: int = 8) -> int:
 
 def _huff_lengths(counts: np.ndarray) -> np.ndarray | None:
     """Codeword lengths (int64, 0 for a symbol that does not occur) of a Huffman code of
-    symbols occurring ``counts`` times, at most _HUFF_MAX_LEN bits (the counts halved,
-    each kept at 1 or more, until the code fits: the rare codes of a large object would
-    pass it); None when fewer than two symbols occur. Ties merge the earliest-made node
-    first, so the lengths are a function of the counts (ids depend on nothing else)."""
+    symbols occurring ``counts`` times, at most _HUFF_MAX_LEN bits; None when fewer than
+    two symbols occur."""
     syms = np.flatnonzero(counts)
     if len(syms) < 2:
         return None
-    weights = np.asarray(counts, dtype=np.int64)[syms]
+    lengths = np.zeros(len(counts), dtype=np.int64)
+    lengths[syms] = _huff_depths(np.asarray(counts, dtype=np.int64)[syms].tobytes())
+    return lengths
+
+
+@functools.lru_cache(maxsize=1024)
+def _huff_depths(weights_le: bytes) -> tuple[int, ...]:
+    """Huffman codeword lengths of symbols of int64 weights ``weights_le``, the weights
+    halved (each kept at 1 or more) until no codeword passes _HUFF_MAX_LEN bits: the
+    rare codes of a large object would. Ties merge the earliest-made node first, so the
+    lengths are a function of the weights (ids depend on nothing else). Cached: a
+    writer sizes each object for its estimate and again when it writes it."""
+    weights = np.frombuffer(weights_le, dtype=np.int64).tolist()
     while True:
-        heap = [(int(w), i, [i]) for i, w in enumerate(weights.tolist())]
+        heap = [(w, i, [i]) for i, w in enumerate(weights)]
         heapq.heapify(heap)
-        depth = np.zeros(len(syms), dtype=np.int64)
+        depth = [0] * len(weights)
         made = len(heap)
         while len(heap) > 1:
             na, _, a = heapq.heappop(heap)
             nb, _, b = heapq.heappop(heap)
-            depth[a] += 1
-            depth[b] += 1
+            for i in a + b:
+                depth[i] += 1
             heapq.heappush(heap, (na + nb, made, a + b))
             made += 1
-        if depth.max() <= _HUFF_MAX_LEN:
-            lengths = np.zeros(len(counts), dtype=np.int64)
-            lengths[syms] = depth
-            return lengths
-        weights = np.maximum(weights >> 1, 1)
+        if max(depth) <= _HUFF_MAX_LEN:
+            return tuple(depth)
+        weights = [max(w >> 1, 1) for w in weights]
 
 
 def _huff_codewords(lengths: np.ndarray) -> np.ndarray:
@@ -303,7 +313,7 @@ def _huff_size(values: np.ndarray) -> int | None:
 
 def _huff_encode(values: np.ndarray) -> bytes:
     """The Huffman rate section's table and codewords (after lo) of ``values`` (int64,
-    min 0, a code _huff_size sizes): n = max + 1 - 1, the n + 1 lengths 4 bits each,
+    min 0, a code _huff_size sizes): n = the largest value, the n + 1 lengths 4 bits each,
     lsb first, padded to a byte, then each value's canonical codeword msb first, the
     bits lsb first, padded with zero bits to a byte."""
     counts = np.bincount(values)
@@ -399,8 +409,8 @@ def rows_nbytes(nrows: int, count: int, row_nbytes: int, *, span: bool = False,
 
 
 def max_rows_nbytes(nrows: int, row_nbytes: int) -> int:
-    """The largest row object of a whole block any writer writes (any version: Huffman-
-    coded rates are written only where smaller than packed)."""
+    """The largest row object of a whole block any writer writes (any version: Rice ids
+    and Huffman-coded rates are written only where smaller than these)."""
     return (_ROWS.size + _ids_size(IDS_BITMAP, nrows, nrows)
             + _rates_size(RATED_PACKED, nrows) + nrows * row_nbytes)
 
