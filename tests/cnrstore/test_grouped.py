@@ -341,8 +341,9 @@ def test_crafted_version_2_ids_and_rates_are_refused():
 
 
 # A frozen version-3 payload: 48 rows of a 12240-row block (step 9, class 2), Rice ids
-# (gaps of 254: a bit an id less than Elias-Fano's) and Huffman-coded rates (40 of the 48
-# at one code). Writers write it byte for byte; it reads as it is.
+# (gaps of 254: 9 bits an id where Elias-Fano takes 10, less Rice's 5 bytes of header) and
+# Huffman-coded rates (40 of the 48 at one code). Writers write it byte for byte; it
+# reads as it is.
 _V3_IDS = np.arange(48) * 255 + 3
 _V3_RATES = [100, 100, 102, 100, 100, 100, 100, 100, 100, 100, 100, 100, 100, 101, 100, 100,
              101, 100, 102, 100, 100, 100, 100, 107, 100, 100, 100, 100, 100, 101, 107, 100,
@@ -364,8 +365,10 @@ def test_golden_version_3_object_reads_and_is_what_writers_write():
     r = np.array(_V3_RATES, dtype=np.uint8)
     assert encode_rows(12240, _V3_CODES, step=9, cls=2, index=_V3_IDS, rates=r) == _GOLDEN_V3
     assert rows_nbytes(12240, 48, 1, rates=r, index=_V3_IDS) == len(_GOLDEN_V3)
-    # smaller than the version-2 encodings of the same rows
-    assert len(_GOLDEN_V3) < rows_nbytes(12240, 48, 1, rates=r) < 36 + 60 + 20 + 48 + 1
+    # version 2 would take 60 bytes of Elias-Fano ids and 20 of packed rates: 59 and 14
+    assert rows_nbytes(12240, 48, 1, rated=False) == 36 + 60 + 48
+    assert 2 + -(-48 * rate_width(r) // 8) == 20
+    assert len(_GOLDEN_V3) == 36 + 59 + 14 + 48
 
 
 def _concentrated(g: np.random.Generator, data, count: int) -> np.ndarray:
