@@ -6,14 +6,14 @@ a block's rows, or some of them, with their change rates; block list nodes
            | count u32 | start u32 | step i64 | cls u8 | 3 pad
            | row ids (ids 0: none, the span [start, start + count); 1/2: u16/u32 le
              ascending; 3: a bitmap of the block's rows, lsb first; 4, version 2 and 3:
-             Elias-Fano, see _ef_encode; 5, version 3 only: Rice-coded gaps, see
-             _rice_encode) | rates | planes
+             Elias-Fano, see rowcodes.ef_encode; 5, version 3 only: Rice-coded gaps,
+             see rowcodes.rice_encode) | rates | planes
       rates: rated 0: none (every code 255); 1: u8[count]; 2, version 2 only: lo u8 |
              width u8 | each code - lo in ``width`` bits, lsb first (width 0: all lo);
              3, version 3 only: lo u8 | n u8 | a canonical Huffman code's lengths of
              the n + 1 codes lo..lo + n, 4 bits each, lsb first | each row's codeword,
              msb first, the bits lsb first, to the end of the section, which ends
-             where the planes begin (_huff_encode)
+             where the planes begin (rowcodes.huff_encode)
 
 Writers write version 2, or version 3 where the object takes Rice ids or Huffman rates:
 of the id encodings the smallest for the object, the rates packed or Huffman-coded,
@@ -24,8 +24,6 @@ objects (ids 0-3, rated 0-1) and version 2 objects read as they always did.
 
 from __future__ import annotations
 
-import functools
-import heapq
 import struct
 from dataclasses import dataclass
 
@@ -33,6 +31,22 @@ import numpy as np
 
 from cnrstore.errors import ManifestError
 from cnrstore.format.planes import PLANE_WIDTHS, check_elem, planes, unplanes
+from cnrstore.format.rowcodes import (
+    HUFF_MAX_LEN,
+    bits_le,
+    ef_decode,
+    ef_encode,
+    ef_low_bits,
+    ef_upper_bits,
+    huff_decode,
+    huff_encode,
+    huff_size,
+    rice_decode,
+    rice_encode,
+    rice_plan,
+    rice_size,
+    unbits_le,
+)
 from engine import Object
 
 __all__ = ["KIND_BLOCK_ROWS", "ROWS_HEADER_BYTES", "RowsHeader", "rate_code", "rate_value",
@@ -54,9 +68,6 @@ RATED_NONE, RATED_U8, RATED_PACKED, RATED_HUFF = 0, 1, 2, 3
 _MAX_IDS = {1: IDS_BITMAP, 2: IDS_EF, 3: IDS_RICE}
 _MAX_RATED = {1: RATED_U8, 2: RATED_PACKED, 3: RATED_HUFF}
 _V3 = 3
-_RICE_HEAD = struct.Struct("<BI")   # k, bits of the unary part
-# Longest Huffman codeword: the lengths are stored in 4 bits.
-_HUFF_MAX_LEN = 15
 
 
 @dataclass(frozen=True)
@@ -92,22 +103,13 @@ def rate_value(code: np.ndarray) -> np.ndarray:
     return np.where(c >= 255, 0.0, np.exp2(-c / 16.0))
 
 
-def _ef_low_bits(nrows: int, count: int) -> int:
-    """Low bits per id of an Elias-Fano code of ``count`` ids below ``nrows``."""
-    return max(0, (nrows // count).bit_length() - 1) if count else 0
-
-
-def _ef_upper_bits(nrows: int, count: int) -> int:
-    return count + (max(nrows - 1, 0) >> _ef_low_bits(nrows, count)) + 1
-
-
 def _ids_size(mode: int, nrows: int, count: int) -> int:
     if mode == IDS_SPAN:
         return 0
     if mode == IDS_BITMAP:
         return -(-nrows // 8)
     if mode == IDS_EF:
-        return -(-count * _ef_low_bits(nrows, count) // 8) + -(-_ef_upper_bits(nrows, count)
+        return -(-count * ef_low_bits(nrows, count) // 8) + -(-ef_upper_bits(nrows, count)
                                                                // 8)
     return count * (2 if mode == IDS_U16 else 4)
 
@@ -119,120 +121,16 @@ def _ids_mode(nrows: int, count: int) -> int:
     return min((wide, IDS_BITMAP, IDS_EF), key=lambda m: (_ids_size(m, nrows, count), m))
 
 
-def _rice_plan(idx: np.ndarray) -> tuple[int, int, int]:
-    """(k, bits of the unary part, bytes) of the smallest Rice code of ascending unique
-    ids ``idx`` (int64, not empty; the smallest k of equal size)."""
-    gaps = np.diff(idx, prepend=-1) - 1
-    ks = np.arange(min(int(gaps.max()).bit_length(), 31) + 1, dtype=np.int64)
-    nup = len(idx) + (gaps[None, :] >> ks[:, None]).sum(axis=1)
-    size = _RICE_HEAD.size + -(-len(idx) * ks // 8) + -(-nup // 8)
-    k = int(np.argmin(size))
-    return k, int(nup[k]), int(size[k])
-
-
 def _ids_plan(nrows: int, idx: np.ndarray) -> tuple[int, int]:
     """(mode, bytes) of the smallest id encoding of ascending unique ids ``idx``: the
     mode _ids_mode picks, or Rice where smaller."""
     mode = _ids_mode(nrows, len(idx))
     size = _ids_size(mode, nrows, len(idx))
     if len(idx):
-        rice = _rice_plan(idx)[2]
+        rice = rice_plan(idx)[2]
         if rice < size:
             return IDS_RICE, rice
     return mode, size
-
-
-def _rice_encode(idx: np.ndarray) -> bytes:
-    """Rice code of ascending unique ids (not empty): the gaps g_0 = id_0, g_i = id_i -
-    id_(i-1) - 1, and with k and the unary part's bit count from _rice_plan: k u8 |
-    bits u32 | the low k bits of every gap (_bits_le) | for each gap, (gap >> k) zero
-    bits then a one, lsb first; each part padded to whole bytes. Elias-Fano's upper
-    bits code the ids' high parts, which lose each gap's carry out of the low bits; the
-    gaps' do not, ~0.4 bits an id less where a block's objects hold 500 rows and more."""
-    k, nup, _ = _rice_plan(idx)
-    gaps = np.diff(idx, prepend=-1) - 1
-    upper = np.zeros(nup, dtype=np.uint8)
-    upper[np.cumsum((gaps >> k) + 1) - 1] = 1
-    return (_RICE_HEAD.pack(k, nup) + _bits_le(gaps & ((1 << k) - 1), k)
-            + np.packbits(upper, bitorder="little").tobytes())
-
-
-def _rice_size(view, offset: int, nrows: int, count: int) -> int | None:
-    """Bytes of the Rice ids at ``offset`` of ``view`` (whose k and bit count are
-    there); None when the header is short or the counts cannot hold ``count`` ids
-    below ``nrows``."""
-    if not count or len(view) < offset + _RICE_HEAD.size:
-        return None
-    k, nup = _RICE_HEAD.unpack_from(view, offset)
-    if k > 31 or not count <= nup <= count + ((nrows - count) >> k):
-        return None
-    return _RICE_HEAD.size + -(-count * k // 8) + -(-nup // 8)
-
-
-def _rice_decode(view, offset: int, nrows: int, count: int) -> np.ndarray | None:
-    """The ids of a Rice code (_rice_encode) at ``offset`` of ``view``, whose size
-    _rice_size checked; None when its unary part holds another count, ends in a zero or
-    sets a pad bit, or an id is past the block."""
-    k, nup = _RICE_HEAD.unpack_from(view, offset)
-    at = offset + _RICE_HEAD.size
-    nlow = -(-count * k // 8)
-    upper = np.unpackbits(np.frombuffer(view, dtype=np.uint8, count=-(-nup // 8),
-                                        offset=at + nlow), bitorder="little")
-    if upper[nup:].any() or not upper[nup - 1]:
-        return None
-    ends = np.flatnonzero(upper)
-    if len(ends) != count:
-        return None
-    gaps = ((np.diff(ends, prepend=-1) - 1) << k) | _unbits_le(view, at, count, k)
-    idx = np.cumsum(gaps + 1) - 1
-    return None if idx[-1] >= nrows else idx
-
-
-def _bits_le(values: np.ndarray, width: int) -> bytes:
-    """``values`` (int64, each < 2^width) in ``width`` bits each, lsb first, in order."""
-    if not width or not len(values):
-        return b""
-    bits = ((values[:, None] >> np.arange(width, dtype=np.int64)) & 1).astype(np.uint8)
-    return np.packbits(bits.ravel(), bitorder="little").tobytes()
-
-
-def _unbits_le(view, offset: int, count: int, width: int) -> np.ndarray:
-    """The ``count`` values _bits_le wrote at ``offset`` of ``view`` (int64)."""
-    if not width or not count:
-        return np.zeros(count, dtype=np.int64)
-    raw = np.frombuffer(view, dtype=np.uint8, count=-(-count * width // 8), offset=offset)
-    bits = np.unpackbits(raw, bitorder="little", count=count * width).reshape(count, width)
-    return bits.astype(np.int64) @ (np.int64(1) << np.arange(width, dtype=np.int64))
-
-
-def _ef_encode(idx: np.ndarray, nrows: int) -> bytes:
-    """Elias-Fano code of ascending unique ids below ``nrows``: with L =
-    _ef_low_bits(nrows, count), the low L bits of every id (_bits_le), then a bitmap of
-    count + ((nrows - 1) >> L) + 1 bits, lsb first, whose bit (id >> L) + i is set for
-    the i-th id; each part padded to whole bytes."""
-    count = len(idx)
-    low = _ef_low_bits(nrows, count)
-    v = np.asarray(idx, dtype=np.int64)
-    upper = np.zeros(_ef_upper_bits(nrows, count), dtype=np.uint8)
-    upper[(v >> low) + np.arange(count)] = 1
-    return _bits_le(v & ((1 << low) - 1), low) + np.packbits(upper, bitorder="little"
-                                                             ).tobytes()
-
-
-def _ef_decode(view, nrows: int, count: int) -> np.ndarray | None:
-    """The ids of an Elias-Fano code (_ef_encode) at the start of ``view``; None when it
-    does not hold ``count`` ids or sets a padding bit."""
-    low = _ef_low_bits(nrows, count)
-    nlow = -(-count * low // 8)
-    nup = _ef_upper_bits(nrows, count)
-    upper = np.unpackbits(np.frombuffer(view, dtype=np.uint8, count=-(-nup // 8),
-                                        offset=nlow), bitorder="little")
-    if upper[nup:].any():
-        return None
-    pos = np.flatnonzero(upper)
-    if len(pos) != count:
-        return None
-    return ((pos - np.arange(count, dtype=np.int64)) << low) | _unbits_le(view, 0, count, low)
 
 
 def rate_width(rates: np.ndarray) -> int:
@@ -249,141 +147,12 @@ def _rates_size(mode: int, count: int, width: int = 8) -> int:
     return 2 + -(-count * width // 8)
 
 
-def _huff_lengths(counts: np.ndarray) -> np.ndarray | None:
-    """Codeword lengths (int64, 0 for a symbol that does not occur) of a Huffman code of
-    symbols occurring ``counts`` times, at most _HUFF_MAX_LEN bits; None when fewer than
-    two symbols occur."""
-    syms = np.flatnonzero(counts)
-    if len(syms) < 2:
-        return None
-    lengths = np.zeros(len(counts), dtype=np.int64)
-    lengths[syms] = _huff_depths(np.asarray(counts, dtype=np.int64)[syms].tobytes())
-    return lengths
-
-
-@functools.lru_cache(maxsize=1024)
-def _huff_depths(weights_le: bytes) -> tuple[int, ...]:
-    """Huffman codeword lengths of symbols of int64 weights ``weights_le``, the weights
-    halved (each kept at 1 or more) until no codeword passes _HUFF_MAX_LEN bits: the
-    rare codes of a large object would. Ties merge the earliest-made node first, so the
-    lengths are a function of the weights (ids depend on nothing else). Cached: a
-    writer sizes each object for its estimate and again when it writes it."""
-    weights = np.frombuffer(weights_le, dtype=np.int64).tolist()
-    while True:
-        heap = [(w, i, [i]) for i, w in enumerate(weights)]
-        heapq.heapify(heap)
-        depth = [0] * len(weights)
-        made = len(heap)
-        while len(heap) > 1:
-            na, _, a = heapq.heappop(heap)
-            nb, _, b = heapq.heappop(heap)
-            for i in a + b:
-                depth[i] += 1
-            heapq.heappush(heap, (na + nb, made, a + b))
-            made += 1
-        if max(depth) <= _HUFF_MAX_LEN:
-            return tuple(depth)
-        weights = [max(w >> 1, 1) for w in weights]
-
-
-def _huff_codewords(lengths: np.ndarray) -> np.ndarray:
-    """The canonical codewords (int64) of codeword ``lengths``: by length, then symbol,
-    each the previous one plus 1, shifted left to its length."""
-    order = np.lexsort((np.arange(len(lengths)), lengths))
-    order = order[lengths[order] > 0]
-    words = np.zeros(len(lengths), dtype=np.int64)
-    word, prev = 0, int(lengths[order[0]])
-    for s in order.tolist():
-        word <<= int(lengths[s]) - prev
-        prev = int(lengths[s])
-        words[s] = word
-        word += 1
-    return words
-
-
-def _huff_size(values: np.ndarray) -> int | None:
-    """Bytes of the Huffman rate section of codes ``lo + values`` (values int64, min 0);
-    None where there is no code (fewer than two distinct values)."""
-    counts = np.bincount(values)
-    lengths = _huff_lengths(counts)
-    if lengths is None:
-        return None
-    return 2 + -(-len(counts) // 2) + -(-int(counts @ lengths) // 8)
-
-
-def _huff_encode(values: np.ndarray) -> bytes:
-    """The Huffman rate section's table and codewords (after lo) of ``values`` (int64,
-    min 0, a code _huff_size sizes): n = the largest value, the n + 1 lengths 4 bits each,
-    lsb first, padded to a byte, then each value's canonical codeword msb first, the
-    bits lsb first, padded with zero bits to a byte."""
-    counts = np.bincount(values)
-    lengths = _huff_lengths(counts)
-    assert lengths is not None
-    words = _huff_codewords(lengths)
-    ln, cw = lengths[values], words[values]
-    j = np.arange(_HUFF_MAX_LEN, dtype=np.int64)
-    bits = (cw[:, None] >> np.maximum(ln[:, None] - 1 - j, 0)) & 1
-    stream = np.packbits(bits[j < ln[:, None]].astype(np.uint8), bitorder="little")
-    return bytes((len(counts) - 1,)) + _bits_le(lengths, 4) + stream.tobytes()
-
-
-def _huff_decode(view, offset: int, end: int, count: int) -> np.ndarray | None:
-    """The ``count`` values of a Huffman rate section (_huff_encode) in ``view`` from
-    ``offset`` (its n byte) to ``end``; None when the table is not a complete prefix
-    code, a pad bit is set, or the codewords do not end in the section's last byte."""
-    nsym = view[offset] + 1
-    at = offset + 1 + -(-nsym // 2)
-    if at > end or not count:
-        return None
-    lengths = _unbits_le(view, offset + 1, nsym + nsym % 2, 4)
-    if lengths[nsym:].any():
-        return None
-    lengths = lengths[:nsym]
-    used = lengths > 0
-    top = int(lengths.max())
-    # complete: every window of top bits starts with exactly one codeword
-    if used.sum() < 2 or int((np.int64(1) << (top - lengths[used])).sum()) != 1 << top:
-        return None
-    words = _huff_codewords(lengths)
-    sym_of = np.zeros(1 << top, dtype=np.int64)
-    len_of = np.zeros(1 << top, dtype=np.int64)
-    for s in np.flatnonzero(used).tolist():
-        span = 1 << (top - int(lengths[s]))
-        first = int(words[s]) << (top - int(lengths[s]))
-        sym_of[first:first + span] = s
-        len_of[first:first + span] = lengths[s]
-    bits = np.unpackbits(np.frombuffer(view, dtype=np.uint8, count=end - at, offset=at),
-                         bitorder="little").astype(np.int64)
-    nbits = len(bits)
-    padded = np.concatenate([bits, np.zeros(top, dtype=np.int64)])
-    window = np.zeros(nbits, dtype=np.int64)
-    for k in range(top):
-        window = (window << 1) | padded[k:k + nbits]
-    # jump[p]: where the codeword starting at bit p ends; nbits + 1 (absorbing) where it
-    # would run past the section or starts at its end. The i-th codeword starts at
-    # jump applied i times to 0: by doubling, log2(count) gathers, no loop over rows.
-    sink = nbits + 1
-    jump = np.full(nbits + 2, sink, dtype=np.int64)
-    ends = np.arange(nbits, dtype=np.int64) + len_of[window]
-    jump[:nbits] = np.where(ends <= nbits, ends, sink)
-    starts = np.zeros(count + 1, dtype=np.int64)
-    which = np.arange(count + 1, dtype=np.int64)
-    for b in range(count.bit_length()):
-        sel = (which >> b) & 1 == 1
-        starts[sel] = jump[starts[sel]]
-        jump = jump[jump]
-    last = int(starts[count])
-    if last > nbits or last <= nbits - 8 or bits[last:].any():
-        return None
-    return sym_of[window[starts[:count]]]
-
-
 def _rates_plan(rates: np.ndarray) -> tuple[int, int]:
     """(rated mode, bytes) of the rate section writers write for ``rates``: packed, or
     the Huffman code where smaller."""
     r = np.asarray(rates, dtype=np.int64)
     packed = _rates_size(RATED_PACKED, len(r), rate_width(r))
-    huff = _huff_size(r - r.min()) if len(r) else None
+    huff = huff_size(r - r.min()) if len(r) else None
     return (RATED_HUFF, huff) if huff is not None and huff < packed else (RATED_PACKED,
                                                                         packed)
 
@@ -437,13 +206,13 @@ def encode_rows(nrows: int, codes: np.ndarray, *, step: int, cls: int, elem: int
         idx = np.asarray(index, dtype=np.int64)
         mode = _ids_plan(nrows, idx)[0]
         if mode == IDS_RICE:
-            ids = _rice_encode(idx)
+            ids = rice_encode(idx)
         elif mode == IDS_BITMAP:
             bits = np.zeros(nrows, dtype=bool)
             bits[idx] = True
             ids = np.packbits(bits, bitorder="little").tobytes()
         elif mode == IDS_EF:
-            ids = _ef_encode(idx, nrows)
+            ids = ef_encode(idx, nrows)
         else:
             ids = idx.astype("<u2" if mode == IDS_U16 else "<u4").tobytes()
     rated, section = RATED_NONE, b""
@@ -454,10 +223,10 @@ def encode_rows(nrows: int, codes: np.ndarray, *, step: int, cls: int, elem: int
         lo = int(r.min()) if count else 0
         rated = _rates_plan(r)[0]
         if rated == RATED_HUFF:
-            section = bytes((lo,)) + _huff_encode(r - lo)
+            section = bytes((lo,)) + huff_encode(r - lo)
         else:
             width = rate_width(r)
-            section = bytes((lo, width)) + _bits_le(r - lo, width)
+            section = bytes((lo, width)) + bits_le(r - lo, width)
     version = _V3 if rated == RATED_HUFF or mode == IDS_RICE else ROWS_VERSION
     return b"".join([_ROWS.pack(_ROWS_MAGIC, version, mode, elem, rated, nrows, rnb, count,
                                 start, step, cls), ids, section,
@@ -479,7 +248,7 @@ def read_rows_header(obj: Object, oid: bytes | None = None) -> RowsHeader:
             mode == IDS_SPAN and start + count > n) or (mode == IDS_U16 and n > 1 << 16):
         raise ManifestError("row object header is invalid", oid=oid)
     if mode == IDS_RICE:
-        ids_size = _rice_size(p, _ROWS.size, n, count)
+        ids_size = rice_size(p, _ROWS.size, n, count)
         if ids_size is None:
             raise ManifestError("row object's Rice ids are invalid", oid=oid)
     else:
@@ -492,12 +261,12 @@ def read_rows_header(obj: Object, oid: bytes | None = None) -> RowsHeader:
         width = p[rates_at + 1]
     if rated == RATED_HUFF:
         # the codewords run to the planes: the section's size is the payload's rest,
-        # within what count codewords of 1 to _HUFF_MAX_LEN bits take
+        # within what count codewords of 1 to HUFF_MAX_LEN bits take
         body_at = len(p) - count * rnb
         if len(p) < rates_at + 2 or p[rates_at] + p[rates_at + 1] > 255:
             raise ManifestError("row object's rate codes are invalid", oid=oid)
         stream = body_at - rates_at - 2 - -(-(p[rates_at + 1] + 1) // 2)
-        if not -(-count // 8) <= stream <= -(-count * _HUFF_MAX_LEN // 8):
+        if not -(-count // 8) <= stream <= -(-count * HUFF_MAX_LEN // 8):
             raise ManifestError("row object's rate codes are invalid", oid=oid)
     else:
         body_at = rates_at + _rates_size(rated, count, width)
@@ -522,7 +291,7 @@ def decode_rows_object(obj: Object, oid: bytes | None = None, *, codes: bool = T
     idx: np.ndarray | None = None
     size = _ids_size(head.ids, n, count)
     if head.ids == IDS_RICE:
-        idx = _rice_decode(payload, head.header_size, n, count)
+        idx = rice_decode(payload, head.header_size, n, count)
         if idx is None:
             raise ManifestError("row object's Rice ids are invalid", oid=oid)
     elif head.ids == IDS_BITMAP:
@@ -532,7 +301,7 @@ def decode_rows_object(obj: Object, oid: bytes | None = None, *, codes: bool = T
         if len(idx) != count:
             raise ManifestError("row object bitmap holds another row count", oid=oid)
     elif head.ids == IDS_EF:
-        idx = _ef_decode(view, n, count)
+        idx = ef_decode(view, n, count)
         if idx is None or (count and (idx[-1] >= n or np.any(np.diff(idx) <= 0))):
             raise ManifestError("row object's Elias-Fano ids are invalid", oid=oid)
     elif head.ids != IDS_SPAN:
@@ -546,12 +315,12 @@ def decode_rows_object(obj: Object, oid: bytes | None = None, *, codes: bool = T
         rate_codes = np.frombuffer(payload, dtype=np.uint8, count=count, offset=head.rates_at)
     elif head.rated_mode == RATED_PACKED:
         lo, width = payload[head.rates_at], payload[head.rates_at + 1]
-        got = lo + _unbits_le(payload, head.rates_at + 2, count, width)
+        got = lo + unbits_le(payload, head.rates_at + 2, count, width)
         if count and got.max() > 255:
             raise ManifestError("row object's rate codes are out of range", oid=oid)
         rate_codes = got.astype(np.uint8)
     elif head.rated_mode == RATED_HUFF:
-        values = _huff_decode(payload, head.rates_at + 1, head.body_at, count)
+        values = huff_decode(payload, head.rates_at + 1, head.body_at, count)
         if values is None:
             raise ManifestError("row object's Huffman-coded rate codes are invalid", oid=oid)
         rate_codes = (payload[head.rates_at] + values).astype(np.uint8)
