@@ -32,9 +32,9 @@ from cnrstore.format.rowlists import (
 )
 from engine import Object, StoreError
 
-__all__ = ["ALPHA", "THRESHOLDS", "HYSTERESIS", "READ_TARGET", "CHUNK_ROWS", "DELTA_SHARE",
-           "Piece", "ListBase", "ListedVersion", "GroupWrite", "fresh_group", "next_group",
-           "load_group", "grouped_writes"]
+__all__ = ["ALPHA", "THRESHOLDS", "HYSTERESIS", "READ_TARGET", "OVERSHOOT", "CHUNK_ROWS",
+           "DELTA_SHARE", "Piece", "ListBase", "ListedVersion", "GroupWrite", "fresh_group",
+           "next_group", "load_group", "grouped_writes"]
 
 # A row's rate is an exponential average of "changed this step" with weight ALPHA, and
 # its class the interval of THRESHOLDS it lies in. Nine classes at 0.01 (the design's
@@ -52,6 +52,11 @@ HYSTERESIS = 0.5                  # a row leaves a class only below half its thr
 # stay within it: a restore read 1.486-1.494x on the bench at 1.49 (1.466-1.474x at 1.47,
 # which wrote 0.02-0.04x more; docs/design/diff-base.md, "As built").
 READ_TARGET = 1.49
+# The cleaner stops at the object nearest READ_TARGET, at most this share of the block
+# past it: at 131072-row blocks the objects it drops are ~1% of the block, so this never
+# binds there; the read then lands on both sides of the target, 1.494-1.496x at most in
+# the replay (docs/design/grouped-layout.md, "Entropy-coded ids and rates").
+OVERSHOOT = 0.005
 CHUNK_ROWS = 2048                 # rows of each object of a block written fresh
 _CLASSES = len(THRESHOLDS) + 1
 # A version's list is written as a delta of the block's last full list (rowlists.py)
@@ -158,13 +163,14 @@ def next_group(old: ListedVersion, changed: np.ndarray, step: int, row_nbytes: i
     live = np.bincount(owner, minlength=npieces)
     live_after = live - np.bincount(owner[changed], minlength=npieces)
     keep = live_after > 0
-    # A copied row's bytes: its codes, its id and rate code (Elias-Fano and packed, at
-    # most ~2 bytes in objects of 1/64 of a block and more: rowlists.py)
+    # A copied row's bytes: its codes, its id and rate code (Elias-Fano or Rice, packed
+    # or Huffman: at most ~2 bytes in objects of 1/64 of a block and more: rowobjects.py)
     per_row = row_nbytes + 2
     ccodes = rate_code(rate[changed])
     ccls = target_cls[changed]
     est = float(pbytes[keep].sum()) + sum(
-        rows_nbytes(nrows, int((ccls == k).sum()), row_nbytes, rates=ccodes[ccls == k])
+        rows_nbytes(nrows, int((ccls == k).sum()), row_nbytes, rates=ccodes[ccls == k],
+                    index=changed[ccls == k])
         for k in range(_CLASSES) if (ccls == k).any())
     target = READ_TARGET * nrows * row_nbytes
     gone = np.zeros(npieces, dtype=bool)
@@ -173,7 +179,18 @@ def next_group(old: ListedVersion, changed: np.ndarray, step: int, row_nbytes: i
         stale = np.where(keep, pbytes - live_after * row_nbytes, 0.0)
         gain = stale / np.maximum(live_after, 1) * (step - pstep + 1)
         order = np.argsort(-np.where(keep, gain, -np.inf), kind="stable")
-        need = int(np.searchsorted(np.cumsum(freed[order]), est - target)) + 1
+        cum = np.cumsum(freed[order])
+        need = int(np.searchsorted(cum, est - target)) + 1
+        # Stop at the object that leaves the version nearest the target, not at the first
+        # past it: cleaned versions then land on both sides of it instead of below it by
+        # half an object (0.0037x of the block at 5% changed rows, where objects are
+        # large), read budget that would otherwise go to copies. Never past it by more
+        # than OVERSHOOT: a small block's objects (a fresh chunk is a whole 2048-row
+        # block) would take a read far past it.
+        if 1 < need <= len(cum):
+            over = est - cum[need - 2] - target
+            if over < min(target - est + cum[need - 1], OVERSHOOT * nrows * row_nbytes):
+                need -= 1
         gone[order[:need]] = True
         gone &= keep
     mask = np.zeros(nrows, dtype=bool)
@@ -196,7 +213,8 @@ def next_group(old: ListedVersion, changed: np.ndarray, step: int, row_nbytes: i
         if not len(sel):
             continue
         piece = Piece(None, k, step, len(sel),
-                      rows_nbytes(nrows, len(sel), row_nbytes, rates=codes[sel]))
+                      rows_nbytes(nrows, len(sel), row_nbytes, rates=codes[sel],
+                                  index=rows[sel]))
         new_owner[rows[sel]] = len(listed)
         listed.append(piece)
         new.append((piece, sel, 0, codes[sel]))
