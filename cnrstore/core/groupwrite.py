@@ -34,7 +34,8 @@ def write_group(w, slot, gw: GroupWrite, codes: np.ndarray, elem: int) -> bool:
         else:
             assert gw.rows is not None
             payload = encode_rows(slot.nrows, codes[sel], step=piece.step, cls=piece.cls,
-                                  elem=elem, index=gw.rows[sel], rates=rates)
+                                  elem=elem, index=gw.rows[sel], rates=rates,
+                                  counts=gw.group.born is not None)
         piece.oid = w.put(KIND_BLOCK_ROWS, payload)
     pieces = gw.group.pieces
     refs: list[bytes] = []
@@ -51,12 +52,12 @@ def write_group(w, slot, gw: GroupWrite, codes: np.ndarray, elem: int) -> bool:
         payload, nrefs = encode_list_delta(
             base.oid, base.nbytes, drop, tuple(refs[m:]),
             np.array([p.cls for p in added]), np.array([p.count for p in added]),
-            np.array([p.step for p in added]))
+            np.array([p.step for p in added]), gw.group.born)
         slot.oid = w.put(KIND_BLOCK_LIST, payload, nrefs, meta=True)
         return True
     payload, nrefs = encode_list(tuple(refs), np.array([p.cls for p in pieces]),
                                  np.array([p.count for p in pieces]),
-                                 np.array([p.step for p in pieces]))
+                                 np.array([p.step for p in pieces]), gw.group.born)
     slot.oid = w.put(KIND_BLOCK_LIST, payload, nrefs, meta=True)
     gw.group.base = ListBase(slot.oid, tuple(refs), sum(p.nbytes for p in pieces))
     return True

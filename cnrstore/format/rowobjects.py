@@ -8,7 +8,9 @@ a block's rows, or some of them, with their change rates; block list nodes
              ascending; 3: a bitmap of the block's rows, lsb first; 4, version 2 only:
              Elias-Fano, see _ef_encode) | rates | planes
       rates: rated 0: none (every code 255); 1: u8[count]; 2, version 2 only: lo u8 |
-             width u8 | each code - lo in ``width`` bits, lsb first (width 0: all lo)
+             width u8 | each code - lo in ``width`` bits, lsb first (width 0: all lo);
+             3, version 2 only: as 2, each code a count of changes, not a rate
+             (cnrstore/core/grouppolicy.py: the lists of a block born with a step)
 
 Writers write version 2: of the id encodings the smallest for the object, the rates
 packed, ~1.5 bytes a row where version 1 took 3 (4.4% of an int8 row). Version 1
@@ -26,7 +28,8 @@ from cnrstore.errors import ManifestError
 from cnrstore.format.planes import PLANE_WIDTHS, check_elem, planes, unplanes
 from engine import Object
 
-__all__ = ["KIND_BLOCK_ROWS", "ROWS_HEADER_BYTES", "RowsHeader", "rate_code", "rate_value",
+__all__ = ["KIND_BLOCK_ROWS", "ROWS_HEADER_BYTES", "RATED_COUNTS", "RowsHeader", "rate_code",
+           "rate_value",
            "rate_width", "rows_nbytes", "max_rows_nbytes", "encode_rows", "read_rows_header",
            "decode_rows_object"]
 
@@ -37,10 +40,10 @@ _ROWS = struct.Struct("<4sBBBBIIIIqB3x")
 _ROWS_MAGIC = b"CNRR"
 ROWS_HEADER_BYTES = _ROWS.size
 IDS_SPAN, IDS_U16, IDS_U32, IDS_BITMAP, IDS_EF = 0, 1, 2, 3, 4
-RATED_NONE, RATED_U8, RATED_PACKED = 0, 1, 2
+RATED_NONE, RATED_U8, RATED_PACKED, RATED_COUNTS = 0, 1, 2, 3
 # per version: the largest ids and rated values it has
 _MAX_IDS = {1: IDS_BITMAP, 2: IDS_EF}
-_MAX_RATED = {1: RATED_U8, 2: RATED_PACKED}
+_MAX_RATED = {1: RATED_U8, 2: RATED_COUNTS}
 
 
 @dataclass(frozen=True)
@@ -182,11 +185,12 @@ def max_rows_nbytes(nrows: int, row_nbytes: int) -> int:
 
 def encode_rows(nrows: int, codes: np.ndarray, *, step: int, cls: int, elem: int = 1,
                 index: np.ndarray | None = None, start: int = 0,
-                rates: np.ndarray | None = None) -> bytes:
+                rates: np.ndarray | None = None, counts: bool = False) -> bytes:
     """Payload of a row object of a block of ``nrows`` rows: ``codes``
     (``uint8[count, row_nbytes]``) are rows ``index`` (ascending, unique, < nrows) or,
     with ``index`` None, the span from ``start``. ``rates``: u8 rate codes of the rows
-    (None: all zero, the full put's chunks)."""
+    (None: all zero, the full put's chunks); ``counts``: they are counts of changes
+    (rated 3), not rates."""
     if codes.dtype != np.uint8 or codes.ndim != 2:
         raise ValueError("row codes must be uint8[count, row_nbytes]")
     count, rnb = codes.shape
@@ -209,7 +213,7 @@ def encode_rows(nrows: int, codes: np.ndarray, *, step: int, cls: int, elem: int
             ids = _ef_encode(idx, nrows)
         else:
             ids = idx.astype("<u2" if mode == IDS_U16 else "<u4").tobytes()
-    rated = RATED_NONE if rates is None else RATED_PACKED
+    rated = RATED_NONE if rates is None else RATED_COUNTS if counts else RATED_PACKED
     parts = [_ROWS.pack(_ROWS_MAGIC, ROWS_VERSION, mode, elem, rated, nrows, rnb, count,
                         start, step, cls), ids]
     if rates is not None:
@@ -239,7 +243,7 @@ def read_rows_header(obj: Object, oid: bytes | None = None) -> RowsHeader:
         raise ManifestError("row object header is invalid", oid=oid)
     rates_at = _ROWS.size + _ids_size(mode, n, count)
     width = 8
-    if rated == RATED_PACKED:
+    if rated in (RATED_PACKED, RATED_COUNTS):
         if len(p) < rates_at + 2 or p[rates_at + 1] > 8:
             raise ManifestError("row object's rate codes are invalid", oid=oid)
         width = p[rates_at + 1]
@@ -283,7 +287,7 @@ def decode_rows_object(obj: Object, oid: bytes | None = None, *, codes: bool = T
         rate_codes = np.zeros(0, dtype=np.uint8)
     elif head.rated_mode == RATED_U8:
         rate_codes = np.frombuffer(payload, dtype=np.uint8, count=count, offset=head.rates_at)
-    elif head.rated_mode == RATED_PACKED:
+    elif head.rated_mode in (RATED_PACKED, RATED_COUNTS):
         lo, width = payload[head.rates_at], payload[head.rates_at + 1]
         got = lo + _unbits_le(payload, head.rates_at + 2, count, width)
         if count and got.max() > 255:

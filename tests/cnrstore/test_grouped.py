@@ -7,6 +7,7 @@ object behave as they do for chains."""
 
 from __future__ import annotations
 
+import msgpack
 import numpy as np
 import pytest
 import torch
@@ -24,6 +25,7 @@ from cnrstore.format.load import load_manifest
 from cnrstore.format.rowlists import (
     KIND_BLOCK_LIST,
     KIND_BLOCK_ROWS,
+    RATED_COUNTS,
     decode_rows_object,
     encode_list,
     encode_list_delta,
@@ -500,3 +502,113 @@ def test_the_batched_resolve_gives_what_resolve_list_gives(data):
     out = np.zeros_like(want)
     assert resolve_list(objs.__getitem__, top, out=out, get_many=get_many) is out
     assert np.array_equal(out, want)
+
+
+# Counts of changes (a block's lists carry "born"): a row's code is its count since the
+# block was written whole, rated 3 in its objects; lists without "born" keep rates.
+
+
+def test_count_codes_are_marked_as_counts():
+    idx = np.array([1, 5, 6, 60])
+    counts = np.array([0, 3, 3, 254], dtype=np.uint8)
+    p = encode_rows(64, _CODES, step=9, cls=2, index=idx, rates=counts, counts=True)
+    head, got_idx, got, codes = decode_rows_object(Object(KIND_BLOCK_ROWS, (), p))
+    assert head.rated_mode == RATED_COUNTS and got.tolist() == counts.tolist()
+    assert got_idx.tolist() == idx.tolist() and np.array_equal(codes, _CODES)
+    plain = encode_rows(64, _CODES, step=9, cls=2, index=idx, rates=counts)
+    assert decode_rows_object(Object(KIND_BLOCK_ROWS, (), plain))[0].rated_mode == 2
+    assert len(plain) == len(p)  # the same bits; only the marker differs
+
+
+def test_lists_carry_the_step_their_block_was_born():
+    objs, _ = _delta_store()
+    assert read_list(objs.__getitem__, b"d" * 16).born is None  # as stores before it
+    payload, refs = encode_list((b"c" * 16, b"e" * 16), np.array([0, 0]), np.array([8, 8]),
+                                np.array([0, 0]), born=7)
+    objs[b"b" * 16] = Object(KIND_BLOCK_LIST, refs, payload)
+    assert read_list(objs.__getitem__, b"b" * 16).born == 7
+    payload, refs = encode_list_delta(b"b" * 16, 1, np.array([1]), (b"r" * 16,),
+                                      np.array([1]), np.array([8]), np.array([1]), born=-3)
+    objs[b"f" * 16] = Object(KIND_BLOCK_LIST, refs, payload)
+    assert read_list(objs.__getitem__, b"f" * 16).born == -3
+    bad = msgpack.packb({**msgpack.unpackb(objs[b"b" * 16].payload), "born": "x"})
+    objs[b"x" * 16] = Object(KIND_BLOCK_LIST, objs[b"b" * 16].refs, bad)
+    with pytest.raises(ManifestError, match="born"):
+        read_list(objs.__getitem__, b"x" * 16)
+
+
+def _counted_store(rates_as_counts: bool):
+    """A 64-row block born at step 0 (one chunk), then rows 1, 5, 6, 60 at step 9 in an
+    object rated as counts (or, crafted, as rates) under a list with "born"."""
+    base = np.arange(64 * 3, dtype=np.uint8).reshape(64, 3)
+    idx = np.array([1, 5, 6, 60])
+    objs = {b"c" * 16: Object(KIND_BLOCK_ROWS, (), encode_rows(64, base, step=0, cls=0)),
+            b"g" * 16: Object(KIND_BLOCK_ROWS, (), encode_rows(
+                64, _CODES, step=9, cls=2, index=idx, rates=np.array([1, 2, 1, 3], np.uint8),
+                counts=rates_as_counts))}
+    payload, refs = encode_list((b"c" * 16, b"g" * 16), np.array([0, 2]), np.array([64, 4]),
+                                np.array([0, 9]), born=0)
+    objs[b"l" * 16] = Object(KIND_BLOCK_LIST, refs, payload)
+    return objs
+
+
+def test_a_list_of_counts_seeds_counts_and_refuses_rates():
+    group = grouppolicy.load_group(_counted_store(True).__getitem__, b"l" * 16, 64, 3)
+    assert group is not None and group.born == 0
+    assert group.rq[[1, 5, 6, 60]].tolist() == [1, 2, 1, 3] and group.rq[0] == 255
+    gw = grouppolicy.next_group(group, np.array([0, 5]), 10, 3)
+    assert gw.group.born == 0 and gw.group.rq[[0, 5]].tolist() == [1, 3]
+    with pytest.raises(ManifestError, match="rates in a list of counts"):
+        grouppolicy.load_group(_counted_store(False).__getitem__, b"l" * 16, 64, 3)
+
+
+def test_a_list_without_born_keeps_rates():
+    # a block of a store written before counts: its rates decay as they always did
+    base = np.arange(64 * 3, dtype=np.uint8).reshape(64, 3)
+    objs = {b"c" * 16: Object(KIND_BLOCK_ROWS, (), encode_rows(64, base, step=0, cls=0)),
+            b"g" * 16: Object(KIND_BLOCK_ROWS, (), _GOLDEN_V2)}
+    payload, refs = encode_list((b"c" * 16, b"g" * 16), np.array([0, 2]), np.array([64, 4]),
+                                np.array([0, 9]))
+    objs[b"l" * 16] = Object(KIND_BLOCK_LIST, refs, payload)
+    group = grouppolicy.load_group(objs.__getitem__, b"l" * 16, 64, 3)
+    assert group is not None and group.born is None
+    gw = grouppolicy.next_group(group, np.array([5]), 12, 3)
+    a = grouppolicy.ALPHA
+    want = rate_code(rate_value(np.array([16])) * (1 - a) ** 3 + a)
+    assert gw.group.born is None and gw.group.rq[5] == want[0]
+    with pytest.raises(ManifestError, match="counts in a list of rates"):
+        objs[b"g" * 16] = _counted_store(True)[b"g" * 16]
+        grouppolicy.load_group(objs.__getitem__, b"l" * 16, 64, 3)
+
+
+@settings(max_examples=200, deadline=None)
+@given(born=st.integers(-5, 5), changes=st.lists(st.booleans(), min_size=1, max_size=1600),
+       extra=st.sets(st.integers(1, 1600)), data=st.data())
+def test_a_count_is_the_same_however_often_its_row_was_written(born, changes, extra, data):
+    # the writer's state is a function of what is stored: a row written at every step
+    # (a copy each time) and one written only when it changed (and at ``extra`` steps,
+    # the cleaner's copies) have the same count and rate at every step
+    every = np.full(1, 255, np.uint8)
+    sparse, at = np.full(1, 255, np.uint8), born
+    for t, changed in enumerate(changes, start=born + 1):
+        ch = np.array([0]) if changed else np.zeros(0, np.int64)
+        r1, every = grouppolicy.counted_rates(every, np.array([t - 1]), ch, t, born)
+        r2, c2 = grouppolicy.counted_rates(sparse, np.array([at]), ch, t, born)
+        assert every.tolist() == c2.tolist() and r1.tolist() == r2.tolist()
+        if changed or t - born in extra:
+            sparse, at = c2, t
+    assert every[0] <= grouppolicy.COUNT_CAP
+
+
+def test_counts_halve_at_each_epoch():
+    e, born = grouppolicy.COUNT_EPOCH, 3
+    none = np.zeros(0, np.int64)
+    rate, n = grouppolicy.counted_rates(np.array([9], np.uint8), np.array([born + 1]), none,
+                                        born + e - 1, born)
+    assert n[0] == 9 and rate[0] == 9 / (e - 1 + grouppolicy.COUNT_PRIOR)
+    rate, n = grouppolicy.counted_rates(np.array([9], np.uint8), np.array([born + 1]), none,
+                                        born + 2 * e + 10, born)
+    assert n[0] == 2 and rate[0] == 2 / (10 + e * 0.75 + grouppolicy.COUNT_PRIOR)
+    _, n = grouppolicy.counted_rates(np.array([254], np.uint8), np.array([born]),
+                                     np.array([0]), born + 1, born)
+    assert n[0] == grouppolicy.COUNT_CAP  # capped, never the 255 of "no count yet"
