@@ -612,3 +612,23 @@ def test_counts_halve_at_each_epoch():
     _, n = grouppolicy.counted_rates(np.array([254], np.uint8), np.array([born]),
                                      np.array([0]), born + 1, born)
     assert n[0] == grouppolicy.COUNT_CAP  # capped, never the 255 of "no count yet"
+
+
+# Frozen: a counts object (rated 3) and a full list with "born" as writers write them
+# since 2026-12-07; stores hold these, so they must read (and write) as they are.
+_GOLDEN_COUNTS = bytes.fromhex(
+    "434e5252020401034000000003000000040000000000000009000000000000000200000051c6470102"
+    "84000102030405060708090a0b")
+_GOLDEN_BORN_LIST = bytes.fromhex(
+    "85a17601a3636c73c4020002a4726f7773c4084000000004000000a473746570c4100000000000000000"
+    "0900000000000000a4626f726e00")
+
+
+def test_golden_counts_and_born_list_still_read():
+    objs = _counted_store(True)
+    assert objs[b"g" * 16].payload == _GOLDEN_COUNTS
+    assert objs[b"l" * 16].payload == _GOLDEN_BORN_LIST
+    head, idx, counts, codes = decode_rows_object(Object(KIND_BLOCK_ROWS, (), _GOLDEN_COUNTS))
+    assert head.rated_mode == RATED_COUNTS and counts.tolist() == [1, 2, 1, 3]
+    assert idx.tolist() == [1, 5, 6, 60] and np.array_equal(codes, _CODES)
+    assert read_list(objs.__getitem__, b"l" * 16).born == 0
