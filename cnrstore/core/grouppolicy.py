@@ -27,7 +27,6 @@ from cnrstore.core.tablestate import BlockSlot, TableState
 from cnrstore.errors import CheckpointError, ManifestError
 from cnrstore.format.rowlists import (
     KIND_BLOCK_LIST,
-    RATED_COUNTS,
     decode_rows_object,
     rate_code,
     rate_value,
@@ -37,9 +36,9 @@ from cnrstore.format.rowlists import (
 from engine import Object, StoreError
 
 __all__ = ["ALPHA", "COUNT_PRIOR", "COUNT_EPOCH", "COUNT_CAP", "THRESHOLDS", "HYSTERESIS",
-           "READ_TARGET", "CHUNK_ROWS", "DELTA_SHARE",
-           "Piece", "ListBase", "ListedVersion", "GroupWrite", "fresh_group", "next_group",
-           "load_group", "grouped_writes"]
+           "READ_TARGET", "OVERSHOOT", "CHUNK_ROWS", "DELTA_SHARE", "Piece", "ListBase",
+           "ListedVersion", "GroupWrite", "fresh_group", "next_group", "load_group",
+           "grouped_writes"]
 
 # A row's class is the interval of THRESHOLDS its rate lies in; in a block whose lists
 # have no born step (an older store's) the rate is an exponential average of "changed
@@ -58,9 +57,9 @@ ALPHA = 0.01
 # that many steps) keeps the first few changes from lifting a row far. The count is the
 # code (held as a log rate code, rounding wrote 1.499-1.518x at 5% int8), and a class's
 # rows hold a few distinct counts, narrower packed codes than rates. In the replay
-# (docs/design/grouped-layout.md, "Rate estimators") the cleaner
-# copies 0.441x of the changed bytes instead of 0.458x and int8 writes 1.486x at 5%
-# changed rows (1.508x), 1.428x at 1% (1.455x); exact 1.429x (1.444x) and 1.300x (1.328x).
+# (docs/design/grouped-layout.md, "Rate estimators"), with version-3 objects and the
+# nearest stop, int8 writes 1.479x at 5% changed rows (1.496x with rates), 1.424x at 1%
+# (1.449x); exact 1.426x (1.437x) and 1.297x (1.326x).
 # Halving every COUNT_EPOCH steps keeps the window finite (a long run's rates can drift)
 # and the count within a u8; the bench's runs (<= 300 steps) never halve.
 COUNT_PRIOR = 400.0
@@ -73,6 +72,11 @@ HYSTERESIS = 0.5                  # a row leaves a class only below half its thr
 # stay within it: a restore read 1.486-1.494x on the bench at 1.49 (1.466-1.474x at 1.47,
 # which wrote 0.02-0.04x more; docs/design/diff-base.md, "As built").
 READ_TARGET = 1.49
+# The cleaner stops at the object nearest READ_TARGET, at most this share of the block
+# past it: at 131072-row blocks the objects it drops are ~1% of the block, so this never
+# binds there; the read then lands on both sides of the target, 1.494-1.496x at most in
+# the replay (docs/design/grouped-layout.md, "Entropy-coded ids and rates").
+OVERSHOOT = 0.005
 CHUNK_ROWS = 2048                 # rows of each object of a block written fresh
 _CLASSES = len(THRESHOLDS) + 1
 # A version's list is written as a delta of the block's last full list (rowlists.py)
@@ -199,13 +203,14 @@ def next_group(old: ListedVersion, changed: np.ndarray, step: int, row_nbytes: i
     live = np.bincount(owner, minlength=npieces)
     live_after = live - np.bincount(owner[changed], minlength=npieces)
     keep = live_after > 0
-    # A copied row's bytes: its codes, its id and rate code (Elias-Fano and packed, at
-    # most ~2 bytes in objects of 1/64 of a block and more: rowlists.py)
+    # A copied row's bytes: its codes, its id and rate code (Elias-Fano or Rice, packed
+    # or Huffman: at most ~2 bytes in objects of 1/64 of a block and more: rowobjects.py)
     per_row = row_nbytes + 2
     ccodes = rate_code(rate[changed]) if counts is None else counts[changed]
     ccls = target_cls[changed]
     est = float(pbytes[keep].sum()) + sum(
-        rows_nbytes(nrows, int((ccls == k).sum()), row_nbytes, rates=ccodes[ccls == k])
+        rows_nbytes(nrows, int((ccls == k).sum()), row_nbytes, rates=ccodes[ccls == k],
+                    index=changed[ccls == k])
         for k in range(_CLASSES) if (ccls == k).any())
     target = READ_TARGET * nrows * row_nbytes
     gone = np.zeros(npieces, dtype=bool)
@@ -214,7 +219,18 @@ def next_group(old: ListedVersion, changed: np.ndarray, step: int, row_nbytes: i
         stale = np.where(keep, pbytes - live_after * row_nbytes, 0.0)
         gain = stale / np.maximum(live_after, 1) * (step - pstep + 1)
         order = np.argsort(-np.where(keep, gain, -np.inf), kind="stable")
-        need = int(np.searchsorted(np.cumsum(freed[order]), est - target)) + 1
+        cum = np.cumsum(freed[order])
+        need = int(np.searchsorted(cum, est - target)) + 1
+        # Stop at the object that leaves the version nearest the target, not at the first
+        # past it: cleaned versions then land on both sides of it instead of below it by
+        # half an object (0.0037x of the block at 5% changed rows, where objects are
+        # large), read budget that would otherwise go to copies. Never past it by more
+        # than OVERSHOOT: a small block's objects (a fresh chunk is a whole 2048-row
+        # block) would take a read far past it.
+        if 1 < need <= len(cum):
+            over = est - cum[need - 2] - target
+            if over < min(target - est + cum[need - 1], OVERSHOOT * nrows * row_nbytes):
+                need -= 1
         gone[order[:need]] = True
         gone &= keep
     mask = np.zeros(nrows, dtype=bool)
@@ -237,7 +253,8 @@ def next_group(old: ListedVersion, changed: np.ndarray, step: int, row_nbytes: i
         if not len(sel):
             continue
         piece = Piece(None, k, step, len(sel),
-                      rows_nbytes(nrows, len(sel), row_nbytes, rates=codes[sel]))
+                      rows_nbytes(nrows, len(sel), row_nbytes, rates=codes[sel],
+                                  index=rows[sel]))
         new_owner[rows[sel]] = len(listed)
         listed.append(piece)
         new.append((piece, sel, 0, codes[sel]))
@@ -269,10 +286,6 @@ def load_group(get: Callable[[bytes], Object], oid: bytes, nrows: int, row_nbyte
                 nrows, row_nbytes, counts[k], cls[k], steps[k]):
             raise ManifestError(f"row object {ref.hex()} does not match its list entry "
                                 "or block", oid=oid)
-        if head.rated and (head.rated_mode == RATED_COUNTS) != (born is not None):
-            raise ManifestError(f"row object {ref.hex()} holds "
-                                + ("rates in a list of counts" if born is not None else
-                                   "counts in a list of rates"), oid=oid)
         at: slice | np.ndarray = slice(head.start, head.start + head.count) if idx is None \
             else idx
         owner[at] = k

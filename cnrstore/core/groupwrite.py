@@ -34,8 +34,7 @@ def write_group(w, slot, gw: GroupWrite, codes: np.ndarray, elem: int) -> bool:
         else:
             assert gw.rows is not None
             payload = encode_rows(slot.nrows, codes[sel], step=piece.step, cls=piece.cls,
-                                  elem=elem, index=gw.rows[sel], rates=rates,
-                                  counts=gw.group.born is not None)
+                                  elem=elem, index=gw.rows[sel], rates=rates)
         piece.oid = w.put(KIND_BLOCK_ROWS, payload)
     pieces = gw.group.pieces
     refs: list[bytes] = []

@@ -8,7 +8,7 @@ them). The row-object names are re-exported here, where the layout's readers imp
     LIST (delta) = msgpack {"v": 2, "drop": u32[d], "bb": u64, "cls", "rows", "step" of
            the k added objects}, refs = (base list, the k added row objects)
     either may also hold "born": i64, the step the block was last written whole: its
-           rows' codes are then counts of changes since (rated 3), not rates (lists
+           row objects' rate codes are then counts of changes since, not rates (lists
            written before 2026-12-07 have none; cnrstore/core/grouppolicy.py)
 
 A delta names a full list (never a delta: one level of base): the base's entries but the
@@ -37,7 +37,6 @@ from cnrstore.format.planes import unplanes
 from cnrstore.format.rowobjects import (
     IDS_SPAN,
     KIND_BLOCK_ROWS,
-    RATED_COUNTS,
     ROWS_HEADER_BYTES,
     RowsHeader,
     decode_rows_object,
@@ -51,8 +50,7 @@ from cnrstore.format.rowobjects import (
 )
 from engine import Object
 
-__all__ = ["KIND_BLOCK_ROWS", "KIND_BLOCK_LIST", "LIST_READ_CAP", "RATED_COUNTS", "RowsHeader",
-           "rate_code",
+__all__ = ["KIND_BLOCK_ROWS", "KIND_BLOCK_LIST", "LIST_READ_CAP", "RowsHeader", "rate_code",
            "rate_value", "rate_width", "rows_nbytes", "encode_rows", "read_rows_header",
            "decode_rows_object", "encode_list", "encode_list_delta", "decode_list", "ListEntries",
            "read_list", "plan_list", "resolve_list", "apply_list"]

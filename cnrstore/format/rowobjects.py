@@ -5,16 +5,21 @@ a block's rows, or some of them, with their change rates; block list nodes
     ROWS = "CNRR" | version u8 | ids u8 | elem u8 | rated u8 | nrows u32 | row_nbytes u32
            | count u32 | start u32 | step i64 | cls u8 | 3 pad
            | row ids (ids 0: none, the span [start, start + count); 1/2: u16/u32 le
-             ascending; 3: a bitmap of the block's rows, lsb first; 4, version 2 only:
-             Elias-Fano, see _ef_encode) | rates | planes
+             ascending; 3: a bitmap of the block's rows, lsb first; 4, version 2 and 3:
+             Elias-Fano, see rowcodes.ef_encode; 5, version 3 only: Rice-coded gaps,
+             see rowcodes.rice_encode) | rates | planes
       rates: rated 0: none (every code 255); 1: u8[count]; 2, version 2 only: lo u8 |
              width u8 | each code - lo in ``width`` bits, lsb first (width 0: all lo);
-             3, version 2 only: as 2, each code a count of changes, not a rate
-             (cnrstore/core/grouppolicy.py: the lists of a block born with a step)
+             3, version 3 only: lo u8 | n u8 | a canonical Huffman code's lengths of
+             the n + 1 codes lo..lo + n, 4 bits each, lsb first | each row's codeword,
+             msb first, the bits lsb first, to the end of the section, which ends
+             where the planes begin (rowcodes.huff_encode)
 
-Writers write version 2: of the id encodings the smallest for the object, the rates
-packed, ~1.5 bytes a row where version 1 took 3 (4.4% of an int8 row). Version 1
-objects (ids 0-3, rated 0-1) read as they always did.
+Writers write version 2, or version 3 where the object takes Rice ids or Huffman rates:
+of the id encodings the smallest for the object, the rates packed or Huffman-coded,
+whichever is smaller (version 2 took ~1.5 bytes a row for both where version 1 took 3,
+4.4% of an int8 row; docs/design/grouped-layout.md has what version 3 saves). Version 1
+objects (ids 0-3, rated 0-1) and version 2 objects read as they always did.
 """
 
 from __future__ import annotations
@@ -26,24 +31,43 @@ import numpy as np
 
 from cnrstore.errors import ManifestError
 from cnrstore.format.planes import PLANE_WIDTHS, check_elem, planes, unplanes
+from cnrstore.format.rowcodes import (
+    HUFF_MAX_LEN,
+    bits_le,
+    ef_decode,
+    ef_encode,
+    ef_low_bits,
+    ef_upper_bits,
+    huff_decode,
+    huff_encode,
+    huff_size,
+    rice_decode,
+    rice_encode,
+    rice_plan,
+    rice_size,
+    unbits_le,
+)
 from engine import Object
 
-__all__ = ["KIND_BLOCK_ROWS", "ROWS_HEADER_BYTES", "RATED_COUNTS", "RowsHeader", "rate_code",
-           "rate_value",
+__all__ = ["KIND_BLOCK_ROWS", "ROWS_HEADER_BYTES", "RowsHeader", "rate_code", "rate_value",
            "rate_width", "rows_nbytes", "max_rows_nbytes", "encode_rows", "read_rows_header",
            "decode_rows_object"]
 
 KIND_BLOCK_ROWS = 7
-ROWS_VERSION = 2          # what writers write; version 1 still reads
+ROWS_VERSION = 2          # what writers write (3 for Rice ids or Huffman rates); 1 reads
 
 _ROWS = struct.Struct("<4sBBBBIIIIqB3x")
 _ROWS_MAGIC = b"CNRR"
 ROWS_HEADER_BYTES = _ROWS.size
-IDS_SPAN, IDS_U16, IDS_U32, IDS_BITMAP, IDS_EF = 0, 1, 2, 3, 4
-RATED_NONE, RATED_U8, RATED_PACKED, RATED_COUNTS = 0, 1, 2, 3
-# per version: the largest ids and rated values it has
-_MAX_IDS = {1: IDS_BITMAP, 2: IDS_EF}
-_MAX_RATED = {1: RATED_U8, 2: RATED_COUNTS}
+IDS_SPAN, IDS_U16, IDS_U32, IDS_BITMAP, IDS_EF, IDS_RICE = 0, 1, 2, 3, 4, 5
+RATED_NONE, RATED_U8, RATED_PACKED, RATED_HUFF = 0, 1, 2, 3
+# per version: the largest ids and rated values it has. Version 3 is version 2 with Rice
+# ids and Huffman-coded rates, written only for objects that use either: a reader that
+# predates them refuses such an object by its version, and every other object is the
+# version 2 object it was, byte for byte.
+_MAX_IDS = {1: IDS_BITMAP, 2: IDS_EF, 3: IDS_RICE}
+_MAX_RATED = {1: RATED_U8, 2: RATED_PACKED, 3: RATED_HUFF}
+_V3 = 3
 
 
 @dataclass(frozen=True)
@@ -79,77 +103,34 @@ def rate_value(code: np.ndarray) -> np.ndarray:
     return np.where(c >= 255, 0.0, np.exp2(-c / 16.0))
 
 
-def _ef_low_bits(nrows: int, count: int) -> int:
-    """Low bits per id of an Elias-Fano code of ``count`` ids below ``nrows``."""
-    return max(0, (nrows // count).bit_length() - 1) if count else 0
-
-
-def _ef_upper_bits(nrows: int, count: int) -> int:
-    return count + (max(nrows - 1, 0) >> _ef_low_bits(nrows, count)) + 1
-
-
 def _ids_size(mode: int, nrows: int, count: int) -> int:
     if mode == IDS_SPAN:
         return 0
     if mode == IDS_BITMAP:
         return -(-nrows // 8)
     if mode == IDS_EF:
-        return -(-count * _ef_low_bits(nrows, count) // 8) + -(-_ef_upper_bits(nrows, count)
+        return -(-count * ef_low_bits(nrows, count) // 8) + -(-ef_upper_bits(nrows, count)
                                                                // 8)
     return count * (2 if mode == IDS_U16 else 4)
 
 
 def _ids_mode(nrows: int, count: int) -> int:
-    """The smallest id encoding of ``count`` rows (the lowest mode of equal size)."""
+    """The smallest id encoding of ``count`` rows whose size does not depend on the ids
+    (the lowest mode of equal size)."""
     wide = IDS_U16 if nrows <= 1 << 16 else IDS_U32
     return min((wide, IDS_BITMAP, IDS_EF), key=lambda m: (_ids_size(m, nrows, count), m))
 
 
-def _bits_le(values: np.ndarray, width: int) -> bytes:
-    """``values`` (int64, each < 2^width) in ``width`` bits each, lsb first, in order."""
-    if not width or not len(values):
-        return b""
-    bits = ((values[:, None] >> np.arange(width, dtype=np.int64)) & 1).astype(np.uint8)
-    return np.packbits(bits.ravel(), bitorder="little").tobytes()
-
-
-def _unbits_le(view, offset: int, count: int, width: int) -> np.ndarray:
-    """The ``count`` values _bits_le wrote at ``offset`` of ``view`` (int64)."""
-    if not width or not count:
-        return np.zeros(count, dtype=np.int64)
-    raw = np.frombuffer(view, dtype=np.uint8, count=-(-count * width // 8), offset=offset)
-    bits = np.unpackbits(raw, bitorder="little", count=count * width).reshape(count, width)
-    return bits.astype(np.int64) @ (np.int64(1) << np.arange(width, dtype=np.int64))
-
-
-def _ef_encode(idx: np.ndarray, nrows: int) -> bytes:
-    """Elias-Fano code of ascending unique ids below ``nrows``: with L =
-    _ef_low_bits(nrows, count), the low L bits of every id (_bits_le), then a bitmap of
-    count + ((nrows - 1) >> L) + 1 bits, lsb first, whose bit (id >> L) + i is set for
-    the i-th id; each part padded to whole bytes."""
-    count = len(idx)
-    low = _ef_low_bits(nrows, count)
-    v = np.asarray(idx, dtype=np.int64)
-    upper = np.zeros(_ef_upper_bits(nrows, count), dtype=np.uint8)
-    upper[(v >> low) + np.arange(count)] = 1
-    return _bits_le(v & ((1 << low) - 1), low) + np.packbits(upper, bitorder="little"
-                                                             ).tobytes()
-
-
-def _ef_decode(view, nrows: int, count: int) -> np.ndarray | None:
-    """The ids of an Elias-Fano code (_ef_encode) at the start of ``view``; None when it
-    does not hold ``count`` ids or sets a padding bit."""
-    low = _ef_low_bits(nrows, count)
-    nlow = -(-count * low // 8)
-    nup = _ef_upper_bits(nrows, count)
-    upper = np.unpackbits(np.frombuffer(view, dtype=np.uint8, count=-(-nup // 8),
-                                        offset=nlow), bitorder="little")
-    if upper[nup:].any():
-        return None
-    pos = np.flatnonzero(upper)
-    if len(pos) != count:
-        return None
-    return ((pos - np.arange(count, dtype=np.int64)) << low) | _unbits_le(view, 0, count, low)
+def _ids_plan(nrows: int, idx: np.ndarray) -> tuple[int, int]:
+    """(mode, bytes) of the smallest id encoding of ascending unique ids ``idx``: the
+    mode _ids_mode picks, or Rice where smaller."""
+    mode = _ids_mode(nrows, len(idx))
+    size = _ids_size(mode, nrows, len(idx))
+    if len(idx):
+        rice = rice_plan(idx)[2]
+        if rice < size:
+            return IDS_RICE, rice
+    return mode, size
 
 
 def rate_width(rates: np.ndarray) -> int:
@@ -166,31 +147,50 @@ def _rates_size(mode: int, count: int, width: int = 8) -> int:
     return 2 + -(-count * width // 8)
 
 
+def _rates_plan(rates: np.ndarray) -> tuple[int, int]:
+    """(rated mode, bytes) of the rate section writers write for ``rates``: packed, or
+    the Huffman code where smaller."""
+    r = np.asarray(rates, dtype=np.int64)
+    packed = _rates_size(RATED_PACKED, len(r), rate_width(r))
+    huff = huff_size(r - r.min()) if len(r) else None
+    return (RATED_HUFF, huff) if huff is not None and huff < packed else (RATED_PACKED,
+                                                                        packed)
+
+
 def rows_nbytes(nrows: int, count: int, row_nbytes: int, *, span: bool = False,
-                rated: bool = True, rates: np.ndarray | None = None) -> int:
+                rated: bool = True, rates: np.ndarray | None = None,
+                index: np.ndarray | None = None) -> int:
     """Payload size of a row object as writers write it, without building it (the
-    writer's read estimate); ``rates`` the rows' codes where known (else 8 bits each,
-    the most)."""
-    mode = IDS_SPAN if span else _ids_mode(nrows, count)
-    width = 8 if rates is None else rate_width(rates)
-    return (_ROWS.size + _ids_size(mode, nrows, count)
-            + (_rates_size(RATED_PACKED, count, width) if rated else 0) + count * row_nbytes)
+    writer's read estimate); ``rates`` the rows' codes and ``index`` their ids where
+    known (else 8 bits a rate and the id encodings that do not depend on the ids: at
+    most what is written)."""
+    if span:
+        ids_size = 0
+    elif index is not None:
+        ids_size = _ids_plan(nrows, np.asarray(index, dtype=np.int64))[1]
+    else:
+        ids_size = _ids_size(_ids_mode(nrows, count), nrows, count)
+    rated_size = 0
+    if rated:
+        rated_size = (_rates_size(RATED_PACKED, count) if rates is None
+                      else _rates_plan(rates)[1])
+    return _ROWS.size + ids_size + rated_size + count * row_nbytes
 
 
 def max_rows_nbytes(nrows: int, row_nbytes: int) -> int:
-    """The largest row object of a whole block any writer writes (either version)."""
+    """The largest row object of a whole block any writer writes (any version: Rice ids
+    and Huffman-coded rates are written only where smaller than these)."""
     return (_ROWS.size + _ids_size(IDS_BITMAP, nrows, nrows)
             + _rates_size(RATED_PACKED, nrows) + nrows * row_nbytes)
 
 
 def encode_rows(nrows: int, codes: np.ndarray, *, step: int, cls: int, elem: int = 1,
                 index: np.ndarray | None = None, start: int = 0,
-                rates: np.ndarray | None = None, counts: bool = False) -> bytes:
+                rates: np.ndarray | None = None) -> bytes:
     """Payload of a row object of a block of ``nrows`` rows: ``codes``
     (``uint8[count, row_nbytes]``) are rows ``index`` (ascending, unique, < nrows) or,
     with ``index`` None, the span from ``start``. ``rates``: u8 rate codes of the rows
-    (None: all zero, the full put's chunks); ``counts``: they are counts of changes
-    (rated 3), not rates."""
+    (None: all zero, the full put's chunks)."""
     if codes.dtype != np.uint8 or codes.ndim != 2:
         raise ValueError("row codes must be uint8[count, row_nbytes]")
     count, rnb = codes.shape
@@ -203,28 +203,34 @@ def encode_rows(nrows: int, codes: np.ndarray, *, step: int, cls: int, elem: int
         if len(index) != count:
             raise ValueError("row ids and codes differ in length")
         start = 0
-        mode = _ids_mode(nrows, count)
         idx = np.asarray(index, dtype=np.int64)
-        if mode == IDS_BITMAP:
+        mode = _ids_plan(nrows, idx)[0]
+        if mode == IDS_RICE:
+            ids = rice_encode(idx)
+        elif mode == IDS_BITMAP:
             bits = np.zeros(nrows, dtype=bool)
             bits[idx] = True
             ids = np.packbits(bits, bitorder="little").tobytes()
         elif mode == IDS_EF:
-            ids = _ef_encode(idx, nrows)
+            ids = ef_encode(idx, nrows)
         else:
             ids = idx.astype("<u2" if mode == IDS_U16 else "<u4").tobytes()
-    rated = RATED_NONE if rates is None else RATED_COUNTS if counts else RATED_PACKED
-    parts = [_ROWS.pack(_ROWS_MAGIC, ROWS_VERSION, mode, elem, rated, nrows, rnb, count,
-                        start, step, cls), ids]
+    rated, section = RATED_NONE, b""
     if rates is not None:
         if len(rates) != count:
             raise ValueError("rates and codes differ in length")
         r = np.asarray(rates, dtype=np.uint8).astype(np.int64)
         lo = int(r.min()) if count else 0
-        width = rate_width(r)
-        parts += [bytes((lo, width)), _bits_le(r - lo, width)]
-    parts.append(planes(codes, elem).data)  # type: ignore[arg-type]
-    return b"".join(parts)
+        rated = _rates_plan(r)[0]
+        if rated == RATED_HUFF:
+            section = bytes((lo,)) + huff_encode(r - lo)
+        else:
+            width = rate_width(r)
+            section = bytes((lo, width)) + bits_le(r - lo, width)
+    version = _V3 if rated == RATED_HUFF or mode == IDS_RICE else ROWS_VERSION
+    return b"".join([_ROWS.pack(_ROWS_MAGIC, version, mode, elem, rated, nrows, rnb, count,
+                                start, step, cls), ids, section,
+                     planes(codes, elem).data])
 
 
 def read_rows_header(obj: Object, oid: bytes | None = None) -> RowsHeader:
@@ -241,13 +247,29 @@ def read_rows_header(obj: Object, oid: bytes | None = None) -> RowsHeader:
     if elem not in PLANE_WIDTHS or rnb % elem or count > n or (
             mode == IDS_SPAN and start + count > n) or (mode == IDS_U16 and n > 1 << 16):
         raise ManifestError("row object header is invalid", oid=oid)
-    rates_at = _ROWS.size + _ids_size(mode, n, count)
+    if mode == IDS_RICE:
+        ids_size = rice_size(p, _ROWS.size, n, count)
+        if ids_size is None:
+            raise ManifestError("row object's Rice ids are invalid", oid=oid)
+    else:
+        ids_size = _ids_size(mode, n, count)
+    rates_at = _ROWS.size + ids_size
     width = 8
-    if rated in (RATED_PACKED, RATED_COUNTS):
+    if rated == RATED_PACKED:
         if len(p) < rates_at + 2 or p[rates_at + 1] > 8:
             raise ManifestError("row object's rate codes are invalid", oid=oid)
         width = p[rates_at + 1]
-    body_at = rates_at + _rates_size(rated, count, width)
+    if rated == RATED_HUFF:
+        # the codewords run to the planes: the section's size is the payload's rest,
+        # within what count codewords of 1 to HUFF_MAX_LEN bits take
+        body_at = len(p) - count * rnb
+        if len(p) < rates_at + 2 or p[rates_at] + p[rates_at + 1] > 255:
+            raise ManifestError("row object's rate codes are invalid", oid=oid)
+        stream = body_at - rates_at - 2 - -(-(p[rates_at + 1] + 1) // 2)
+        if not -(-count // 8) <= stream <= -(-count * HUFF_MAX_LEN // 8):
+            raise ManifestError("row object's rate codes are invalid", oid=oid)
+    else:
+        body_at = rates_at + _rates_size(rated, count, width)
     head = RowsHeader(n, rnb, count, start, mode, bool(rated), step, cls, elem, _ROWS.size,
                       ver, rates_at, body_at, rated)
     want = body_at + count * rnb
@@ -268,14 +290,18 @@ def decode_rows_object(obj: Object, oid: bytes | None = None, *, codes: bool = T
     n, count = head.nrows, head.count
     idx: np.ndarray | None = None
     size = _ids_size(head.ids, n, count)
-    if head.ids == IDS_BITMAP:
+    if head.ids == IDS_RICE:
+        idx = rice_decode(payload, head.header_size, n, count)
+        if idx is None:
+            raise ManifestError("row object's Rice ids are invalid", oid=oid)
+    elif head.ids == IDS_BITMAP:
         bits = np.unpackbits(np.frombuffer(view, dtype=np.uint8, count=size),
                              bitorder="little")[:n]
         idx = np.flatnonzero(bits).astype(np.int64)
         if len(idx) != count:
             raise ManifestError("row object bitmap holds another row count", oid=oid)
     elif head.ids == IDS_EF:
-        idx = _ef_decode(view, n, count)
+        idx = ef_decode(view, n, count)
         if idx is None or (count and (idx[-1] >= n or np.any(np.diff(idx) <= 0))):
             raise ManifestError("row object's Elias-Fano ids are invalid", oid=oid)
     elif head.ids != IDS_SPAN:
@@ -287,12 +313,17 @@ def decode_rows_object(obj: Object, oid: bytes | None = None, *, codes: bool = T
         rate_codes = np.zeros(0, dtype=np.uint8)
     elif head.rated_mode == RATED_U8:
         rate_codes = np.frombuffer(payload, dtype=np.uint8, count=count, offset=head.rates_at)
-    elif head.rated_mode in (RATED_PACKED, RATED_COUNTS):
+    elif head.rated_mode == RATED_PACKED:
         lo, width = payload[head.rates_at], payload[head.rates_at + 1]
-        got = lo + _unbits_le(payload, head.rates_at + 2, count, width)
+        got = lo + unbits_le(payload, head.rates_at + 2, count, width)
         if count and got.max() > 255:
             raise ManifestError("row object's rate codes are out of range", oid=oid)
         rate_codes = got.astype(np.uint8)
+    elif head.rated_mode == RATED_HUFF:
+        values = huff_decode(payload, head.rates_at + 1, head.body_at, count)
+        if values is None:
+            raise ManifestError("row object's Huffman-coded rate codes are invalid", oid=oid)
+        rate_codes = (payload[head.rates_at] + values).astype(np.uint8)
     else:
         rate_codes = np.full(count, 255, dtype=np.uint8)
     view = payload[head.body_at:]

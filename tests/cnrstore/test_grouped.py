@@ -25,7 +25,6 @@ from cnrstore.format.load import load_manifest
 from cnrstore.format.rowlists import (
     KIND_BLOCK_LIST,
     KIND_BLOCK_ROWS,
-    RATED_COUNTS,
     decode_rows_object,
     encode_list,
     encode_list_delta,
@@ -36,6 +35,7 @@ from cnrstore.format.rowlists import (
     read_list,
     rows_nbytes,
 )
+from cnrstore.format.rowobjects import IDS_EF, IDS_RICE, RATED_HUFF, RATED_PACKED, rate_width
 from engine import Object
 
 OPTS = {"block_rows": 64, "fanout": 4, "layout": "grouped"}
@@ -312,10 +312,11 @@ def test_row_ids_and_rates_round_trip(nrows, data):
     rates = g.integers(lo, hi + 1, size=count).astype(np.uint8)
     codes = g.integers(0, 256, size=(count, 2), dtype=np.uint8)
     p = encode_rows(nrows, codes, step=3, cls=1, index=idx, rates=rates)
-    assert len(p) == rows_nbytes(nrows, count, 2, rates=rates)
+    assert len(p) == rows_nbytes(nrows, count, 2, rates=rates, index=idx)
     head, got_idx, got_rates, got = decode_rows_object(Object(KIND_BLOCK_ROWS, (), p))
     assert np.array_equal(got_idx, idx) and np.array_equal(got_rates, rates)
-    assert np.array_equal(got, codes) and head.version == 2
+    assert np.array_equal(got, codes)
+    assert head.version == (3 if head.ids == IDS_RICE or head.rated_mode == RATED_HUFF else 2)
 
 
 def test_crafted_version_2_ids_and_rates_are_refused():
@@ -338,6 +339,201 @@ def test_crafted_version_2_ids_and_rates_are_refused():
     past[36 + 3] = 250  # lo + a code's offset past 255
     with pytest.raises(ManifestError, match="rate codes"):
         decode_rows_object(Object(KIND_BLOCK_ROWS, (), bytes(past)))
+
+
+# A frozen version-3 payload: 48 rows of a 12240-row block (step 9, class 2), Rice ids
+# (gaps of 254: 9 bits an id where Elias-Fano takes 10, less Rice's 5 bytes of header) and
+# Huffman-coded rates (40 of the 48 at one code). Writers write it byte for byte; it
+# reads as it is.
+_V3_IDS = np.arange(48) * 255 + 3
+_V3_RATES = [100, 100, 102, 100, 100, 100, 100, 100, 100, 100, 100, 100, 100, 101, 100, 100,
+             101, 100, 102, 100, 100, 100, 100, 107, 100, 100, 100, 100, 100, 101, 107, 100,
+             100, 100, 100, 100, 100, 100, 100, 100, 100, 100, 100, 100, 100, 100, 101, 100]
+_V3_CODES = np.arange(48, dtype=np.uint8).reshape(48, 1)
+_GOLDEN_V3 = bytes.fromhex(
+    "434e525203050103d02f0000010000003000000000000000090000000000000002000000075f0000"
+    "0003bfdfeff7fbfd7ebfdfeff7fbfd7ebfdfeff7fbfd7ebfdfeff7fbfd7ebfdfeff7fbfd7ebfdfef"
+    "f7fbfd5555555555555555555555556407210300300c80c8e0a0030002000102030405060708090a"
+    "0b0c0d0e0f101112131415161718191a1b1c1d1e1f202122232425262728292a2b2c2d2e2f")
+
+
+def test_golden_version_3_object_reads_and_is_what_writers_write():
+    head, idx, rates, got = decode_rows_object(Object(KIND_BLOCK_ROWS, (), _GOLDEN_V3))
+    assert (head.version, head.ids, head.rated_mode) == (3, IDS_RICE, RATED_HUFF)
+    assert (head.nrows, head.count, head.step, head.cls) == (12240, 48, 9, 2)
+    assert idx.tolist() == _V3_IDS.tolist() and rates.tolist() == _V3_RATES
+    assert np.array_equal(got, _V3_CODES)
+    r = np.array(_V3_RATES, dtype=np.uint8)
+    assert encode_rows(12240, _V3_CODES, step=9, cls=2, index=_V3_IDS, rates=r) == _GOLDEN_V3
+    assert rows_nbytes(12240, 48, 1, rates=r, index=_V3_IDS) == len(_GOLDEN_V3)
+    # version 2 would take 60 bytes of Elias-Fano ids and 20 of packed rates: 59 and 14
+    assert rows_nbytes(12240, 48, 1, rated=False) == 36 + 60 + 48
+    assert 2 + -(-48 * rate_width(r) // 8) == 20
+    assert len(_GOLDEN_V3) == 36 + 59 + 14 + 48
+
+
+def _concentrated(g: np.random.Generator, data, count: int) -> np.ndarray:
+    """Rate codes as a class's rows have them: around one code, or a few codes of
+    skewed counts, or spread (where packing wins)."""
+    kind = data.draw(st.sampled_from(["normal", "skewed", "uniform"]))
+    if kind == "normal":
+        centre, spread = data.draw(st.integers(0, 255)), data.draw(st.floats(0.1, 40))
+        r = np.rint(g.normal(centre, spread, count))
+    elif kind == "skewed":
+        values = g.integers(0, 256, data.draw(st.integers(1, 40)))
+        r = values[np.minimum(g.geometric(data.draw(st.floats(0.05, 0.95)), count) - 1,
+                              len(values) - 1)]
+    else:
+        r = g.integers(0, 256, count)
+    return np.clip(r, 0, 255).astype(np.uint8)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(1, 140000), st.data())
+def test_rice_ids_and_huffman_rates_round_trip(nrows, data):
+    count = data.draw(st.integers(1, min(nrows, 4000)))
+    g = np.random.default_rng(data.draw(st.integers(0, 2 ** 32 - 1)))
+    if data.draw(st.booleans()):
+        idx = np.sort(g.choice(nrows, size=count, replace=False))
+    else:  # runs of neighbouring rows
+        idx = np.unique(np.clip(np.repeat(g.integers(0, nrows, -(-count // 8)), 8)
+                                + np.tile(np.arange(8), -(-count // 8)), 0, nrows - 1))
+        count = len(idx)
+    rates = _concentrated(g, data, count)
+    codes = g.integers(0, 256, size=(count, 2), dtype=np.uint8)
+    p = encode_rows(nrows, codes, step=5, cls=3, index=idx, rates=rates)
+    assert len(p) == rows_nbytes(nrows, count, 2, rates=rates, index=idx)
+    head, got_idx, got_rates, got = decode_rows_object(Object(KIND_BLOCK_ROWS, (), p))
+    assert np.array_equal(got_idx, idx) and np.array_equal(got_rates, rates)
+    assert np.array_equal(got, codes)
+    # the smallest of the encodings, version 3 only where one of its own is smaller
+    assert len(p) <= rows_nbytes(nrows, count, 2, rates=rates)
+    assert head.body_at - head.rates_at <= 2 + -(-count * rate_width(rates) // 8)
+    assert head.version == (3 if head.ids == IDS_RICE or head.rated_mode == RATED_HUFF else 2)
+    if head.rated_mode == RATED_HUFF:
+        assert head.body_at - head.rates_at < 2 + -(-count * rate_width(rates) // 8)
+
+
+def test_crafted_version_3_ids_and_rates_are_refused():
+    def refused(p: bytearray, match: str) -> None:
+        with pytest.raises(ManifestError, match=match):
+            decode_rows_object(Object(KIND_BLOCK_ROWS, (), bytes(p)))
+
+    v2 = bytearray(_GOLDEN_V3)
+    v2[4] = 2  # Rice ids and Huffman rates in a version 2 object
+    refused(v2, "version")
+    head = read_rows_header_of(_GOLDEN_V3)
+    ids, rates = 36, head.rates_at  # the ids' k and unary bit count; the rates' lo and n
+    for at, value in ((ids, 32), (ids + 1, 47), (ids + 1, 200)):  # k past 31; bits
+        bad = bytearray(_GOLDEN_V3)
+        bad[at] = value
+        refused(bad, "Rice")
+    pad = bytearray(_GOLDEN_V3)
+    pad[rates - 1] |= 0x80  # a pad bit past the unary part's 95 bits
+    refused(pad, "Rice")
+    last = bytearray(_GOLDEN_V3)
+    last[rates - 1] &= 0x3F  # the unary part ends in a zero: 47 ids, not 48
+    refused(last, "Rice")
+    past = bytearray(_GOLDEN_V3)
+    past[rates] = 250  # lo + n past 255
+    refused(past, "rate codes")
+    table = bytearray(_GOLDEN_V3)
+    table[rates + 2] = 0x22  # lengths 2, 2, 3, 3: not a complete code
+    refused(table, "Huffman")
+    odd = bytearray(_GOLDEN_V3)
+    odd[rates + 1] = 6  # seven codes: the eighth nibble is padding and is set
+    refused(odd, "Huffman")
+    tail = bytearray(_GOLDEN_V3)
+    tail[head.body_at - 1] |= 0x80  # a pad bit past the 60 bits of codewords
+    refused(tail, "Huffman")
+    longer = bytearray(_GOLDEN_V3)
+    longer[head.body_at:head.body_at] = b"\x00"  # a byte more than the codewords take
+    refused(longer, "Huffman")
+    shorter = bytearray(_GOLDEN_V3)
+    del shorter[head.body_at - 1]  # the codewords run past the section
+    refused(shorter, "Huffman")
+
+
+def read_rows_header_of(payload: bytes):
+    from cnrstore.format.rowlists import read_rows_header
+    return read_rows_header(Object(KIND_BLOCK_ROWS, (), payload))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_damaged_version_3_sections_are_refused_or_read_whole(data):
+    # any bytes in the ids' and rates' sections, any length: a ManifestError or ids and
+    # rates a reader can use, never another error or a read past the payload
+    p = bytearray(_GOLDEN_V3)
+    for _ in range(data.draw(st.integers(1, 4))):
+        p[data.draw(st.integers(36, 108))] = data.draw(st.integers(0, 255))
+    cut = data.draw(st.integers(-3, 3))
+    at = data.draw(st.integers(37, 108))
+    if cut < 0:
+        del p[at:at - cut]
+    else:
+        p[at:at] = bytes(data.draw(st.lists(st.integers(0, 255), min_size=cut,
+                                            max_size=cut)))
+    try:
+        head, idx, rates, got = decode_rows_object(Object(KIND_BLOCK_ROWS, (), bytes(p)))
+    except ManifestError:
+        return
+    assert len(rates) == head.count and got is not None and len(got) == head.count
+    if idx is not None:
+        assert len(idx) == head.count and (np.diff(idx) > 0).all()
+        assert head.count == 0 or 0 <= idx[0] and idx[-1] < head.nrows
+
+
+def test_rice_ids_take_less_than_elias_fano_where_objects_are_large():
+    # the ids of one class's object of a 131072-row block: ~0.4 bits an id less from
+    # 500 rows, where the replay's 5% objects hold ~1300
+    g = np.random.default_rng(4)
+    for count, most in ((500, 0.97), (1300, 0.96), (20000, 0.9)):
+        idx = np.sort(g.choice(131072, size=count, replace=False))
+        rice = rows_nbytes(131072, count, 0, rated=False, index=idx) - 36
+        ef = rows_nbytes(131072, count, 0, rated=False) - 36
+        assert rice <= most * ef
+
+
+def _v3_run(path, reopen: bool) -> tuple[list, set]:
+    """20 steps of ~1000 Zipf-drawn rows of one 8192-row block (objects of hundreds of
+    rows: Rice ids and Huffman rates pay there), the handle kept or reopened before every
+    put: each step's table ids and the (version, ids, rated) of the objects listed."""
+    from cnrstore.format.rowlists import read_rows_header
+
+    g = np.random.default_rng(11)
+    x = torch.zeros(8192, 2)
+    ids, kinds = [], set()
+    s = cnrstore.open(path, block_rows=8192, layout="grouped")
+    try:
+        s.put_tables(0, {"t": x})
+        for step in range(1, 21):
+            rows = np.unique(np.minimum(g.zipf(1.2, 1500), 1 << 15) * 7919 % 8192)
+            x[torch.from_numpy(rows)] += 1.0
+            if reopen:
+                s.close()
+                s = cnrstore.open(path)
+            ids.append(s.put_tables(step, {"t": x}).tables)
+            (oid,) = load_manifest(s.objects, step).tables["t"].block_ids
+            for ref in read_list(s.objects.get, oid).refs:
+                h = read_rows_header(s.objects.get(ref))
+                kinds.add((h.version, h.ids, h.rated_mode))
+        assert_identical(s.get_tables(20)["t"], x)
+    finally:
+        s.close()
+    return ids, kinds
+
+
+def test_version_3_objects_seed_a_reopened_writer_as_one_that_never_closed(tmp_path):
+    # the writer's state rebuilt from Rice ids and Huffman-coded rates decides as the
+    # state it kept: the same objects and lists at every step
+    kept, kinds = _v3_run(tmp_path / "a", False)
+    reopened, _ = _v3_run(tmp_path / "b", True)
+    assert kept == reopened
+    # Rice ids and Huffman rates both seed it, if not in one object: a class's rows hold
+    # a few distinct counts of changes, which packed codes often take in fewer bytes
+    assert {(3, IDS_EF, RATED_HUFF), (2, IDS_EF, RATED_PACKED)} <= kinds
+    assert any(k[1] == IDS_RICE for k in kinds)
 
 
 def test_a_list_that_leaves_a_row_without_a_copy_is_refused():
@@ -504,20 +700,8 @@ def test_the_batched_resolve_gives_what_resolve_list_gives(data):
     assert np.array_equal(out, want)
 
 
-# Counts of changes (a block's lists carry "born"): a row's code is its count since the
-# block was written whole, rated 3 in its objects; lists without "born" keep rates.
-
-
-def test_count_codes_are_marked_as_counts():
-    idx = np.array([1, 5, 6, 60])
-    counts = np.array([0, 3, 3, 254], dtype=np.uint8)
-    p = encode_rows(64, _CODES, step=9, cls=2, index=idx, rates=counts, counts=True)
-    head, got_idx, got, codes = decode_rows_object(Object(KIND_BLOCK_ROWS, (), p))
-    assert head.rated_mode == RATED_COUNTS and got.tolist() == counts.tolist()
-    assert got_idx.tolist() == idx.tolist() and np.array_equal(codes, _CODES)
-    plain = encode_rows(64, _CODES, step=9, cls=2, index=idx, rates=counts)
-    assert decode_rows_object(Object(KIND_BLOCK_ROWS, (), plain))[0].rated_mode == 2
-    assert len(plain) == len(p)  # the same bits; only the marker differs
+# Counts of changes: a block whose lists carry "born" holds counts of changes since that
+# step in its objects' rate codes; lists without it (older stores) keep rates.
 
 
 def test_lists_carry_the_step_their_block_was_born():
@@ -537,29 +721,26 @@ def test_lists_carry_the_step_their_block_was_born():
         read_list(objs.__getitem__, b"x" * 16)
 
 
-def _counted_store(rates_as_counts: bool):
-    """A 64-row block born at step 0 (one chunk), then rows 1, 5, 6, 60 at step 9 in an
-    object rated as counts (or, crafted, as rates) under a list with "born"."""
+def _counted_store():
+    """A 64-row block born at step 0 (one chunk), then rows 1, 5, 6, 60 at step 9 with
+    counts 1, 2, 1, 3, under a list with "born"."""
     base = np.arange(64 * 3, dtype=np.uint8).reshape(64, 3)
     idx = np.array([1, 5, 6, 60])
     objs = {b"c" * 16: Object(KIND_BLOCK_ROWS, (), encode_rows(64, base, step=0, cls=0)),
             b"g" * 16: Object(KIND_BLOCK_ROWS, (), encode_rows(
-                64, _CODES, step=9, cls=2, index=idx, rates=np.array([1, 2, 1, 3], np.uint8),
-                counts=rates_as_counts))}
+                64, _CODES, step=9, cls=2, index=idx, rates=np.array([1, 2, 1, 3], np.uint8)))}
     payload, refs = encode_list((b"c" * 16, b"g" * 16), np.array([0, 2]), np.array([64, 4]),
                                 np.array([0, 9]), born=0)
     objs[b"l" * 16] = Object(KIND_BLOCK_LIST, refs, payload)
     return objs
 
 
-def test_a_list_of_counts_seeds_counts_and_refuses_rates():
-    group = grouppolicy.load_group(_counted_store(True).__getitem__, b"l" * 16, 64, 3)
+def test_a_list_with_born_seeds_counts():
+    group = grouppolicy.load_group(_counted_store().__getitem__, b"l" * 16, 64, 3)
     assert group is not None and group.born == 0
     assert group.rq[[1, 5, 6, 60]].tolist() == [1, 2, 1, 3] and group.rq[0] == 255
     gw = grouppolicy.next_group(group, np.array([0, 5]), 10, 3)
     assert gw.group.born == 0 and gw.group.rq[[0, 5]].tolist() == [1, 3]
-    with pytest.raises(ManifestError, match="rates in a list of counts"):
-        grouppolicy.load_group(_counted_store(False).__getitem__, b"l" * 16, 64, 3)
 
 
 def test_a_list_without_born_keeps_rates():
@@ -576,9 +757,6 @@ def test_a_list_without_born_keeps_rates():
     a = grouppolicy.ALPHA
     want = rate_code(rate_value(np.array([16])) * (1 - a) ** 3 + a)
     assert gw.group.born is None and gw.group.rq[5] == want[0]
-    with pytest.raises(ManifestError, match="counts in a list of rates"):
-        objs[b"g" * 16] = _counted_store(True)[b"g" * 16]
-        grouppolicy.load_group(objs.__getitem__, b"l" * 16, 64, 3)
 
 
 @settings(max_examples=200, deadline=None)
@@ -614,21 +792,14 @@ def test_counts_halve_at_each_epoch():
     assert n[0] == grouppolicy.COUNT_CAP  # capped, never the 255 of "no count yet"
 
 
-# Frozen: a counts object (rated 3) and a full list with "born" as writers write them
-# since 2026-12-07; stores hold these, so they must read (and write) as they are.
-_GOLDEN_COUNTS = bytes.fromhex(
-    "434e5252020401034000000003000000040000000000000009000000000000000200000051c6470102"
-    "84000102030405060708090a0b")
+# Frozen: a full list with "born" as writers write it since 2026-12-07; stores hold it,
+# so it must read (and write) as it is.
 _GOLDEN_BORN_LIST = bytes.fromhex(
     "85a17601a3636c73c4020002a4726f7773c4084000000004000000a473746570c4100000000000000000"
     "0900000000000000a4626f726e00")
 
 
-def test_golden_counts_and_born_list_still_read():
-    objs = _counted_store(True)
-    assert objs[b"g" * 16].payload == _GOLDEN_COUNTS
+def test_golden_born_list_still_reads():
+    objs = _counted_store()
     assert objs[b"l" * 16].payload == _GOLDEN_BORN_LIST
-    head, idx, counts, codes = decode_rows_object(Object(KIND_BLOCK_ROWS, (), _GOLDEN_COUNTS))
-    assert head.rated_mode == RATED_COUNTS and counts.tolist() == [1, 2, 1, 3]
-    assert idx.tolist() == [1, 5, 6, 60] and np.array_equal(codes, _CODES)
     assert read_list(objs.__getitem__, b"l" * 16).born == 0

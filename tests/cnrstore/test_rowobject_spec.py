@@ -45,3 +45,35 @@ def test_a_version_2_object_built_from_the_spec_reads_as_the_spec_says():
     assert idx is not None and idx.tolist() == ids
     assert rates.tolist() == codes
     assert got is not None and np.array_equal(got, rows)
+
+
+def test_a_version_3_object_built_from_the_spec_reads_as_the_spec_says():
+    # Rice ids and Huffman-coded rates, each built from the spec's words alone
+    nrows, row_nbytes, step, cls = 5000, 2, 7, 4
+    ids = [0, 9, 10, 700, 701, 4999]
+    codes = [90, 90, 93, 90, 91, 90]
+    k = 3
+    gaps = [ids[0]] + [b - a - 1 for a, b in zip(ids, ids[1:])]     # 0, 8, 0, 689, 0, 4297
+    unary: list[int] = []
+    for g in gaps:
+        unary += [0] * (g >> k) + [1]
+    rice = (bytes((k,)) + struct.pack("<I", len(unary)) + _bits([g & 7 for g in gaps], k)
+            + _bits(unary, 1))
+    # values 0..3 (codes 90..93): 0 four times, 1 and 3 once, 2 never; lengths 1, 2, 0,
+    # 2 make a complete code; canonical: 0 -> "0", 1 -> "10", 3 -> "11"
+    lo, n = 90, 3
+    lengths = [1, 2, 0, 2]
+    word = {0: "0", 1: "10", 3: "11"}
+    stream = [int(b) for c in codes for b in word[c - lo]]
+    rates = bytes((lo, n)) + _bits(lengths, 4) + _bits(stream, 1)
+    rows = np.arange(len(ids) * row_nbytes, dtype=np.uint8).reshape(len(ids), row_nbytes)
+    payload = (b"CNRR" + bytes((3, 5, 1, 3))
+               + struct.pack("<IIIIqB3x", nrows, row_nbytes, len(ids), 0, step, cls)
+               + rice + rates + rows.tobytes())
+    head, idx, got_rates, got = decode_rows_object(Object(KIND_BLOCK_ROWS, (), payload))
+    assert (head.version, head.ids, head.rated_mode) == (3, 5, 3)
+    assert (head.nrows, head.row_nbytes, head.count, head.step, head.cls) == (
+        nrows, row_nbytes, len(ids), step, cls)
+    assert idx is not None and idx.tolist() == ids
+    assert got_rates.tolist() == codes
+    assert got is not None and np.array_equal(got, rows)
