@@ -1,7 +1,9 @@
 """Per-row rate estimators for the grouped layout, replayed (issue 27; docs/design/
 grouped-layout.md, "Rate estimators"): ``model_longrun.grouped_replay`` with
-``grouppolicy.next_group``'s rate swapped for another estimator, everything else the
-layout's own code.
+``grouppolicy.next_group``'s rate swapped for another estimator. Its copy of next_group
+is main's at 89ff6be, where the section's figures were measured: the cleaner stops at the
+first object past READ_TARGET (``--nearest``: the nearest) and sizes ids without Rice
+codes; objects are written by the layout's current code.
 
 Estimators (SPEC):
 
