@@ -4,12 +4,15 @@ holding rows of one change-rate class, and a cleaner that keeps a version's read
 ``piece_policy`` is the reference replay).
 
 The writer's state of a block version (``ListedVersion``) is its listed objects and, per row,
-which of them holds the row's newest copy and the row's change rate at that write (a u8
-code, ``blocks.rate_code``, stored with the copy). A row's rate at a later step is that
-code's rate decayed by (1 - ALPHA) per step since, plus ALPHA at a step that changes it:
-the design's exponential average, quantized only where a row is written. Everything is
-a function of the stored list, so a handle reopened on the store (``load_group``) decides
-exactly as one that never closed, and ids are the same at any world size.
+which of them holds the row's newest copy and a u8 code stored with the copy. A block
+written whole since 2026-12-07 has its step (``born``) in its lists, and a row's code is
+its count of changes since then (halved every COUNT_EPOCH steps, capped at COUNT_CAP): its
+rate at a step is that count over the steps seen plus COUNT_PRIOR. A block of an older
+store, whose lists have no ``born``, keeps the design's exponential average until it is
+next written whole: the code a rate (``rate_code``) decayed by (1 - ALPHA) per step since
+the write, plus ALPHA at a step that changes it. Everything is a function of the stored
+list, so a handle reopened on the store (``load_group``) decides exactly as one that never
+closed, and ids are the same at any world size.
 """
 
 from __future__ import annotations
@@ -32,19 +35,36 @@ from cnrstore.format.rowlists import (
 )
 from engine import Object, StoreError
 
-__all__ = ["ALPHA", "THRESHOLDS", "HYSTERESIS", "READ_TARGET", "OVERSHOOT", "CHUNK_ROWS",
-           "DELTA_SHARE", "Piece", "ListBase", "ListedVersion", "GroupWrite", "fresh_group",
-           "next_group", "load_group", "grouped_writes"]
+__all__ = ["ALPHA", "COUNT_PRIOR", "COUNT_EPOCH", "COUNT_CAP", "THRESHOLDS", "HYSTERESIS",
+           "READ_TARGET", "OVERSHOOT", "CHUNK_ROWS", "DELTA_SHARE", "Piece", "ListBase",
+           "ListedVersion", "GroupWrite", "fresh_group", "next_group", "load_group",
+           "grouped_writes"]
 
-# A row's rate is an exponential average of "changed this step" with weight ALPHA, and
-# its class the interval of THRESHOLDS it lies in. Nine classes at 0.01 (the design's
-# setting A was four at 0.02: 0.04, 0.1, 0.3): the longer average and the finer classes
-# tell apart the rows a Zipf step changes once in 25-400 steps, so fewer of them share an
-# object with rows changed far less often; with the grouped layout's 131072-row blocks
-# (core/options.py GROUPED_BLOCK_ROWS) int8 wrote 1.559x -> 1.508x at 5% changed rows and
-# 1.614x -> 1.455x at 1% in the replay (docs/design/grouped-layout.md, "Larger blocks,
-# longer rates, more classes").
+# A row's class is the interval of THRESHOLDS its rate lies in; in a block whose lists
+# have no born step (an older store's) the rate is an exponential average of "changed
+# this step" with weight ALPHA until the block is next written whole. Nine classes at
+# 0.01 (the design's setting A was four at 0.02: 0.04, 0.1, 0.3): the longer average and
+# the finer classes tell apart the rows a Zipf step changes once in 25-400 steps, so
+# fewer of them share an object with rows changed far less often; with the grouped
+# layout's 131072-row blocks (core/options.py GROUPED_BLOCK_ROWS) int8 wrote 1.559x ->
+# 1.508x at 5% changed rows and 1.614x -> 1.455x at 1% in the replay
+# (docs/design/grouped-layout.md, "Larger blocks, longer rates, more classes").
 ALPHA = 0.01
+# A row's rate as a count of changes n over the steps w since its block was written whole:
+# n / (w + COUNT_PRIOR). Every change since counts alike, where the average above weighs
+# the last ~100 steps and so tells a row changed once in 100 steps from one changed once
+# in 25 by little more than when it last changed; COUNT_PRIOR (a prior of no change over
+# that many steps) keeps the first few changes from lifting a row far. The count is the
+# code (held as a log rate code, rounding wrote 1.499-1.518x at 5% int8), and a class's
+# rows hold a few distinct counts, narrower packed codes than rates. In the replay
+# (docs/design/grouped-layout.md, "Rate estimators"), with version-3 objects and the
+# nearest stop, int8 writes 1.479x at 5% changed rows (1.496x with rates), 1.424x at 1%
+# (1.449x); exact 1.426x (1.437x) and 1.297x (1.326x).
+# Halving every COUNT_EPOCH steps keeps the window finite (a long run's rates can drift)
+# and the count within a u8; the bench's runs (<= 300 steps) never halve.
+COUNT_PRIOR = 400.0
+COUNT_EPOCH = 512
+COUNT_CAP = 254
 THRESHOLDS = (0.0025, 0.005, 0.01, 0.02, 0.04, 0.07, 0.15, 0.3)
 HYSTERESIS = 0.5                  # a row leaves a class only below half its threshold
 # A version's listed payload is cleaned back to this share of the block's bytes. The
@@ -100,6 +120,7 @@ class ListedVersion:
     rq: np.ndarray      # uint8[nrows]
     base: ListBase | None = None
     after: ListedVersion | None = None
+    born: int | None = None   # rq holds counts since this step (None: rates, rate_code)
 
     def settle_base(self) -> None:
         """Before this version is written (the writer writes versions in put order): the
@@ -135,8 +156,23 @@ def fresh_group(nrows: int, row_nbytes: int, step: int) -> GroupWrite:
                       rows_nbytes(nrows, count, row_nbytes, span=True, rated=False))
         new.append((piece, None, start, None))
     owner = (np.arange(nrows, dtype=np.int64) // CHUNK_ROWS).astype(np.int32)
-    group = ListedVersion([p for p, *_ in new], owner, np.full(nrows, 255, dtype=np.uint8))
+    group = ListedVersion([p for p, *_ in new], owner, np.full(nrows, 255, dtype=np.uint8),
+                          born=step)
     return GroupWrite(group, new, None)
+
+
+def counted_rates(rq: np.ndarray, written: np.ndarray, changed: np.ndarray, step: int,
+                  born: int) -> tuple[np.ndarray, np.ndarray]:
+    """(rate, count code) of each row at ``step`` of a block born at ``born``: ``rq`` the
+    rows' counts when last written (255: none yet, a chunk's), at steps ``written``,
+    halved at every COUNT_EPOCH boundary since, plus one where ``changed``."""
+    epoch = max(step - born, 0) // COUNT_EPOCH
+    halvings = epoch - np.maximum(written - born, 0) // COUNT_EPOCH
+    n = np.where(rq == 255, 0, rq).astype(np.int64) >> np.clip(halvings, 0, 62)
+    n[changed] = np.minimum(n[changed] + 1, COUNT_CAP)
+    # the steps a count stands for: this epoch's, and half of each before (as halved)
+    seen = max(step - born, 0) - epoch * COUNT_EPOCH + COUNT_EPOCH * (1.0 - 0.5 ** epoch)
+    return n / (seen + COUNT_PRIOR), n.astype(np.uint8)
 
 
 def next_group(old: ListedVersion, changed: np.ndarray, step: int, row_nbytes: int) -> GroupWrite:
@@ -152,8 +188,12 @@ def next_group(old: ListedVersion, changed: np.ndarray, step: int, row_nbytes: i
     pcls = np.array([p.cls for p in pieces], dtype=np.int64)
     pbytes = np.array([p.nbytes for p in pieces], dtype=np.float64)
     owner = old.owner.astype(np.int64)
-    rate = rate_value(old.rq) * (1.0 - ALPHA) ** (step - pstep[owner]).astype(np.float64)
-    rate[changed] += ALPHA
+    counts: np.ndarray | None = None
+    if old.born is not None:
+        rate, counts = counted_rates(old.rq, pstep[owner], changed, step, old.born)
+    else:
+        rate = rate_value(old.rq) * (1.0 - ALPHA) ** (step - pstep[owner]).astype(np.float64)
+        rate[changed] += ALPHA
     cur = pcls[owner]
     th = np.asarray(THRESHOLDS)
     up = np.searchsorted(th, rate, side="right")
@@ -166,7 +206,7 @@ def next_group(old: ListedVersion, changed: np.ndarray, step: int, row_nbytes: i
     # A copied row's bytes: its codes, its id and rate code (Elias-Fano or Rice, packed
     # or Huffman: at most ~2 bytes in objects of 1/64 of a block and more: rowobjects.py)
     per_row = row_nbytes + 2
-    ccodes = rate_code(rate[changed])
+    ccodes = rate_code(rate[changed]) if counts is None else counts[changed]
     ccls = target_cls[changed]
     est = float(pbytes[keep].sum()) + sum(
         rows_nbytes(nrows, int((ccls == k).sum()), row_nbytes, rates=ccodes[ccls == k],
@@ -205,7 +245,7 @@ def next_group(old: ListedVersion, changed: np.ndarray, step: int, row_nbytes: i
     new_owner = remap[owner]
     listed = [pieces[j] for j in kept]
     new_rq = old.rq.copy()
-    codes = rate_code(rate[rows])
+    codes = rate_code(rate[rows]) if counts is None else counts[rows]
     new_rq[rows] = codes
     new: list[NewPiece] = []
     for k in range(_CLASSES):
@@ -219,7 +259,8 @@ def next_group(old: ListedVersion, changed: np.ndarray, step: int, row_nbytes: i
         listed.append(piece)
         new.append((piece, sel, 0, codes[sel]))
     assert (new_owner >= 0).all()  # every row keeps one newest copy
-    version = ListedVersion(listed, new_owner.astype(np.int32), new_rq, old.base, after=old)
+    version = ListedVersion(listed, new_owner.astype(np.int32), new_rq, old.base, after=old,
+                            born=old.born)
     return GroupWrite(version, new, rows)
 
 
@@ -234,6 +275,7 @@ def load_group(get: Callable[[bytes], Object], oid: bytes, nrows: int, row_nbyte
         return None
     entries = read_list(get, oid, node)
     refs, cls, counts, steps = entries.refs, entries.cls, entries.rows, entries.steps
+    born = entries.born
     owner = np.full(nrows, -1, dtype=np.int32)
     rq = np.full(nrows, 255, dtype=np.uint8)
     pieces = []
@@ -254,7 +296,7 @@ def load_group(get: Callable[[bytes], Object], oid: bytes, nrows: int, row_nbyte
     bb = entries.base_nbytes
     base = ListBase(entries.base, entries.base_refs,
                     sum(p.nbytes for p in pieces) if bb is None else bb)
-    return ListedVersion(pieces, owner, rq, base)
+    return ListedVersion(pieces, owner, rq, base, born=born)
 
 
 def _group_of(old: BlockSlot, base: TableState | None, row_nbytes: int

@@ -51,12 +51,12 @@ def write_group(w, slot, gw: GroupWrite, codes: np.ndarray, elem: int) -> bool:
         payload, nrefs = encode_list_delta(
             base.oid, base.nbytes, drop, tuple(refs[m:]),
             np.array([p.cls for p in added]), np.array([p.count for p in added]),
-            np.array([p.step for p in added]))
+            np.array([p.step for p in added]), gw.group.born)
         slot.oid = w.put(KIND_BLOCK_LIST, payload, nrefs, meta=True)
         return True
     payload, nrefs = encode_list(tuple(refs), np.array([p.cls for p in pieces]),
                                  np.array([p.count for p in pieces]),
-                                 np.array([p.step for p in pieces]))
+                                 np.array([p.step for p in pieces]), gw.group.born)
     slot.oid = w.put(KIND_BLOCK_LIST, payload, nrefs, meta=True)
     gw.group.base = ListBase(slot.oid, tuple(refs), sum(p.nbytes for p in pieces))
     return True

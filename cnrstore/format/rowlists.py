@@ -7,6 +7,9 @@ them). The row-object names are re-exported here, where the layout's readers imp
            refs = the k row objects in the order they apply
     LIST (delta) = msgpack {"v": 2, "drop": u32[d], "bb": u64, "cls", "rows", "step" of
            the k added objects}, refs = (base list, the k added row objects)
+    either may also hold "born": i64, the step the block was last written whole: its
+           row objects' rate codes are then counts of changes since, not rates (lists
+           written before 2026-12-07 have none; cnrstore/core/grouppolicy.py)
 
 A delta names a full list (never a delta: one level of base): the base's entries but the
 ``drop`` positions (ascending), then the k added objects, the order the writer keeps. It
@@ -57,30 +60,34 @@ _LIST_VERSION = 1
 _DELTA_VERSION = 2
 _DROP_BYTES = 4              # u32 per dropped base entry
 _LIST_ENTRY_BYTES = 13       # u8 class + u32 rows + i64 step, per listed object
-_LIST_HEAD_BYTES = 64
+_LIST_HEAD_BYTES = 80       # the map's keys and bin headers, "bb" and "born" (int64s)
 # A listed version may read at most this many times its block's bytes (writers clean to
 # ~1.5x, cnrstore/core/grouppolicy.py): a crafted list is refused from the index.
 LIST_READ_CAP = 4
 
 
 def encode_list(refs: tuple[bytes, ...], cls: np.ndarray, rows: np.ndarray,
-                steps: np.ndarray) -> tuple[bytes, tuple[bytes, ...]]:
+                steps: np.ndarray, born: int | None = None) -> tuple[bytes, tuple[bytes, ...]]:
     """(payload, refs) of a block's list node: its row objects in the order they apply,
-    with each one's class, row count and step."""
+    with each one's class, row count and step; ``born``: the step the block was last
+    written whole, where its rows carry counts of changes (None: rates)."""
     if not len(refs) == len(cls) == len(rows) == len(steps):
         raise ValueError("list entries differ in length")
-    doc = {"v": _LIST_VERSION, "cls": np.asarray(cls, dtype=np.uint8).tobytes(),
-           "rows": np.asarray(rows, dtype="<u4").tobytes(),
-           "step": np.asarray(steps, dtype="<i8").tobytes()}
+    doc: dict[str, Any] = {"v": _LIST_VERSION, "cls": np.asarray(cls, dtype=np.uint8).tobytes(),
+                           "rows": np.asarray(rows, dtype="<u4").tobytes(),
+                           "step": np.asarray(steps, dtype="<i8").tobytes()}
+    if born is not None:
+        doc["born"] = int(born)
     return msgpack.packb(doc, use_bin_type=True), tuple(refs)
 
 
 def encode_list_delta(base: bytes, base_nbytes: int, drop: np.ndarray,
                       refs: tuple[bytes, ...], cls: np.ndarray, rows: np.ndarray,
-                      steps: np.ndarray) -> tuple[bytes, tuple[bytes, ...]]:
+                      steps: np.ndarray, born: int | None = None
+                      ) -> tuple[bytes, tuple[bytes, ...]]:
     """(payload, refs) of a delta list node: full list ``base`` (whose listed objects
     take ``base_nbytes``) but its entries ``drop`` (ascending), then ``refs``."""
-    payload, refs = encode_list(refs, cls, rows, steps)
+    payload, refs = encode_list(refs, cls, rows, steps, born)
     doc = msgpack.unpackb(payload, raw=False)
     doc["v"] = _DELTA_VERSION
     doc["drop"] = np.asarray(drop, dtype="<u4").tobytes()
@@ -128,6 +135,7 @@ class ListEntries:
     base: bytes
     base_refs: tuple[bytes, ...]
     base_nbytes: int | None
+    born: int | None = None   # the node's own "born" (None: its rows carry rates)
 
 
 def read_list(get: Callable[[bytes], Object], oid: bytes, obj: Object | None = None
@@ -143,9 +151,12 @@ def read_list(get: Callable[[bytes], Object], oid: bytes, obj: Object | None = N
         delta = isinstance(doc, dict) and doc.get("v") == _DELTA_VERSION
     except Exception as exc:  # msgpack raises several unrelated types
         raise ManifestError(f"malformed block list: {exc}", oid=oid) from None
+    born = doc.get("born") if isinstance(doc, dict) else None
+    if born is not None and (type(born) is not int or not -(1 << 63) <= born < 1 << 63):
+        raise ManifestError("block list's born step is not an int64", oid=oid)
     if not delta:
         refs, cls, rows, steps = decode_list(node, oid)
-        return ListEntries(refs, cls, rows, steps, oid, refs, None)
+        return ListEntries(refs, cls, rows, steps, oid, refs, None, born)
     if not node.refs:
         raise ManifestError("delta block list names no base", oid=oid)
     base = node.refs[0]
@@ -176,7 +187,7 @@ def read_list(get: Callable[[bytes], Object], oid: bytes, obj: Object | None = N
     at = np.flatnonzero(keep)
     return ListEntries(tuple(brefs[i] for i in at) + tuple(node.refs[1:]),
                        np.concatenate([bcls[at], cls]), np.concatenate([brows[at], rows]),
-                       np.concatenate([bsteps[at], steps]), base, brefs, bb)
+                       np.concatenate([bsteps[at], steps]), base, brefs, bb, born)
 
 
 def plan_list(info: Callable[[bytes], Any], oid: bytes, nrows: int, row_nbytes: int) -> None:
