@@ -259,6 +259,20 @@ _GOLDEN_V2 = bytes.fromhex(
     "041c0c000102030405060708090a0b")
 
 
+def _round_trip(nrows: int, codes: np.ndarray, idx: np.ndarray, rates: np.ndarray, *,
+                step: int, cls: int):
+    """(header, payload) of a row object of ``codes`` at rows ``idx`` with ``rates``,
+    checked to be the size rows_nbytes gives, to read back as written, and to be
+    version 3 exactly where it takes Rice ids or Huffman-coded rates."""
+    p = encode_rows(nrows, codes, step=step, cls=cls, index=idx, rates=rates)
+    assert len(p) == rows_nbytes(nrows, len(idx), codes.shape[1], rates=rates, index=idx)
+    head, got_idx, got_rates, got = decode_rows_object(Object(KIND_BLOCK_ROWS, (), p))
+    assert np.array_equal(got_idx, idx) and np.array_equal(got_rates, rates)
+    assert np.array_equal(got, codes)
+    assert head.version == (3 if head.ids == IDS_RICE or head.rated_mode == RATED_HUFF else 2)
+    return head, p
+
+
 @pytest.mark.parametrize("payload, rates, version", [
     (_GOLDEN_V1, [0, 16, 255, 40], 1), (_GOLDEN_V2, [20, 16, 23, 40], 2)])
 def test_golden_row_objects_still_read(payload, rates, version):
@@ -271,14 +285,22 @@ def test_golden_row_objects_still_read(payload, rates, version):
                            rates=np.array(rates, dtype=np.uint8)) == payload
 
 
-def test_a_version_1_object_listed_with_version_2_ones_restores_and_seeds_the_writer():
-    # a store written before version 2, put to again: its lists hold both versions
+def _chunk_and_object(second: bytes, born: int | None = None) -> tuple[dict, np.ndarray]:
+    """(objects, the chunk's rows) of a 64-row block: one chunk written at step 0, then
+    row object ``second`` (rows 1, 5, 6, 60 at step 9, class 2) listed after it under
+    list b"l" * 16, with ``born`` (None: a list as written before counts)."""
     base = np.arange(64 * 3, dtype=np.uint8).reshape(64, 3)
     objs = {b"c" * 16: Object(KIND_BLOCK_ROWS, (), encode_rows(64, base, step=0, cls=0)),
-            b"g" * 16: Object(KIND_BLOCK_ROWS, (), _GOLDEN_V1)}
+            b"g" * 16: Object(KIND_BLOCK_ROWS, (), second)}
     payload, refs = encode_list((b"c" * 16, b"g" * 16), np.array([0, 2]), np.array([64, 4]),
-                                np.array([0, 9]))
+                                np.array([0, 9]), born=born)
     objs[b"l" * 16] = Object(KIND_BLOCK_LIST, refs, payload)
+    return objs, base
+
+
+def test_a_version_1_object_listed_with_version_2_ones_restores_and_seeds_the_writer():
+    # a store written before version 2, put to again: its lists hold both versions
+    objs, base = _chunk_and_object(_GOLDEN_V1)
     want = base.copy()
     want[[1, 5, 6, 60]] = _CODES
     assert np.array_equal(resolve(objs.__getitem__, b"l" * 16), want)
@@ -311,12 +333,7 @@ def test_row_ids_and_rates_round_trip(nrows, data):
     lo, hi = sorted(data.draw(st.tuples(st.integers(0, 255), st.integers(0, 255))))
     rates = g.integers(lo, hi + 1, size=count).astype(np.uint8)
     codes = g.integers(0, 256, size=(count, 2), dtype=np.uint8)
-    p = encode_rows(nrows, codes, step=3, cls=1, index=idx, rates=rates)
-    assert len(p) == rows_nbytes(nrows, count, 2, rates=rates, index=idx)
-    head, got_idx, got_rates, got = decode_rows_object(Object(KIND_BLOCK_ROWS, (), p))
-    assert np.array_equal(got_idx, idx) and np.array_equal(got_rates, rates)
-    assert np.array_equal(got, codes)
-    assert head.version == (3 if head.ids == IDS_RICE or head.rated_mode == RATED_HUFF else 2)
+    _round_trip(nrows, codes, idx, rates, step=3, cls=1)
 
 
 def test_crafted_version_2_ids_and_rates_are_refused():
@@ -401,15 +418,10 @@ def test_rice_ids_and_huffman_rates_round_trip(nrows, data):
         count = len(idx)
     rates = _concentrated(g, data, count)
     codes = g.integers(0, 256, size=(count, 2), dtype=np.uint8)
-    p = encode_rows(nrows, codes, step=5, cls=3, index=idx, rates=rates)
-    assert len(p) == rows_nbytes(nrows, count, 2, rates=rates, index=idx)
-    head, got_idx, got_rates, got = decode_rows_object(Object(KIND_BLOCK_ROWS, (), p))
-    assert np.array_equal(got_idx, idx) and np.array_equal(got_rates, rates)
-    assert np.array_equal(got, codes)
+    head, p = _round_trip(nrows, codes, idx, rates, step=5, cls=3)
     # the smallest of the encodings, version 3 only where one of its own is smaller
     assert len(p) <= rows_nbytes(nrows, count, 2, rates=rates)
     assert head.body_at - head.rates_at <= 2 + -(-count * rate_width(rates) // 8)
-    assert head.version == (3 if head.ids == IDS_RICE or head.rated_mode == RATED_HUFF else 2)
     if head.rated_mode == RATED_HUFF:
         assert head.body_at - head.rates_at < 2 + -(-count * rate_width(rates) // 8)
 
@@ -724,15 +736,9 @@ def test_lists_carry_the_step_their_block_was_born():
 def _counted_store():
     """A 64-row block born at step 0 (one chunk), then rows 1, 5, 6, 60 at step 9 with
     counts 1, 2, 1, 3, under a list with "born"."""
-    base = np.arange(64 * 3, dtype=np.uint8).reshape(64, 3)
-    idx = np.array([1, 5, 6, 60])
-    objs = {b"c" * 16: Object(KIND_BLOCK_ROWS, (), encode_rows(64, base, step=0, cls=0)),
-            b"g" * 16: Object(KIND_BLOCK_ROWS, (), encode_rows(
-                64, _CODES, step=9, cls=2, index=idx, rates=np.array([1, 2, 1, 3], np.uint8)))}
-    payload, refs = encode_list((b"c" * 16, b"g" * 16), np.array([0, 2]), np.array([64, 4]),
-                                np.array([0, 9]), born=0)
-    objs[b"l" * 16] = Object(KIND_BLOCK_LIST, refs, payload)
-    return objs
+    counted = encode_rows(64, _CODES, step=9, cls=2, index=np.array([1, 5, 6, 60]),
+                          rates=np.array([1, 2, 1, 3], np.uint8))
+    return _chunk_and_object(counted, born=0)[0]
 
 
 def test_a_list_with_born_seeds_counts():
@@ -745,12 +751,7 @@ def test_a_list_with_born_seeds_counts():
 
 def test_a_list_without_born_keeps_rates():
     # a block of a store written before counts: its rates decay as they always did
-    base = np.arange(64 * 3, dtype=np.uint8).reshape(64, 3)
-    objs = {b"c" * 16: Object(KIND_BLOCK_ROWS, (), encode_rows(64, base, step=0, cls=0)),
-            b"g" * 16: Object(KIND_BLOCK_ROWS, (), _GOLDEN_V2)}
-    payload, refs = encode_list((b"c" * 16, b"g" * 16), np.array([0, 2]), np.array([64, 4]),
-                                np.array([0, 9]))
-    objs[b"l" * 16] = Object(KIND_BLOCK_LIST, refs, payload)
+    objs, _ = _chunk_and_object(_GOLDEN_V2)
     group = grouppolicy.load_group(objs.__getitem__, b"l" * 16, 64, 3)
     assert group is not None and group.born is None
     gw = grouppolicy.next_group(group, np.array([5]), 12, 3)
