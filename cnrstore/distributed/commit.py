@@ -97,15 +97,20 @@ class CoordinatorCommit:
     """The put pipeline's ``Commit`` for many ranks (core/put.py; a world of one's is
     core/commit.py): every rank encodes its blocks into a collector on its writer thread,
     writes those the store lacks into packs of its own, and the coordinator adopts them
-    and commits the step. A rank cannot read the store, so it keeps no full codes and
-    borrows no table (the rows its runs write are copied before the put returns)."""
+    and commits the step. A rank cannot read the store, so it keeps no full codes; a
+    non-blocking put copies the rows its runs write before it returns, a blocking one
+    borrows the runs its own pieces hold whole (``plan_options``)."""
 
     def plan_options(self, ds: DistributedStore, req: Request, *, blocking: bool,
                      keep_full: bool) -> list[dict]:
         # A non-blocking put's tracked runs are planned on the writer thread, their rows
         # copied in the stall (blockplan.py, ``Deferred``; issue 26); ``write``
         # plans them before its first round, so a failure there fails every rank's step.
-        return [{"defer_plan": not blocking} for _ in req.works]
+        # A blocking put borrows the runs a rank's own piece holds whole (Work.table):
+        # a whole exact run is then encoded from the caller's tensor, not from a
+        # staging copy of it (``write`` checks the caller still waits once it has read it).
+        return [{"defer_plan": not blocking, "borrow": blocking and w.table is not None}
+                for w in req.works]
 
     def known_widths(self, ds: DistributedStore, req: Request) -> dict[str, int] | None:
         """Without an intN table every row width follows from the scheme and dtype, so
@@ -171,6 +176,12 @@ def write(ds: DistributedStore, job: Step) -> StepInfo:
         coll = _Collector(known, job.damaged)
         for _, _, plan in job.plans:
             write_blocks(coll, plan, coll.get)
+        if any(p.borrowed is not None and p.borrowed.is_set() for _, _, p in job.plans):
+            # The collector holds copies of every record: a borrowed table is not read
+            # past this point, so what it read was read while the caller waited, or the
+            # step fails on every rank (a world of one's check: core/commit.py).
+            raise WriteFailed(job.step, "the caller stopped waiting (interrupted) before "
+                                        "its tables were read; nothing was committed")
         ask = ([(o, len(v[1])) for o, v in coll.objects.items()], sorted(coll.bases))
         _point("dist.rank_after_encode")
     except BaseException as exc:

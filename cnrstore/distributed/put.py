@@ -55,8 +55,8 @@ class _Scratch:
     Fresh memory is first-touched in the stall: at the bench's size (issue 26) each rank
     assembled four 8 MB boundary blocks and sent or received up to 9 MB a put, ~3-4 ms an
     8 MB block fresh against under 1 ms into a reused buffer. A distributed put's plans
-    copy the rows they keep (``RowGrid`` plans with no ``borrow``), so nothing reads these
-    buffers after planning."""
+    copy the rows they keep from these buffers (a blocking put borrows only a run one of
+    the rank's own pieces holds whole), so nothing reads them after planning."""
 
     def __init__(self, pool: Any) -> None:
         self.pool = pool
@@ -190,6 +190,11 @@ class RowGrid:
             lerr, runs = exc, []
             buf = torch.zeros(sum(sizes), dtype=torch.uint8)
         del rows_to
+        own_ids = {id(t) for _, parts, _ in runs for _, t in parts}
+
+        def own_part(t: torch.Tensor) -> bool:
+            return id(t) in own_ids
+
         try:
             _receive(comm, announced, buf, sizes, gtables, runs, scratch)
         except BaseException as exc:
@@ -202,6 +207,12 @@ class RowGrid:
         works = []
         for run, parts, tl in runs:
             gt = gtables[run.name]
+            # A run one of this rank's own pieces holds whole is planned from that piece
+            # itself (its first part: the rows received come after the rank's own), so a
+            # blocking put may borrow it (CoordinatorCommit.plan_options); a run
+            # assembled into the scratch buffers never is.
+            whole = None if layout.assembles(run, parts) or not own_part(parts[0][1]) \
+                else parts[0][1]
             contributors = {r for r, lo, hi in gt.pieces if lo < run.hi and hi > run.lo}
             tids = None
             if all(run.name in gave_touched[r] for r in contributors):
@@ -210,7 +221,8 @@ class RowGrid:
             works.append(Work(
                 run.name, (run.name, run.b0), run.b0, run.b1, run.lo,
                 (run.hi - run.lo) * layout.width(gt.row_shape) * gt.torch_dtype.itemsize,
-                None, _assembler(run, parts, gt, scratch), tids))
+                whole, None if whole is not None else _assembler(run, parts, gt, scratch),
+                tids))
         return Request(works, schemes, meta_doc, gtables, t0,
                        extra=[n for _, n in announced], state=merged, error=lerr,
                        release=scratch.give)
