@@ -8,10 +8,13 @@ get_tables, get_state and load_state, and the DCP reader's load; docs/ARCHITECTU
 2. resolve (``answer``, on the coordinator): the step resolved, every rank's request
    checked against the step's manifest, and each rank answered through
    ``group.from_coordinator`` with the manifests of its tables, their row ranges and
-   where the blocks overlapping them are (``reader.where``);
+   where the blocks overlapping them are (``reader.where``); a block several ranks'
+   destination rows share is read by one of them, which sends the others their rows
+   (``share``; ``reader.exchange``, cnrstore/distributed/boundary.py);
 3. read: each rank decodes its rows (core/restore.py) from the object source those
    locations name (``reader.source``: a world of one reads its own store), then every
-   rank enters the closing round (``reader.close``) with its read's error or none;
+   rank enters the closing round (``reader.close``) with its read's error or none
+   (its exchange settled first, whatever the read did);
 4. seed: the diff bases of the tables read whole (``reader.seed``: a world of one
    seeds them from the stored step, core/seed.py ``seed_later``, so a restarted job's
    next put is incremental again; a rank's bases come through the coordinator at its

@@ -6,7 +6,9 @@ ranges (and, for a target cut along other dims, column ranges of those rows).
 ``read_data`` reads, per table, the rows this rank's reads span, in ONE collective read
 (each rank reads only the blocks overlapping its rows; its request round carries the
 rank's plan, or its error): a piece of whole rows decodes straight into the tensor DCP
-resolves for it, the rows of the others are read and each read's rectangle copied.
+resolves for it (a block such pieces of two ranks share is read by one of them, which
+sends the other its rows: distributed/boundary.py), the rows of the others are read and
+each read's rectangle copied.
 The metadata read also brings where the step's blocks lie, and ``prepare_local_plan``
 hints this rank's first blocks while DCP plans (early.py).
 """
@@ -272,10 +274,11 @@ def _read_pieces(ds: DistributedStore, step: int | None, direct: dict[str, Shard
                  spans: dict[str, tuple[int, int]], err: BaseException | None
                  ) -> dict[str, torch.Tensor]:
     """One collective read of a rank's pieces: the tables of ``direct`` decoded into their
-    Shards, the rows ``spans`` of the others into fresh tensors (returned), all blocks in
-    one read-ahead and one pass of the pool. ``err`` (this rank's plan failed) enters the
-    request round, so every rank raises it there. A plan round of its own, then a read for
-    each kind of piece, cost a cold load three rounds and a drained pool more."""
+    Shards (sharing blocks with other ranks' direct pieces), the rows ``spans`` of the
+    others into fresh tensors (returned), all blocks in one pass of the pool. ``err``
+    (this rank's plan failed) enters the request round, so every rank raises it there. A
+    plan round of its own, then a read for each kind of piece, cost a cold load three
+    rounds and a drained pool more."""
     def request() -> dict[str, Any]:
         if err is not None:
             raise err

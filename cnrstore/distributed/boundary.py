@@ -1,5 +1,5 @@
 """Blocks that several ranks' rows share, read once (issue 26; docs/design/torchrec-speed.md,
-"A boundary block read by one rank").
+"A block several ranks' rows share is read by one of them").
 
 Where a restore's destination rows are cut between ranks off the block grid (TorchRec's
 row-wise shards end mid-block), two or more ranks want rows of one block. The coordinator
@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from cnrstore.codec.layout import dtype_name
 from cnrstore.core.get import MAX_SHARED, Located, out_bytes
 from cnrstore.core.restore import (
     Pieces,
@@ -62,8 +63,8 @@ def in_place(tm: Any, dest: Any) -> tuple[slice | None, torch.Tensor] | None:
             dest.row_end - dest.row_offset
     else:
         t, rows, n = dest.detach(), None, node.rows
-    if (not t.is_contiguous() or t.device.type != "cpu" or str(t.dtype).removeprefix(
-            "torch.") != node.dtype or t.numel() != n * node.width):
+    if (not t.is_contiguous() or t.device.type != "cpu" or dtype_name(t.dtype) != node.dtype
+            or t.numel() != n * node.width):
         return None
     return rows, t.view(n, node.width)
 
@@ -115,6 +116,8 @@ def fill_rows(ds: Any, loc: Located, dests: list[tuple[str, int, Any]],
             done(swap.received)
     if err is not None:
         raise err
+    if not later:
+        return
     rows = [slice(d.row_offset, d.row_end) if isinstance(d, Shard) else None for _, d in later]
     hints = table_hints(loc.objects, [(tm, r) for (tm, _), r in zip(later, rows)])
     for (tm, dest), r, hint in zip(later, rows, hints):

@@ -25,7 +25,7 @@ def tables(step: int, rows: int = ROWS, dim: int = DIM) -> dict[str, torch.Tenso
     each later step changes a few rows (so later blocks are patch chains)."""
     g = torch.Generator().manual_seed(7)
     w, acc = torch.randn(rows, dim, generator=g), torch.rand(rows, generator=g)
-    for s in range(2, step + 1):
+    for _ in range(2, step + 1):
         picked = torch.randperm(rows, generator=g)[: max(1, rows // 10)]
         w[picked] += torch.randn(len(picked), dim, generator=g)
         acc[picked] += 1.0
@@ -170,8 +170,9 @@ def failing(rank: int, world: int, path: str, step: int, cuts: list, how: str,
     want = tables(step)
     mine = [tuple(p) for p in cuts[rank]]
     store = cnrstore.open(path, group=dist.group.WORLD, timeout=timeout)
-    out = {"model/w": Shard(torch.full((hi - lo, DIM), 7.0), row_offset=lo, rows=ROWS)
-           for lo, hi in mine}
+    out = {}
+    for lo, hi in mine:  # one piece at most
+        out["model/w"] = Shard(torch.full((hi - lo, DIM), 7.0), row_offset=lo, rows=ROWS)
     if rank == victim and how == "early":
         import cnrstore.distributed.boundary as boundary
 
@@ -281,7 +282,7 @@ def _torchrec_helpers() -> None:
         sys.path.insert(0, here)
 
 
-TR_ROWS, TR_DIMS = (100, 90, 70), (4, 4, 12)  # t2 column-splits in 2, 3 or 4
+TR_ROWS = (100, 90, 70)
 
 
 def torchrec_pieces(state: Any) -> dict:
@@ -301,20 +302,20 @@ def torchrec_pieces(state: Any) -> dict:
 def torchrec_restore(rank: int, world: int, path: str, save: dict, load: dict) -> tuple:
     """A DMP under plan ``save`` (trained a step) saved at step 1, then a DMP of other
     weights under plan ``load`` restored from it by ``ctr.load``, the records read
-    counted over the load alone. Returns (saved pieces, loaded pieces, the records read
-    with their counts, bytes)."""
+    counted over the load alone (t2's 4 * world columns: column-wise pieces of 4).
+    Returns (saved pieces, loaded pieces, the records read with their counts, bytes)."""
     _torchrec_helpers()
     import trmodels
 
     from cnrstore.distributed import torchrec as ctr
 
-    a = trmodels.dmp("ebc", save, world, seed=1, rows=TR_ROWS, dims=TR_DIMS)
+    a = trmodels.dmp("ebc", save, world, seed=1, rows=TR_ROWS, dims=(4, 4, 4 * world))
     trmodels.train_step(a, "ebc", trmodels.batch("ebc", 3, rows=TR_ROWS, rank=rank,
                                                  world=world))
     store = cnrstore.open(path, group=dist.group.WORLD, block_rows=16)
     store.put_state(1, ctr.state_dict(a))
     saved = torchrec_pieces(ctr.state_dict(a))
-    b = trmodels.dmp("ebc", load, world, seed=2, rows=TR_ROWS, dims=TR_DIMS)
+    b = trmodels.dmp("ebc", load, world, seed=2, rows=TR_ROWS, dims=(4, 4, 4 * world))
     reads = Reads().install()
     ctr.load(store, 1, b)
     store.close()

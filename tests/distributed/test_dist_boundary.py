@@ -132,11 +132,11 @@ def test_the_plan_delivers_every_row_once(spec, block_rows):
                         got[r][x] = got[r].get(x, 0) + 1
     sent = {}
     for r, plan in enumerate(plans):
-        for tag, dst, n, lo, hi, nbytes in plan[1] if plan else ():
+        for tag, dst, _, lo, hi, nbytes in plan[1] if plan else ():
             sent[tag] = (r, dst, lo, hi, nbytes)
             assert lo // block_rows in reads[r] and nbytes == (hi - lo) * 8
     for r, plan in enumerate(plans):
-        for tag, src, n, k, lo, hi, nbytes in plan[0] if plan else ():
+        for tag, src, _, k, lo, hi, nbytes in plan[0] if plan else ():
             assert sent.pop(tag) == (src, r, lo, hi, nbytes)
             assert cuts[r][k][0] <= lo < hi <= cuts[r][k][1]
             for x in range(lo, hi):
@@ -252,4 +252,5 @@ def test_a_torchrec_load_reads_each_row_sharded_block_once(tmp_path, world):
                 assert set(readers) <= set(wanting), (p, b, readers, wanting)
             checked.add((p, cols))
     # weights and optimizer states, row-wise and column-wise, were all checked
-    assert {c for _, c in checked} == {True, False} and any("optim" in p for p, _ in checked)
+    assert {c for _, c in checked} == {True, False}, sorted(checked)
+    assert any("optim" in p for p, _ in checked), sorted(checked)
