@@ -8,7 +8,7 @@ GIL). With ``rows=`` only the blocks overlapping the asked row range are read.
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Executor, wait
 from typing import Any
 
@@ -26,8 +26,9 @@ from cnrstore.errors import CheckpointError, InvalidInput, InvalidType
 from cnrstore.format.manifest import TableManifest
 from engine import ObjectStore
 
-__all__ = ["block_span", "check_slice", "new_output", "row_range", "read_table", "read_tables",
-           "read_into", "read_many_into", "read_rows_into", "run_all", "table_hints"]
+__all__ = ["Pieces", "block_span", "check_slice", "new_output", "row_range", "read_table",
+           "read_tables", "read_into", "read_many_into", "read_rows_into", "run_all",
+           "table_hints"]
 
 
 def row_range(sel: slice | None, rows: int) -> tuple[int, int, np.ndarray | None]:
@@ -68,20 +69,57 @@ def check_slice(sel, rows: int, *, name: str = "") -> tuple[int, int, int]:
     return slice(*parts).indices(rows)
 
 
-def run_all(pool: Executor, fn: Callable[[Any], None], items: Iterable[Any]) -> None:
+def run_all(pool: Executor, fn: Callable[[Any], None], items: Iterable[Any], *,
+            lead: int = 0, then: Callable[[], None] | None = None) -> None:
     """``fn`` over ``items`` on ``pool``; raises the error of the lowest item that failed,
     as ``list(pool.map(...))`` would, once every started call has ended. The caller sleeps
     until then in one wait: ``map`` woke it at each block, and each wake took the GIL from
-    the decode threads (a warm 1.075 GB restore: ~7% of its time)."""
+    the decode threads (a warm 1.075 GB restore: ~7% of its time). ``then()`` runs on the
+    caller's thread once the first ``lead`` items have ended (failed or not), the pool
+    going on with the rest; its error ranks after the lead items'."""
     futures = [pool.submit(fn, i) for i in items]
+    late: BaseException | None = None
+    if then is not None:
+        wait(futures[:lead])
+        try:
+            then()
+        except BaseException as exc:  # raised once the running calls have ended
+            late = exc
+            for f in futures[lead:]:
+                f.cancel()
     _, pending = wait(futures, return_when=FIRST_EXCEPTION)
     if pending:  # one failed: drop the blocks not begun, let the running ones end
         for f in pending:
             f.cancel()
         wait(futures)
-    for f in futures:
+    for k, f in enumerate(futures):
+        if k == lead and late is not None:
+            raise late
         if not f.cancelled():
             f.result()  # raises its error
+    if late is not None:
+        raise late
+
+
+class Pieces:
+    """Where the rows of one read go when no one tensor holds them: ``parts`` (lo, hi,
+    contiguous CPU [hi - lo, width] rows of the stored dtype), disjoint, within the rows
+    read. A block is read once and each piece decoded from its codes (a rank's rows and
+    the rows it sends other ranks: distributed/boundary.py); rows no piece holds, nowhere."""
+
+    def __init__(self, parts: list[tuple[int, int, torch.Tensor]], nbytes: int | None = None):
+        self.parts = sorted(parts, key=lambda p: p[0])
+        # what a read's ``done`` reports of these rows (a rank: its own, not those it sends)
+        self.nbytes = sum(t.nbytes for _, _, t in parts) if nbytes is None else nbytes
+
+    def within(self, start: int, stop: int) -> list[tuple[int, int, torch.Tensor]]:
+        """(lo, hi, rows) of every piece's rows in ``[start, stop)``."""
+        out = []
+        for lo, hi, t in self.parts:
+            a, b = max(lo, start), min(hi, stop)
+            if a < b:
+                out.append((a, b, t[a - lo:b - lo]))
+        return out
 
 
 def block_span(tm: TableManifest, rows: slice | None = None) -> tuple[int, int]:
@@ -133,10 +171,10 @@ def read_table(
 
 
 def _table_read(objects: ObjectStore, tm: TableManifest, rows: slice | None, keep_codes: bool,
-                fingerprints: bool, started: Started | None, out: torch.Tensor
+                fingerprints: bool, started: Started | None, out: torch.Tensor | Pieces
                 ) -> tuple[range, Callable[..., None], Callable[[], tuple]]:
     """(the blocks to decode, decode block i into ``out``, the result once all are) of
-    ``read_table``."""
+    ``read_table``. ``out`` may be ``Pieces`` (no codes or fingerprints kept then)."""
     node = tm.node
     dtype = parse_dtype(node.dtype)
     width = node.width
@@ -153,27 +191,37 @@ def _table_read(objects: ObjectStore, tm: TableManifest, rows: slice | None, kee
     # Exact rows are their own codes: whole blocks decode straight into the returned table.
     direct = node.scheme == "exact" and width > 0
 
+    pieces = out if isinstance(out, Pieces) else None
+    rows_out = out if isinstance(out, torch.Tensor) else None
+    if pieces is not None and (keep_codes or fingerprints or pick is not None):
+        raise AssertionError("pieces of contiguous rows keep no codes nor fingerprints")
+
     def one(i: int, located: Located | None = None) -> None:
         hint(i - first)
         start, stop = node.block_range(i)
         a, b = max(start, lo), min(stop, hi)
-        if direct and (a, b) == (start, stop):
-            dest = out[a - lo:b - lo].view(torch.uint8).numpy()
+        into = (pieces.within(a, b) if pieces is not None
+                else [(a, b, rows_out[a - lo:b - lo])])  # type: ignore[index]
+        if direct and len(into) == 1 and into[0][:2] == (start, stop):
+            dest = into[0][2].view(torch.uint8).numpy()
             codes = block_codes(objects, tm, i, out=dest, located=located)
             part = codes
         else:
             codes = block_codes(objects, tm, i, out=codes_buffer(node, i), located=located)
             part = codes[a - start:b - start]
-            if width and b > a:  # zero-width rows decode to nothing (and some codecs refuse)
-                decode_rows(torch.from_numpy(part), node.scheme, dtype, width,
-                            out=out[a - lo:b - lo])
+            for x, y, t in into:
+                if width and y > x:  # zero-width rows decode to nothing (some codecs refuse)
+                    decode_rows(torch.from_numpy(codes[x - start:y - start]), node.scheme,
+                                dtype, width, out=t)
         if fps is not None and b > a:
-            row_fingerprints(out[a - lo:b - lo], out=fps[a - lo:b - lo])
+            row_fingerprints(into[0][2], out=fps[a - lo:b - lo])
         if codes_out is not None:
             codes_out[a - lo:b - lo] = part
 
-    def finish() -> tuple[torch.Tensor, np.ndarray | None, torch.Tensor | None]:
-        table = out if pick is None else out[torch.from_numpy(pick)]
+    def finish() -> tuple[Any, np.ndarray | None, torch.Tensor | None]:
+        if rows_out is None:
+            return pieces, None, None
+        table = rows_out if pick is None else rows_out[torch.from_numpy(pick)]
         return table.reshape((table.shape[0], *node.shape[1:])), codes_out, fps
 
     hint = started or Readahead(objects, tm.block_ids[first:last],
@@ -224,27 +272,23 @@ def read_tables(objects: ObjectStore, pool: Executor,
     fresh = [new_output(tm, rows) for tm, rows in wanted]
     faults = Prefault(fresh)
     try:
-        return _one_pass(objects, pool, [(tm, rows, dest) for (tm, rows), dest
-                                         in zip(wanted, fresh)], done)
+        return read_rows_into(objects, pool, [(tm, rows, dest) for (tm, rows), dest
+                                              in zip(wanted, fresh)], done)
     finally:
         faults.stop()
 
 
 def read_rows_into(objects: ObjectStore, pool: Executor,
-                   wanted: list[tuple[TableManifest, slice | None, torch.Tensor]],
-                   done: Callable[[int], None] | None = None) -> list[torch.Tensor]:
+                   wanted: Sequence[tuple[TableManifest, slice | None, torch.Tensor | Pieces]],
+                   done: Callable[[int], None] | None = None, *, lead: int = 0,
+                   then: Callable[[], None] | None = None) -> list[Any]:
     """``read_table(tm, rows=rows, into=into)`` of several (tm, rows, into) as one restore:
     one pass of the pool over all their blocks (a rank's pieces of a sharded load were
     read table by table, the pool drained at the end of each), in windows where the store
     locates records. Each ``into`` is a contiguous CPU [rows, width] tensor of the stored
-    dtype. ``done``: called with the bytes of ``into`` decoded after each block."""
-    return _one_pass(objects, pool, wanted, done)
-
-
-def _one_pass(objects: ObjectStore, pool: Executor,
-              wanted: list[tuple[TableManifest, slice | None, torch.Tensor]],
-              done: Callable[[int], None] | None) -> list[torch.Tensor]:
-    """The blocks of every (tm, rows, into) decoded into ``into`` in one pool pass. A store
+    dtype, or ``Pieces`` of such. ``done``: called with the bytes of ``into`` decoded after
+    each block. ``then``: called once the blocks of the first ``lead`` entries are decoded,
+    while the pool decodes the others (``run_all``); those blocks are read first. A store
     that locates records is read in windows, each file forwards (windowread.py); one that
     cannot (a rank's located view) block by block behind one read-ahead of all."""
     windowed = can_locate(objects)
@@ -252,11 +296,11 @@ def _one_pass(objects: ObjectStore, pool: Executor,
                else table_hints(objects, [(tm, rows) for tm, rows, _ in wanted]))
     reads = [_table_read(objects, tm, rows, False, False, hint, dest)
              for (tm, rows, dest), hint in zip(wanted, started)]
-    blocks: list[Block] = []
-    for (blocks_of, one, _), (tm, _, dest) in zip(reads, wanted):
+    parts: list[list[Block]] = [[], []]   # the lead entries' blocks, then the others'
+    for k, ((blocks_of, one, _), (tm, _, dest)) in enumerate(zip(reads, wanted)):
         if done is not None:  # ``done`` after each block: its share of the table's bytes
             one = _ticking(one, done, dest.nbytes, blocks_of)
-        blocks.extend((one, i, tm) for i in blocks_of)
+        parts[k >= lead].extend((one, i, tm) for i in blocks_of)
 
     def window_done(window: list[Block]) -> None:
         if windowed:
@@ -265,7 +309,8 @@ def _one_pass(objects: ObjectStore, pool: Executor,
             for one, i, _ in window:
                 one(i, None)
 
-    run_all(pool, window_done, windows(blocks) if windowed else [[b] for b in blocks])
+    items = [windows(p) if windowed else [[b] for b in p] for p in parts]
+    run_all(pool, window_done, items[0] + items[1], lead=len(items[0]), then=then)
     return [finish()[0] for _, _, finish in reads]
 
 

@@ -6,7 +6,9 @@ ranges (and, for a target cut along other dims, column ranges of those rows).
 ``read_data`` reads, per table, the rows this rank's reads span, in ONE collective read
 (each rank reads only the blocks overlapping its rows; its request round carries the
 rank's plan, or its error): a piece of whole rows decodes straight into the tensor DCP
-resolves for it, the rows of the others are read and each read's rectangle copied.
+resolves for it (a block such pieces of two ranks share is read by one of them, which
+sends the other its rows: distributed/boundary.py), the rows of the others are read and
+each read's rectangle copied.
 The metadata read also brings where the step's blocks lie, and ``prepare_local_plan``
 hints this rank's first blocks while DCP plans (early.py).
 """
@@ -28,11 +30,12 @@ import cnrstore.dcp.docmeta as docmeta
 from cnrstore.codec.layout import dtype_name
 from cnrstore.core.get import Located, get
 from cnrstore.core.prefault import Prefault
-from cnrstore.core.restore import new_output, read_rows_into
+from cnrstore.core.restore import new_output
 from cnrstore.core.validate import check_step
 from cnrstore.dcp import early
 from cnrstore.dcp.handle import Target
 from cnrstore.distributed import transfer
+from cnrstore.distributed.boundary import fill_rows
 from cnrstore.distributed.shard import Shard
 from cnrstore.distributed.store import DistributedStore
 from cnrstore.errors import InvalidInput, StepNotFound, engine_errors
@@ -271,14 +274,15 @@ def _read_pieces(ds: DistributedStore, step: int | None, direct: dict[str, Shard
                  spans: dict[str, tuple[int, int]], err: BaseException | None
                  ) -> dict[str, torch.Tensor]:
     """One collective read of a rank's pieces: the tables of ``direct`` decoded into their
-    Shards, the rows ``spans`` of the others into fresh tensors (returned), all blocks in
-    one read-ahead and one pass of the pool. ``err`` (this rank's plan failed) enters the
-    request round, so every rank raises it there. A plan round of its own, then a read for
-    each kind of piece, cost a cold load three rounds and a drained pool more."""
+    Shards (sharing blocks with other ranks' direct pieces), the rows ``spans`` of the
+    others into fresh tensors (returned), all blocks in one pass of the pool. ``err``
+    (this rank's plan failed) enters the request round, so every rank raises it there. A
+    plan round of its own, then a read for each kind of piece, cost a cold load three
+    rounds and a drained pool more."""
     def request() -> dict[str, Any]:
         if err is not None:
             raise err
-        req: dict[str, Any] = {n: ("shards", [(d.row_offset, d.row_end,
+        req: dict[str, Any] = {n: ("shared", [(d.row_offset, d.row_end,
                                                tuple(d.local.shape[1:]),
                                                dtype_name(d.local.dtype))])
                                for n, d in direct.items()}
@@ -286,25 +290,18 @@ def _read_pieces(ds: DistributedStore, step: int | None, direct: dict[str, Shard
         return req
 
     def read(loc: Located, report: Any) -> dict[str, torch.Tensor]:
-        wanted: list[tuple[Any, slice | None, torch.Tensor]] = []
-        copies: dict[str, int] = {}  # table -> its index in wanted
-        for n, (tm, _) in loc.tables.items():
-            if n in direct:
-                d = direct[n]
-                if d.local.shape[0]:  # _direct: contiguous CPU rows of the stored dtype
-                    wanted.append((tm, slice(d.row_offset, d.row_end),
-                                   d.local.detach().view(d.local.shape[0], tm.node.width)))
-            else:
-                rows = slice(*spans[n])
-                copies[n] = len(wanted)
-                wanted.append((tm, rows, new_output(tm, rows)))
-        # fresh memory: its page faults off the decode threads
-        faults = Prefault([wanted[i][2] for i in copies.values()])
+        # One pass over every piece; a block whose rows another rank's direct pieces
+        # share is read by one of the two (distributed/boundary.py).
+        fresh = {n: new_output(tm, slice(*spans[n])) for n, (tm, _) in loc.tables.items()
+                 if n not in direct}
+        faults = Prefault(list(fresh.values()))  # fresh memory: faulted off the decoders
         try:
-            outs = read_rows_into(loc.objects, ds.pool, wanted)
+            fill_rows(ds, loc, [(n, 0, direct[n] if n in direct else Shard(
+                fresh[n], row_offset=spans[n][0], rows=tm.node.rows))
+                for n, (tm, _) in loc.tables.items()])
         finally:
             faults.stop()
-        return {n: outs[i] for n, i in copies.items()}
+        return fresh
 
     def once() -> dict[str, torch.Tensor]:
         return get(ds, step, "DCP load", request, read)

@@ -3,8 +3,10 @@ core/get.py drives it: get_tables here, get_state and load_state in statestore.p
 DCP reader's load). The coordinator answers each rank with the table manifests and the
 locations of exactly the blocks (with their patch chains) that overlap its rows; each
 rank then reads those records from the store's pack storage (transfer.py) and decodes
-with core/restore.py. Every rank returns, or every rank raises; a read that met a pack
-a gc moved is read once more with fresh locations (``transfer.again``)."""
+with core/restore.py; a block whose rows several ranks' destinations share is read by one
+of them, which sends the others their rows (boundary.py). Every rank returns, or every
+rank raises; a read that met a pack a gc moved is read once more with fresh locations
+(``transfer.again``)."""
 
 from __future__ import annotations
 
@@ -13,21 +15,21 @@ from typing import Any
 
 import torch
 
-from cnrstore.codec.layout import dtype_name
-from cnrstore.core.get import Located, get, out_bytes, read_rows, request
+from cnrstore.core.get import Located, get, read_rows, request
 from cnrstore.core.progress import check_progress
-from cnrstore.core.restore import read_into, read_table, table_hints
 from cnrstore.core.validate import check_destination, check_device, check_selection
 from cnrstore.distributed import transfer
+from cnrstore.distributed.boundary import Exchange, fill_rows, row_kind
 from cnrstore.distributed.comm import rebuild_error, wire_error
 from cnrstore.distributed.shard import Shard
-from cnrstore.errors import CheckpointError, InvalidInput, InvalidType
+from cnrstore.errors import CheckpointError, InvalidInput, InvalidType, translate
+from engine import StoreError
 
 # The DistributedStore (cnrstore/distributed/store.py, which imports this module): typed loosely
 # so the layers test sees no import cycle.
 DistributedStore = Any
 
-__all__ = ["RankBlocks", "get_tables", "fill_dest", "dest_hints", "in_place"]
+__all__ = ["RankBlocks", "get_tables"]
 
 Ranges = list[tuple[int, int]]
 
@@ -54,10 +56,16 @@ class RankBlocks:
             return ds.local.objects
         return ds.readers.source(where) if where is not None else None
 
+    def exchange(self, ds: DistributedStore, plan: Any) -> Exchange:
+        return Exchange(ds.comm, plan, ds.buffers)
+
     def close(self, ds: DistributedStore, err: BaseException | None, what: str) -> None:
         """Every rank raises the lowest rank's error, or, when the only errors were packs
         gone under a rank, the signal ``transfer.again`` retries."""
         moved = getattr(ds, "retry_moved", False) and transfer.moved(err)
+        if isinstance(err, StoreError):  # on the wire as cnrstore's own (CorruptData...)
+            translated = translate(err)
+            translated.__cause__, err = err, translated
         if any(ds.comm.agree(None if moved else err, what, moved)):
             transfer.moved_everywhere(what)
 
@@ -87,14 +95,9 @@ def get_tables(ds: DistributedStore, step: Any, *, names: Any, rows: Any, device
                    progress=progress, rows=rows)
 
     def read(loc: Located, report: Any) -> dict:
-        result: dict = {}
-        dests = [(tm, out[n]) for n, (tm, _) in loc.tables.items()]
-        for (n, (tm, ranges)), hint in zip(loc.tables.items(),
-                                           dest_hints(loc.objects, dests)):
-            fill_dest(ds, loc.objects, tm, ranges, out[n], started=hint)
-            result[n] = out[n]
-            report.add(sum(out_bytes(tm, slice(lo, hi)) for lo, hi in ranges))
-        return result
+        fill_rows(ds, loc, [(n, 0, out[n]) for n in loc.tables],
+                  done=report.add if report.fn is not None else None)
+        return {n: out[n] for n in loc.tables}
 
     return get(ds, step, "get_tables", make, read, progress=progress)
 
@@ -102,7 +105,7 @@ def get_tables(ds: DistributedStore, step: Any, *, names: Any, rows: Any, device
 def _out_spec(name: str, t: Any) -> Any:
     if isinstance(t, Shard):
         check_destination(f"out[{name!r}]", t.local)
-        return ("shards", [(t.row_offset, t.row_end, tuple(t.local.shape[1:]),
+        return (row_kind([t.local]), [(t.row_offset, t.row_end, tuple(t.local.shape[1:]),
                             str(t.local.dtype).removeprefix("torch."))])
     if not isinstance(t, torch.Tensor):
         raise InvalidType(f"out[{name!r}] must be a torch.Tensor or Shard, got "
@@ -111,46 +114,3 @@ def _out_spec(name: str, t: Any) -> Any:
     return ("whole", tuple(t.shape), str(t.dtype).removeprefix("torch."))
 
 
-def dest_hints(objects: Any, dests: list[tuple[Any, Any]]) -> list[Any]:
-    """The ``started`` of each (table manifest, destination) of a read that fills them in
-    this order: one read-ahead over all their blocks, so the disk goes on reading the next
-    table while the decode finishes one (one per table drained it between tables)."""
-    def rows(dest: Any) -> slice | None:
-        return slice(dest.row_offset, dest.row_end) if isinstance(dest, Shard) else None
-
-    return table_hints(objects, [(tm, rows(d)) for tm, d in dests])
-
-
-def in_place(tm: Any, dest: Any) -> tuple[slice | None, torch.Tensor] | None:
-    """(rows, into) when ``dest`` (a Shard, or a tensor of the whole table) decodes in
-    place: contiguous CPU memory of the stored dtype, viewed as rows x width (what
-    read_table and read_rows_into fill, with no second copy); else None. The request
-    checked its rows and row shape against the stored table."""
-    node = tm.node
-    if isinstance(dest, Shard):
-        t, rows, n = dest.local.detach(), slice(dest.row_offset, dest.row_end), \
-            dest.row_end - dest.row_offset
-    else:
-        t, rows, n = dest.detach(), None, node.rows
-    if (not t.is_contiguous() or t.device.type != "cpu" or dtype_name(t.dtype) != node.dtype
-            or t.numel() != n * node.width):
-        return None
-    return rows, t.view(n, node.width)
-
-
-def fill_dest(ds: DistributedStore, objects: Any, tm: Any, ranges: Ranges, dest: Any, *,
-              started: Any = None) -> None:
-    if isinstance(dest, Shard):
-        if dest.local.shape[0]:
-            direct = in_place(tm, dest)
-            if direct is not None:
-                read_table(objects, tm, ds.pool, rows=direct[0], started=started,
-                           into=direct[1])
-            else:
-                local = dest.local.detach()
-                t, _, _ = read_table(objects, tm, ds.pool, rows=slice(dest.row_offset,
-                                                                       dest.row_end),
-                                     started=started)
-                local.copy_(t.view(local.shape))
-        return
-    read_into(objects, tm, ds.pool, dest.detach(), started=started)

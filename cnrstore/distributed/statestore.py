@@ -14,7 +14,7 @@ import torch
 from cnrstore.core.get import Located, get, out_bytes, read_rows
 from cnrstore.core.progress import Reporter, check_progress
 from cnrstore.core.put import RankStructure, put
-from cnrstore.core.restore import read_rows_into, read_table, read_tables
+from cnrstore.core.restore import read_table, read_tables
 from cnrstore.core.state import (
     MAX_DEPTH,
     SEP,
@@ -35,8 +35,8 @@ from cnrstore.core.stateselect import (
     select,
 )
 from cnrstore.core.validate import check_destination, check_device
+from cnrstore.distributed.boundary import fill_rows, row_kind
 from cnrstore.distributed.leaves import global_shape, leaf_dtype, skeleton, uniform
-from cnrstore.distributed.read import dest_hints, fill_dest, in_place
 from cnrstore.distributed.shard import Shard
 from cnrstore.distributed.structure import Structure, agree
 from cnrstore.errors import InvalidInput, StepNotFound
@@ -224,10 +224,15 @@ def load_state(ds: DistributedStore, step: Any, state: Any, *, strict: bool,
             if leaf is None:
                 req[n] = ("whole", tuple(t.shape), str(t.dtype).removeprefix("torch."))
             else:
-                # whole rows of the table (a column piece takes its columns of them)
-                req[n] = ("shards", [(off, off + int(p.shape[0]), tuple(t.shape[1:]),
-                                      str(p.dtype).removeprefix("torch."))
-                                     for p, off in _fill_pieces(leaf)])
+                # whole rows of the table (a column piece takes its columns of them, and
+                # reads them itself: only row pieces share blocks with other ranks')
+                from cnrstore.distributed.leaves import is_column_leaf
+
+                pieces = _fill_pieces(leaf)
+                req[n] = ("shards" if is_column_leaf(leaf) else
+                          row_kind([p for p, _ in pieces]),
+                          [(off, off + int(p.shape[0]), tuple(t.shape[1:]),
+                            str(p.dtype).removeprefix("torch.")) for p, off in pieces])
         box["req"] = req
         return req
 
@@ -254,49 +259,39 @@ def load_state(ds: DistributedStore, step: Any, state: Any, *, strict: bool,
             doc = prune(doc, sel, KEEP_HOLE)
             result = fill(state, doc, strict=strict and sel.everything, is_tensor=is_tensor)
             lazy = lazy_tables(state, doc, is_tensor=is_tensor)
-        # Each local piece of a sharded leaf is decoded in place where it can be
-        # (fill_dest): a read into fresh memory and a copy cost a cold restore its page
-        # faults twice. The pieces were checked against the stored table by the request.
-        # One read-ahead over every destination, in the order they are filled.
+        # Each local piece of a sharded leaf is decoded in place where it can be: a read
+        # into fresh memory and a copy cost a cold restore its page faults twice. The
+        # pieces were checked against the stored table by the request. The pieces of
+        # rows (TorchRec's tables and optimizer states) in one pass, in windows, each file
+        # forwards (core/windowread.py), as the DCP reader reads them, a block they share
+        # with another rank's read by one of the two (boundary.py); filled one table at a
+        # time, every block was located alone and hinted with POSIX_FADV_WILLNEED: the
+        # request pattern docs/design/torchrec-speed.md found behind the cold TorchRec
+        # restore's gap to dcp.load.
         from cnrstore.distributed.leaves import fill_leaf, is_column_leaf
 
-        dests: list[tuple[Any, Any, Any]] = []
+        rows: list[tuple[str, int, Any]] = []
         columns: list[tuple[Any, Any]] = []
-        for n, (tm, ranges) in tables.items():
+        for n, (tm, _) in tables.items():
             leaf = sharded.get(n)
-            if leaf is None:
-                dests.append((tm, ranges, flat.tables[n].detach()))
+            if leaf is None:  # a plain tensor: the whole table (each rank its own)
+                rows.append((n, 0, flat.tables[n].detach()))
             elif isinstance(leaf, Shard):
-                dests.append((tm, ranges, leaf))
+                rows.append((n, 0, leaf))
             elif is_column_leaf(leaf):
                 # A column piece is narrower than the stored rows: it takes its columns
                 # of whole rows, read once per row range for all of its pieces.
                 columns.append((tm, leaf))
             else:
-                dests += [(tm, ranges, Shard(piece, row_offset=off, rows=tm.node.rows))
-                          for piece, off in _fill_pieces(leaf)]
-        # Pieces of contiguous CPU rows (TorchRec's tables and optimizer states) in one
-        # pass, in windows, each file forwards (core/windowread.py), as the DCP reader reads
-        # them. Filled one table at a time, every block was located alone and hinted with
-        # POSIX_FADV_WILLNEED: the request pattern docs/design/torchrec-speed.md found
-        # behind the cold TorchRec restore's gap to dcp.load.
-        inplace = [(d, (d[0], *w)) for d in dests if (w := in_place(d[0], d[2])) is not None]
-        if inplace:
-            read_rows_into(objects, ds.pool, [w for _, w in inplace],
-                           done=report.add if report.fn else None)
-        filled = {id(d) for d, _ in inplace}
-        dests = [d for d in dests if id(d) not in filled]
-        hints = dest_hints(objects, [(tm, d) for tm, _, d in dests])
-        for (tm, ranges, dest), hint in zip(dests, hints):
-            fill_dest(ds, objects, tm, ranges, dest, started=hint)
-            report.add(out_bytes(tm, None) if not isinstance(dest, Shard) else out_bytes(
-                tm, slice(dest.row_offset, dest.row_offset + int(dest.local.shape[0]))))
+                rows += [(n, k, Shard(piece, row_offset=off, rows=tm.node.rows))
+                         for k, (piece, off) in enumerate(_fill_pieces(leaf))]
+        fill_rows(ds, loc, rows, done=report.add if report.fn else None)
         for tm, leaf in columns:
-            def rows(lo: int, hi: int, tm: Any = tm) -> torch.Tensor:
+            def whole_rows(lo: int, hi: int, tm: Any = tm) -> torch.Tensor:
                 report.add(out_bytes(tm, slice(lo, hi)))
                 return read_table(objects, tm, ds.pool, rows=slice(lo, hi))[0]
 
-            fill_leaf(leaf, rows)
+            fill_leaf(leaf, whole_rows)
         return loc.step, result, doc, lazy, report
 
     s, result, doc, lazy, report = get(ds, step, "load_state", make, read, progress=progress,

@@ -83,4 +83,4 @@ def test_both_handles_run_the_same_get_functions(tmp_path):
         return {f for f in fs if not f.startswith("<")}
 
     assert named(res[1]["functions"]) == named(res[0]["functions"]) - {
-        "answer", "names", "_ranges"}, res[1]
+        "answer", "names", "_ranges", "share"}, res[1]
