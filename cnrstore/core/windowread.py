@@ -127,12 +127,10 @@ def _patches(objects: ObjectStore, found: dict[bytes, Any], window: list[Block]
             locs[oid] = loc
             oid = loc.refs[0]
     todo = sorted(locs.values(), key=lambda c: (c.pack, c.offset))
-    if lists:
-        # A list's ~350 objects lie in ~150 packs (one a step): read one after another,
-        # a cold read waited on each in turn. Hinted first, the disk reads them together.
-        objects.prefetch_at(todo)
-    try:  # the records close together in a pack with one read each (a list's ~175)
-        return {loc.oid: obj for loc, obj in zip(todo, objects.get_many_at(todo))}
+    try:  # the records close together in a pack with one read each (a list's ~350).
+        # A list's objects lie in ~150 packs (one a step): read one after another, a cold
+        # read waited on each in turn; hinted first, the disk reads them together.
+        return {loc.oid: obj for loc, obj in zip(todo, objects.get_many_at(todo, hint=lists))}
     except StoreClosed:
         raise
     except StoreError:

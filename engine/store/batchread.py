@@ -56,17 +56,19 @@ def coalesce(locs: Sequence[RecordLocation], gap: int = GAP, span: int = SPAN
 
 def read_many_at(readers: PackReaders, locs: Sequence[RecordLocation],
                  dctx: zstandard.ZstdDecompressor, single: Callable[[RecordLocation], Object],
-                 *, gap: int = GAP, span: int = SPAN) -> list[Object]:
+                 *, gap: int = GAP, span: int = SPAN, hint: bool = False) -> list[Object]:
     """The checked objects at ``locs``, in their order; ``single`` reads one location
-    alone (the store's ``get_at``), for spans of one record and failed span reads."""
+    alone (the store's ``get_at``), for failed span reads. The spans are read by
+    ``PackReaders.read_spans`` (each pack opened once; ``hint``: all of them hinted to
+    the kernel first, so a cold disk reads them together)."""
     got: list[Object | None] = [None] * len(locs)
-    for pack, start, end, at in coalesce(locs, gap, span):
-        if len(at) == 1:
-            got[at[0]] = single(locs[at[0]])
-            continue
-        try:
-            data = readers.read(pack, start, end - start)
-        except Exception:  # noqa: BLE001 - every failure is the single reads' to report
+    spans = coalesce(locs, gap, span)
+    ok = [i for i, (_, start, end, _) in enumerate(spans) if start >= 0 and end > start]
+    datas: dict[int, bytes | Exception] = dict(zip(ok, readers.read_spans(
+        [(spans[i][0], spans[i][1], spans[i][2] - spans[i][1]) for i in ok], advise=hint)))
+    for k, (pack, start, _, at) in enumerate(spans):
+        data = datas.get(k)
+        if not isinstance(data, bytes):  # a failure (or no span): the single reads report
             for i in at:
                 got[i] = single(locs[i])
             continue
