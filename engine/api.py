@@ -220,13 +220,15 @@ class ObjectStore(abc.ABC):
         ``get``."""
         return self.get(loc.oid)
 
-    def get_many_at(self, locs: Sequence[RecordLocation], *, hint: bool = False
-                    ) -> list[Object]:
+    def get_many_at(self, locs: Sequence[RecordLocation], *, hint: bool = False,
+                    views: bool = False) -> list[Object]:
         """``get_at`` of every location in ``locs``, the objects in their order. A pack
         store reads the records lying close together in one pack with one read
         (engine/store/batchread.py) and checks each as ``get_at`` does; errors are
         ``get_at``'s (the first in (pack, offset) order). ``hint``: ask the kernel for
-        all of them before the first is read (a cold read of records in many packs)."""
+        all of them before the first is read (a cold read of records in many packs).
+        ``views``: payloads may be read-only memoryviews of the read (no copy), where
+        the caller reads them through the buffer protocol only."""
         return [self.get_at(loc) for loc in locs]
 
     def get_into_at(self, loc: RecordLocation, kind: int, prefix: int, out: memoryview, *,

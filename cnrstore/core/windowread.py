@@ -130,7 +130,10 @@ def _patches(objects: ObjectStore, found: dict[bytes, Any], window: list[Block]
     try:  # the records close together in a pack with one read each (a list's ~350).
         # A list's objects lie in ~150 packs (one a step): read one after another, a cold
         # read waited on each in turn; hinted first, the disk reads them together.
-        return {loc.oid: obj for loc, obj in zip(todo, objects.get_many_at(todo, hint=lists))}
+        # A list's row objects are read through memoryviews (format/rowapply.py): kept
+        # as views of the span reads, not copied out of them.
+        read = objects.get_many_at(todo, hint=lists, views=lists)
+        return {loc.oid: obj for loc, obj in zip(todo, read)}
     except StoreClosed:
         raise
     except StoreError:

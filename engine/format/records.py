@@ -226,11 +226,14 @@ def decode_record(
     pack: str | None = None,
     dctx: zstandard.ZstdDecompressor | None = None,
     raw_len: int | None = None,
+    view: bool = False,
 ) -> Record:
     """Fully decode the record at ``offset``: checksum, bounded decompression, id check.
     ``raw_len``: the payload length the index (or a location) gives; a header claiming
     another is refused before anything is decompressed, so what a reader checked against
-    the index (cnrstore bounds node and block sizes by it) is what gets allocated."""
+    the index (cnrstore bounds node and block sizes by it) is what gets allocated.
+    ``view``: a raw payload of a read-only ``buf`` is a view of it, not a copy (a batched
+    read's records, cut out of one read: engine/store/batchread.py)."""
     header = check_record(buf, offset, pack=pack)
     where = f"pack {pack} offset {offset}, object {header.oid.hex()}"
     _check_raw_len(header, raw_len, where, pack, offset)
@@ -242,7 +245,7 @@ def decode_record(
     pos += ID_SIZE * header.nrefs
     stored = view[pos : pos + header.stored_len]
     if header.codec == CODEC_RAW:
-        payload = bytes(stored)
+        payload = stored if view and stored.readonly else bytes(stored)
     else:
         kind, id_refs = (header.kind, refs) if header.rtype == RECORD_OBJECT else (0, ())
         if header.raw_len > max(len(stored) * DIRECT_RATIO, DIRECT_MIN):

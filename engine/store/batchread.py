@@ -56,11 +56,13 @@ def coalesce(locs: Sequence[RecordLocation], gap: int = GAP, span: int = SPAN
 
 def read_many_at(readers: PackReaders, locs: Sequence[RecordLocation],
                  dctx: zstandard.ZstdDecompressor, single: Callable[[RecordLocation], Object],
-                 *, gap: int = GAP, span: int = SPAN, hint: bool = False) -> list[Object]:
+                 *, gap: int = GAP, span: int = SPAN, hint: bool = False,
+                 views: bool = False) -> list[Object]:
     """The checked objects at ``locs``, in their order; ``single`` reads one location
     alone (the store's ``get_at``), for failed span reads. The spans are read by
     ``PackReaders.read_spans`` (each pack opened once; ``hint``: all of them hinted to
-    the kernel first, so a cold disk reads them together)."""
+    the kernel first, so a cold disk reads them together). ``views``: a raw record's
+    payload is a read-only view of its span's read (which it keeps alive), not a copy."""
     got: list[Object | None] = [None] * len(locs)
     spans = coalesce(locs, gap, span)
     ok = [i for i, (_, start, end, _) in enumerate(spans) if start >= 0 and end > start]
@@ -77,6 +79,6 @@ def read_many_at(readers: PackReaders, locs: Sequence[RecordLocation],
             loc = locs[i]
             a = loc.offset - start
             got[i] = checked_record(view[a:a + loc.length], loc.oid, pack, loc.offset,
-                                    loc.kind, dctx, raw_len=loc.raw_len)
+                                    loc.kind, dctx, raw_len=loc.raw_len, view=views)
     assert all(o is not None for o in got)
     return got  # type: ignore[return-value]  # every position was filled above

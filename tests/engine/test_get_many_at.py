@@ -54,6 +54,11 @@ def test_batched_reads_match_single_reads(tmp_path_factory, specs, commits, data
         ask = data.draw(st.lists(st.sampled_from(sorted(locs)), min_size=0, max_size=30))
         got = store.get_many_at([locs[o] for o in ask])
         assert got == [store.get_at(locs[o]) for o in ask] == [store.get(o) for o in ask]
+        # hinted, payloads as views of the reads (raw records) or bytes: the same objects
+        views = store.get_many_at([locs[o] for o in ask], hint=True, views=True)
+        assert [(o.kind, o.refs, bytes(o.payload)) for o in views] == [
+            (o.kind, o.refs, o.payload) for o in got]
+        assert all(isinstance(o.payload, bytes) or o.payload.readonly for o in views)
 
 
 def test_records_across_packs_are_read_in_few_spans(tmp_path):
