@@ -143,6 +143,11 @@ class Writer(abc.ABC):
     def has(self, oid: bytes) -> bool:
         """True if the object is committed or was put in this writer."""
 
+    def missing(self, oids: Iterable[bytes]) -> set[bytes]:
+        """Those of ``oids`` neither committed nor put in this writer (``has`` of each;
+        a pack store's writer asks its index once for all)."""
+        return {bytes(o) for o in oids if not self.has(o)}
+
     @property
     @abc.abstractmethod
     def payload_bytes_new(self) -> int:
