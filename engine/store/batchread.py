@@ -79,6 +79,6 @@ def read_many_at(readers: PackReaders, locs: Sequence[RecordLocation],
             loc = locs[i]
             a = loc.offset - start
             got[i] = checked_record(view[a:a + loc.length], loc.oid, pack, loc.offset,
-                                    loc.kind, dctx, raw_len=loc.raw_len, view=views)
+                                    loc.kind, dctx, raw_len=loc.raw_len, as_view=views)
     assert all(o is not None for o in got)
     return got  # type: ignore[return-value]  # every position was filled above

@@ -54,6 +54,9 @@ def test_batched_reads_match_single_reads(tmp_path_factory, specs, commits, data
         ask = data.draw(st.lists(st.sampled_from(sorted(locs)), min_size=0, max_size=30))
         got = store.get_many_at([locs[o] for o in ask])
         assert got == [store.get_at(locs[o]) for o in ask] == [store.get(o) for o in ask]
+        # payloads are bytes unless views are asked for
+        assert all(type(o.payload) is bytes for o in got)
+        assert all(type(store.get_at(locs[o]).payload) is bytes for o in ask)
         # hinted, payloads as views of the reads (raw records) or bytes: the same objects
         views = store.get_many_at([locs[o] for o in ask], hint=True, views=True)
         assert [(o.kind, o.refs, bytes(o.payload)) for o in views] == [
