@@ -37,9 +37,9 @@ def write_group(w, slot, gw: GroupWrite, codes: np.ndarray, elem: int) -> bool:
                                   elem=elem, index=gw.rows[sel], rates=rates)
         piece.oid = w.put(KIND_BLOCK_ROWS, payload)
     pieces = gw.group.pieces
-    if any(p.oid is None for p in pieces):
+    refs = [p.oid for p in pieces if p.oid is not None]
+    if len(refs) != len(pieces):
         return False
-    refs = [p.oid for p in pieces]
     base = gw.group.base
     # one index read for the ~350 listed objects (a ``has`` each took a read transaction
     # each: most of a grouped put's time at 1% changed rows)
