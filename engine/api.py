@@ -143,6 +143,11 @@ class Writer(abc.ABC):
     def has(self, oid: bytes) -> bool:
         """True if the object is committed or was put in this writer."""
 
+    def missing(self, oids: Iterable[bytes]) -> set[bytes]:
+        """Those of ``oids`` neither committed nor put in this writer (``has`` of each;
+        a pack store's writer asks its index once for all)."""
+        return {bytes(o) for o in oids if not self.has(o)}
+
     @property
     @abc.abstractmethod
     def payload_bytes_new(self) -> int:
@@ -220,11 +225,15 @@ class ObjectStore(abc.ABC):
         ``get``."""
         return self.get(loc.oid)
 
-    def get_many_at(self, locs: Sequence[RecordLocation]) -> list[Object]:
+    def get_many_at(self, locs: Sequence[RecordLocation], *, hint: bool = False,
+                    views: bool = False) -> list[Object]:
         """``get_at`` of every location in ``locs``, the objects in their order. A pack
         store reads the records lying close together in one pack with one read
         (engine/store/batchread.py) and checks each as ``get_at`` does; errors are
-        ``get_at``'s (the first in (pack, offset) order)."""
+        ``get_at``'s (the first in (pack, offset) order). ``hint``: ask the kernel for
+        all of them before the first is read (a cold read of records in many packs).
+        ``views``: payloads may be read-only memoryviews of the read (no copy), where
+        the caller reads them through the buffer protocol only."""
         return [self.get_at(loc) for loc in locs]
 
     def get_into_at(self, loc: RecordLocation, kind: int, prefix: int, out: memoryview, *,

@@ -10,7 +10,9 @@
  *   it is made, emitting the ids of the rows that differ (core/snapshot.py's diff);
  * - cnr_gather_check_f32: a non-blocking put's copy of its changed float32 rows with the
  *   refusal flags of their min/max (core/hostcodes.py snapshot_rows), in one pass;
- * - cnr_grow_union: a block's merge union after a put (core/chainpolicy.py), one merge.
+ * - cnr_grow_union: a block's merge union after a put (core/chainpolicy.py), one merge;
+ * - cnr_apply_rows: a grouped block's list of row objects checked, their ids decoded and
+ *   each row copied once, from its last copy (format/rowapply.py; rowlists.py the reference).
  *
  * numpy takes five passes over every chunk (xor, multiply, shift, xor, multiply-sum) and ran
  * at a third of a plain uint64-multiply pass; here every word is read once, and gcc
@@ -28,7 +30,7 @@
 #define CNR_C 0x9E3779B97F4A7C15ULL
 
 /* Bumped with any change to the functions' signatures (native.py checks it). */
-int cnr_kernels_abi(void) { return 4; }
+int cnr_kernels_abi(void) { return 5; }
 
 static inline uint64_t avalanche(uint64_t h) {
     h ^= h >> 30;
@@ -367,4 +369,226 @@ void cnr_encode_int8(const float *x, int64_t rows, int64_t width, int64_t stride
 #else
     (void)x; (void)rows; (void)width; (void)stride; (void)out; (void)flags;
 #endif
+}
+
+/* ---- The grouped layout's row objects applied to a block (cnrstore/format/rowapply.py;
+ * the reference is rowlists.apply_list_each with rowobjects.read_rows_header and
+ * decode_rows_object, docs/MANIFEST.md "Row objects and list nodes"). Every object's header
+ * is checked as read_rows_header checks it, against its list entry, and its ids decoded and
+ * checked as decode_rows_object does (u16/u32, bitmap, Elias-Fano, Rice; spans); the
+ * objects are then taken last to first, each row copied from the first object (the last in
+ * list order) that holds it: each of the block's rows written once, however many copies
+ * the list holds. Any object this refuses, or a row left without a copy, makes the caller
+ * run the reference, which raises its own error: this may refuse more than it, never
+ * less. ---- */
+
+#define CNR_ROWS_HEAD 36
+
+/* up to 8 bytes at p, little-endian, reading no more than avail (> 0) bytes */
+static inline uint64_t load_le64(const unsigned char *p, int64_t avail) {
+    uint64_t v = 0;
+    if (avail >= 8) {
+        memcpy(&v, p, 8);
+    } else {
+        for (int64_t b = 0; b < avail; b++) v |= (uint64_t)p[b] << (8 * b);
+    }
+    return v;
+}
+
+/* value i of `width` (<= 32) bits each, lsb first, in the section [p, p + nbytes) */
+static inline uint64_t bits_value(const unsigned char *p, int64_t nbytes, int64_t i,
+                                  int width) {
+    if (!width) return 0;
+    int64_t bit = i * width, at = bit >> 3;
+    uint64_t w = load_le64(p + at, nbytes - at) >> (bit & 7);
+    return w & ((1ULL << width) - 1);
+}
+
+static inline int64_t bit_length(uint64_t v) {
+    return v ? 64 - __builtin_clzll(v) : 0;
+}
+
+static inline int64_t ceil8(int64_t bits) { return (bits + 7) >> 3; }
+
+typedef struct {
+    int64_t mode, elem, rated, nrows, rnb, count, start, step, cls, ids_at, body_at;
+} cnr_rowhead;
+
+/* read_rows_header's checks of payload p (len bytes): 0 and *h filled, or -1 */
+static int rows_header(const unsigned char *p, int64_t len, cnr_rowhead *h) {
+    if (len < CNR_ROWS_HEAD || memcmp(p, "CNRR", 4) != 0) return -1;
+    int64_t ver = p[4], mode = p[5], elem = p[6], rated = p[7];
+    uint32_t u;
+    memcpy(&u, p + 8, 4); int64_t n = u;
+    memcpy(&u, p + 12, 4); int64_t rnb = u;
+    memcpy(&u, p + 16, 4); int64_t count = u;
+    memcpy(&u, p + 20, 4); int64_t start = u;
+    int64_t step; memcpy(&step, p + 24, 8);
+    if (ver < 1 || ver > 3) return -1;
+    if (mode > (ver == 1 ? 3 : ver == 2 ? 4 : 5) || rated > (ver == 1 ? 1 : ver == 2 ? 2 : 3))
+        return -1;
+    if (!(elem == 1 || elem == 2 || elem == 4 || elem == 8) || rnb % elem || count > n ||
+        (mode == 0 && start + count > n) || (mode == 1 && n > (1 << 16)))
+        return -1;
+    /* count * rnb past the payload is refused by every mode's size check below */
+    if (rnb && count > len / rnb) return -1;
+    int64_t ids;
+    if (mode == 0) {
+        ids = 0;
+    } else if (mode == 3) {
+        ids = ceil8(n);
+    } else if (mode == 4) {
+        int64_t low = count ? (bit_length((uint64_t)(n / count)) - 1) : 0;
+        if (low < 0) low = 0;
+        int64_t up = count + ((n > 0 ? n - 1 : 0) >> low) + 1;
+        ids = ceil8(count * low) + ceil8(up);
+    } else if (mode == 5) {
+        if (!count || len < CNR_ROWS_HEAD + 5) return -1;
+        int64_t k = p[CNR_ROWS_HEAD];
+        memcpy(&u, p + CNR_ROWS_HEAD + 1, 4); int64_t nup = u;
+        if (k > 31 || nup < count || nup > count + ((n - count) >> k)) return -1;
+        ids = 5 + ceil8(count * k) + ceil8(nup);
+    } else {
+        ids = count * (mode == 1 ? 2 : 4);
+    }
+    int64_t rates_at = CNR_ROWS_HEAD + ids, body_at;
+    if (rated == 3) {
+        body_at = len - count * rnb;
+        if (len < rates_at + 2 || p[rates_at] + p[rates_at + 1] > 255) return -1;
+        int64_t stream = body_at - rates_at - 2 - (p[rates_at + 1] + 2) / 2;
+        if (stream < ceil8(count) || stream > ceil8(count * 15)) return -1;
+    } else if (rated == 2) {
+        if (len < rates_at + 2 || p[rates_at + 1] > 8) return -1;
+        body_at = rates_at + 2 + ceil8(count * p[rates_at + 1]);
+    } else {
+        body_at = rates_at + (rated == 1 ? count : 0);
+    }
+    if (len != body_at + count * rnb) return -1;
+    h->mode = mode; h->elem = elem; h->rated = rated; h->nrows = n; h->rnb = rnb;
+    h->count = count; h->start = start; h->step = step; h->cls = p[32];
+    h->ids_at = CNR_ROWS_HEAD; h->body_at = body_at;
+    return 0;
+}
+
+/* the ids of bitmap `up` (nbits bits, lsb first, pad bits not read past nbytes) in
+ * order, each as (position of its set bit): calls emit via the ids array. Returns the
+ * number of set bits among the first nbits, writing at most max of them. */
+static int64_t set_bits(const unsigned char *up, int64_t nbytes, int64_t nbits,
+                        int64_t *pos, int64_t max) {
+    int64_t found = 0;
+    for (int64_t b = 0; b < nbytes; b += 8) {
+        uint64_t w = load_le64(up + b, nbytes - b);
+        int64_t left = nbits - 8 * b;
+        if (left <= 0) break;
+        if (left < 64) w &= (1ULL << left) - 1;
+        while (w) {
+            if (found < max) pos[found] = 8 * b + __builtin_ctzll(w);
+            found++;
+            w &= w - 1;
+        }
+    }
+    return found;
+}
+
+/* the row ids of object p (header h) into ids[0..count): 0, or -1 where
+ * decode_rows_object refuses them */
+static int rows_ids(const unsigned char *p, int64_t len, const cnr_rowhead *h, int64_t *ids) {
+    int64_t n = h->nrows, count = h->count;
+    const unsigned char *q = p + h->ids_at;
+    int64_t avail = len - h->ids_at;
+    if (h->mode == 0) {
+        for (int64_t i = 0; i < count; i++) ids[i] = h->start + i;
+        return 0;
+    }
+    if (h->mode == 1 || h->mode == 2) {
+        int64_t prev = -1;
+        for (int64_t i = 0; i < count; i++) {
+            int64_t v;
+            if (h->mode == 1) { uint16_t s; memcpy(&s, q + 2 * i, 2); v = s; }
+            else { uint32_t s; memcpy(&s, q + 4 * i, 4); v = s; }
+            if (v <= prev || v >= n) return -1;
+            ids[i] = prev = v;
+        }
+        return 0;
+    }
+    if (h->mode == 3) {
+        return set_bits(q, ceil8(n), n, ids, count) == count ? 0 : -1;
+    }
+    if (h->mode == 4) {
+        int64_t low = count ? (bit_length((uint64_t)(n / count)) - 1) : 0;
+        if (low < 0) low = 0;
+        int64_t nlow = ceil8(count * low), nup = count + ((n > 0 ? n - 1 : 0) >> low) + 1;
+        const unsigned char *up = q + nlow;
+        int64_t nupb = ceil8(nup);
+        if ((nup & 7) && (up[nupb - 1] >> (nup & 7))) return -1;  /* a pad bit set */
+        if (set_bits(up, nupb, nup, ids, count) != count) return -1;
+        int64_t prev = -1;
+        for (int64_t i = 0; i < count; i++) {
+            int64_t v = ((ids[i] - i) << low) | (int64_t)bits_value(q, avail, i, (int)low);
+            if (v <= prev || v >= n) return -1;
+            ids[i] = prev = v;
+        }
+        return 0;
+    }
+    /* Rice: k, the unary part's bit count, the low bits, the unary part */
+    int64_t k = q[0];
+    uint32_t u; memcpy(&u, q + 1, 4);
+    int64_t nup = u, nlow = ceil8(count * k), nupb = ceil8(nup);
+    const unsigned char *lowp = q + 5, *up = lowp + nlow;
+    if ((nup & 7) && (up[nupb - 1] >> (nup & 7))) return -1;  /* a pad bit set */
+    if (!((up[(nup - 1) >> 3] >> ((nup - 1) & 7)) & 1)) return -1;  /* ends in a zero */
+    int64_t found = 0, end = -1, id = -1;
+    for (int64_t b = 0; b < nupb; b += 8) {
+        uint64_t w = load_le64(up + b, nupb - b);
+        while (w) {
+            int64_t at = 8 * b + __builtin_ctzll(w);
+            w &= w - 1;
+            if (found >= count) return -1;
+            int64_t gap = ((at - end - 1) << k) |
+                          (int64_t)bits_value(lowp, avail - 5, found, (int)k);
+            end = at;
+            id += gap + 1;
+            if (id >= n) return -1;
+            ids[found++] = id;
+        }
+    }
+    return found == count ? 0 : -1;
+}
+
+/* Apply nobj row objects (payloads obj[k] of len[k] bytes, in list order, each to match
+ * its entry's count, class and step) to a block of nrows rows of rnb bytes at dst:
+ * returns 0; -1 - k where object k is refused; or the count of rows no object holds.
+ * covered (nrows zero bytes) and ids (room for the largest count) are the caller's
+ * scratch. */
+int64_t cnr_apply_rows(const unsigned char *const *obj, const int64_t *len, int64_t nobj,
+                       const int64_t *want_count, const int64_t *want_cls,
+                       const int64_t *want_step, int64_t nrows, int64_t rnb,
+                       unsigned char *dst, unsigned char *covered, int64_t *ids) {
+    int64_t left = nrows;
+    for (int64_t k = nobj - 1; k >= 0; k--) {
+        const unsigned char *p = obj[k];
+        cnr_rowhead h;
+        if (rows_header(p, len[k], &h) != 0 || h.nrows != nrows || h.rnb != rnb ||
+            h.count != want_count[k] || h.cls != want_cls[k] || h.step != want_step[k] ||
+            rows_ids(p, len[k], &h, ids) != 0)
+            return -1 - k;
+        const unsigned char *body = p + h.body_at;
+        int64_t per = rnb / h.elem, plane = h.count * per;
+        for (int64_t i = 0; i < h.count; i++) {
+            int64_t r = ids[i];
+            if (covered[r]) continue;
+            covered[r] = 1;
+            left--;
+            unsigned char *d = dst + r * rnb;
+            if (h.elem == 1) {
+                memcpy(d, body + i * rnb, (size_t)rnb);
+            } else {
+                for (int64_t b = 0; b < h.elem; b++) {
+                    const unsigned char *s = body + b * plane + i * per;
+                    for (int64_t j = 0; j < per; j++) d[j * h.elem + b] = s[j];
+                }
+            }
+        }
+    }
+    return left;
 }

@@ -105,6 +105,7 @@ def _patches(objects: ObjectStore, found: dict[bytes, Any], window: list[Block]
     checks before reading); a chain refused, or a record that fails its checks, is left to
     the block's own read, which reports it naming the table and block."""
     locs = {}
+    lists = False
     for _, i, tm in window:
         node = tm.node
         start, stop = node.block_range(i)
@@ -116,6 +117,7 @@ def _patches(objects: ObjectStore, found: dict[bytes, Any], window: list[Block]
         while True:
             loc = found[oid]
             if loc.kind == KIND_BLOCK_LIST:  # a list and its row objects, all read here
+                lists = True
                 locs[oid] = loc
                 for ref in _listed(objects, found, oid):
                     locs[ref] = found[ref]
@@ -125,8 +127,13 @@ def _patches(objects: ObjectStore, found: dict[bytes, Any], window: list[Block]
             locs[oid] = loc
             oid = loc.refs[0]
     todo = sorted(locs.values(), key=lambda c: (c.pack, c.offset))
-    try:  # the records close together in a pack with one read each (a list's ~175)
-        return {loc.oid: obj for loc, obj in zip(todo, objects.get_many_at(todo))}
+    try:  # the records close together in a pack with one read each (a list's ~350).
+        # A list's objects lie in ~150 packs (one a step): read one after another, a cold
+        # read waited on each in turn; hinted first, the disk reads them together.
+        # A list's row objects are read through memoryviews (format/rowapply.py): kept
+        # as views of the span reads, not copied out of them.
+        read = objects.get_many_at(todo, hint=lists, views=lists)
+        return {loc.oid: obj for loc, obj in zip(todo, read)}
     except StoreClosed:
         raise
     except StoreError:

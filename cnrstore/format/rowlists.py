@@ -33,9 +33,8 @@ import msgpack
 import numpy as np
 
 from cnrstore.errors import ManifestError
-from cnrstore.format.planes import unplanes
+from cnrstore.format.rowapply import apply_list
 from cnrstore.format.rowobjects import (
-    IDS_SPAN,
     KIND_BLOCK_ROWS,
     ROWS_HEADER_BYTES,
     RowsHeader,
@@ -240,40 +239,4 @@ def resolve_list(get: Callable[[bytes], Object], oid: bytes, obj: Object | None 
              else [get(ref) for ref in entries.refs])
     if len(parts) != len(entries.refs):
         raise ManifestError("block list's objects were not all read", oid=oid)
-    return apply_list(entries, parts, oid, out=out)
-
-
-def apply_list(entries: ListEntries, parts: Sequence[Object], oid: bytes, *,
-               out: np.ndarray | None = None) -> np.ndarray:
-    """The block's codes from its list ``entries`` and their row objects ``parts`` (in
-    list order): a row's value is its copy in the last object holding it."""
-    codes = out
-    covered: np.ndarray | None = None
-    for k, (ref, part) in enumerate(zip(entries.refs, parts)):
-        head = read_rows_header(part, ref)
-        if (head.count, head.cls, head.step) != (entries.rows[k], entries.cls[k],
-                                                 entries.steps[k]):
-            raise ManifestError(f"row object {ref.hex()} does not match its list entry",
-                                oid=oid)
-        if codes is None:
-            codes = np.empty((head.nrows, head.row_nbytes), dtype=np.uint8)
-        if covered is None:
-            covered = np.zeros(len(codes), dtype=bool)
-        if (head.nrows, head.row_nbytes) != codes.shape:
-            raise ManifestError("row object does not match its block's shape", oid=ref)
-        if head.ids == IDS_SPAN:
-            # a span (the full put's chunks): its planes straight into the block's rows
-            view = memoryview(part.payload)[head.body_at:]
-            unplanes(view, head.count, head.row_nbytes, head.elem,
-                     codes[head.start:head.start + head.count])
-            covered[head.start:head.start + head.count] = True
-            continue
-        _, idx, _, got = decode_rows_object(part, ref, rates=False)
-        assert idx is not None and got is not None
-        codes[idx] = got
-        covered[idx] = True
-    assert codes is not None and covered is not None
-    if not covered.all():
-        raise ManifestError(f"block list leaves {int((~covered).sum())} rows with no copy",
-                            oid=oid)
-    return codes
+    return apply_list(entries, parts, oid, out=out)  # rowapply.py

@@ -279,12 +279,14 @@ def read_rows_header(obj: Object, oid: bytes | None = None) -> RowsHeader:
 
 
 def decode_rows_object(obj: Object, oid: bytes | None = None, *, codes: bool = True,
-                       rates: bool = True
+                       rates: bool = True, head: RowsHeader | None = None
                        ) -> tuple[RowsHeader, np.ndarray | None, np.ndarray, np.ndarray | None]:
     """(header, row ids int64 (None for a span: see header.start), rate codes u8 (empty
     unless ``rates``: a restore has no use for them), codes ``uint8[count, row_nbytes]``
-    (None unless ``codes``; maybe a read-only view))."""
-    head = read_rows_header(obj, oid)
+    (None unless ``codes``; maybe a read-only view)). ``head``: what read_rows_header
+    gave for ``obj``, where the caller has it (not parsed again)."""
+    if head is None:
+        head = read_rows_header(obj, oid)
     payload = memoryview(obj.payload)
     view = payload[head.header_size:]
     n, count = head.nrows, head.count

@@ -11,7 +11,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import xxhash
 import zstandard
@@ -149,7 +149,7 @@ class RecordHeader:
 class Record:
     header: RecordHeader
     refs: tuple[bytes, ...]
-    payload: bytes  # uncompressed
+    payload: bytes  # uncompressed (a read-only memoryview where decode_record was asked)
 
 
 def encode_record(*args: Any, **kwargs: Any) -> bytes:
@@ -226,11 +226,14 @@ def decode_record(
     pack: str | None = None,
     dctx: zstandard.ZstdDecompressor | None = None,
     raw_len: int | None = None,
+    as_view: bool = False,
 ) -> Record:
     """Fully decode the record at ``offset``: checksum, bounded decompression, id check.
     ``raw_len``: the payload length the index (or a location) gives; a header claiming
     another is refused before anything is decompressed, so what a reader checked against
-    the index (cnrstore bounds node and block sizes by it) is what gets allocated."""
+    the index (cnrstore bounds node and block sizes by it) is what gets allocated.
+    ``as_view``: a raw payload of a read-only ``buf`` is a view of it, not a copy (a batched
+    read's records, cut out of one read: engine/store/batchread.py)."""
     header = check_record(buf, offset, pack=pack)
     where = f"pack {pack} offset {offset}, object {header.oid.hex()}"
     _check_raw_len(header, raw_len, where, pack, offset)
@@ -241,8 +244,10 @@ def decode_record(
     )
     pos += ID_SIZE * header.nrefs
     stored = view[pos : pos + header.stored_len]
+    payload: bytes | memoryview
     if header.codec == CODEC_RAW:
-        payload = bytes(stored)
+        keep_view = as_view and stored.readonly and header.rtype == RECORD_OBJECT
+        payload = stored if keep_view else bytes(stored)
     else:
         kind, id_refs = (header.kind, refs) if header.rtype == RECORD_OBJECT else (0, ())
         if header.raw_len > max(len(stored) * DIRECT_RATIO, DIRECT_MIN):
@@ -255,13 +260,13 @@ def decode_record(
             raise CorruptObject(f"{where}: {exc}", oid=header.oid, pack=pack,
                                 offset=offset) from exc
     else:
-        actual = snapshot_id(payload)
+        actual = snapshot_id(bytes(payload))  # bytes already: an object's payload alone is a view
     if actual != header.oid:
         raise CorruptObject(
             f"{where}: content hashes to {actual.hex()}, not its id",
             oid=header.oid, pack=pack, offset=offset,
         )
-    return Record(header, refs, payload)
+    return Record(header, refs, cast(bytes, payload))
 
 
 def _check_raw_len(header: RecordHeader, raw_len: int | None, where: str, pack: str | None,

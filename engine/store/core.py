@@ -322,14 +322,17 @@ def read_checked(readers: PackReaders, oid: bytes, pack: int, offset: int, lengt
 
 def checked_record(data: bytes | memoryview, oid: bytes, pack: int, offset: int, kind: int,
                    dctx: zstandard.ZstdDecompressor, *, raw_len: int | None = None,
-                   keep: bool = True) -> Object:
+                   keep: bool = True, as_view: bool = False) -> Object:
     """``read_checked``'s checks of ``data``, exactly the bytes of the record read at
     (pack, offset): also those of a record cut out of a longer read
     (engine/store/batchread.py), so a batched read refuses what a single one does."""
     name = pack_name(pack)
     try:
-        decode = fmt.decode_record if keep else fmt.check_payload
-        rec = decode(data, 0, pack=name, dctx=dctx, raw_len=raw_len)
+        if keep:
+            rec = fmt.decode_record(data, 0, pack=name, dctx=dctx, raw_len=raw_len,
+                                    as_view=as_view)
+        else:
+            rec = fmt.check_payload(data, 0, pack=name, dctx=dctx, raw_len=raw_len)
     except CorruptObject as exc:
         raise CorruptObject(
             f"object {hexid(oid)} in pack {name} at offset {offset} is corrupt: {exc}",

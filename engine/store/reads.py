@@ -35,11 +35,12 @@ class DirectReads:
         self._core.check_open()
         return self._core.read(loc.oid, at=loc)
 
-    def get_many_at(self, locs: Sequence[RecordLocation]) -> list[Object]:
+    def get_many_at(self, locs: Sequence[RecordLocation], *, hint: bool = False,
+                    views: bool = False) -> list[Object]:
         self._core.check_open()
         core = self._core
         return read_many_at(core.readers, list(locs), core.dctx(),
-                            lambda loc: core.read(loc.oid, at=loc))
+                            lambda loc: core.read(loc.oid, at=loc), hint=hint, views=views)
 
     def get_into_at(self, loc: RecordLocation, kind: int, prefix: int, out: memoryview, *,
                     id_check: bool = True, fallback: bool = False

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 import zstandard
@@ -87,6 +87,13 @@ class PackWriter(Writer):
         check_id(oid)
         oid = bytes(oid)
         return oid in self._new or self._adopted(oid) or self._store.has(oid)
+
+    def missing(self, oids: Iterable[bytes]) -> set[bytes]:
+        wanted = []
+        for oid in oids:
+            check_id(oid)
+            wanted.append(bytes(oid))
+        return self._absent(tuple(wanted))
 
     def _adopted(self, oid: bytes) -> bool:
         return self._adoption is not None and oid in self._adoption.locs

@@ -105,6 +105,18 @@ class ObjectStoreContract:
         assert store.get(b).refs == (a,)
 
 
+    def test_a_writer_says_which_objects_it_lacks(self, store_factory: StoreFactory) -> None:
+        # ``missing``: what ``has`` says of each, committed and put in this writer alike
+        store = store_factory()
+        with store.writer() as w:
+            a = w.put(1, b"a")
+        with store.writer() as w:
+            b = w.put(1, b"b")
+            absent = b"\x01" * 16
+            assert w.missing([a, b, absent]) == {absent}
+            assert w.missing([]) == set()
+            assert all(w.has(o) == (o not in w.missing([o])) for o in (a, b, absent))
+
     def test_roots_set_move_delete(self, store_factory: StoreFactory) -> None:
         store = store_factory()
         with store.writer() as w:

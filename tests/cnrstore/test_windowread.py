@@ -51,8 +51,8 @@ def test_patches_in_file_order_then_full_blocks_and_no_hints(tmp_path, monkeypat
             monkeypatch.setattr(o, name, lambda loc, *a, _r=real, **k: (
                 note((loc.kind, loc.pack, loc.offset)), _r(loc, *a, **k))[1])
         real_many = o.get_many_at  # a window's patch records: one batched read
-        monkeypatch.setattr(o, "get_many_at", lambda locs, _r=real_many: (
-            [note((loc.kind, loc.pack, loc.offset)) for loc in locs], _r(locs))[1])
+        monkeypatch.setattr(o, "get_many_at", lambda locs, _r=real_many, **kw: (
+            [note((loc.kind, loc.pack, loc.offset)) for loc in locs], _r(locs, **kw))[1])
         real_locate = o.locate_closure
         monkeypatch.setattr(o, "locate_closure", lambda oids: (
             note("window"), real_locate(oids))[1])

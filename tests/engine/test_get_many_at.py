@@ -5,6 +5,7 @@ checks: a damaged record, a moved one and a missing one read as a single read re
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ from hypothesis import strategies as st
 
 from engine.errors import CorruptObject, ObjectNotFound
 from engine.format.location import RecordLocation
+from engine.packs import pack as pack_mod
 from engine.store.batchread import GAP, coalesce
 from engine.store.memory import MemoryStore
 
@@ -52,6 +54,14 @@ def test_batched_reads_match_single_reads(tmp_path_factory, specs, commits, data
         ask = data.draw(st.lists(st.sampled_from(sorted(locs)), min_size=0, max_size=30))
         got = store.get_many_at([locs[o] for o in ask])
         assert got == [store.get_at(locs[o]) for o in ask] == [store.get(o) for o in ask]
+        # payloads are bytes unless views are asked for
+        assert all(type(o.payload) is bytes for o in got)
+        assert all(type(store.get_at(locs[o]).payload) is bytes for o in ask)
+        # hinted, payloads as views of the reads (raw records) or bytes: the same objects
+        views = store.get_many_at([locs[o] for o in ask], hint=True, views=True)
+        assert [(o.kind, o.refs, bytes(o.payload)) for o in views] == [
+            (o.kind, o.refs, o.payload) for o in got]
+        assert all(isinstance(o.payload, bytes) or o.payload.readonly for o in views)
 
 
 def test_records_across_packs_are_read_in_few_spans(tmp_path):
@@ -65,6 +75,40 @@ def test_records_across_packs_are_read_in_few_spans(tmp_path):
             assert all(locs[::-1][i].pack == pack for i in at)
             assert start == min(locs[::-1][i].offset for i in at)
         assert store.get_many_at(locs[::-1]) == [store.get(o) for o in oids[::-1]]
+
+
+def test_each_pack_is_opened_once_and_hinted_reads_give_the_same(tmp_path, monkeypatch):
+    # more packs than the descriptor LRU holds: one open a pack a call, not one a span;
+    # hinted (a cold read of many packs), every span is hinted before the first read
+    with open_store(tmp_path / "store", pack_target_size=64 << 10) as store:
+        oids = _fill(store, [(5000, False)] * 60, 6)
+        locs = list(store.locate(oids).values())
+        packs = {loc.pack for loc in locs}
+        want = [store.get(o) for o in oids]
+        readers = store._core.readers
+        monkeypatch.setattr(readers, "_max", 2)
+        for n in packs:
+            readers.forget(n)
+        calls: list[str] = []
+
+        def spy(name, real):
+            return lambda *a, **k: (calls.append(name), real(*a, **k))[1]
+
+        monkeypatch.setattr(os, "open", spy("open", os.open))
+        monkeypatch.setattr(pack_mod, "pread_exact", spy("read", pack_mod.pread_exact))
+        if hasattr(os, "posix_fadvise"):
+            monkeypatch.setattr(os, "posix_fadvise", spy("hint", os.posix_fadvise))
+        assert store.get_many_at(locs) == want
+        assert calls.count("open") == len(packs) and "hint" not in calls
+        calls.clear()
+        for n in packs:
+            readers.forget(n)
+        assert store.get_many_at(locs, hint=True) == want
+        assert calls.count("open") == len(packs)
+        if hasattr(os, "posix_fadvise"):
+            reads = [c for c in calls if c != "open"]
+            first = reads.index("read")
+            assert first >= len(packs) and "hint" not in reads[first:]
 
 
 def test_records_far_apart_are_read_apart():
