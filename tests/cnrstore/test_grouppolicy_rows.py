@@ -34,7 +34,9 @@ def _whole_block(old, changed, step):
     return counts, np.where(up > cur, up, np.where(down < cur, down, cur))
 
 
-def _version(data, g):
+def _version(data):
+    """(the test's generator, a drawn block version, a step after its pieces')."""
+    g = np.random.default_rng(data.draw(st.integers(0, 2 ** 32 - 1)))
     nrows = data.draw(st.integers(1, 5000))
     npieces = data.draw(st.integers(1, 40))
     born = data.draw(st.sampled_from([None, 0, 3, 600]))
@@ -47,14 +49,13 @@ def _version(data, g):
     if born is not None:
         rq = np.where(g.random(nrows) < 0.2, 255, np.minimum(rq, gp.COUNT_CAP)).astype(np.uint8)
     step = int(steps[-1]) + data.draw(st.integers(1, 700))
-    return gp.ListedVersion(pieces, owner, rq, born=born), step
+    return g, gp.ListedVersion(pieces, owner, rq, born=born), step
 
 
 @settings(max_examples=150, deadline=None)
 @given(st.data())
 def test_the_rows_asked_get_what_the_whole_block_gives_them(data):
-    g = np.random.default_rng(data.draw(st.integers(0, 2 ** 32 - 1)))
-    old, step = _version(data, g)
+    g, old, step = _version(data)
     nrows = len(old.owner)
     changed = np.sort(g.choice(nrows, size=data.draw(st.integers(0, nrows)), replace=False))
     pstep = np.array([p.step for p in old.pieces], dtype=np.int64)
@@ -86,8 +87,7 @@ def _whole_block_next_group(old, changed, step, rnb):
 @settings(max_examples=100, deadline=None)
 @given(st.data())
 def test_next_group_plans_what_the_whole_block_policy_planned(data):
-    g = np.random.default_rng(data.draw(st.integers(0, 2 ** 32 - 1)))
-    old, step = _version(data, g)
+    g, old, step = _version(data)
     nrows = len(old.owner)
     # the pieces' sizes and counts as their rows make them, so cleaning is reached
     live = np.bincount(old.owner, minlength=len(old.pieces))
