@@ -18,6 +18,16 @@ the table's bytes in that scheme (rows x row bytes).
     .venv/bin/python benches/bench_longrun.py --plot docs/longrun.png A.json B.json
     .venv/bin/python benches/bench_longrun.py --layout grouped chains --steps 150 \
         --time-restore --out /tmp/grouped   # rows grouped by rate against chains
+    .venv/bin/python benches/bench_longrun.py --layout chains grouped --steps 150 \
+        --fractions 0.05 --quant int8 --time-puts --out /tmp/stall   # stalls, spikes included
+
+``--time-puts``: every incremental put is ``put_tables(blocking=False, touched=)`` with the
+rows the interval changed (what a tracker hands over: the same changed rows, so the same
+objects; the files' allocation may differ by a page), timed until it returns (the stall)
+and until its future's result (the put); and every ``--peer-every`` steps torch.save +
+fsync of the same tables, both ways (benches/peers.py ``TorchSave``: a file kept, one file
+replaced; the faster is the peer). The last 45 steps' mean stall and put (spikes
+included) and largest stall are reported over the peer's median.
 
 The first steps after the full put rewrite no block (every block starts fresh), so the
 amortized figure of a short run is below what a long run settles at: the "last 45" columns
@@ -81,6 +91,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--time-restore", action="store_true",
                    help="time get_tables of the last step, warm (best of 3) and cold "
                         "(the store's files evicted, best of 2)")
+    p.add_argument("--time-puts", action="store_true",
+                   help="non-blocking puts with touched rows, stall and put timed, and "
+                   "torch.save + fsync every --peer-every steps as the peer")
+    p.add_argument("--peer-every", type=int, default=15,
+                   help="steps between the peer's timed saves (with --time-puts)")
     p.add_argument("--label", default="", help="name of this code version in the plot")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="tiny tables, few steps")
@@ -91,6 +106,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         a.rows, a.steps, a.block_rows = 4096, 12, a.block_rows or 256
     if a.steps < 1 or a.rows < a.tables or a.tables < 1:
         p.error("need --steps >= 1 and --rows >= --tables >= 1")
+    if a.peer_every < 1 or (a.time_puts and a.peer_every > a.steps):
+        p.error("need 1 <= --peer-every <= --steps")
     if a.plot and not a.inputs:
         p.error("--plot needs bench_longrun.json files")
     try:
@@ -185,6 +202,7 @@ def _run_one(args: argparse.Namespace, fraction: float, quant: str, max_chain: i
     if layout is not None:
         opts["layout"] = layout
     store = cnrstore.open(path, **opts)
+    timing = PutTiming(Path(args.out) / f"peer-{work.name}-{quant}") if args.time_puts else None
     try:
         store.put_tables(0, tables, quant=quant)
         _, table_bytes = restore_bytes(store, 0)
@@ -192,11 +210,17 @@ def _run_one(args: argparse.Namespace, fraction: float, quant: str, max_chain: i
         before = disk_bytes(path)
         wrote, raw = [], []
         for step in range(1, args.steps + 1):
-            apply_update(tables, work, seed=args.seed, step=step)
+            touched: dict = {}
+            apply_update(tables, work, seed=args.seed, step=step, touched=touched)
             if args.reopen_every and step % args.reopen_every == 0:
                 store.close()  # the next put seeds its diff base from the store
                 store = cnrstore.open(path, **opts)
-            info = store.put_tables(step, tables, quant=quant)
+            if timing is None:
+                info = store.put_tables(step, tables, quant=quant)
+            else:
+                info = timing.put(store, step, tables, quant, touched)
+                if step % args.peer_every == 0:
+                    timing.peer(step, tables)
             now = disk_bytes(path)
             wrote.append(now - before)
             raw.append(sum(info.rows_changed.values()) * rnb)
@@ -210,7 +234,11 @@ def _run_one(args: argparse.Namespace, fraction: float, quant: str, max_chain: i
         times = _restore_times(store, path, args.steps) if args.time_restore else {}
     finally:
         store.close()
+        if timing is not None:
+            timing.close()
     shutil.rmtree(path, ignore_errors=True)
+    if timing is not None:
+        times.update(timing.summary(min(45, args.steps)))
     med = statistics.median(wrote)
     first = min(45, len(wrote))
     tail_med = statistics.median(wrote[-first:])
@@ -239,12 +267,64 @@ def _run_one(args: argparse.Namespace, fraction: float, quant: str, max_chain: i
     }
 
 
+class PutTiming:
+    """``--time-puts``: each put's stall and time, and the peer's saves (torch.save +
+    fsync both ways, benches/peers.py) under ``root`` (removed at the end)."""
+
+    def __init__(self, root: Path) -> None:
+        from benches.peers import TorchSave
+
+        shutil.rmtree(root, ignore_errors=True)
+        self.root = root
+        self.save = TorchSave(root / "keep")
+        self.stall: list[float] = []
+        self.put_s: list[float] = []
+        self.peers: list[dict] = []
+
+    def put(self, store, step: int, tables: dict, quant: str, touched: dict):
+        import torch
+
+        ids = {k: torch.from_numpy(v) for k, v in touched.items()}
+        stall, fut = timed(lambda: store.put_tables(step, tables, quant=quant,
+                                                    blocking=False, touched=ids))
+        wait, info = timed(fut.result)
+        self.stall.append(stall)
+        self.put_s.append(stall + wait)
+        return info
+
+    def peer(self, step: int, tables: dict) -> None:
+        got = self.save.put(step, tables)
+        self.peers.append({"step": step, "keep_s": got["put_keep_s"],
+                           "replace_s": got["put_replace_s"], "peer_s": got["put_s"]})
+        for f in self.save.root.glob("step_*.pt"):  # bytes on disk bounded; times kept
+            f.unlink()
+
+    def close(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
+        shutil.rmtree(self.save.replace_root, ignore_errors=True)
+
+    def summary(self, last: int) -> dict:
+        peer = statistics.median(p["peer_s"] for p in self.peers) if self.peers else None
+        tail_stall, tail_put = self.stall[-last:], self.put_s[-last:]
+        out: dict = {"stall_s": self.stall, "put_s": self.put_s, "torch_save": self.peers,
+                     "peer_s": peer,
+                     "stall_mean_last45_s": statistics.fmean(tail_stall),
+                     "stall_max_last45_s": max(tail_stall),
+                     "put_mean_last45_s": statistics.fmean(tail_put),
+                     "put_max_last45_s": max(tail_put)}
+        if peer:
+            out.update({k[:-2] + "_x": v / peer for k, v in list(out.items())
+                        if k.endswith("last45_s")})
+        return out
+
+
 def markdown(results: list[dict]) -> str:
     lines = ["| code | workload | scheme | max_chain | budget | steps | write/raw "
              "| write/raw (first 45) | write/raw (last 45) | max/median step "
              "| max/median (last 45) | max restore read | objects / block (last step) "
-             "| restore warm / cold (s) | max closure | write/raw (last 45 of 150 / 300) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| restore warm / cold (s) | max closure | write/raw (last 45 of 150 / 300) "
+             "| stall mean / max, put mean (last 45) / torch.save |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         budget = ":".join(f"{v:g}" for v in r.get("budget", (0.5, 1.0)))
         if r.get("merge_share", 0.5) != 0.5:
@@ -256,8 +336,15 @@ def markdown(results: list[dict]) -> str:
             f"| {r['steps']} | {r['amortized']:.2f}x | {r['amortized_45']:.2f}x | {last:.2f}x "
             f"| {r['max_over_median']:.1f}x | {last_spike:.1f}x "
             f"| {r['max_restore_read']:.2f}x | {r.get('objects_per_block', '-')} "
-            f"| {_times(r)} | {_closure(r)} | {_at(r)} |")
+            f"| {_times(r)} | {_closure(r)} | {_at(r)} | {_stall(r)} |")
     return "\n".join(lines) + "\n"
+
+
+def _stall(r: dict) -> str:
+    if "stall_mean_last45_x" not in r:
+        return "-"
+    return (f"{r['stall_mean_last45_x']:.3f}x / {r['stall_max_last45_x']:.3f}x, "
+            f"{r['put_mean_last45_x']:.3f}x of {r['peer_s']:.2f} s")
 
 
 def _at(r: dict) -> str:

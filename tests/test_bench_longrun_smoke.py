@@ -129,3 +129,33 @@ def test_collapse_bound_lies_between_the_others():
     w, _, r = model_longrun.collapse_bound(0.05)
     assert r <= 0.5
     assert 1 + model_longrun.bound(0.05)[0] < w < 1 + model_longrun.family(0.05)[0]
+
+
+@pytest.mark.parametrize("layout", ["chains", "grouped"])
+def test_time_puts_reports_stalls_against_torch_save_both_ways(tmp_path, layout):
+    """--time-puts: every incremental put non-blocking with the touched rows, its stall
+    and put timed, torch.save + fsync timed both ways every --peer-every steps; the objects
+    are those of blocking puts (the same changed rows, the same bytes read by each step's
+    restore), and nothing is left on disk."""
+    out = tmp_path / "out"
+    base = ["--quick", "--fractions", "0.05", "--quant", "int8", "--layout", layout]
+    assert bench_longrun.main([*base, "--out", str(out), "--time-puts",
+                               "--peer-every", "4"]) == 0
+    r = json.loads((out / "bench_longrun.json").read_text())["results"][0]
+    assert len(r["stall_s"]) == len(r["put_s"]) == 12
+    assert all(0 < s <= p for s, p in zip(r["stall_s"], r["put_s"]))
+    assert [p["step"] for p in r["torch_save"]] == [4, 8, 12]
+    for p in r["torch_save"]:
+        assert p["peer_s"] == min(p["keep_s"], p["replace_s"]) > 0
+    assert r["peer_s"] == statistics.median(p["peer_s"] for p in r["torch_save"])
+    assert r["stall_mean_last45_x"] == pytest.approx(
+        statistics.fmean(r["stall_s"]) / r["peer_s"])
+    assert r["stall_max_last45_x"] == pytest.approx(max(r["stall_s"]) / r["peer_s"])
+    assert "x of " in (out / "bench_longrun.md").read_text()
+    assert not [p for p in out.iterdir() if p.is_dir()]  # stores and the peer's files gone
+    plain = tmp_path / "plain"
+    assert bench_longrun.main([*base, "--out", str(plain)]) == 0
+    q = json.loads((plain / "bench_longrun.json").read_text())["results"][0]
+    assert "stall_s" not in q
+    for key in ("raw_bytes", "restore_read", "closure"):
+        assert q[key] == r[key], key
