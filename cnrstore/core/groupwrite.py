@@ -43,7 +43,7 @@ def write_group(w, slot, gw: GroupWrite, codes: np.ndarray, elem: int) -> bool:
     base = gw.group.base
     # one index read for the ~350 listed objects (a ``has`` each took a read transaction
     # each: most of a grouped put's time at 1% changed rows)
-    gone = _missing(w, [*refs, base.oid] if base is not None else refs)
+    gone = w.missing([*refs, base.oid] if base is not None else refs)
     if any(r in gone for r in refs):
         return False
     delta = (None if base is None or base.oid in gone
@@ -63,13 +63,6 @@ def write_group(w, slot, gw: GroupWrite, codes: np.ndarray, elem: int) -> bool:
     slot.oid = w.put(KIND_BLOCK_LIST, payload, nrefs, meta=True)
     gw.group.base = ListBase(slot.oid, tuple(refs), sum(p.nbytes for p in pieces))
     return True
-
-
-def _missing(w, oids: list) -> set[bytes]:
-    """Those of ``oids`` ``w`` does not hold: an engine writer's ``missing`` (one index
-    read), else ``has`` of each (a distributed rank's collector)."""
-    missing = getattr(w, "missing", None)
-    return missing(oids) if missing is not None else {o for o in oids if not w.has(o)}
 
 
 def _delta(base: ListBase, refs: tuple[bytes, ...], pieces: list[Piece], block_nbytes: int
@@ -112,7 +105,7 @@ def write_grouped(w, plan: TablePlan, slot, bw: BlockWrite, codes: np.ndarray, e
     and the plan kept no full codes to write the block fresh from."""
     assert bw.group is not None
     older = [p.oid for p in bw.group.group.pieces if p.step != plan.step]
-    gone = bw.rows is not None and (None in older or bool(_missing(w, older)))
+    gone = bw.rows is not None and (None in older or bool(w.missing(older)))
     if gone and plan.full_codes is not None:
         start = bw.index * plan.state.block_rows
         return write_fresh(w, plan, slot, plan.full_codes[start:start + slot.nrows], elem)

@@ -12,7 +12,7 @@ import dataclasses
 import errno
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from cnrstore.codec.quantize import row_nbytes, scheme_bits
@@ -84,6 +84,10 @@ class _Collector:
 
     def has(self, oid: bytes) -> bool:
         return oid in self.objects or oid in self._known or oid in self._damaged
+
+    def missing(self, oids: Iterable[bytes]) -> set[bytes]:
+        """engine Writer.missing: those of ``oids`` ``has`` says are absent."""
+        return {bytes(o) for o in oids if not self.has(o)}
 
     def get(self, oid: bytes) -> None:
         """Whether a record the store has can be read, as write_blocks asks it of a block
