@@ -300,8 +300,7 @@ class PutTiming:
             f.unlink()
 
     def close(self) -> None:
-        shutil.rmtree(self.root, ignore_errors=True)
-        shutil.rmtree(self.save.replace_root, ignore_errors=True)
+        shutil.rmtree(self.root, ignore_errors=True)  # both ways' files lie under it
 
     def summary(self, last: int) -> dict:
         peer = statistics.median(p["peer_s"] for p in self.peers) if self.peers else None
