@@ -517,6 +517,9 @@ class _CountingWriter:
     def has(self, oid: bytes) -> bool:
         return True
 
+    def missing(self, oids) -> set[bytes]:
+        return set()
+
 
 class _Slot:
     def __init__(self, nrows: int) -> None:
