@@ -8,6 +8,9 @@
  *   qparams.py), in one pass over each row;
  * - cnr_row_fingerprints_diff: the fingerprints, each compared with the previous put's as
  *   it is made, emitting the ids of the rows that differ (core/snapshot.py's diff);
+ * - cnr_touched_fingerprints_diff: the fingerprints of a tracker's touched rows only, read
+ *   where they lie in the table, each compared with (and, where it differs, written over)
+ *   its entry of the new diff base (core/snapshot.py's touched diff);
  * - cnr_gather_check_f32: a non-blocking put's copy of its changed float32 rows with the
  *   refusal flags of their min/max (core/hostcodes.py snapshot_rows), in one pass;
  * - cnr_grow_union: a block's merge union after a put (core/chainpolicy.py), one merge;
@@ -30,7 +33,7 @@
 #define CNR_C 0x9E3779B97F4A7C15ULL
 
 /* Bumped with any change to the functions' signatures (native.py checks it). */
-int cnr_kernels_abi(void) { return 5; }
+int cnr_kernels_abi(void) { return 6; }
 
 static inline uint64_t avalanche(uint64_t h) {
     h ^= h >> 30;
@@ -175,6 +178,40 @@ int64_t cnr_row_fingerprints_diff(const unsigned char *base, int64_t rows, int64
                                   uint64_t len_mix, uint64_t *out, const uint64_t *old,
                                   int64_t compare, int64_t *changed) {
     return fp_rows(base, rows, stride, nbytes, a, b, len_mix, out, old, compare, changed);
+}
+
+/* The touched rows idx[0..n) (ascending, distinct) of the table at `base` (rows `stride`
+ * bytes apart, `nbytes` each), hashed where they lie: fp[idx[r]] holds the row's previous
+ * fingerprint on entry; where the new one differs it is written there and idx[r] goes to
+ * changed[] (ascending). Returns their count. Apart (index_select of the rows, their
+ * fingerprints, a gather of the old ones, the compare, index_copy_) the touched rows were
+ * copied and every array written and read again in the stall of a tracker-driven put. A
+ * scattered row is prefetched `ahead` rows before it is hashed, so its cache misses overlap
+ * the hashing of the rows between. */
+#if defined(CNR_CLONES)
+__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#endif
+int64_t cnr_touched_fingerprints_diff(const unsigned char *base, int64_t stride,
+                                      int64_t nbytes, const uint64_t *a, const uint64_t *b,
+                                      uint64_t len_mix, const int64_t *idx, int64_t n,
+                                      uint64_t *fp, int64_t *changed) {
+    const int64_t full = nbytes / 8, tail = nbytes % 8;
+    const int64_t ahead = nbytes ? 1 + CNR_PF_BYTES / (nbytes > 256 ? nbytes : 256) : 0;
+    int64_t k = 0;
+    for (int64_t r = 0; r < n; r++) {
+        if (ahead && r + ahead < n)
+            prefetch_span(base + idx[r + ahead] * stride, nbytes);
+        const unsigned char *p = base + idx[r] * stride;
+        uint64_t h = nbytes > CNR_PF_BYTES
+            ? long_row_sum(p, NULL, a, b, full, tail)
+            : tail_sum(p, a, b, full, tail, words_sum(p, a, b, 0, full, 0));
+        h = avalanche(h ^ len_mix);
+        if (h != fp[idx[r]]) {
+            fp[idx[r]] = h;
+            changed[k++] = idx[r];
+        }
+    }
+    return k;
 }
 
 typedef float cnr_v4f __attribute__((vector_size(16)));

@@ -38,20 +38,23 @@ __all__ = ["Kernels", "kernel", "status", "build"]
 class Kernels:
     """The loaded functions: ``fingerprint`` (cnr_row_fingerprints), ``fingerprint_diff``
     (cnr_row_fingerprints_diff), ``gather_check_f32`` (cnr_gather_check_f32) and
-    ``grow_union`` (cnr_grow_union), ``apply_rows`` (cnr_apply_rows) and ``encode_int8``
-    (cnr_encode_int8, None where the compiler has no _Float16)."""
+    ``grow_union`` (cnr_grow_union), ``apply_rows`` (cnr_apply_rows), ``touched_diff``
+    (cnr_touched_fingerprints_diff) and ``encode_int8`` (cnr_encode_int8, None where the
+    compiler has no _Float16)."""
 
     def __init__(self, fingerprint, encode_int8, fingerprint_diff=None,
-                 gather_check_f32=None, grow_union=None, apply_rows=None) -> None:
+                 gather_check_f32=None, grow_union=None, apply_rows=None,
+                 touched_diff=None) -> None:
         self.fingerprint = fingerprint
         self.encode_int8 = encode_int8
         self.fingerprint_diff = fingerprint_diff
         self.gather_check_f32 = gather_check_f32
         self.grow_union = grow_union
         self.apply_rows = apply_rows
+        self.touched_diff = touched_diff
 
 _SRC = Path(__file__).with_name("_kernels.c")
-_ABI = 5
+_ABI = 6
 # -ffp-contract=off: no fused multiply-add, so the encode's float32 steps round as torch's.
 _FLAGS = ["-O3", "-shared", "-fPIC", "-std=gnu11", "-ffp-contract=off"]
 _COMPILE_TIMEOUT_S = 300
@@ -151,12 +154,15 @@ def _load(path: Path) -> Kernels:
     ar = lib.cnr_apply_rows
     ar.restype = i64
     ar.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, i64, i64, ptr, ptr, ptr]
+    td = lib.cnr_touched_fingerprints_diff
+    td.restype = i64
+    td.argtypes = [ptr, i64, i64, ptr, ptr, ctypes.c_uint64, ptr, i64, ptr, ptr]
     enc = None
     if lib.cnr_have_encode_int8():
         enc = lib.cnr_encode_int8
         enc.restype = None
         enc.argtypes = [ptr, i64, i64, i64, ptr, ptr]
-    return Kernels(fp, enc, fd, gc, gu, ar)
+    return Kernels(fp, enc, fd, gc, gu, ar, td)
 
 
 def _build_and_load() -> None:

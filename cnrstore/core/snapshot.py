@@ -18,7 +18,7 @@ import torch
 
 from cnrstore.codec.cores import thread_pool
 from cnrstore.codec.fingerprint import row_fingerprints
-from cnrstore.codec.fpdiff import fingerprints_and_changes
+from cnrstore.codec.fpdiff import fingerprints_and_changes, touched_changes
 from cnrstore.codec.quantize import (
     NeedsWideQparams,
     decode_rows,
@@ -165,17 +165,11 @@ def _plan_table(
         t = torch.unique(touched[touched < common]).to(x.device)
         fp = torch.empty(rows, dtype=torch.int64, device=x.device)
         fp[:common] = cbase.fingerprints[:common].to(x.device)
-        # index_select, not x[t]: advanced indexing of a [rows, 64] float32 table took
-        # ~7x as long for the same rows (0.35 ms against 0.05 ms for 8000, one thread),
-        # ~40% of planning a block's touched rows in the stall (issue 26).
-        now = row_fingerprints(torch.index_select(x, 0, t)) if t.numel() else fp[:0]
-        fp.index_copy_(0, t, now)
         if rows > common:
             fp[common:] = row_fingerprints(x[common:])
         # A touched row that holds what it held is not written: a tracker (TorchRec's
         # ModelDeltaTracker) reports lookups, and a looked-up row need not have changed.
-        was = torch.index_select(cbase.fingerprints, 0, t.to(cbase.fingerprints.device))
-        changed = t[now != was.to(x.device)].cpu().numpy()
+        changed = touched_changes(x, t, fp)
     elif cbase is None and borrow:
         # Nothing to diff against: the new diff base's fingerprints are taken on another
         # thread while this one encodes and the writer writes; the waiting caller stores

@@ -1,5 +1,6 @@
 """The stall's one-pass kernels against the code they replace, on both CPU paths: the
-fingerprints-with-diff (codec/fpdiff.py) against row_fingerprints and a compare, and a
+fingerprints-with-diff (codec/fpdiff.py) against row_fingerprints and a compare, the
+touched rows' diff (fpdiff.touched_changes) against their fingerprints and a compare, and a
 non-blocking put's copy of its changed rows with their checks (core/hostcodes.py
 _copy_checked) against index_select and amin/amax."""
 
@@ -16,9 +17,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cnrstore.codec import fingerprint as fp_mod
-from cnrstore.codec import native
+from cnrstore.codec import fpdiff, native
 from cnrstore.codec.fingerprint import row_fingerprints
-from cnrstore.codec.fpdiff import fingerprints_and_changes
+from cnrstore.codec.fpdiff import fingerprints_and_changes, touched_changes
 from cnrstore.codec.qparams import fits_fp16
 from cnrstore.core import hostcodes
 
@@ -57,6 +58,16 @@ def test_fingerprints_and_changes_match_fingerprints_and_a_compare(
 
 
 @contextlib.contextmanager
+def _patched(module, name, value):
+    saved = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, saved)
+
+
+@contextlib.contextmanager
 def _split(module, threshold, parts):
     """Work of any size in ``parts`` parts on the pool (1: the default split), where
     ``module.threshold`` is the size from which the work is split."""
@@ -84,6 +95,52 @@ def test_a_large_table_is_diffed_in_parts_on_the_pool():
     fp, changed = fingerprints_and_changes(x, old)
     assert torch.equal(fp, row_fingerprints(x))
     assert changed.tolist() == hot.tolist()
+
+
+@settings(max_examples=50, deadline=None)
+@given(rows=st.integers(1, 70), width=st.integers(0, 700),
+       dtype=st.sampled_from([torch.float32, torch.float16, torch.int8, torch.float64]),
+       parts=st.sampled_from([1, 3]), seed=st.integers(0, 2**31 - 1),
+       strided=st.booleans(), data=st.data())
+def test_touched_changes_match_the_touched_rows_fingerprints_and_a_compare(
+        rows, width, dtype, parts, seed, strided, data):
+    """Widths up to 700 float64 (5.6 KB rows) take the kernel's long-row loop as well."""
+    g = torch.Generator().manual_seed(seed)
+    full = (torch.randn(rows, width + 3, generator=g) * 100).to(dtype)
+    x = full[:, 1:width + 1] if strided else full[:, :width].contiguous()
+    t = torch.tensor(sorted(data.draw(st.sets(st.integers(0, rows - 1)))), dtype=torch.int64)
+    now = row_fingerprints(x)
+    fp = torch.randint(-2**62, 2**62, (rows,), generator=g)
+    keep = torch.rand(rows, generator=g) < 0.5
+    fp[keep] = now[keep]  # some touched rows hold what they held
+    want_fp = fp.clone()
+    want_fp[t] = now[t]  # the untouched rows' entries stay as they were, right or not
+    want = [int(r) for r in t if not keep[r]]
+    with _split(fpdiff, "_SPLIT_TOUCHED_BYTES", parts):
+        changed = touched_changes(x, t, fp)
+    assert changed.dtype == np.int64 and changed.tolist() == want
+    assert torch.equal(fp, want_fp)
+
+
+def test_touched_changes_of_many_rows_run_in_parts_on_the_pool():
+    x = torch.randn(300_000, 24)
+    fp = row_fingerprints(x)
+    t = torch.arange(0, 300_000, 2)  # 14 MB of touched rows: past the split threshold
+    hot = torch.tensor([0, 2, 149_998, 150_000, 299_998])
+    x[hot] += 1
+    x[1] += 1  # not touched: not seen
+    threads = set()
+    part = fpdiff.fpm.in_parts
+
+    def seen(rows, parts, fn):
+        return part(rows, parts, lambda lo, hi: threads.add(threading.get_ident()) or fn(lo, hi))
+
+    with _split(fp_mod, "_SPLIT_MIN_BYTES", 2), _patched(fpdiff.fpm, "in_parts", seen):
+        changed = touched_changes(x, t, fp)
+    assert len(threads) == 2
+    assert changed.tolist() == hot.tolist()
+    want = row_fingerprints(x)
+    assert torch.equal(fp[t], want[t]) and fp[1] != want[1]
 
 
 _SPECIAL = [float("nan"), float("inf"), float("-inf"), -0.0, 0.0, 65504.0, -65504.0,
