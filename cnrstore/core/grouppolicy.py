@@ -38,7 +38,7 @@ from engine import Object, StoreError
 __all__ = ["ALPHA", "COUNT_PRIOR", "COUNT_EPOCH", "COUNT_CAP", "THRESHOLDS", "HYSTERESIS",
            "READ_TARGET", "OVERSHOOT", "CHUNK_ROWS", "DELTA_SHARE", "Piece", "ListBase",
            "ListedVersion", "GroupWrite", "fresh_group", "next_group", "load_group",
-           "grouped_writes"]
+           "group_of", "grouped_writes"]
 
 # A row's class is the interval of THRESHOLDS its rate lies in; in a block whose lists
 # have no born step (an older store's) the rate is an exponential average of "changed
@@ -323,7 +323,7 @@ def load_group(get: Callable[[bytes], Object], oid: bytes, nrows: int, row_nbyte
     return ListedVersion(pieces, owner, rq, base, born=born)
 
 
-def _group_of(old: BlockSlot, base: TableState | None, row_nbytes: int
+def group_of(old: BlockSlot, base: TableState | None, row_nbytes: int
               ) -> tuple[ListedVersion | None, int]:
     """(the grouped writer state of ``old``, 1 if its stored list could not be read):
     loaded from the store the base was seeded from when the handle has none. None: not
@@ -361,7 +361,7 @@ def grouped_writes(changed: np.ndarray, cbase: TableState | None, rows: int, rnb
             continue
         gw = None
         if old is not None and old.nrows == nr:
-            group, lost = _group_of(old, cbase, rnb)
+            group, lost = group_of(old, cbase, rnb)
             rewritten += lost
             if group is not None:
                 assert cuts is not None

@@ -25,12 +25,13 @@ from cnrstore.codec.qparams import fits_fp16
 from cnrstore.codec.quantize import RangeError, encode_rows, first_nonfinite_row, scheme_bits
 from cnrstore.errors import NonFiniteValues, ValueOutOfRange
 
-__all__ = ["HostBuffers", "encode_checked", "gather_encode", "snapshot_rows"]
+__all__ = ["DEFER_DTYPES", "HostBuffers", "copy_checked", "encode_checked", "gather_encode",
+           "snapshot_rows"]
 
 # Table dtypes whose rows are deferred: every finite value converts to a finite float32, so
 # the min/max below decide all the encode's refusals (float64 rows beyond float32 are
 # refused by the encode itself, which therefore stays on the caller's thread).
-_DEFER_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+DEFER_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Below torch's intra-op grain size, so no reduction forks OpenMP threads (on shared cores
 # each fork waits for a time slice; see codec/quantize.py).
 _RANGE_CHUNK_ELEMS = (1 << 15) - 1
@@ -111,14 +112,14 @@ def snapshot_rows(name: str, x: torch.Tensor, idx: np.ndarray, scheme: str,
     does not fit fp16 qparams: the encode decides whether the table goes wide). Raises
     NonFiniteValues as gather_encode does, before anything is queued."""
     n, width = len(idx), x.shape[1]
-    if (scheme_bits(scheme) is None or x.is_cuda or x.dtype not in _DEFER_DTYPES
+    if (scheme_bits(scheme) is None or x.is_cuda or x.dtype not in DEFER_DTYPES
             or buffers is None or not n or not width):
         return None
     nbytes = n * width * x.element_size()
     buf = buffers.take(nbytes, pinned=False)
     try:
         rows = buf[:nbytes].view(x.dtype).view(n, width)
-        finite, fits = _copy_checked(x, idx, rows)
+        finite, fits = copy_checked(x, idx, rows)
         if not finite.all():
             raise NonFiniteValues(name, int(idx[int(np.argmin(finite))]), scheme)
         if not wide and not fits.all():
@@ -134,7 +135,7 @@ def snapshot_rows(name: str, x: torch.Tensor, idx: np.ndarray, scheme: str,
     return encode, lambda: buffers.give(buf)
 
 
-def _copy_checked(x: torch.Tensor, idx: np.ndarray, rows: torch.Tensor
+def copy_checked(x: torch.Tensor, idx: np.ndarray, rows: torch.Tensor
                   ) -> tuple[np.ndarray, np.ndarray]:
     """Copy rows ``idx`` of ``x`` into ``rows``; bool [n] arrays: each row is finite, its
     min/max fit fp16 qparams. One pass per row in the compiled kernel (float32 rows with

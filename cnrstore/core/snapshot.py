@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 import torch
@@ -27,6 +29,7 @@ from cnrstore.codec.quantize import (
     row_nbytes,
 )
 from cnrstore.core.blockplan import FULL, PATCH, BlockWrite, Deferred, TablePlan, block_writes
+from cnrstore.core.groupdefer import GroupedDeferred
 from cnrstore.core.grouppolicy import grouped_writes
 from cnrstore.core.hostcodes import HostBuffers, encode_checked, gather_encode, snapshot_rows
 from cnrstore.core.tablestate import TableState, Undo
@@ -139,6 +142,7 @@ def _plan_table(
     defer_plan: bool = False,
     layout: str = "chains",
     step: int = 0,
+    store_reader: Callable[[bytes], Any] | None = None,
 ) -> TablePlan:
     x = _as_rows(table)
     rows, width = x.shape
@@ -160,6 +164,16 @@ def _plan_table(
             and not keep_full and not borrow):
         return Deferred(name, x, table, cbase, touched, rnb, block_rows, fanout, max_chain,
                          block_offset, buffers).plan
+    if (defer_encode and layout == "grouped" and store_reader is not None and cbase is not None
+            and touched is not None and cbase.fingerprints is not None
+            and cbase.fingerprints.device.type == "cpu" and rows == cbase.rows
+            and x.device.type == "cpu" and width and buffers is not None
+            and not keep_full and not borrow):
+        # The block policy on the writer: the stall copies the touched rows only.
+        grouped = GroupedDeferred.make(name, x, table, cbase, touched, scheme, rnb, wide,
+                                       step, buffers, store_reader)
+        if grouped is not None:
+            return grouped.plan
     if cbase is not None and touched is not None and cbase.fingerprints is not None:
         # The caller tracked the touched rows: hash only those (and any new rows).
         t = torch.unique(touched[touched < common]).to(x.device)

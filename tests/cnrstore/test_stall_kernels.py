@@ -2,7 +2,7 @@
 fingerprints-with-diff (codec/fpdiff.py) against row_fingerprints and a compare, the
 touched rows' diff (fpdiff.touched_changes) against their fingerprints and a compare, and a
 non-blocking put's copy of its changed rows with their checks (core/hostcodes.py
-_copy_checked) against index_select and amin/amax."""
+copy_checked) against index_select and amin/amax."""
 
 from __future__ import annotations
 
@@ -165,7 +165,7 @@ def test_the_copy_of_changed_rows_matches_index_select_and_amin_amax(
                                                       replace=False)).astype(np.int64)
     rows = torch.empty(len(idx), width, dtype=dtype)
     with _copy_parts(parts):
-        finite, fits = hostcodes._copy_checked(x, idx, rows)
+        finite, fits = hostcodes.copy_checked(x, idx, rows)
     want = x[torch.from_numpy(idx)]
     assert torch.equal(rows.view(torch.uint8) if dtype != torch.float32 else
                        rows.view(torch.int32),
@@ -196,7 +196,7 @@ def test_a_large_copy_runs_in_parts_on_the_pool(kernel_path, monkeypatch):
     real = k.gather_check_f32
     monkeypatch.setattr(k, "gather_check_f32",
                         lambda *a: (threads.add(threading.current_thread().name), real(*a))[1])
-    finite, fits = hostcodes._copy_checked(x, idx, rows)
+    finite, fits = hostcodes.copy_checked(x, idx, rows)
     assert len(threads) >= 2 if fp_mod._cores() > 1 else len(threads) == 1
     assert torch.equal(rows.view(torch.int32), x[torch.from_numpy(idx)].view(torch.int32))
     assert np.flatnonzero(~finite).tolist() == [12344 // 2]
@@ -213,6 +213,6 @@ def test_the_native_copy_runs_for_float32_rows(kernel_path, monkeypatch):
     x = torch.randn(50, 8)
     idx = np.array([3, 7, 49], dtype=np.int64)
     rows = torch.empty(3, 8)
-    hostcodes._copy_checked(x, idx, rows)
+    hostcodes.copy_checked(x, idx, rows)
     assert torch.equal(rows, x[torch.from_numpy(idx)])
     assert calls == ([1] if kernel_path == "native" else [])
