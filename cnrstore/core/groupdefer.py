@@ -13,8 +13,9 @@ objects, and the ids, a plan made in the stall writes (tests compare them).
 
 Used by a single-process put only: a rank of a distributed put does not read the store
 when it writes. A listed object that cannot be read when the writer needs its rows fails
-the put (WriteFailed); the plan is then unmade, so the next put writes every block
-whole from its table."""
+the put (WriteFailed); the plan is then unmade, and the next put, untracked, diffs every
+row against the base put back. A base whose objects a gc swept before the stall has lost
+those slots there (TableState.revalidate): their blocks are copied and written whole."""
 
 from __future__ import annotations
 
@@ -92,11 +93,13 @@ class GroupedDeferred:
         whole: dict[int, int] = {}  # block -> its first row in the copy
         n = len(tn)
         for i in range(nblocks):
-            if not counts[i]:
-                continue  # kept as it is, whatever its slot (grouped_writes does the same)
             nr = min((i + 1) * R, rows) - i * R
             old = cbase.slots[i] if i < len(cbase.slots) else None
-            if old is not None and old.nrows == nr and group_of(old, cbase, rnb)[0] is not None:
+            # as grouped_writes decides: a block with a slot is kept where no row of it
+            # was touched, else planned on its list if that can be read; one without a
+            # slot (a gc dropped its objects: TableState.revalidate) is written whole
+            if old is not None and old.nrows == nr and (
+                    not counts[i] or group_of(old, cbase, rnb)[0] is not None):
                 continue
             whole[i] = n
             n += nr

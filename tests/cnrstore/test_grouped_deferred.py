@@ -173,3 +173,45 @@ def test_a_damaged_object_the_cleaner_reads_fails_the_put_and_the_next_put_heals
                             touched={"t": looked}).result(timeout=60)
         assert info.tables == want[clean - 1].tables
         assert_identical(s.get_tables(clean)["t"], t)
+
+
+# Another process drops every step of the store and puts a new one under the name of the
+# handle's newest, so every object the handle's base names is gone.
+_SWEEP = f"""
+import sys, torch, cnrstore
+path, last = sys.argv[1], int(sys.argv[2])
+with cnrstore.open(path) as s:
+    s.delete_steps(s.steps())
+    s.gc(threshold=0.0)
+    s.put_tables(last, {{"t": torch.zeros({ROWS}, {WIDTH})}}, quant="exact")
+"""
+
+
+def test_a_store_swept_by_another_process_is_written_whole(tmp_path):
+    """The stall finds the base's anchor replaced and forgets the slots whose objects are
+    gone (TableState.revalidate): every block, touched or not, is copied in the stall and
+    written whole (a block no touched row fell in was neither copied nor written before:
+    the writer refused the put as a bug)."""
+    import subprocess
+    import sys
+
+    steps = _steps(9, 12)
+    path = tmp_path / "tracked"
+    t = _table(0)
+    with cnrstore.open(path, **OPTS) as s:
+        s.put_tables(0, {"t": t}, quant="exact")
+        for step, (rows, vals, looked) in enumerate(steps[:-1], start=1):
+            t[rows] = vals
+            s.put_tables(step, {"t": t}, quant="exact", blocking=False,
+                         touched={"t": looked}).result(timeout=60)
+        last = len(steps)
+        subprocess.run([sys.executable, "-c", _SWEEP, str(path), str(last - 1)],
+                       check=True, timeout=120)
+        rows, vals, looked = steps[-1]
+        t[rows] = vals
+        info = s.put_tables(last, {"t": t}, quant="exact", blocking=False,
+                            touched={"t": looked[:5]}).result(timeout=60)
+        assert info.rows_written["t"] == ROWS
+        assert s.steps() == [last - 1, last]
+        assert_identical(s.get_tables(last)["t"], t)
+        assert s.verify().ok
