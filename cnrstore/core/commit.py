@@ -50,11 +50,11 @@ class EngineCommit:
                 newest.append(root_name(max(steps)) if steps else "")
             return anchor != newest[0]
 
-        # a non-blocking put's deferred grouped plan reads rows the cleaner copies from
-        # the store on the writer thread (groupdefer.py)
-        reader = None if blocking else h.objects.get
+        # a non-blocking tracked put plans on the writer thread, reading the rows its
+        # blocks write again without them having changed from the store (writerplan.py)
+        objects = None if blocking else h.objects
         return [{"keep_full": at_risk(req.bases.get(w.key)), "borrow": blocking,
-                 "defer_encode": not blocking, "store_reader": reader} for w in req.works]
+                 "defer_encode": not blocking, "store_objects": objects} for w in req.works]
 
     def known_widths(self, h: Any, req: Request) -> None:
         return None  # a world of one: its width "round" is free, its errors raise at once

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -28,11 +27,11 @@ from cnrstore.codec.quantize import (
     is_wide,
     row_nbytes,
 )
-from cnrstore.core.blockplan import FULL, PATCH, BlockWrite, Deferred, TablePlan, block_writes
-from cnrstore.core.groupdefer import GroupedDeferred
+from cnrstore.core.blockplan import FULL, PATCH, BlockWrite, TablePlan, block_writes
 from cnrstore.core.grouppolicy import grouped_writes
 from cnrstore.core.hostcodes import HostBuffers, encode_checked, gather_encode, snapshot_rows
 from cnrstore.core.tablestate import TableState, Undo
+from cnrstore.core.writerplan import Policy, WriterPlan
 from cnrstore.errors import NonFiniteValues
 
 __all__ = ["BlockWrite", "TablePlan", "HostBuffers", "plan_table", "FULL", "PATCH"]
@@ -142,7 +141,7 @@ def _plan_table(
     defer_plan: bool = False,
     layout: str = "chains",
     step: int = 0,
-    store_reader: Callable[[bytes], Any] | None = None,
+    store_objects: Any = None,
 ) -> TablePlan:
     x = _as_rows(table)
     rows, width = x.shape
@@ -156,24 +155,20 @@ def _plan_table(
     compatible = cbase is not None
     common = min(rows, cbase.rows) if cbase is not None else 0
 
-    # Not the grouped layout: its cleaning copies rows the tracker did not touch.
-    if (defer_plan and layout == "chains" and cbase is not None and touched is not None
-            and scheme == "exact"
+    # A tracked non-blocking put plans on the writer thread (writerplan.py): a single
+    # process's of either layout, exact or intN; a rank's (its writer does not read the
+    # store, which a grouped cleaner needs) of exact chains.
+    local = defer_encode and store_objects is not None
+    rank = defer_plan and layout == "chains" and scheme == "exact"
+    if ((local or rank) and cbase is not None and touched is not None
             and cbase.fingerprints is not None and cbase.fingerprints.device.type == "cpu"
             and rows == cbase.rows and x.device.type == "cpu" and width and buffers is not None
             and not keep_full and not borrow):
-        return Deferred(name, x, table, cbase, touched, rnb, block_rows, fanout, max_chain,
-                         block_offset, buffers).plan
-    if (defer_encode and layout == "grouped" and store_reader is not None and cbase is not None
-            and touched is not None and cbase.fingerprints is not None
-            and cbase.fingerprints.device.type == "cpu" and rows == cbase.rows
-            and x.device.type == "cpu" and width and buffers is not None
-            and not keep_full and not borrow):
-        # The block policy on the writer: the stall copies the touched rows only.
-        grouped = GroupedDeferred.make(name, x, table, cbase, touched, scheme, rnb, wide,
-                                       step, buffers, store_reader)
-        if grouped is not None:
-            return grouped.plan
+        planned = WriterPlan.make(name, x, table, cbase,
+                                  Policy(layout, max_chain, block_offset), touched, scheme,
+                                  rnb, wide, step, buffers, store_objects)
+        if planned is not None:
+            return planned.plan
     if cbase is not None and touched is not None and cbase.fingerprints is not None:
         # The caller tracked the touched rows: hash only those (and any new rows).
         t = torch.unique(touched[touched < common]).to(x.device)

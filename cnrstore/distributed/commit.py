@@ -108,7 +108,7 @@ class CoordinatorCommit:
     def plan_options(self, ds: DistributedStore, req: Request, *, blocking: bool,
                      keep_full: bool) -> list[dict]:
         # A non-blocking put's tracked runs are planned on the writer thread, their rows
-        # copied in the stall (blockplan.py, ``Deferred``; issue 26); ``write``
+        # copied in the stall (core/writerplan.py; issue 26); ``write``
         # plans them before its first round, so a failure there fails every rank's step.
         # A blocking put borrows the runs a rank's own piece holds whole (Work.table):
         # a whole exact run is then encoded from the caller's tensor, not from a

@@ -1,26 +1,34 @@
-"""The grouped layout's plan of a tracker-driven non-blocking put, made on the writer
-thread (issue 27: the block policy, ~4 ms a 131072-row block, was most of a grouped put's
-stall, 2.7-4.9x the chain layout's).
+"""The plan of a tracker-driven non-blocking put of one table, made on the writer thread
+(issue 26: a rank planned the 24-42 k rows its tracker saw in its stall; issue 27: the
+grouped layout's block policy took ~4 ms a 131072-row block there, and the chain layout's
+diff and policy most of its stall).
 
-The caller's thread copies only what the step must hold: its touched rows, checked as a
-non-blocking put checks what it copies, and every block whose stored list cannot be read
-(written whole). The writer then fingerprints the copied rows, finds those that changed,
-runs the block policy (grouppolicy.grouped_writes) and gathers the codes. A row the
-cleaner writes again without it having changed is not in the copy: its codes are read
-from the row object that holds its newest copy, which are the bytes the row's unchanged
-values encode to (an encode is a function of the row's bytes), so the put writes the
-objects, and the ids, a plan made in the stall writes (tests compare them).
+The caller's thread copies only what the step must hold: its touched rows (an intN
+table's checked as a non-blocking put checks what it copies) and every block the policy
+may write whole with rows it does not know: a block with no slot, a chain block that
+cannot take a patch of all its touched rows (``chainpolicy.patch_fits``: the patch's
+bytes grow with its rows, so a block that fits with every touched row changed fits with
+any subset, and a patch holds only changed rows, all of them touched) and may be merged
+or rewritten, a grouped block whose list cannot be read. The writer then fingerprints the
+copied rows, finds those that changed, runs the layout's block policy
+(blockplan.block_writes, grouppolicy.grouped_writes) and gathers the codes: the plan made
+at once, so the same bytes and ids (tests compare them with blocking puts).
 
-Used by a single-process put only: a rank of a distributed put does not read the store
-when it writes. A listed object that cannot be read when the writer needs its rows fails
-the put (WriteFailed); the plan is then unmade, and the next put, untracked, diffs every
-row against the base put back. A base whose objects a gc swept before the stall has lost
-those slots there (TableState.revalidate): their blocks are copied and written whole."""
+A grouped block's cleaner writes again rows that did not change and that no copy holds
+(any row of the block may be among them): their codes are read from the row object that
+holds each one's newest copy. Those are the bytes the row's unchanged values encode to
+(an encode is a function of the row's bytes). This needs the store on the writer thread,
+so a rank of a distributed put, whose writer does not read the store, plans grouped blocks
+in its stall. A listed object that cannot be read when the writer needs its rows fails the
+put (WriteFailed); the plan is then unmade, and the next put, untracked, diffs every row
+against the base put back. A base whose objects a gc swept before the stall has lost those
+slots there (TableState.revalidate): their blocks are copied and written whole.
+"""
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -28,32 +36,44 @@ import torch
 
 from cnrstore.codec.fingerprint import row_fingerprints
 from cnrstore.codec.quantize import scheme_bits
-from cnrstore.core.blockplan import TablePlan
+from cnrstore.core.blockplan import TablePlan, block_writes
+from cnrstore.core.chainpolicy import block_key, patch_fits
 from cnrstore.core.grouppolicy import ListedVersion, group_of, grouped_writes
 from cnrstore.core.hostcodes import DEFER_DTYPES, HostBuffers, copy_checked, encode_checked
-from cnrstore.core.tablestate import TableState, Undo
+from cnrstore.core.tablestate import BlockSlot, TableState, Undo
 from cnrstore.errors import ManifestError, NonFiniteValues
 from cnrstore.format.rowobjects import decode_rows_object
 
-__all__ = ["GroupedDeferred"]
+__all__ = ["Policy", "WriterPlan"]
 
 
-class GroupedDeferred:
+@dataclass(frozen=True)
+class Policy:
+    """The block policy a table's put runs: ``layout`` ("chains" or "grouped"), and the
+    chain layout's bound and its table's first block (a rank's part)."""
+
+    layout: str
+    max_chain: int
+    block_offset: int
+
+
+class WriterPlan:
     """Made by ``make`` in the stall; ``plan`` is the TablePlan the writer completes
     (``TablePlan.plan_later``), filling the state's slots and fingerprints, which a put
     diffing against it first waits for (``TableState.settle``)."""
 
     def __init__(self, name: str, x: torch.Tensor, table: torch.Tensor, cbase: TableState,
-                 t: torch.Tensor, whole: dict[int, int], ids: np.ndarray,
+                 policy: Policy, t: torch.Tensor, whole: dict[int, int], ids: np.ndarray,
                  copy_buf: torch.Tensor, copy: torch.Tensor, scheme: str, rnb: int,
-                 wide: bool, step: int, buffers: HostBuffers, reader: Callable[[bytes], Any]):
+                 wide: bool, step: int, buffers: HostBuffers, objects: Any):
         self.name, self.cbase, self.scheme, self.rnb, self.wide = name, cbase, scheme, rnb, wide
+        self.policy, self.dtype = policy, x.dtype
         self.t, self.tn, self.whole, self.step = t, t.numpy(), whole, step
         self.ids = ids  # the table row of each row of the copy
         self.copy_buf: torch.Tensor | None = copy_buf
         self.copy = copy
         self.codes_buf: torch.Tensor | None = None
-        self.buffers, self.reader = buffers, reader
+        self.buffers, self.objects = buffers, objects
         rows = x.shape[0]
         nblocks = -(-rows // cbase.block_rows)
         self.state = TableState(
@@ -65,7 +85,7 @@ class GroupedDeferred:
         self.plan = TablePlan(name, self.state, [], np.zeros((0, rnb), dtype=np.uint8), 0,
                               table.numel() * table.element_size(), cbase.slots,
                               self.release)
-        self.plan.step, self.plan.layout = step, "grouped"
+        self.plan.step, self.plan.layout = step, policy.layout
         self.plan.plan_later = self.complete
         if cbase.damaged_blocks:
             self.plan.damaged_blocks = frozenset(i for i in cbase.damaged_blocks
@@ -73,8 +93,8 @@ class GroupedDeferred:
 
     @classmethod
     def make(cls, name: str, x: torch.Tensor, table: torch.Tensor, cbase: TableState,
-             touched: torch.Tensor, scheme: str, rnb: int, wide: bool, step: int,
-             buffers: HostBuffers, reader: Callable[[bytes], Any]) -> GroupedDeferred | None:
+             policy: Policy, touched: torch.Tensor, scheme: str, rnb: int, wide: bool,
+             step: int, buffers: HostBuffers, objects: Any) -> WriterPlan | None:
         """Copy the step's rows (in the stall); None where this put is planned now
         instead: a scheme that is neither exact nor intN, a dtype the copy does not
         check, or (intN, not wide) a copied row whose min/max needs wide qparams (the
@@ -95,11 +115,10 @@ class GroupedDeferred:
         for i in range(nblocks):
             nr = min((i + 1) * R, rows) - i * R
             old = cbase.slots[i] if i < len(cbase.slots) else None
-            # as grouped_writes decides: a block with a slot is kept where no row of it
-            # was touched, else planned on its list if that can be read; one without a
-            # slot (a gc dropped its objects: TableState.revalidate) is written whole
-            if old is not None and old.nrows == nr and (
-                    not counts[i] or group_of(old, cbase, rnb)[0] is not None):
+            if old is not None and old.nrows == nr and (not counts[i] or (
+                    group_of(old, cbase, rnb)[0] is not None if policy.layout == "grouped"
+                    else patch_fits(old, block_key(name, policy.block_offset + i),
+                                    int(counts[i]), rnb, policy.max_chain))):
                 continue
             whole[i] = n
             n += nr
@@ -121,8 +140,8 @@ class GroupedDeferred:
         except BaseException:
             buffers.give(buf)
             raise
-        return cls(name, x, table, cbase, t, whole, idx, buf, copy, scheme, rnb, wide, step,
-                   buffers, reader)
+        return cls(name, x, table, cbase, policy, t, whole, idx, buf, copy, scheme, rnb, wide,
+                   step, buffers, objects)
 
     def complete(self) -> None:
         """Plan from the copy (on the writer thread); a failure leaves the state with no
@@ -137,7 +156,7 @@ class GroupedDeferred:
             self.state.planning.set()
 
     def _plan(self) -> None:
-        cbase, t, tn, copy = self.cbase, self.t, self.tn, self.copy
+        cbase, t, tn, copy, policy = self.cbase, self.t, self.tn, self.copy, self.policy
         assert cbase.fingerprints is not None
         R, rows = cbase.block_rows, self.state.rows
         nt = len(tn)
@@ -146,31 +165,40 @@ class GroupedDeferred:
         differ = now != torch.index_select(fp, 0, t)
         fp.index_copy_(0, t[differ], now[differ])
         changed = tn[differ.numpy()]
-        slots, writes, parts, pos, rewritten = grouped_writes(
-            changed, cbase, rows, self.rnb, R, self.step)
+        rewritten = 0
+        if policy.layout == "grouped":
+            slots, writes, parts, pos, rewritten = grouped_writes(
+                changed, cbase, rows, self.rnb, R, self.step)
+        else:
+            slots, writes, parts, pos = block_writes(
+                self.name, fp, changed, cbase, rows, self.dtype, self.state.width,
+                self.scheme, self.rnb, R, policy.max_chain, policy.block_offset)
         # the versions these were planned on (grouped_writes loads a list not loaded yet)
-        olds: dict[int, ListedVersion] = {
-            i: s.group for i, s in enumerate(cbase.slots)
-            if s is not None and s.group is not None}
+        olds: list[BlockSlot | None] = list(cbase.slots)
         self.codes_buf = buf = self.buffers.take(max(pos * self.rnb, 1), pinned=False)
         codes = buf[:pos * self.rnb].numpy().reshape(pos, self.rnb)
         at: list[np.ndarray] = []    # rows of the codes taken from the copy
         src: list[np.ndarray] = []   # and their rows in the copy
         for bw, part in zip(writes, parts):
             dst = np.arange(bw.start, bw.stop, dtype=np.int64)
-            if bw.rows is None:  # written whole: copied in the stall
-                first = self.whole.get(bw.index)
-                if first is None:
-                    raise AssertionError(f"put: table {self.name!r} block {bw.index} is "
-                                         "written whole and was not copied (a bug: report it)")
+            start = bw.index * R
+            local: np.ndarray = (np.arange(part[1] - part[0], dtype=np.int64)
+                                 if isinstance(part, tuple) else part - start)
+            first = self.whole.get(bw.index)
+            if first is not None:  # copied whole in the stall
                 at.append(dst)
-                src.append(np.arange(first, first + len(dst), dtype=np.int64))
+                src.append(local + first)
                 continue
-            new = np.isin(part, changed, assume_unique=True)
+            new = np.isin(local + start, changed, assume_unique=True)
             at.append(dst[new])
-            src.append(np.searchsorted(tn, part[new]))  # changed rows are touched rows
-            if not new.all():  # rows the cleaner writes again: from their last copy
-                self._stored(codes, dst[~new], bw.rows[~new], olds[bw.index], bw.index)
+            src.append(np.searchsorted(tn, local[new] + start))  # changed rows: touched
+            if new.all():
+                continue
+            old = olds[bw.index] if bw.index < len(olds) else None
+            if policy.layout != "grouped" or old is None or old.group is None:
+                raise AssertionError(f"put: table {self.name!r} block {bw.index} writes rows "
+                                     "that were not copied (a bug: report it)")
+            self._stored_rows(codes, dst[~new], local[~new], old.group, bw.index)
         if at:
             dst_all, src_all = np.concatenate(at), np.concatenate(src)
             if len(dst_all):
@@ -192,17 +220,17 @@ class GroupedDeferred:
             return sel.view(torch.uint8).numpy().reshape(len(src), self.rnb)
         return encode_checked(self.name, sel, self.scheme, self.wide, self.ids[src]).numpy()
 
-    def _stored(self, codes: np.ndarray, dst: np.ndarray, rows: np.ndarray,
-                old: ListedVersion, block: int) -> None:
+    def _stored_rows(self, codes: np.ndarray, dst: np.ndarray, rows: np.ndarray,
+                     old: ListedVersion, block: int) -> None:
         """codes[dst] = the stored codes of block rows ``rows`` (ascending), each from the
-        object of ``old`` holding its newest copy."""
+        object of grouped version ``old`` holding its newest copy."""
         owner = old.owner[rows]
         for j in np.unique(owner):
             piece = old.pieces[int(j)]
             if piece.oid is None:
                 raise ManifestError(f"table {self.name!r} block {block}: a row object of the "
                                     "put before was not written")
-            head, idx, _, got = decode_rows_object(self.reader(piece.oid), piece.oid,
+            head, idx, _, got = decode_rows_object(self.objects.get(piece.oid), piece.oid,
                                                    rates=False)
             if got is None or head.row_nbytes != self.rnb:
                 raise ManifestError("row object holds rows of another width", oid=piece.oid)
