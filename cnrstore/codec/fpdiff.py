@@ -68,22 +68,30 @@ def touched_changes(x: torch.Tensor, t: torch.Tensor, fp: torch.Tensor) -> np.nd
     return t[differ].cpu().numpy()
 
 
-def _native_touched(x: torch.Tensor, t: torch.Tensor, fp: torch.Tensor) -> np.ndarray | None:
-    kernels = native.kernel()
-    if (kernels is None or kernels.touched_diff is None or x.device.type != "cpu"
-            or fp.device.type != "cpu" or not fp.is_contiguous() or fp.dtype != torch.int64):
+def _dense_rows(x: torch.Tensor) -> tuple[torch.Tensor, int, int] | None:
+    """(``x`` as [rows, row elements], row bytes, 8-byte words a row) for the kernels: a
+    CPU tensor whose rows' elements are each one dense run (rows any stride apart);
+    None otherwise."""
+    if (x.device.type != "cpu" or x.is_quantized or x.layout != torch.strided
+            or x.ndim < 1):
         return None
-    if x.is_quantized or x.layout != torch.strided or x.ndim < 1:
-        return None
-    n = x.shape[0]
     try:
-        flat = x.view(n, math.prod(x.shape[1:]))
+        flat = x.view(x.shape[0], math.prod(x.shape[1:]))
     except RuntimeError:  # the row's elements are not one dense run
         return None
     if flat.shape[1] > 1 and flat.stride(1) != 1:
         return None
     nbytes = fpm._row_nbytes(x)
-    words = (nbytes + 7) // 8
+    return flat, nbytes, (nbytes + 7) // 8
+
+
+def _native_touched(x: torch.Tensor, t: torch.Tensor, fp: torch.Tensor) -> np.ndarray | None:
+    kernels = native.kernel()
+    dense = _dense_rows(x)
+    if (kernels is None or kernels.touched_diff is None or dense is None
+            or fp.device.type != "cpu" or not fp.is_contiguous() or fp.dtype != torch.int64):
+        return None
+    flat, nbytes, words = dense
     ids = np.ascontiguousarray(t.numpy(), dtype=np.int64)
     a, b = fpm._keys(x.device, words)
     row_bytes = flat.stride(0) * flat.element_size()
@@ -104,19 +112,11 @@ def _native_touched(x: torch.Tensor, t: torch.Tensor, fp: torch.Tensor) -> np.nd
 def _native(x: torch.Tensor, old: torch.Tensor, common: int
             ) -> tuple[torch.Tensor, np.ndarray] | None:
     kernels = native.kernel()
-    if kernels is None or kernels.fingerprint_diff is None or x.device.type != "cpu":
+    dense = _dense_rows(x)
+    if kernels is None or kernels.fingerprint_diff is None or dense is None:
         return None
-    if x.is_quantized or x.layout != torch.strided or x.ndim < 1:
-        return None
+    flat, nbytes, words = dense
     n = x.shape[0]
-    try:
-        flat = x.view(n, math.prod(x.shape[1:]))
-    except RuntimeError:  # the row's elements are not one dense run
-        return None
-    if flat.shape[1] > 1 and flat.stride(1) != 1:
-        return None
-    nbytes = fpm._row_nbytes(x)
-    words = (nbytes + 7) // 8
     out = torch.empty(n, dtype=torch.int64)
     if n == 0:
         return out, np.zeros(0, dtype=np.int64)

@@ -25,8 +25,8 @@ from cnrstore.codec.qparams import fits_fp16
 from cnrstore.codec.quantize import RangeError, encode_rows, first_nonfinite_row, scheme_bits
 from cnrstore.errors import NonFiniteValues, ValueOutOfRange
 
-__all__ = ["DEFER_DTYPES", "HostBuffers", "copy_checked", "encode_checked", "gather_encode",
-           "snapshot_rows"]
+__all__ = ["DEFER_DTYPES", "HostBuffers", "copy_checked", "copy_refusing", "encode_checked",
+           "gather_encode", "snapshot_rows"]
 
 # Table dtypes whose rows are deferred: every finite value converts to a finite float32, so
 # the min/max below decide all the encode's refusals (float64 rows beyond float32 are
@@ -119,10 +119,7 @@ def snapshot_rows(name: str, x: torch.Tensor, idx: np.ndarray, scheme: str,
     buf = buffers.take(nbytes, pinned=False)
     try:
         rows = buf[:nbytes].view(x.dtype).view(n, width)
-        finite, fits = copy_checked(x, idx, rows)
-        if not finite.all():
-            raise NonFiniteValues(name, int(idx[int(np.argmin(finite))]), scheme)
-        if not wide and not fits.all():
+        if not copy_refusing(name, x, idx, rows, scheme, wide):
             buffers.give(buf)
             return None
     except BaseException:
@@ -133,6 +130,18 @@ def snapshot_rows(name: str, x: torch.Tensor, idx: np.ndarray, scheme: str,
         return encode_checked(name, rows, scheme, wide, idx).numpy()
 
     return encode, lambda: buffers.give(buf)
+
+
+def copy_refusing(name: str, x: torch.Tensor, idx: np.ndarray, rows: torch.Tensor,
+                   scheme: str, wide: bool) -> bool:
+    """``copy_checked`` of rows ``idx`` of table ``name`` into ``rows``, raising
+    NonFiniteValues for a NaN or infinite row as the encode would; False where a row's
+    min/max needs wide qparams and the table is not wide (the encode in the stall then
+    decides whether the table goes wide)."""
+    finite, fits = copy_checked(x, idx, rows)
+    if not finite.all():
+        raise NonFiniteValues(name, int(idx[int(np.argmin(finite))]), scheme)
+    return wide or bool(fits.all())
 
 
 def copy_checked(x: torch.Tensor, idx: np.ndarray, rows: torch.Tensor

@@ -39,9 +39,9 @@ from cnrstore.codec.quantize import scheme_bits
 from cnrstore.core.blockplan import TablePlan, block_writes
 from cnrstore.core.chainpolicy import block_key, patch_fits
 from cnrstore.core.grouppolicy import ListedVersion, group_of, grouped_writes
-from cnrstore.core.hostcodes import DEFER_DTYPES, HostBuffers, copy_checked, encode_checked
+from cnrstore.core.hostcodes import DEFER_DTYPES, HostBuffers, copy_refusing, encode_checked
 from cnrstore.core.tablestate import BlockSlot, TableState, Undo
-from cnrstore.errors import ManifestError, NonFiniteValues
+from cnrstore.errors import ManifestError
 from cnrstore.format.rowobjects import decode_rows_object
 
 __all__ = ["Policy", "WriterPlan"]
@@ -129,10 +129,7 @@ class WriterPlan:
         try:
             copy = buf[:nbytes].view(x.dtype).view(n, width)
             if quantized and n:
-                finite, fits = copy_checked(x, idx, copy)
-                if not finite.all():
-                    raise NonFiniteValues(name, int(idx[int(np.argmin(finite))]), scheme)
-                if not wide and not fits.all():
+                if not copy_refusing(name, x, idx, copy, scheme, wide):
                     buffers.give(buf)
                     return None
             elif n:
