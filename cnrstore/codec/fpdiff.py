@@ -13,7 +13,7 @@ dense run) it is ``row_fingerprints`` and a compare, which give the same answer.
 A put whose caller tracked the touched rows (``touched_changes``) hashes those rows where
 they lie (cnr_touched_fingerprints_diff) and writes only the changed ones' fingerprints
 into the new base: apart, the touched rows were copied by index_select, hashed, and the
-old fingerprints gathered and compared (2.1-3.1 ms against 0.8-1.2 ms for 25 k rows of 256
+old fingerprints gathered and compared (1.4-3.1 ms against 0.8-1.2 ms for 25 k rows of 256
 B out of 500 k, docs/design/put-speed.md).
 """
 
@@ -27,7 +27,7 @@ import torch
 from cnrstore.codec import fingerprint as fpm
 from cnrstore.codec import native
 
-__all__ = ["fingerprints_and_changes", "touched_changes"]
+__all__ = ["fingerprints_and_changes", "gathered_changes", "touched_changes"]
 
 # Touched rows of at least this many bytes are hashed in parts on every core: scattered
 # rows wait on memory, not on the multiplies, so the split pays from far fewer bytes
@@ -62,9 +62,15 @@ def touched_changes(x: torch.Tensor, t: torch.Tensor, fp: torch.Tensor) -> np.nd
         return got
     # index_select, not x[t]: advanced indexing of a [rows, 64] float32 table took ~7x as
     # long for the same rows (0.35 ms against 0.05 ms for 8000, one thread).
-    now = fpm.row_fingerprints(torch.index_select(x, 0, t))
+    return gathered_changes(torch.index_select(x, 0, t), t, fp)
+
+
+def gathered_changes(rows: torch.Tensor, t: torch.Tensor, fp: torch.Tensor) -> np.ndarray:
+    """``touched_changes`` of touched rows already gathered: ``rows[i]`` is table row
+    ``t[i]`` (a copy taken in a put's stall, or index_select)."""
+    now = fpm.row_fingerprints(rows)
     differ = now != torch.index_select(fp, 0, t)
-    fp.index_copy_(0, t, now)
+    fp.index_copy_(0, t[differ], now[differ])
     return t[differ].cpu().numpy()
 
 

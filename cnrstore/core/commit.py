@@ -50,8 +50,8 @@ class EngineCommit:
                 newest.append(root_name(max(steps)) if steps else "")
             return anchor != newest[0]
 
-        # a non-blocking tracked put plans on the writer thread, reading the rows its
-        # blocks write again without them having changed from the store (writerplan.py)
+        # a non-blocking tracked put plans on the writer thread, where a grouped cleaner
+        # reads the unchanged rows it writes again from the store (writerplan.py)
         objects = None if blocking else h.objects
         return [{"keep_full": at_risk(req.bases.get(w.key)), "borrow": blocking,
                  "defer_encode": not blocking, "store_objects": objects} for w in req.works]

@@ -34,13 +34,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from cnrstore.codec.fingerprint import row_fingerprints
+from cnrstore.codec.fpdiff import gathered_changes
 from cnrstore.codec.quantize import scheme_bits
 from cnrstore.core.blockplan import TablePlan, block_writes
 from cnrstore.core.chainpolicy import block_key, patch_fits
 from cnrstore.core.grouppolicy import ListedVersion, group_of, grouped_writes
 from cnrstore.core.hostcodes import DEFER_DTYPES, HostBuffers, copy_refusing, encode_checked
-from cnrstore.core.tablestate import BlockSlot, TableState, Undo
+from cnrstore.core.tablestate import TableState, Undo
 from cnrstore.errors import ManifestError
 from cnrstore.format.rowobjects import decode_rows_object
 
@@ -156,12 +156,8 @@ class WriterPlan:
         cbase, t, tn, copy, policy = self.cbase, self.t, self.tn, self.copy, self.policy
         assert cbase.fingerprints is not None
         R, rows = cbase.block_rows, self.state.rows
-        nt = len(tn)
         fp = cbase.fingerprints.clone()
-        now = row_fingerprints(copy[:nt]) if nt else fp[:0]
-        differ = now != torch.index_select(fp, 0, t)
-        fp.index_copy_(0, t[differ], now[differ])
-        changed = tn[differ.numpy()]
+        changed = gathered_changes(copy[:len(tn)], t, fp)
         rewritten = 0
         if policy.layout == "grouped":
             slots, writes, parts, pos, rewritten = grouped_writes(
@@ -170,8 +166,6 @@ class WriterPlan:
             slots, writes, parts, pos = block_writes(
                 self.name, fp, changed, cbase, rows, self.dtype, self.state.width,
                 self.scheme, self.rnb, R, policy.max_chain, policy.block_offset)
-        # the versions these were planned on (grouped_writes loads a list not loaded yet)
-        olds: list[BlockSlot | None] = list(cbase.slots)
         self.codes_buf = buf = self.buffers.take(max(pos * self.rnb, 1), pinned=False)
         codes = buf[:pos * self.rnb].numpy().reshape(pos, self.rnb)
         at: list[np.ndarray] = []    # rows of the codes taken from the copy
@@ -191,7 +185,8 @@ class WriterPlan:
             src.append(np.searchsorted(tn, local[new] + start))  # changed rows: touched
             if new.all():
                 continue
-            old = olds[bw.index] if bw.index < len(olds) else None
+            # the version this was planned on (grouped_writes loads a list not loaded yet)
+            old = cbase.slots[bw.index] if bw.index < len(cbase.slots) else None
             if policy.layout != "grouped" or old is None or old.group is None:
                 raise AssertionError(f"put: table {self.name!r} block {bw.index} writes rows "
                                      "that were not copied (a bug: report it)")
